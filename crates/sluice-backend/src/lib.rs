@@ -1,0 +1,113 @@
+//! The narrow interface between model code and the hardware that runs it.
+//!
+//! Model forward passes (in `sluice-models`) are written against [`Backend`] alone: they never see
+//! whether activations live in host memory or on a GPU. A backend owns three kinds of object:
+//! activations ([`Backend::Act`], always f32 `[rows, cols]`, one row per token), weights
+//! ([`Backend::Weight`], a matrix in any [`WeightFormat`], made from a [`HostMatrix`]) and
+//! per-request attention caches ([`Backend::KvCache`]).
+//!
+//! The only operations that bring data back to the host are [`Backend::to_host`] (logits) and
+//! [`Backend::route`] (the expert choice, which the host needs in order to fetch expert weights).
+
+mod weight;
+
+pub use weight::{Dtype, HostBytes, HostMatrix, MatRef, WeightError, WeightFormat};
+
+/// The experts chosen for each token: `experts[t * k + j]` with weight `weights[t * k + j]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Experts per token.
+    pub k: usize,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    pub fn tokens(&self) -> usize {
+        self.experts.len().checked_div(self.k).unwrap_or(0)
+    }
+}
+
+/// The three projections of one SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
+pub struct FfnWeights<W> {
+    pub gate: W,
+    pub up: W,
+    pub down: W,
+}
+
+/// A compute backend. All activations are f32; weights keep their stored format.
+pub trait Backend: Send + Sync {
+    /// Activations `[rows, cols]` in f32, row-major, one row per token.
+    type Act: Send;
+    /// A weight matrix `[out, in]`, resident where this backend computes.
+    type Weight: Send + Sync;
+    /// A 1-D f32 parameter (norm weights, biases).
+    type Vector: Send + Sync;
+    /// Keys and values of one attention layer for one request.
+    type KvCache: Send;
+
+    /// Short human-readable description, e.g. `cpu (avx512, 2 threads)`.
+    fn describe(&self) -> String;
+
+    fn weight(&self, m: HostMatrix) -> Result<Self::Weight, WeightError>;
+    fn vector(&self, v: &[f32]) -> Self::Vector;
+    fn kv_cache(&self, kv_heads: usize, head_dim: usize) -> Self::KvCache;
+    /// Number of positions held by a cache.
+    fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    /// Drops every position at or after `len` (to rewind a request).
+    fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize);
+
+    fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::Act;
+    fn to_host(&self, a: &Self::Act) -> Vec<f32>;
+    fn shape(&self, a: &Self::Act) -> (usize, usize);
+    /// Rows `[start, start + len)` of `a` as a new activation.
+    fn slice_rows(&self, a: &Self::Act, start: usize, len: usize) -> Self::Act;
+
+    /// One row of `table` per token (dequantised).
+    fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Self::Act;
+    /// `x W^T`: `[rows, in] -> [rows, out]`.
+    fn matmul(&self, x: &Self::Act, w: &Self::Weight) -> Self::Act;
+    /// RMS-normalises every contiguous chunk of `weight.len()` values (a whole row, or one head)
+    /// and scales it by `weight`.
+    fn rms_norm(&self, x: &Self::Act, weight: &Self::Vector, eps: f32) -> Self::Act;
+    fn add_assign(&self, x: &mut Self::Act, y: &Self::Act);
+    /// `silu(gate) * up`, elementwise.
+    fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
+    /// Rotary embedding, rotate-half (GPT-NeoX) form, on the first `rotary_dim` of each head of
+    /// `head_dim` values; row `i` is at position `first_position + i`.
+    fn rope(
+        &self,
+        x: &mut Self::Act,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f32,
+        first_position: usize,
+    );
+    /// Appends `k`, `v` (`[rows, kv_heads * head_dim]`) to `cache` and returns causal grouped-query
+    /// attention of `q` (`[rows, heads * head_dim]`) over everything cached, scaled by `scale`.
+    fn attention(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        cache: &mut Self::KvCache,
+        heads: usize,
+        scale: f32,
+    ) -> Self::Act;
+    /// Softmax over router logits `[rows, experts]`, top-`k` per row, optionally renormalised
+    /// to sum to one. Brings the choice to the host.
+    fn route(&self, logits: &Self::Act, k: usize, normalize: bool) -> Routing;
+    /// `sum_j weight_j * ffn_{expert_j}(x)` per row, with `experts[e]` the weights of expert `e`.
+    fn moe(
+        &self,
+        x: &Self::Act,
+        routing: &Routing,
+        experts: &[FfnWeights<Self::Weight>],
+    ) -> Self::Act;
+    /// A dense SwiGLU feed-forward block.
+    fn ffn(&self, x: &Self::Act, w: &FfnWeights<Self::Weight>) -> Self::Act {
+        let gate = self.matmul(x, &w.gate);
+        let up = self.matmul(x, &w.up);
+        self.matmul(&self.swiglu(&gate, &up), &w.down)
+    }
+}

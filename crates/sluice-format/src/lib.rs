@@ -1,0 +1,1 @@
+//! Model directory reading (in progress).
