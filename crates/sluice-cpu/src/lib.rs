@@ -1,4 +1,9 @@
 //! The CPU backend: SIMD kernels (AVX-512, AVX2, NEON, portable fallback; chosen at run time)
 //! and the [`CpuBackend`] that implements [`sluice_backend::Backend`] with them.
+//!
+//! Weights are used in place (usually memory-mapped safetensors); nothing is repacked.
 
+mod backend;
 pub mod kernels;
+
+pub use backend::{CpuAct, CpuBackend, CpuKvCache};

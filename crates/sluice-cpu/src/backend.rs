@@ -1,0 +1,376 @@
+//! [`Backend`] on the host CPU, threaded with rayon's global pool.
+
+use rayon::prelude::*;
+use sluice_backend::{Backend, FfnWeights, HostMatrix, Routing, WeightError};
+
+use crate::kernels::{self, MatmulJob};
+
+/// f32 activations `[rows, cols]`, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuAct {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuAct {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        CpuAct {
+            data: vec![0.0; rows * cols],
+            rows,
+            cols,
+        }
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// Keys and values of one layer, `[len, kv_heads * head_dim]` each, grown as tokens arrive.
+#[derive(Debug, Clone)]
+pub struct CpuKvCache {
+    kv_heads: usize,
+    head_dim: usize,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl CpuKvCache {
+    fn width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    fn len(&self) -> usize {
+        self.keys.len() / self.width()
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+impl Backend for CpuBackend {
+    type Act = CpuAct;
+    type Weight = HostMatrix;
+    type Vector = Vec<f32>;
+    type KvCache = CpuKvCache;
+
+    fn describe(&self) -> String {
+        format!(
+            "cpu ({}, {} threads)",
+            kernels::simd_level(),
+            rayon::current_num_threads()
+        )
+    }
+
+    fn weight(&self, m: HostMatrix) -> Result<HostMatrix, WeightError> {
+        m.as_ref().validate()?;
+        Ok(m)
+    }
+
+    fn vector(&self, v: &[f32]) -> Vec<f32> {
+        v.to_vec()
+    }
+
+    fn kv_cache(&self, kv_heads: usize, head_dim: usize) -> CpuKvCache {
+        CpuKvCache {
+            kv_heads,
+            head_dim,
+            keys: Vec::new(),
+            values: Vec::new(),
+        }
+    }
+
+    fn kv_len(&self, cache: &CpuKvCache) -> usize {
+        cache.len()
+    }
+
+    fn kv_truncate(&self, cache: &mut CpuKvCache, len: usize) {
+        let w = cache.width();
+        cache.keys.truncate(len * w);
+        cache.values.truncate(len * w);
+    }
+
+    fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> CpuAct {
+        assert_eq!(data.len(), rows * cols);
+        CpuAct {
+            data: data.to_vec(),
+            rows,
+            cols,
+        }
+    }
+
+    fn to_host(&self, a: &CpuAct) -> Vec<f32> {
+        a.data.clone()
+    }
+
+    fn shape(&self, a: &CpuAct) -> (usize, usize) {
+        (a.rows, a.cols)
+    }
+
+    fn slice_rows(&self, a: &CpuAct, start: usize, len: usize) -> CpuAct {
+        CpuAct {
+            data: a.data[start * a.cols..(start + len) * a.cols].to_vec(),
+            rows: len,
+            cols: a.cols,
+        }
+    }
+
+    fn embed(&self, table: &HostMatrix, tokens: &[u32]) -> CpuAct {
+        let w = table.as_ref();
+        let mut out = CpuAct::zeros(tokens.len(), w.cols);
+        out.data
+            .par_chunks_mut(w.cols)
+            .zip(tokens)
+            .for_each(|(row, &t)| kernels::dequantize_row(&w, t as usize, row));
+        out
+    }
+
+    fn matmul(&self, x: &CpuAct, w: &HostMatrix) -> CpuAct {
+        let w = w.as_ref();
+        assert_eq!(x.cols, w.cols, "matmul: input width does not match weight");
+        let mut out = CpuAct::zeros(x.rows, w.rows);
+        kernels::matmul(&w, &x.data, x.rows, &mut out.data);
+        out
+    }
+
+    fn rms_norm(&self, x: &CpuAct, weight: &Vec<f32>, eps: f32) -> CpuAct {
+        let n = weight.len();
+        assert_eq!(x.cols % n, 0, "rms_norm: width is not a multiple of the norm size");
+        let mut out = x.clone();
+        out.data.par_chunks_mut(n).for_each(|v| {
+            let ms = v.iter().map(|a| a * a).sum::<f32>() / n as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for (a, w) in v.iter_mut().zip(weight) {
+                *a = *a * inv * w;
+            }
+        });
+        out
+    }
+
+    fn add_assign(&self, x: &mut CpuAct, y: &CpuAct) {
+        assert_eq!((x.rows, x.cols), (y.rows, y.cols));
+        for (a, b) in x.data.iter_mut().zip(&y.data) {
+            *a += b;
+        }
+    }
+
+    fn swiglu(&self, gate: &CpuAct, up: &CpuAct) -> CpuAct {
+        assert_eq!((gate.rows, gate.cols), (up.rows, up.cols));
+        let mut out = gate.clone();
+        swiglu_in_place(&mut out.data, &up.data);
+        out
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuAct,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f32,
+        first_position: usize,
+    ) {
+        assert!(rotary_dim <= head_dim && rotary_dim % 2 == 0 && x.cols % head_dim == 0);
+        let half = rotary_dim / 2;
+        // Frequencies as mlx and transformers compute them: theta^(-2i/d) in f32.
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32))
+            .collect();
+        let cols = x.cols;
+        x.data
+            .par_chunks_mut(cols)
+            .enumerate()
+            .for_each(|(r, row)| {
+                let pos = (first_position + r) as f32;
+                let (sin, cos): (Vec<f32>, Vec<f32>) =
+                    inv_freq.iter().map(|f| (pos * f).sin_cos()).unzip();
+                for head in row.chunks_mut(head_dim) {
+                    for i in 0..half {
+                        let (a, b) = (head[i], head[i + half]);
+                        head[i] = a * cos[i] - b * sin[i];
+                        head[i + half] = b * cos[i] + a * sin[i];
+                    }
+                }
+            });
+    }
+
+    fn attention(
+        &self,
+        q: &CpuAct,
+        k: &CpuAct,
+        v: &CpuAct,
+        cache: &mut CpuKvCache,
+        heads: usize,
+        scale: f32,
+    ) -> CpuAct {
+        let (hd, kvh) = (cache.head_dim, cache.kv_heads);
+        assert_eq!(k.cols, kvh * hd);
+        assert_eq!(v.cols, kvh * hd);
+        assert_eq!(q.cols, heads * hd);
+        assert_eq!(heads % kvh, 0);
+        let first = cache.len();
+        cache.keys.extend_from_slice(&k.data);
+        cache.values.extend_from_slice(&v.data);
+        let (keys, values, width) = (&cache.keys, &cache.values, cache.width());
+        let group = heads / kvh;
+        let mut out = CpuAct::zeros(q.rows, q.cols);
+        // One task per (row, head): each attends to positions 0..=first + row.
+        out.data
+            .par_chunks_mut(hd)
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (i, o)| {
+                let (r, h) = (i / heads, i % heads);
+                let kv = h / group;
+                let qv = &q.data[r * q.cols + h * hd..][..hd];
+                let n = first + r + 1;
+                scores.clear();
+                scores.extend((0..n).map(|p| {
+                    let kp = &keys[p * width + kv * hd..][..hd];
+                    qv.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale
+                }));
+                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let mut sum = 0.0;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                for (p, s) in scores.iter().enumerate() {
+                    let w = s / sum;
+                    let vp = &values[p * width + kv * hd..][..hd];
+                    for (a, b) in o.iter_mut().zip(vp) {
+                        *a += w * b;
+                    }
+                }
+            });
+        out
+    }
+
+    fn route(&self, logits: &CpuAct, k: usize, normalize: bool) -> Routing {
+        let e = logits.cols;
+        assert!(k >= 1 && k <= e);
+        let mut experts = Vec::with_capacity(logits.rows * k);
+        let mut weights = Vec::with_capacity(logits.rows * k);
+        let mut order: Vec<u32> = Vec::with_capacity(e);
+        for r in 0..logits.rows {
+            let row = logits.row(r);
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let probs: Vec<f32> = row.iter().map(|s| (s - max).exp()).collect();
+            let sum: f32 = probs.iter().sum();
+            order.clear();
+            order.extend(0..e as u32);
+            // Highest probability first; the lower index wins a tie.
+            order.sort_by(|&a, &b| {
+                probs[b as usize]
+                    .total_cmp(&probs[a as usize])
+                    .then(a.cmp(&b))
+            });
+            let chosen = &order[..k];
+            let total: f32 = chosen.iter().map(|&i| probs[i as usize] / sum).sum();
+            for &i in chosen {
+                let p = probs[i as usize] / sum;
+                experts.push(i);
+                weights.push(if normalize { p / total } else { p });
+            }
+        }
+        Routing {
+            k,
+            experts,
+            weights,
+        }
+    }
+
+    fn moe(&self, x: &CpuAct, routing: &Routing, experts: &[FfnWeights<HostMatrix>]) -> CpuAct {
+        assert_eq!(routing.tokens(), x.rows);
+        // Group the rows by expert so each expert's weights are read once per call.
+        let mut rows_of: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
+        for (i, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
+            rows_of[e as usize].push((i / routing.k, w));
+        }
+        let active: Vec<usize> = (0..experts.len())
+            .filter(|&e| !rows_of[e].is_empty())
+            .collect();
+        let inputs: Vec<Vec<f32>> = active
+            .iter()
+            .map(|&e| {
+                let rows = &rows_of[e];
+                if rows.len() == x.rows && rows.iter().enumerate().all(|(i, r)| r.0 == i) {
+                    return x.data.clone();
+                }
+                rows.iter().flat_map(|&(r, _)| x.row(r).iter().copied()).collect()
+            })
+            .collect();
+        let inter: Vec<usize> = active.iter().map(|&e| experts[e].gate.rows).collect();
+        let mut gates: Vec<Vec<f32>> = active
+            .iter()
+            .zip(&inter)
+            .map(|(&e, &n)| vec![0.0; rows_of[e].len() * n])
+            .collect();
+        let mut ups = gates.clone();
+        {
+            let mut jobs = Vec::with_capacity(active.len() * 2);
+            for (((&e, input), gate), up) in
+                active.iter().zip(&inputs).zip(&mut gates).zip(&mut ups)
+            {
+                let tokens = rows_of[e].len();
+                let f = &experts[e];
+                jobs.push(MatmulJob {
+                    w: f.gate.as_ref(),
+                    x: input,
+                    tokens,
+                    out: gate,
+                });
+                jobs.push(MatmulJob {
+                    w: f.up.as_ref(),
+                    x: input,
+                    tokens,
+                    out: up,
+                });
+            }
+            kernels::matmul_batch(&mut jobs);
+        }
+        for (gate, up) in gates.iter_mut().zip(&ups) {
+            swiglu_in_place(gate, up);
+        }
+        let mut downs: Vec<Vec<f32>> = active
+            .iter()
+            .map(|&e| vec![0.0; rows_of[e].len() * x.cols])
+            .collect();
+        {
+            let mut jobs: Vec<MatmulJob> = active
+                .iter()
+                .zip(&gates)
+                .zip(&mut downs)
+                .map(|((&e, h), out)| MatmulJob {
+                    w: experts[e].down.as_ref(),
+                    x: h,
+                    tokens: rows_of[e].len(),
+                    out,
+                })
+                .collect();
+            kernels::matmul_batch(&mut jobs);
+        }
+        let mut out = CpuAct::zeros(x.rows, x.cols);
+        for (&e, down) in active.iter().zip(&downs) {
+            for (j, &(r, w)) in rows_of[e].iter().enumerate() {
+                let dst = &mut out.data[r * x.cols..(r + 1) * x.cols];
+                for (a, b) in dst.iter_mut().zip(&down[j * x.cols..(j + 1) * x.cols]) {
+                    *a += w * b;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `gate = silu(gate) * up`.
+fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
