@@ -242,13 +242,13 @@ impl<'a> MatRef<'a> {
             if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) {
                 return bad(format!("unsupported quantisation: {bits} bits"));
             }
-            if group_size == 0 || self.cols % group_size != 0 {
+            if group_size == 0 || !self.cols.is_multiple_of(group_size) {
                 return bad(format!(
                     "{} columns are not a multiple of the group size {group_size}",
                     self.cols
                 ));
             }
-            if (self.cols * bits as usize) % 32 != 0 {
+            if !(self.cols * bits as usize).is_multiple_of(32) {
                 return bad(format!(
                     "{} columns of {bits} bits do not fill whole u32 words",
                     self.cols

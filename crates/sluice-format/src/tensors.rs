@@ -463,14 +463,14 @@ fn shape_hint(row_bits: usize, ngroups: usize, expect_cols: Option<usize>) -> St
     let mut fits = Vec::new();
     if ngroups > 0 {
         for bits in [2usize, 3, 4, 5, 6, 8] {
-            if row_bits % bits != 0 {
+            if !row_bits.is_multiple_of(bits) {
                 continue;
             }
             let cols = row_bits / bits;
             if expect_cols.is_some_and(|c| c != cols) {
                 continue;
             }
-            if cols % ngroups == 0 && [32, 64, 128].contains(&(cols / ngroups)) {
+            if cols.is_multiple_of(ngroups) && [32, 64, 128].contains(&(cols / ngroups)) {
                 fits.push(format!("{bits} bits with group size {}", cols / ngroups));
             }
         }
