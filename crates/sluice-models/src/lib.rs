@@ -109,7 +109,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         }
     }
 
-    fn upload(&mut self, prefix: &str, m: HostMatrix) -> Result<B::Weight, ModelError> {
+    pub fn upload(&mut self, prefix: &str, m: HostMatrix) -> Result<B::Weight, ModelError> {
         self.bytes += m.nbytes();
         self.backend.weight(m).map_err(|source| ModelError::Weight {
             tensor: prefix.to_string(),
@@ -144,6 +144,20 @@ impl<'a, B: Backend> Loader<'a, B> {
             .tensors
             .matrix_stack(prefix, self.quant, Some((experts, out, inp)))?;
         ms.into_iter().map(|m| self.upload(prefix, m)).collect()
+    }
+
+    /// A stacked `[experts, out, in]` tensor as host matrices, before any upload.
+    pub fn host_stack(
+        &self,
+        prefix: &str,
+        experts: usize,
+        out: usize,
+        inp: usize,
+    ) -> Result<Vec<HostMatrix>, ModelError> {
+        Ok(self
+            .dir
+            .tensors
+            .matrix_stack(prefix, self.quant, Some((experts, out, inp)))?)
     }
 
     pub fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector, ModelError> {

@@ -3,9 +3,9 @@
 //! Pre-norm decoder. Each layer: grouped-query attention with per-head RMSNorm on q and k and
 //! rotary embeddings, then a sparse MoE block (softmax router, top-k experts, optional
 //! renormalisation of the chosen weights) or, for layers in `mlp_only_layers`, a dense SwiGLU.
-//! Tensor names follow the Hugging Face checkpoints; experts are read from either the
-//! mlx-community stacked layout (`mlp.switch_mlp.*`) or the official per-expert layout
-//! (`mlp.experts.{e}.*`).
+//! Tensor names follow the Hugging Face checkpoints; experts are read from the mlx-community
+//! stacked layout (`mlp.switch_mlp.*`), the official per-expert layout (`mlp.experts.{e}.*`), or
+//! the fused layout transformers 5 uses in memory (`mlp.experts.gate_up_proj`, `down_proj`).
 
 use std::sync::Arc;
 
@@ -299,6 +299,23 @@ fn load_experts<B: Backend>(
             .zip(down)
             .map(|((gate, up), down)| FfnWeights { gate, up, down })
             .collect());
+    }
+    // transformers >= 5: `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I].
+    let fused = format!("{mlp}.experts.gate_up_proj");
+    if ld.has(&fused) {
+        let gate_up = ld.host_stack(&fused, e, 2 * i, h)?;
+        let down = ld.matrix_stack(&format!("{mlp}.experts.down_proj"), e, h, i)?;
+        return gate_up
+            .into_iter()
+            .zip(down)
+            .map(|(gu, down)| {
+                Ok(FfnWeights {
+                    gate: ld.upload(&fused, gu.rows(0..i))?,
+                    up: ld.upload(&fused, gu.rows(i..2 * i))?,
+                    down,
+                })
+            })
+            .collect();
     }
     (0..e)
         .map(|x| {
