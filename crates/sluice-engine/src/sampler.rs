@@ -1,0 +1,1024 @@
+//! Turns one step's logits into the next token.
+//!
+//! The generation loop needs a sampler that behaves like the ones users know from llama.cpp and
+//! Hugging Face (same knobs, same order, same semantics), that reproduces a run exactly from a
+//! seed, and that stays cheap at a 250k vocabulary. The pipeline is:
+//!
+//! 1. repetition penalty over the last `penalty_window` tokens (HF: a positive logit is divided
+//!    by the penalty, a negative one multiplied);
+//! 2. presence and frequency penalties over the same window (OpenAI: `logit -= presence * [count
+//!    > 0] + frequency * count`);
+//! 3. `temperature == 0`: argmax (lowest index on ties). Otherwise temperature, top-k, top-p
+//!    (smallest nucleus of the sorted distribution with mass ≥ `top_p`, at least one token),
+//!    min-p (drop tokens whose probability is below `min_p` times the largest), then a draw from
+//!    what is left, renormalised.
+//!
+//! Nothing here sorts the whole vocabulary. Weights come from one vectorisable pass (a
+//! polynomial `exp`), top-k keeps a bounded heap (`select_nth_unstable` for large k), top-p first
+//! drops tokens too light to matter and then finds the nucleus by a mass-weighted quickselect
+//! (expected O(n)). At 250k tokens a draw takes about 1 ms, 2.5 ms for top-p alone over random
+//! logits, 3.5 ms for the worst case (all logits equal). NaN logits are treated as `-inf`;
+//! `+inf` logits win outright (drawn uniformly among themselves).
+
+use std::cmp::Ordering;
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The knobs of one request's sampling. [`Default`] is greedy decoding with no penalties.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 turns it off.
+    pub top_k: usize,
+    /// Nucleus sampling mass; 1 turns it off.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 turns it off.
+    pub min_p: f32,
+    /// HF-style repetition penalty; 1 turns it off.
+    pub repetition_penalty: f32,
+    /// OpenAI-style presence penalty (subtracted once from every token seen in the window).
+    pub presence_penalty: f32,
+    /// OpenAI-style frequency penalty (subtracted once per occurrence in the window).
+    pub frequency_penalty: f32,
+    /// How many of the most recent tokens the penalties look at (0: none, so penalties are off).
+    pub penalty_window: usize,
+    /// Seed of the random draws; `None` seeds from OS entropy and the clock.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_window: 64,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks every parameter's range; the message names the parameter and the value.
+    pub fn validate(&self) -> Result<(), String> {
+        let t = self.temperature;
+        if !t.is_finite() || t < 0.0 {
+            return Err(format!("temperature must be a finite number >= 0, got {t}"));
+        }
+        let p = self.top_p;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {p}"));
+        }
+        let m = self.min_p;
+        if !(0.0..1.0).contains(&m) {
+            return Err(format!("min_p must be in [0, 1), got {m}"));
+        }
+        let r = self.repetition_penalty;
+        if !r.is_finite() || r <= 0.0 {
+            return Err(format!(
+                "repetition_penalty must be a finite number > 0, got {r}"
+            ));
+        }
+        if !self.presence_penalty.is_finite() {
+            return Err(format!(
+                "presence_penalty must be a finite number, got {}",
+                self.presence_penalty
+            ));
+        }
+        if !self.frequency_penalty.is_finite() {
+            return Err(format!(
+                "frequency_penalty must be a finite number, got {}",
+                self.frequency_penalty
+            ));
+        }
+        Ok(())
+    }
+
+    fn is_greedy(&self) -> bool {
+        // Anything that is not a positive temperature (0, negative, NaN) decodes greedily.
+        self.temperature.partial_cmp(&0.0) != Some(Ordering::Greater)
+    }
+}
+
+/// xoshiro256** seeded through splitmix64: small, fast, and identical on every platform, so a
+/// seed reproduces a run exactly.
+#[derive(Debug, Clone)]
+struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let s = &mut self.s;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1).
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in [0, n); `n` must be > 0.
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next_f64() * n as f64) as usize).min(n - 1)
+    }
+}
+
+fn entropy_seed() -> u64 {
+    // RandomState draws its keys from the OS; mix in the clock so two samplers created in the
+    // same instant by one thread still differ.
+    let mut h = RandomState::new().build_hasher();
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    h.write_u128(nanos);
+    h.finish()
+}
+
+/// One candidate token: its temperature-scaled logit relative to the maximum (≤ 0), the
+/// unnormalised probability `exp(rel)` (the maximum has 1) and its id.
+#[derive(Debug, Clone, Copy)]
+struct Cand {
+    rel: f32,
+    weight: f32,
+    id: u32,
+}
+
+/// Descending by logit, lowest id first among equals: a total order, so selection is
+/// deterministic.
+fn by_rank(a: &Cand, b: &Cand) -> Ordering {
+    b.rel.total_cmp(&a.rel).then(a.id.cmp(&b.id))
+}
+
+/// Samples tokens for one sequence; keeps its RNG state and scratch buffers between calls.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    cands: Vec<Cand>,
+    weights: Vec<f32>,
+    chunk_sums: Vec<f64>,
+    counts: HashMap<u32, u32>,
+}
+
+impl Sampler {
+    /// `params` should have passed [`SamplingParams::validate`]; out-of-range values are clamped
+    /// or ignored rather than panicking.
+    pub fn new(params: SamplingParams) -> Sampler {
+        let seed = params.seed.unwrap_or_else(entropy_seed);
+        Sampler {
+            params,
+            rng: Rng::new(seed),
+            cands: Vec::new(),
+            weights: Vec::new(),
+            chunk_sums: Vec::new(),
+            counts: HashMap::new(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits` (one per vocabulary entry; modified in place by the
+    /// penalties and temperature) given the tokens so far. Returns 0 for an empty slice.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        if logits.is_empty() {
+            return 0;
+        }
+        self.apply_penalties(logits, history);
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        self.sample_stochastic(logits)
+    }
+
+    fn apply_penalties(&mut self, logits: &mut [f32], history: &[u32]) {
+        let p = &self.params;
+        let rep = p.repetition_penalty;
+        let use_rep = rep.is_finite() && rep > 0.0 && rep != 1.0;
+        let pres = if p.presence_penalty.is_finite() {
+            p.presence_penalty
+        } else {
+            0.0
+        };
+        let freq = if p.frequency_penalty.is_finite() {
+            p.frequency_penalty
+        } else {
+            0.0
+        };
+        if p.penalty_window == 0 || (!use_rep && pres == 0.0 && freq == 0.0) {
+            return;
+        }
+        let window = &history[history.len().saturating_sub(p.penalty_window)..];
+        self.counts.clear();
+        for &t in window {
+            if (t as usize) < logits.len() {
+                *self.counts.entry(t).or_insert(0) += 1;
+            }
+        }
+        for (&t, &n) in &self.counts {
+            let l = &mut logits[t as usize];
+            if use_rep {
+                *l = if *l > 0.0 { *l / rep } else { *l * rep };
+            }
+            *l -= pres + freq * n as f32;
+        }
+    }
+
+    fn sample_stochastic(&mut self, logits: &mut [f32]) -> u32 {
+        let p = &self.params;
+        let mut max = f32::NEG_INFINITY;
+        for &l in logits.iter() {
+            // NaN compares false, so it never becomes the maximum.
+            max = if l > max { l } else { max };
+        }
+        if max == f32::INFINITY {
+            // Infinitely likely tokens: draw among them only.
+            let n = logits.iter().filter(|&&l| l == f32::INFINITY).count();
+            let k = self.rng.below(n);
+            let pos = logits
+                .iter()
+                .enumerate()
+                .filter(|(_, &l)| l == f32::INFINITY)
+                .nth(k)
+                .map_or(0, |(i, _)| i);
+            return pos as u32;
+        }
+        if max == f32::NEG_INFINITY {
+            // Every token is -inf or NaN: nothing to draw from.
+            return argmax(logits);
+        }
+        // Scale relative to the maximum so nothing overflows: rel <= 0, the argmax has 0 and
+        // weight exactly 1.
+        let inv_t = 1.0 / p.temperature;
+        let n = logits.len();
+        self.weights.resize(n, 0.0);
+        for (l, w) in logits.iter_mut().zip(self.weights.iter_mut()) {
+            let rel = if l.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                (*l - max) * inv_t
+            };
+            *l = rel;
+            *w = fast_exp(rel);
+        }
+        let weights = &self.weights[..];
+        let top_k = if p.top_k > 0 && p.top_k < n {
+            p.top_k
+        } else {
+            0
+        };
+        let top_p = if p.top_p > 0.0 && p.top_p < 1.0 {
+            p.top_p as f64
+        } else {
+            1.0
+        };
+        let min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
+
+        if top_k == 0 && top_p >= 1.0 && min_p == 0.0 {
+            return draw_weighted(weights, &mut self.chunk_sums, &mut self.rng);
+        }
+
+        let cands = &mut self.cands;
+        cands.clear();
+        let cand = |i: usize| Cand {
+            rel: logits[i],
+            weight: weights[i],
+            id: i as u32,
+        };
+        if top_k > 0 {
+            top_k_into(logits, weights, top_k, cands);
+            if top_p < 1.0 {
+                let total: f64 = cands.iter().map(|c| c.weight as f64).sum();
+                let keep = nucleus(cands, top_p * total);
+                cands.truncate(keep);
+            }
+            if min_p > 0.0 {
+                // p_i >= min_p * p_max  <=>  weight_i >= min_p, since the maximum has weight 1.
+                cands.retain(|c| c.weight >= min_p);
+            }
+        } else {
+            // Only tokens above a threshold can survive: min-p's own, and for top-p every token
+            // lighter than (1 - top_p) * total / n: all of those together weigh less than the
+            // tail top-p drops, so the nucleus lies entirely above them.
+            let mut thr = f32::MIN_POSITIVE;
+            let mut total = 0.0;
+            if top_p < 1.0 {
+                total = sum_f32(weights, &mut self.chunk_sums);
+                thr = thr.max(((1.0 - top_p) * total / n as f64) as f32);
+            }
+            thr = thr.max(min_p);
+            cands.extend((0..n).filter(|&i| weights[i] >= thr).map(cand));
+            if top_p < 1.0 {
+                let keep = nucleus(cands, top_p * total);
+                cands.truncate(keep);
+            }
+        }
+        let total: f64 = cands.iter().map(|c| c.weight as f64).sum();
+        let mut r = self.rng.next_f64() * total;
+        for c in cands.iter() {
+            r -= c.weight as f64;
+            if r < 0.0 {
+                return c.id;
+            }
+        }
+        // Rounding left a sliver (or nothing was kept): take the most likely candidate.
+        cands
+            .iter()
+            .min_by(|a, b| by_rank(a, b))
+            .map_or_else(|| argmax(logits), |c| c.id)
+    }
+}
+
+/// `exp(x)` for `x <= 0` to about 1e-7 relative error, exactly 1 at 0 and exactly 0 below -87
+/// (so `-inf` logits can never be drawn). Branch-free so the weight pass vectorises; a libm
+/// `exp` call per token would dominate sampling at a 250k vocabulary.
+#[inline(always)]
+fn fast_exp(x: f32) -> f32 {
+    const SHIFTER: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let xc = if x < -87.0 { -87.0 } else { x };
+    // x = n ln2 + f with n an integer; ln 2 split in two (Cody-Waite) keeps f exact enough.
+    let n = (xc * std::f32::consts::LOG2_E + SHIFTER) - SHIFTER;
+    let f = xc - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    // e^f by its Taylor series to degree 6 (|f| <= ln(2) / 2).
+    let poly = 1.0
+        + f * (1.0
+            + f * (1.0 / 2.0
+                + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x < -87.0 {
+        0.0
+    } else {
+        poly * scale
+    }
+}
+
+const CHUNK: usize = 1024;
+
+/// Sum of non-negative weights; also leaves the per-chunk sums in `chunk_sums`.
+fn sum_f32(w: &[f32], chunk_sums: &mut Vec<f64>) -> f64 {
+    chunk_sums.clear();
+    for chunk in w.chunks(CHUNK) {
+        // Eight independent lanes so the loop vectorises (float addition is not reassociated).
+        let mut acc = [0.0f32; 8];
+        let mut it = chunk.chunks_exact(8);
+        for c in &mut it {
+            for j in 0..8 {
+                acc[j] += c[j];
+            }
+        }
+        let tail: f32 = it.remainder().iter().sum();
+        chunk_sums.push(acc.iter().map(|&a| a as f64).sum::<f64>() + tail as f64);
+    }
+    chunk_sums.iter().sum()
+}
+
+/// Draws an index with probability proportional to `w` (some weight must be positive).
+fn draw_weighted(w: &[f32], chunk_sums: &mut Vec<f64>, rng: &mut Rng) -> u32 {
+    let total = sum_f32(w, chunk_sums);
+    let mut r = rng.next_f64() * total;
+    let mut last = None;
+    for (ci, &cs) in chunk_sums.iter().enumerate() {
+        if cs <= 0.0 {
+            continue;
+        }
+        last = Some(ci);
+        if r < cs {
+            let base = ci * CHUNK;
+            let chunk = &w[base..(base + CHUNK).min(w.len())];
+            let mut last_in = None;
+            for (j, &x) in chunk.iter().enumerate() {
+                if x > 0.0 {
+                    r -= x as f64;
+                    last_in = Some(j);
+                    if r < 0.0 {
+                        return (base + j) as u32;
+                    }
+                }
+            }
+            if let Some(j) = last_in {
+                return (base + j) as u32;
+            }
+        }
+        r -= cs;
+    }
+    // Rounding ran past the end: the last token with weight.
+    let ci = last.unwrap_or(0);
+    let base = ci * CHUNK;
+    let end = (base + CHUNK).min(w.len());
+    (base..end).rev().find(|&i| w[i] > 0.0).unwrap_or(0) as u32
+}
+
+/// The `k` best-ranked tokens with positive weight, in no particular order. A bounded heap for
+/// small `k` (one cheap comparison per token), a selection for large `k`.
+fn top_k_into(rel: &[f32], weights: &[f32], k: usize, out: &mut Vec<Cand>) {
+    let cand = |i: usize| Cand {
+        rel: rel[i],
+        weight: weights[i],
+        id: i as u32,
+    };
+    if k > 4096 {
+        out.extend((0..rel.len()).filter(|&i| weights[i] > 0.0).map(cand));
+        if out.len() > k {
+            out.select_nth_unstable_by(k - 1, by_rank);
+            out.truncate(k);
+        }
+        return;
+    }
+    // `heap` is a binary min-heap by rank: heap[0] is the worst of the best k so far.
+    let heap = out;
+    let worse = |a: &Cand, b: &Cand| by_rank(a, b) == Ordering::Greater;
+    for i in 0..rel.len() {
+        if weights[i] <= 0.0 {
+            continue;
+        }
+        if heap.len() < k {
+            heap.push(cand(i));
+            let mut j = heap.len() - 1;
+            while j > 0 {
+                let parent = (j - 1) / 2;
+                if worse(&heap[j], &heap[parent]) {
+                    heap.swap(j, parent);
+                    j = parent;
+                } else {
+                    break;
+                }
+            }
+        } else if rel[i] > heap[0].rel {
+            // Strictly better logit: ties keep the lower id already held.
+            heap[0] = cand(i);
+            let mut j = 0;
+            loop {
+                let (l, r) = (2 * j + 1, 2 * j + 2);
+                let mut m = j;
+                if l < k && worse(&heap[l], &heap[m]) {
+                    m = l;
+                }
+                if r < k && worse(&heap[r], &heap[m]) {
+                    m = r;
+                }
+                if m == j {
+                    break;
+                }
+                heap.swap(j, m);
+                j = m;
+            }
+        }
+    }
+}
+
+/// Index of the largest logit, the lowest index among equals; NaN never wins (all NaN: 0).
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NAN;
+    for (i, &l) in logits.iter().enumerate() {
+        if !l.is_nan() && (best_v.is_nan() || l > best_v) {
+            best = i;
+            best_v = l;
+        }
+    }
+    best as u32
+}
+
+/// Reorders `cands` so its first `k` entries are the `k` most likely and returns the smallest
+/// such `k` whose weight reaches `target` (at least 1). A quickselect that recurses into the half
+/// holding the boundary, so expected O(n) rather than a full sort.
+fn nucleus(cands: &mut [Cand], target: f64) -> usize {
+    let mut lo = 0;
+    let mut hi = cands.len();
+    let mut acc = 0.0f64; // weight of cands[..lo], all ranked above cands[lo..hi]
+    while hi - lo > 32 {
+        let mid = lo + (hi - lo) / 2;
+        cands[lo..hi].select_nth_unstable_by(mid - lo, by_rank);
+        let left: f64 = cands[lo..=mid].iter().map(|c| c.weight as f64).sum();
+        if acc + left >= target {
+            hi = mid + 1;
+        } else {
+            acc += left;
+            lo = mid + 1;
+        }
+    }
+    cands[lo..hi].sort_unstable_by(by_rank);
+    for (i, c) in cands[lo..hi].iter().enumerate() {
+        acc += c.weight as f64;
+        if acc >= target {
+            return lo + i + 1;
+        }
+    }
+    hi.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        }
+    }
+
+    fn ln(p: &[f64]) -> Vec<f32> {
+        p.iter().map(|&x| x.ln() as f32).collect()
+    }
+
+    /// A deterministic pseudo-random logit vector of size `n`.
+    fn noise(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = Rng::new(seed);
+        (0..n)
+            .map(|_| (r.next_f64() * 20.0 - 10.0) as f32)
+            .collect()
+    }
+
+    #[test]
+    fn greedy_picks_argmax_lowest_index_on_ties() {
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[]), 1);
+        assert_eq!(s.sample(&mut [1.0, 5.0, 5.0, 2.0], &[]), 1);
+        assert_eq!(s.sample(&mut [f32::NAN, 1.0, f32::NAN, 0.5], &[]), 1);
+        assert_eq!(s.sample(&mut [f32::NAN, f32::NAN], &[]), 0);
+        assert_eq!(s.sample(&mut [], &[]), 0);
+        let big = noise(250_000, 7);
+        let want = argmax(&big);
+        assert_eq!(s.sample(&mut big.clone(), &[]), want);
+    }
+
+    #[test]
+    fn seed_reproduces_exactly() {
+        let base = noise(50_000, 3);
+        let p = SamplingParams {
+            temperature: 1.3,
+            top_k: 200,
+            top_p: 0.9,
+            seed: Some(42),
+            ..SamplingParams::default()
+        };
+        let run = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone());
+            let mut hist = Vec::new();
+            for step in 0..64 {
+                let mut l = base.clone();
+                l[step * 7 % base.len()] += 3.0;
+                hist.push(s.sample(&mut l, &hist));
+            }
+            hist
+        };
+        let a = run(&p);
+        assert_eq!(a, run(&p));
+        let other = run(&SamplingParams {
+            seed: Some(43),
+            ..p.clone()
+        });
+        assert_ne!(a, other, "a different seed should give a different run");
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        for seed in 0..20 {
+            let l = noise(10_000, seed);
+            let want = argmax(&l);
+            let mut s = Sampler::new(SamplingParams {
+                top_k: 1,
+                ..params(1.5, seed)
+            });
+            assert_eq!(s.sample(&mut l.clone(), &[]), want);
+        }
+    }
+
+    #[test]
+    fn tiny_top_p_is_greedy() {
+        for seed in 0..20 {
+            let l = noise(10_000, seed + 100);
+            let want = argmax(&l);
+            let mut s = Sampler::new(SamplingParams {
+                top_p: 1e-6,
+                ..params(1.0, seed)
+            });
+            assert_eq!(s.sample(&mut l.clone(), &[]), want);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_nucleus() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.75 keeps {0, 1}; 0.85 keeps {0, 1, 2}.
+        let l = ln(&[0.15, 0.5, 0.05, 0.3]);
+        for (top_p, allowed) in [(0.75f32, vec![1u32, 3]), (0.85, vec![1, 3, 0])] {
+            let mut s = Sampler::new(SamplingParams {
+                top_p,
+                ..params(1.0, 9)
+            });
+            let mut seen = std::collections::HashSet::new();
+            for _ in 0..2000 {
+                seen.insert(s.sample(&mut l.clone(), &[]));
+            }
+            let mut seen: Vec<_> = seen.into_iter().collect();
+            seen.sort();
+            let mut allowed = allowed;
+            allowed.sort();
+            assert_eq!(seen, allowed, "top_p {top_p}");
+        }
+        // Over a large flat-ish vocabulary the nucleus search agrees with a full sort.
+        let mut cands: Vec<Cand> = noise(100_000, 5)
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| Cand {
+                rel: l - 10.0,
+                weight: (l - 10.0).exp(),
+                id: i as u32,
+            })
+            .collect();
+        let total: f64 = cands.iter().map(|c| c.weight as f64).sum();
+        let mut sorted = cands.clone();
+        sorted.sort_by(by_rank);
+        for frac in [0.1, 0.5, 0.9, 0.999] {
+            let target = frac * total;
+            let mut acc = 0.0;
+            let want = sorted
+                .iter()
+                .position(|c| {
+                    acc += c.weight as f64;
+                    acc >= target
+                })
+                .unwrap()
+                + 1;
+            let got = nucleus(&mut cands, target);
+            assert_eq!(got, want, "frac {frac}");
+            let mut kept: Vec<u32> = cands[..got].iter().map(|c| c.id).collect();
+            kept.sort();
+            let mut want_ids: Vec<u32> = sorted[..want].iter().map(|c| c.id).collect();
+            want_ids.sort();
+            assert_eq!(kept, want_ids);
+        }
+    }
+
+    #[test]
+    fn min_p_filters_unlikely_tokens() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05 at ids 1, 3, 0, 2. min_p 0.5 keeps p >= 0.25: {1, 3}.
+        let l = ln(&[0.15, 0.5, 0.05, 0.3]);
+        let mut s = Sampler::new(SamplingParams {
+            min_p: 0.5,
+            ..params(1.0, 11)
+        });
+        let mut counts = [0usize; 4];
+        for _ in 0..5000 {
+            counts[s.sample(&mut l.clone(), &[]) as usize] += 1;
+        }
+        assert_eq!(counts[0] + counts[2], 0, "{counts:?}");
+        // Renormalised 0.5 : 0.3 => 0.625 : 0.375.
+        let frac = counts[1] as f64 / 5000.0;
+        assert!((frac - 0.625).abs() < 0.03, "{counts:?}");
+        // min_p 0.2 keeps p >= 0.1: {1, 3, 0}.
+        let mut s = Sampler::new(SamplingParams {
+            min_p: 0.2,
+            ..params(1.0, 12)
+        });
+        let mut counts = [0usize; 4];
+        for _ in 0..5000 {
+            counts[s.sample(&mut l.clone(), &[]) as usize] += 1;
+        }
+        assert_eq!(counts[2], 0);
+        assert!(
+            counts[0] > 0 && counts[1] > 0 && counts[3] > 0,
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn repetition_penalty_changes_the_choice() {
+        // Token 2 leads but was just said; token 1 is close behind. A penalty of 1.5 turns
+        // 3.0 into 2.0, below 2.5.
+        let logits = [0.0f32, 2.5, 3.0, -1.0];
+        let hist = [2u32, 3];
+        let mut plain = Sampler::new(SamplingParams::default());
+        assert_eq!(plain.sample(&mut logits.clone(), &hist), 2);
+        let mut pen = Sampler::new(SamplingParams {
+            repetition_penalty: 1.5,
+            ..SamplingParams::default()
+        });
+        let mut l = logits;
+        assert_eq!(pen.sample(&mut l, &hist), 1);
+        // HF semantics: positive divided, negative multiplied, unseen untouched.
+        assert_eq!(l, [0.0, 2.5, 2.0, -1.5]);
+        // Outside the window the penalty does not apply.
+        let mut windowed = Sampler::new(SamplingParams {
+            repetition_penalty: 1.5,
+            penalty_window: 1,
+            ..SamplingParams::default()
+        });
+        assert_eq!(windowed.sample(&mut logits.clone(), &hist), 2);
+        // Out-of-vocabulary history ids are ignored.
+        assert_eq!(pen.sample(&mut logits.clone(), &[99, 1_000_000]), 2);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties() {
+        let mut s = Sampler::new(SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..SamplingParams::default()
+        });
+        let mut l = [1.0f32, 1.0, 1.0];
+        s.sample(&mut l, &[0, 0, 0, 2]);
+        assert_eq!(l, [1.0 - 0.5 - 0.75, 1.0, 1.0 - 0.5 - 0.25]);
+    }
+
+    #[test]
+    fn temperature_one_matches_probabilities() {
+        let probs = [0.1, 0.2, 0.3, 0.4];
+        let l = ln(&probs);
+        let mut s = Sampler::new(params(1.0, 1234));
+        let n = 20_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            counts[s.sample(&mut l.clone(), &[]) as usize] += 1;
+        }
+        for (i, &p) in probs.iter().enumerate() {
+            let f = counts[i] as f64 / n as f64;
+            // 4 standard deviations of a binomial proportion.
+            let tol = 4.0 * (p * (1.0 - p) / n as f64).sqrt();
+            assert!((f - p).abs() < tol, "token {i}: {f} vs {p} ({counts:?})");
+        }
+        // With top-k 3 the lowest drops out and the rest renormalise over 0.9.
+        let mut s = Sampler::new(SamplingParams {
+            top_k: 3,
+            ..params(1.0, 99)
+        });
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            counts[s.sample(&mut l.clone(), &[]) as usize] += 1;
+        }
+        assert_eq!(counts[0], 0);
+        let f = counts[3] as f64 / n as f64;
+        assert!((f - 0.4 / 0.9).abs() < 0.02, "{counts:?}");
+    }
+
+    #[test]
+    fn fast_exp_is_accurate() {
+        assert_eq!(fast_exp(0.0), 1.0);
+        assert_eq!(fast_exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(fast_exp(-88.0), 0.0);
+        let mut prev = 0.0;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let (got, want) = (fast_exp(x), (x as f64).exp());
+            assert!(
+                ((got as f64 - want) / want).abs() < 1e-6,
+                "exp({x}) = {got} vs {want}"
+            );
+            assert!(got >= prev, "not monotone at {x}");
+            prev = got;
+            x += 0.0123;
+        }
+    }
+
+    #[test]
+    fn top_k_heap_matches_a_sort() {
+        for (seed, k) in [(1u64, 1usize), (2, 5), (3, 40), (4, 1000), (5, 5000)] {
+            // Coarse values so there are many ties; some zero weights.
+            let rel: Vec<f32> = noise(20_000, seed)
+                .iter()
+                .map(|x| (x * 2.0).round() - 40.0)
+                .collect();
+            let weights: Vec<f32> = rel
+                .iter()
+                .map(|&r| if r < -55.0 { 0.0 } else { fast_exp(r) })
+                .collect();
+            let mut got = Vec::new();
+            top_k_into(&rel, &weights, k, &mut got);
+            let mut got: Vec<u32> = got.iter().map(|c| c.id).collect();
+            got.sort();
+            let mut all: Vec<Cand> = (0..rel.len())
+                .filter(|&i| weights[i] > 0.0)
+                .map(|i| Cand {
+                    rel: rel[i],
+                    weight: weights[i],
+                    id: i as u32,
+                })
+                .collect();
+            all.sort_by(by_rank);
+            let mut want: Vec<u32> = all.iter().take(k).map(|c| c.id).collect();
+            want.sort();
+            assert_eq!(got, want, "k {k}");
+        }
+    }
+
+    #[test]
+    fn banned_tokens_are_never_drawn() {
+        let l = [0.0f32, f32::NEG_INFINITY, 0.0, f32::NAN, -80.0];
+        for p in [
+            params(1.0, 3),
+            SamplingParams {
+                top_p: 0.999,
+                ..params(1.0, 4)
+            },
+            SamplingParams {
+                top_k: 4,
+                ..params(2.0, 5)
+            },
+            SamplingParams {
+                min_p: 1e-30,
+                ..params(50.0, 6)
+            },
+        ] {
+            let mut s = Sampler::new(p);
+            for _ in 0..2000 {
+                let t = s.sample(&mut l.clone(), &[]);
+                assert!(t != 1 && t != 3, "drew banned token {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn non_finite_logits_do_not_panic() {
+        let cases: Vec<Vec<f32>> = vec![
+            vec![f32::NAN, 1.0, f32::NEG_INFINITY, 0.5],
+            vec![f32::NAN; 5],
+            vec![f32::NEG_INFINITY; 5],
+            vec![1.0, f32::INFINITY, 2.0, f32::INFINITY],
+            vec![f32::MAX, -f32::MAX, 0.0],
+        ];
+        for p in [
+            params(1.0, 1),
+            SamplingParams {
+                top_k: 2,
+                top_p: 0.5,
+                min_p: 0.1,
+                repetition_penalty: 1.3,
+                ..params(0.7, 2)
+            },
+            SamplingParams {
+                top_p: 0.9,
+                ..params(1e-30, 3)
+            },
+        ] {
+            let mut s = Sampler::new(p);
+            for c in &cases {
+                let t = s.sample(&mut c.clone(), &[1, 2]);
+                assert!((t as usize) < c.len());
+            }
+        }
+        let mut s = Sampler::new(params(1.0, 5));
+        for _ in 0..50 {
+            let t = s.sample(&mut [1.0, f32::INFINITY, 2.0, f32::INFINITY], &[]);
+            assert!(t == 1 || t == 3);
+            assert_eq!(s.sample(&mut [f32::NAN, 1.0, f32::NAN], &[]), 1);
+        }
+    }
+
+    #[test]
+    fn out_of_range_params_do_not_panic() {
+        let l = noise(1000, 1);
+        for p in [
+            SamplingParams {
+                temperature: -1.0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: f32::NAN,
+                top_p: 7.0,
+                min_p: 3.0,
+                repetition_penalty: 0.0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                top_k: usize::MAX,
+                top_p: -1.0,
+                min_p: f32::NAN,
+                repetition_penalty: f32::INFINITY,
+                presence_penalty: f32::NAN,
+                penalty_window: usize::MAX,
+                seed: Some(0),
+                ..SamplingParams::default()
+            },
+        ] {
+            let mut s = Sampler::new(p);
+            assert!((s.sample(&mut l.clone(), &[1, 2, 3]) as usize) < l.len());
+        }
+    }
+
+    #[test]
+    fn validate_reports_bad_values() {
+        assert!(SamplingParams::default().validate().is_ok());
+        let ok = SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.95,
+            min_p: 0.05,
+            repetition_penalty: 1.1,
+            presence_penalty: -1.5,
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        };
+        assert!(ok.validate().is_ok());
+        let bad = |f: fn(&mut SamplingParams), word: &str| {
+            let mut p = ok.clone();
+            f(&mut p);
+            let e = p.validate().expect_err(word);
+            assert!(e.contains(word), "{e}");
+        };
+        bad(|p| p.temperature = -0.1, "temperature");
+        bad(|p| p.temperature = f32::NAN, "temperature");
+        bad(|p| p.temperature = f32::INFINITY, "temperature");
+        bad(|p| p.top_p = 0.0, "top_p");
+        bad(|p| p.top_p = 1.01, "top_p");
+        bad(|p| p.top_p = f32::NAN, "top_p");
+        bad(|p| p.min_p = 1.0, "min_p");
+        bad(|p| p.min_p = -0.1, "min_p");
+        bad(|p| p.min_p = f32::NAN, "min_p");
+        bad(|p| p.repetition_penalty = 0.0, "repetition_penalty");
+        bad(|p| p.repetition_penalty = -1.0, "repetition_penalty");
+        bad(|p| p.repetition_penalty = f32::NAN, "repetition_penalty");
+        bad(|p| p.presence_penalty = f32::NAN, "presence_penalty");
+        bad(|p| p.frequency_penalty = f32::INFINITY, "frequency_penalty");
+    }
+
+    /// Times the expensive paths at a 250k vocabulary. The bound is loose so a loaded machine
+    /// does not fail it; the printed numbers are the measurement.
+    #[test]
+    fn fast_at_250k_vocab() {
+        let base = noise(250_000, 77);
+        let flat = vec![0.0f32; 250_000];
+        let cases = [
+            (
+                "top_p 0.95",
+                base.clone(),
+                SamplingParams {
+                    top_p: 0.95,
+                    ..params(1.0, 1)
+                },
+            ),
+            (
+                "top_k 40 + top_p",
+                base.clone(),
+                SamplingParams {
+                    top_k: 40,
+                    top_p: 0.9,
+                    ..params(0.8, 1)
+                },
+            ),
+            (
+                "min_p 0.05",
+                base.clone(),
+                SamplingParams {
+                    min_p: 0.05,
+                    ..params(1.0, 1)
+                },
+            ),
+            ("plain", base.clone(), params(1.0, 1)),
+            (
+                "top_p flat (worst case)",
+                flat,
+                SamplingParams {
+                    top_p: 0.9,
+                    ..params(1.0, 1)
+                },
+            ),
+        ];
+        for (name, logits, p) in cases {
+            let mut s = Sampler::new(p);
+            let reps = 20;
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                let mut l = logits.clone();
+                std::hint::black_box(s.sample(&mut l, &[1, 2, 3]));
+            }
+            let per = start.elapsed().as_secs_f64() * 1e3 / reps as f64;
+            eprintln!("sample {name}: {per:.2} ms (incl. a 1 MB clone)");
+            assert!(per < 100.0, "{name}: {per} ms");
+        }
+    }
+}
