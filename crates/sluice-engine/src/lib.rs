@@ -1,1 +1,253 @@
-//! Engine (in progress).
+//! Everything between a model and a user: tokenizer, chat templates, sampling and the generation
+//! loop. [`Engine`] loads a model directory once and then serves any number of requests.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_backend::Backend;
+use sluice_format::{FormatError, ModelDir};
+use sluice_models::{CausalLm, ModelError, State};
+
+pub mod chat;
+pub mod npy;
+pub mod sampler;
+pub mod tokenizer;
+
+use chat::{ChatError, ChatMessage, ChatTemplate};
+use sampler::{Sampler, SamplingParams};
+use tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Chat(#[from] ChatError),
+    #[error("{0}")]
+    Input(String),
+}
+
+/// Choices made when a model is loaded.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Overrides the config's number of routed experts per token.
+    pub experts_per_token: Option<usize>,
+}
+
+/// How `logits` feeds tokens through the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// One token per forward call, through the caches.
+    Decode,
+    /// All tokens in one forward call.
+    Prefill,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was produced.
+    Stop,
+    /// `max_tokens` were produced.
+    Length,
+    /// The caller asked to stop.
+    Cancelled,
+}
+
+/// Counts and timings of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Time to process the prompt and produce the first token's logits.
+    pub prompt_secs: f64,
+    /// Time spent producing the remaining tokens.
+    pub decode_secs: f64,
+    pub finish: FinishReason,
+}
+
+impl GenerationStats {
+    pub fn prompt_tok_per_sec(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_secs.max(1e-9)
+    }
+
+    /// Decode speed over the tokens after the first.
+    pub fn decode_tok_per_sec(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
+    }
+}
+
+/// Prompts are run through the model in chunks of this many tokens, bounding activation memory.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// A loaded model with its tokenizer and chat template.
+pub struct Engine<B: Backend> {
+    pub dir: ModelDir,
+    pub model: Box<dyn CausalLm<B>>,
+    pub tokenizer: Tokenizer,
+    pub chat_template: ChatTemplate,
+    /// Token ids that end a generation.
+    pub eos_ids: Vec<u32>,
+    /// Sampling defaults from generation_config.json.
+    pub defaults: SamplingParams,
+}
+
+impl<B: Backend + 'static> Engine<B> {
+    pub fn load(path: &Path, backend: Arc<B>, opts: &LoadOptions) -> Result<Self, EngineError> {
+        let dir = ModelDir::open(path)?;
+        let mut model = sluice_models::load(&dir, backend)?;
+        if let Some(k) = opts.experts_per_token {
+            model.set_experts_per_token(k)?;
+        }
+        let tokenizer = Tokenizer::from_file(&dir.tokenizer_path())?;
+        let tc = &dir.tokenizer_config;
+        let chat_template = ChatTemplate::new(
+            tc.chat_template.as_deref().unwrap_or(chat::FALLBACK_CHATML),
+            tc.bos_token.clone(),
+            tc.eos_token.clone(),
+        )?;
+        let mut eos_ids = dir.generation.eos_token_id.clone();
+        if let Some(id) = tc.eos_token.as_deref().and_then(|t| tokenizer.token_id(t)) {
+            if !eos_ids.contains(&id) {
+                eos_ids.push(id);
+            }
+        }
+        let g = &dir.generation;
+        let base = SamplingParams::default();
+        let defaults = SamplingParams {
+            temperature: g.temperature.unwrap_or(base.temperature),
+            top_k: g.top_k.unwrap_or(base.top_k),
+            top_p: g.top_p.unwrap_or(base.top_p),
+            min_p: g.min_p.unwrap_or(base.min_p),
+            repetition_penalty: g.repetition_penalty.unwrap_or(base.repetition_penalty),
+            ..base
+        };
+        let vocab = model.info().vocab_size;
+        if tokenizer.vocab_size() > vocab {
+            return Err(EngineError::Input(format!(
+                "{}: the tokenizer has {} tokens but the model's vocab_size is {vocab}",
+                dir.tokenizer_path().display(),
+                tokenizer.vocab_size()
+            )));
+        }
+        Ok(Engine {
+            dir,
+            model,
+            tokenizer,
+            chat_template,
+            eos_ids,
+            defaults,
+        })
+    }
+
+    pub fn new_state(&self) -> State<B> {
+        self.model.new_state()
+    }
+
+    /// Renders a conversation with the model's chat template, ready to continue as the assistant.
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, EngineError> {
+        Ok(self.chat_template.render(messages, tools, true, extra)?)
+    }
+
+    /// Runs `tokens` through the model (in chunks) and returns the last token's logits.
+    pub fn prefill(&self, state: &mut State<B>, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let mut last = None;
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            last = Some(self.model.forward(state, chunk, false)?);
+        }
+        let last = last.ok_or_else(|| EngineError::Input("the prompt is empty".into()))?;
+        Ok(self.model.backend().to_host(&last))
+    }
+
+    /// Generates up to `max_tokens` after `prompt`, calling `on_token(id, text)` as each token is
+    /// produced (`text` is the newly complete text, possibly empty). Stops at an end-of-sequence
+    /// token (not passed to `on_token`), at `max_tokens`, or when `on_token` breaks.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+        max_tokens: usize,
+        mut on_token: impl FnMut(u32, &str) -> ControlFlow<()>,
+    ) -> Result<GenerationStats, EngineError> {
+        params.validate().map_err(EngineError::Input)?;
+        let ctx = self.model.info().max_context;
+        if prompt.len() >= ctx {
+            return Err(EngineError::Input(format!(
+                "the prompt has {} tokens but the model's context is {ctx}",
+                prompt.len()
+            )));
+        }
+        let max_tokens = max_tokens.min(ctx - prompt.len());
+        let mut sampler = Sampler::new(params.clone());
+        let mut state = self.new_state();
+        let mut history = prompt.to_vec();
+        let mut stream = StreamDecoder::new(&self.tokenizer, true);
+        let start = Instant::now();
+        let mut logits = self.prefill(&mut state, prompt)?;
+        let prompt_secs = start.elapsed().as_secs_f64();
+        let decode_start = Instant::now();
+        let mut generated = 0;
+        let mut finish = FinishReason::Length;
+        while generated < max_tokens {
+            let token = sampler.sample(&mut logits, &history);
+            if self.eos_ids.contains(&token) {
+                finish = FinishReason::Stop;
+                break;
+            }
+            generated += 1;
+            history.push(token);
+            let text = stream.push(token)?.unwrap_or_default();
+            if on_token(token, &text).is_break() {
+                finish = FinishReason::Cancelled;
+                break;
+            }
+            if generated == max_tokens {
+                break;
+            }
+            let out = self.model.forward(&mut state, &[token], false)?;
+            logits = self.model.backend().to_host(&out);
+        }
+        if let Some(rest) = stream.finish()? {
+            let _ = on_token(u32::MAX, &rest);
+        }
+        Ok(GenerationStats {
+            prompt_tokens: prompt.len(),
+            generated_tokens: generated,
+            prompt_secs,
+            decode_secs: decode_start.elapsed().as_secs_f64(),
+            finish,
+        })
+    }
+
+    /// Logits `[tokens.len(), vocab]` (row-major) at every position of `tokens`.
+    pub fn logits(&self, tokens: &[u32], mode: LogitsMode) -> Result<Vec<f32>, EngineError> {
+        let mut state = self.new_state();
+        let b = self.model.backend();
+        match mode {
+            LogitsMode::Prefill => {
+                let mut all = Vec::new();
+                for chunk in tokens.chunks(PREFILL_CHUNK) {
+                    all.extend(b.to_host(&self.model.forward(&mut state, chunk, true)?));
+                }
+                Ok(all)
+            }
+            LogitsMode::Decode => {
+                let mut all = Vec::new();
+                for &t in tokens {
+                    all.extend(b.to_host(&self.model.forward(&mut state, &[t], true)?));
+                }
+                Ok(all)
+            }
+        }
+    }
+}
