@@ -1,1 +1,219 @@
-fn main() {}
+//! `sluice`: run Mixture-of-Experts language models larger than memory.
+//!
+//! The binary only parses arguments and prints; the work is done by `sluice-engine`.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use sluice_backend::Backend;
+use sluice_cpu::CpuBackend;
+use sluice_engine::chat::ChatMessage;
+use sluice_engine::sampler::SamplingParams;
+use sluice_engine::{Engine, LoadOptions, LogitsMode};
+
+#[derive(Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "Run Mixture-of-Experts language models, streaming experts from disk",
+    long_about = "Run Mixture-of-Experts language models (Qwen3-MoE family) from a Hugging Face \
+                  or mlx-community model directory: config.json, tokenizer.json and safetensors, \
+                  in bf16/f16/f32 or MLX 4/8-bit quantisation.",
+    after_help = "Examples:\n  \
+        sluice generate --model ./Qwen3-30B-A3B-4bit --prompt \"Why is the sky blue?\" --chat -n 200\n  \
+        sluice logits --model ./tiny --tokens 1,2,3 --mode prefill --out logits.npy"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming tokens to stdout.
+    Generate(GenerateArgs),
+    /// Write the logits at every position of a token list to a .npy file (to compare with
+    /// another implementation).
+    Logits(LogitsArgs),
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Model directory (config.json, tokenizer.json, *.safetensors).
+    #[arg(long, short = 'm', value_name = "DIR")]
+    model: PathBuf,
+    /// Worker threads (default: all cores).
+    #[arg(long, short = 't')]
+    threads: Option<usize>,
+    /// Routed experts per token, overriding the config (fewer is faster, less accurate).
+    #[arg(long, value_name = "K")]
+    experts_per_token: Option<usize>,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text.
+    #[arg(long, short = 'p')]
+    prompt: String,
+    /// Maximum number of tokens to generate.
+    #[arg(long = "max-tokens", short = 'n', default_value_t = 128)]
+    max_tokens: usize,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (implies --chat).
+    #[arg(long)]
+    system: Option<String>,
+    /// Sampling temperature; 0 picks the most likely token (default: generation_config.json,
+    /// else 0).
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probabilities sum to P (1 = off).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Penalise tokens seen in the last 64 (1 = off; 1.1 is a mild setting).
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// Random seed, for reproducible sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Mode {
+    /// Feed the tokens one at a time through the caches.
+    Decode,
+    /// Run all tokens in one batch.
+    Prefill,
+}
+
+#[derive(Args)]
+struct LogitsArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',', required = true)]
+    tokens: Vec<u32>,
+    #[arg(long, value_enum, default_value = "prefill")]
+    mode: Mode,
+    /// Output file: little-endian float32, C order, shape [tokens, vocab].
+    #[arg(long, short = 'o', value_name = "FILE.npy")]
+    out: PathBuf,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate(a),
+        Command::Logits(a) => logits(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
+    if let Some(n) = args.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("setting up the thread pool")?;
+    }
+    let opts = LoadOptions {
+        experts_per_token: args.experts_per_token,
+    };
+    Ok(Engine::load(&args.model, Arc::new(CpuBackend::new()), &opts)?)
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let engine = load(&a.model)?;
+    let d = &engine.defaults;
+    let params = SamplingParams {
+        temperature: a.temperature.unwrap_or(d.temperature),
+        top_k: a.top_k.unwrap_or(d.top_k),
+        top_p: a.top_p.unwrap_or(d.top_p),
+        min_p: a.min_p.unwrap_or(d.min_p),
+        repetition_penalty: a.repetition_penalty.unwrap_or(d.repetition_penalty),
+        seed: a.seed,
+        ..d.clone()
+    };
+    params
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid sampling settings: {e}"))?;
+    let text = if a.chat || a.system.is_some() {
+        let mut messages = Vec::new();
+        if let Some(s) = &a.system {
+            messages.push(ChatMessage::new("system", s));
+        }
+        messages.push(ChatMessage::new("user", &a.prompt));
+        engine.render_chat(&messages, None, &Default::default())?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt = engine.tokenizer.encode(&text, true)?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty after tokenisation");
+    }
+    let info = engine.model.info();
+    eprintln!(
+        "sluice: {} ({}, {} layers, {} experts, {} per token) on {}",
+        engine.dir.path.display(),
+        info.weight_format,
+        info.layers,
+        info.experts,
+        info.experts_per_token,
+        engine.model.backend().describe()
+    );
+    let mut out = std::io::stdout().lock();
+    let stats = engine.generate(&prompt, &params, a.max_tokens, |_, piece| {
+        // A closed stdout (e.g. `| head`) ends the generation quietly.
+        if out.write_all(piece.as_bytes()).and_then(|_| out.flush()).is_err() {
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    })?;
+    let _ = writeln!(out);
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.2} tok/s | finish: {:?}",
+        stats.prompt_tokens,
+        stats.prompt_tok_per_sec(),
+        stats.generated_tokens,
+        stats.decode_tok_per_sec(),
+        stats.finish
+    );
+    Ok(())
+}
+
+fn logits(a: LogitsArgs) -> Result<()> {
+    let engine = load(&a.model)?;
+    let mode = match a.mode {
+        Mode::Decode => LogitsMode::Decode,
+        Mode::Prefill => LogitsMode::Prefill,
+    };
+    let vocab = engine.model.info().vocab_size;
+    let data = engine.logits(&a.tokens, mode)?;
+    sluice_engine::npy::write_f32(&a.out, &data, &[a.tokens.len(), vocab])
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!(
+        "wrote {} ([{}, {vocab}] float32)",
+        a.out.display(),
+        a.tokens.len()
+    );
+    Ok(())
+}

@@ -1,0 +1,217 @@
+//! The `sluice` binary end to end: happy paths on a fixture checkpoint, and a one-line error (exit
+//! code 1, no panic) for each kind of bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn sluice(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .expect("running sluice")
+}
+
+/// Runs sluice expecting failure; returns stderr, checked to be one `error:` line.
+fn sluice_fails(args: &[&str]) -> String {
+    let out = sluice(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "expected exit 1, stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one line, got: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    stderr
+}
+
+/// A writable copy of a fixture.
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    tmp
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn generate_streams_text_and_reports_speed() {
+    let model = fixture("qwen3_moe-q4");
+    let out = sluice(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "The river",
+        "-n",
+        "12",
+        "--temperature",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!out.stdout.is_empty(), "no text generated");
+    assert!(stderr.contains("generation:") && stderr.contains("tok/s"), "{stderr}");
+}
+
+#[test]
+fn generate_is_deterministic_with_a_seed() {
+    let model = fixture("qwen3_moe-q8");
+    let run = || {
+        let out = sluice(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "Once upon a time",
+            "-n",
+            "10",
+            "--temperature",
+            "1.0",
+            "--seed",
+            "7",
+            "--chat",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn logits_writes_npy_of_the_right_shape() {
+    let model = fixture("qwen3_moe-bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let out_path = tmp.path().join("l.npy");
+    for mode in ["decode", "prefill"] {
+        let out = sluice(&[
+            "logits",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            "1,2,3,4",
+            "--mode",
+            mode,
+            "--out",
+            out_path.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let (data, shape) = sluice_engine::npy::read_f32(&out_path).unwrap();
+        assert_eq!(shape.len(), 2);
+        assert_eq!(shape[0], 4);
+        assert!(data.iter().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn missing_model_directory() {
+    let err = sluice_fails(&["logits", "--model", "/nonexistent/model", "--tokens", "1", "--out", "/tmp/x.npy"]);
+    assert!(err.contains("/nonexistent/model"), "{err}");
+}
+
+#[test]
+fn missing_tokenizer() {
+    let dir = copy_fixture("qwen3_moe-q4");
+    std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
+    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
+    assert!(err.contains("tokenizer.json"), "{err}");
+}
+
+#[test]
+fn unsupported_model_type() {
+    let dir = copy_fixture("qwen3_moe-q4");
+    edit_config(dir.path(), |v| v["model_type"] = "llama4_moe".into());
+    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
+    assert!(err.contains("llama4_moe") && err.contains("config.json"), "{err}");
+}
+
+#[test]
+fn config_disagrees_with_tensor_shapes() {
+    let dir = copy_fixture("qwen3_moe-bf16");
+    edit_config(dir.path(), |v| {
+        let e = v["num_experts"].as_u64().unwrap();
+        v["num_experts"] = (e * 2).into();
+    });
+    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
+    assert!(err.contains("mlp"), "error should name the tensor: {err}");
+}
+
+#[test]
+fn wrong_dtype_tensor() {
+    // A norm weight stored as int32 instead of a float type.
+    let dir = copy_fixture("qwen3_moe-bf16");
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let hlen = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + hlen]).unwrap().to_string();
+    // Same byte length: two BF16 elements become one I32 with half the shape.
+    let mut v: serde_json::Value = serde_json::from_str(header.trim_end()).unwrap();
+    let t = &mut v["model.norm.weight"];
+    assert_eq!(t["dtype"], "BF16", "fixture changed");
+    let n = t["shape"][0].as_u64().unwrap();
+    t["dtype"] = "I32".into();
+    t["shape"] = serde_json::json!([n / 2]);
+    let mut new_header = serde_json::to_string(&v).unwrap();
+    while new_header.len() < hlen {
+        new_header.push(' ');
+    }
+    assert!(new_header.len() <= hlen + 8);
+    let mut out = (new_header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(new_header.as_bytes());
+    out.extend_from_slice(&bytes[8 + hlen..]);
+    std::fs::write(&path, out).unwrap();
+    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
+    assert!(err.contains("model.norm.weight"), "{err}");
+}
+
+#[test]
+fn truncated_safetensors() {
+    let dir = copy_fixture("qwen3_moe-q4");
+    let path = dir.path().join("model.safetensors");
+    let len = std::fs::metadata(&path).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(len / 2).unwrap();
+    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
+    assert!(err.contains("model.safetensors") && err.contains("truncated"), "{err}");
+}
+
+#[test]
+fn token_outside_the_vocabulary() {
+    let model = fixture("qwen3_moe-q4");
+    let err = sluice_fails(&[
+        "logits", "--model", model.to_str().unwrap(), "--tokens", "1,99999999", "--out", "/tmp/never.npy",
+    ]);
+    assert!(err.contains("99999999") && err.contains("vocabulary"), "{err}");
+}
+
+#[test]
+fn bad_experts_per_token() {
+    let model = fixture("qwen3_moe-q4");
+    let err = sluice_fails(&[
+        "generate", "--model", model.to_str().unwrap(), "--prompt", "x", "--experts-per-token", "999",
+    ]);
+    assert!(err.contains("experts per token"), "{err}");
+}
+
+#[test]
+fn bad_sampling_settings() {
+    let model = fixture("qwen3_moe-q4");
+    let err = sluice_fails(&[
+        "generate", "--model", model.to_str().unwrap(), "--prompt", "x", "--top-p", "1.5",
+    ]);
+    assert!(err.contains("top_p") || err.contains("top-p"), "{err}");
+}
