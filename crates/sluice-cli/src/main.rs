@@ -156,7 +156,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
     params
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid sampling settings: {e}"))?;
-    let text = if a.chat || a.system.is_some() {
+    let chat = a.chat || a.system.is_some();
+    let text = if chat {
         let mut messages = Vec::new();
         if let Some(s) = &a.system {
             messages.push(ChatMessage::new("system", s));
@@ -166,7 +167,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let prompt = engine.tokenizer.encode(&text, true)?;
+    // A rendered template already holds its special tokens (transformers encodes it likewise).
+    let prompt = engine.tokenizer.encode(&text, !chat)?;
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenisation");
     }
