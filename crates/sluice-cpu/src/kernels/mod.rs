@@ -2,6 +2,40 @@
 //!
 //! Public entry points are multi-threaded (rayon's global pool) and pick the widest SIMD the CPU
 //! has at run time. Nothing in a weight's bytes is assumed to be aligned.
+//!
+//! # Design
+//!
+//! * **Decode** (`tokens <= DECODE_MAX_TOKENS`): one pass over the weights, every row dotted with
+//!   all tokens at once. For affine weights `y_r = sum_g s_g * dot(q_g, x_g) + sum_g b_g *
+//!   xsum_g`, with the per-group sums of `x` computed once per call. For 4-bit weights `x` is also
+//!   permuted once per call into the "nibble-major" order that a vector of `u32` words yields when
+//!   it is shifted right by `4k` and masked, so a row costs only shift, mask, convert and FMA per
+//!   vector of elements (on AVX-512 the mask and convert are a single `vpermps` table lookup).
+//! * **Prefill** (more tokens): each task dequantizes a block of rows, `KC` columns at a time, into
+//!   a small thread-local buffer packed as `[column][NR rows]` panels, and a register-tiled
+//!   micro-kernel (`MR` tokens x `NR` rows) multiplies every token against it. Each weight byte is
+//!   read and dequantized once per call.
+//! * **Threads**: the rows of all jobs of a call are cut into one flat list of tasks, sized so that
+//!   there are a few per thread and each is large enough that rayon's overhead does not show.
+//! * **SIMD**: AVX-512 (F), AVX2 (+FMA+F16C), NEON and a portable fallback, chosen once at run
+//!   time. `SLUICE_SIMD=scalar|avx2|avx512|neon` forces a lower level.
+
+// Every unsafe operation sits in its own `unsafe` block with a `SAFETY:` comment, also inside
+// `unsafe fn`s.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+mod portable;
+#[cfg(test)]
+mod tests;
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 use sluice_backend::{Dtype, MatRef, WeightFormat};
@@ -26,61 +60,43 @@ pub fn matmul(w: &MatRef, x: &[f32], tokens: usize, out: &mut [f32]) {
 
 /// Several independent products run as one parallel job (the experts of an MoE layer).
 pub fn matmul_batch(jobs: &mut [MatmulJob<'_>]) {
-    jobs.par_iter_mut().for_each(|job| {
-        assert_eq!(job.x.len(), job.tokens * job.w.cols);
-        assert_eq!(job.out.len(), job.tokens * job.w.rows);
-        let mut row = vec![0f32; job.w.cols];
-        for r in 0..job.w.rows {
-            dequantize_row(&job.w, r, &mut row);
-            for t in 0..job.tokens {
-                let x = &job.x[t * job.w.cols..(t + 1) * job.w.cols];
-                job.out[t * job.w.rows + r] = row.iter().zip(x).map(|(a, b)| a * b).sum();
-            }
-        }
-    });
+    matmul_batch_at(level(), jobs);
 }
 
 /// Row `r` of `w` as f32.
 pub fn dequantize_row(w: &MatRef, r: usize, out: &mut [f32]) {
+    dequantize_row_at(level(), w, r, out);
+}
+
+/// [`dequantize_row`] at a given SIMD level.
+pub(crate) fn dequantize_row_at(level: Level, w: &MatRef, r: usize, out: &mut [f32]) {
+    assert!(
+        supported(level),
+        "SIMD level {} not supported",
+        level.name()
+    );
     assert_eq!(out.len(), w.cols);
-    let rb = w.row_bytes();
-    let data = &w.data[r * rb..(r + 1) * rb];
-    match w.format {
-        WeightFormat::Dense(dt) => {
-            for (c, o) in out.iter_mut().enumerate() {
-                *o = load_scalar(dt, data, c);
-            }
+    assert!(r < w.rows, "row {r} of a matrix of {} rows", w.rows);
+    check_matrix(w);
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 | Level::Avx512 => {
+            // SAFETY: `level()` only returns these levels when the CPU has AVX2, FMA and F16C,
+            // and `check_matrix` validated the byte lengths of `w`.
+            unsafe { avx2::dequant_row(w, r, out) }
         }
-        WeightFormat::Affine {
-            bits,
-            group_size,
-            scale_dtype,
-        } => {
-            let groups = w.cols / group_size;
-            let mask = (1u64 << bits) - 1;
-            for (c, o) in out.iter_mut().enumerate() {
-                let bit = c * bits as usize;
-                let word = |i: usize| {
-                    u32::from_le_bytes(data[i * 4..i * 4 + 4].try_into().unwrap()) as u64
-                };
-                let lo = word(bit / 32);
-                let hi = if (bit % 32) + bits as usize > 32 {
-                    word(bit / 32 + 1)
-                } else {
-                    0
-                };
-                let q = (((hi << 32) | lo) >> (bit % 32)) & mask;
-                let g = r * groups + c / group_size;
-                let s = load_scalar(scale_dtype, w.scales, g);
-                let b = load_scalar(scale_dtype, w.biases, g);
-                *o = s * q as f32 + b;
-            }
-        }
+        _ => portable::dequant_range(w, r, 0, out),
     }
 }
 
 /// Element `i` of a little-endian array of `dt`.
 pub fn load_scalar(dt: Dtype, bytes: &[u8], i: usize) -> f32 {
+    scalar(dt, bytes, i)
+}
+
+/// [`load_scalar`], always inlined (for the kernels' scalar edges).
+#[inline(always)]
+pub(crate) fn scalar(dt: Dtype, bytes: &[u8], i: usize) -> f32 {
     match dt {
         Dtype::F32 => f32::from_le_bytes(bytes[i * 4..i * 4 + 4].try_into().unwrap()),
         Dtype::F16 => {
@@ -94,5 +110,676 @@ pub fn load_scalar(dt: Dtype, bytes: &[u8], i: usize) -> f32 {
 
 /// The SIMD level in use, e.g. `"avx512"`.
 pub fn simd_level() -> &'static str {
-    "scalar"
+    level().name()
+}
+
+// ---------------------------------------------------------------------------------------------
+// SIMD level selection
+// ---------------------------------------------------------------------------------------------
+
+/// A SIMD instruction set the kernels are written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Level {
+    Scalar,
+    #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
+    Neon,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx2,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx512,
+}
+
+impl Level {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Level::Scalar => "scalar",
+            Level::Neon => "neon",
+            Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Level> {
+        Some(match s.trim().to_ascii_lowercase().as_str() {
+            "scalar" | "portable" | "none" => Level::Scalar,
+            "neon" => Level::Neon,
+            "avx2" => Level::Avx2,
+            "avx512" | "avx-512" => Level::Avx512,
+            _ => return None,
+        })
+    }
+}
+
+/// Every level this CPU can run, best last.
+pub(crate) fn available_levels() -> Vec<Level> {
+    #[allow(unused_mut)]
+    let mut v = vec![Level::Scalar];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            v.push(Level::Avx2);
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Level::Avx512);
+            }
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            v.push(Level::Neon);
+        }
+    }
+    v
+}
+
+fn supported(l: Level) -> bool {
+    static AVAIL: OnceLock<Vec<Level>> = OnceLock::new();
+    AVAIL.get_or_init(available_levels).contains(&l)
+}
+
+/// The level in use: the best available, or a lower one forced by `SLUICE_SIMD`.
+pub(crate) fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let avail = available_levels();
+        let best = *avail.last().unwrap();
+        match std::env::var("SLUICE_SIMD")
+            .ok()
+            .as_deref()
+            .map(Level::parse)
+        {
+            Some(Some(l)) if avail.contains(&l) => l,
+            _ => best,
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Formats
+// ---------------------------------------------------------------------------------------------
+
+/// The storage formats the kernels have a dedicated path for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    F32,
+    F16,
+    Bf16,
+    /// 4-bit affine with a group size of 32, 64 or 128.
+    Q4 {
+        gs: usize,
+        sdt: Dtype,
+    },
+    /// 8-bit affine with a group size of 32, 64 or 128.
+    Q8 {
+        gs: usize,
+        sdt: Dtype,
+    },
+    /// Any other affine format (dequantized by the generic scalar code).
+    QAny,
+}
+
+impl Kind {
+    pub(crate) fn of(f: WeightFormat) -> Kind {
+        match f {
+            WeightFormat::Dense(Dtype::F32) => Kind::F32,
+            WeightFormat::Dense(Dtype::F16) => Kind::F16,
+            WeightFormat::Dense(Dtype::Bf16) => Kind::Bf16,
+            WeightFormat::Affine {
+                bits,
+                group_size,
+                scale_dtype,
+            } if matches!(group_size, 32 | 64 | 128) => match bits {
+                4 => Kind::Q4 {
+                    gs: group_size,
+                    sdt: scale_dtype,
+                },
+                8 => Kind::Q8 {
+                    gs: group_size,
+                    sdt: scale_dtype,
+                },
+                _ => Kind::QAny,
+            },
+            WeightFormat::Affine { .. } => Kind::QAny,
+        }
+    }
+}
+
+fn check_matrix(w: &MatRef) {
+    if let Err(e) = w.validate() {
+        panic!("invalid weight matrix: {e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tuning constants
+// ---------------------------------------------------------------------------------------------
+
+/// The decode kernels take up to this many tokens per pass over the weights (more tokens run in
+/// several passes over small blocks of rows, re-read from cache).
+pub(crate) const DECODE_MAX_TOKENS: usize = 4;
+/// From this many tokens on, products run through the packed micro-kernel (below, the decode
+/// kernels in passes of `DECODE_MAX_TOKENS`): both cost about the same per token, the packing
+/// is what the micro-kernel must amortize. Measured on a 16 x [768, 2048] q4 expert batch.
+const GEMM_MIN_TOKENS_AVX512: usize = 16;
+const GEMM_MIN_TOKENS_AVX2: usize = 40;
+
+/// `SLUICE_GEMM_MIN_TOKENS` (read once) overrides the thresholds above, for tuning.
+fn gemm_min_tokens_override() -> Option<usize> {
+    static N: OnceLock<Option<usize>> = OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("SLUICE_GEMM_MIN_TOKENS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .map(|n: usize| n.max(DECODE_MAX_TOKENS + 1))
+    })
+}
+
+/// Whether a product of `tokens` tokens runs through the packed micro-kernel at `level`.
+fn use_gemm(level: Level, tokens: usize) -> bool {
+    let min = match level {
+        Level::Avx512 => GEMM_MIN_TOKENS_AVX512,
+        Level::Avx2 => GEMM_MIN_TOKENS_AVX2,
+        // The portable decode takes any number of tokens in one pass (NEON's too).
+        Level::Scalar | Level::Neon => return tokens > DECODE_MAX_TOKENS,
+    };
+    tokens >= gemm_min_tokens_override().unwrap_or(min)
+}
+/// Columns per packed block (a multiple of 64, so blocks start on whole words and groups of 32).
+pub(crate) const KC: usize = 256;
+/// Rows packed at once by a prefill task (a multiple of every level's `NR`): each token tile
+/// of `x` is reused against this many rows while it is in L1.
+pub(crate) const NCB: usize = 256;
+/// Prefill tasks are cut in multiples of this many rows.
+const GEMM_ROW_UNIT: usize = 64;
+/// The smallest task worth handing to another thread, in weight bytes (or equivalent work).
+const MIN_TASK_COST: usize = 48 << 10;
+/// Below this much work in a whole call, no thread is woken.
+const SERIAL_COST: usize = 96 << 10;
+
+// ---------------------------------------------------------------------------------------------
+// Per-call preparation of activations
+// ---------------------------------------------------------------------------------------------
+
+/// What a job's activations are turned into once per call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrepKind {
+    None,
+    /// Per-group sums of `x` (affine decode).
+    Sums {
+        gs: usize,
+    },
+    /// Per-group sums and `x` permuted into nibble-major blocks of `wpb` u32 words (see
+    /// [`permute_q4`]).
+    Q4 {
+        gs: usize,
+        wpb: usize,
+        scaled: bool,
+    },
+}
+
+/// Activations prepared for one or more jobs (jobs sharing the same `x` share it).
+#[derive(Default)]
+pub(crate) struct Prep {
+    /// Permuted activations, `tokens` rows of `ldxp` (4-bit decode only).
+    pub xp: Vec<f32>,
+    pub ldxp: usize,
+    /// Per-group sums of `x`, `tokens` rows of `groups`.
+    pub xsum: Vec<f32>,
+}
+
+/// Words per permutation block of the 4-bit decode kernel of each level (0: no permutation),
+/// and whether nibble `k` of the block is pre-scaled by `2^-4k` (see [`permute_q4`]).
+fn q4_layout(level: Level) -> (usize, bool) {
+    match level {
+        Level::Avx512 => (16, false),
+        Level::Avx2 => (8, true),
+        Level::Neon => (4, false),
+        Level::Scalar => (0, false),
+    }
+}
+
+fn prep_kind(level: Level, kind: Kind, tokens: usize) -> PrepKind {
+    if use_gemm(level, tokens) || level == Level::Scalar {
+        return PrepKind::None;
+    }
+    match kind {
+        Kind::Q4 { gs, .. } => {
+            let (wpb, scaled) = q4_layout(level);
+            PrepKind::Q4 { gs, wpb, scaled }
+        }
+        Kind::Q8 { gs, .. } => PrepKind::Sums { gs },
+        _ => PrepKind::None,
+    }
+}
+
+/// `x` permuted for the 4-bit decode kernels: in each block of `8 * wpb` columns, element
+/// `8 * j + k` (word `j`, nibble `k`) goes to position `k * wpb + j`. The last block is padded
+/// with zeros. `dst.len()` must be `cols` rounded up to a multiple of `8 * wpb`.
+///
+/// With `scaled`, nibbles `k < 7` are multiplied by `2^-4k`: a kernel may then take nibble `k`
+/// as `word & (15 << 4k)` (that is `q * 2^4k`) without shifting it down. Powers of two are
+/// exact, so the products are the same (unless `|x| < 2^-102`, where `x * 2^-24` is subnormal).
+pub(crate) fn permute_q4(x: &[f32], wpb: usize, scaled: bool, dst: &mut [f32]) {
+    let bw = 8 * wpb;
+    debug_assert_eq!(dst.len(), x.len().div_ceil(bw) * bw);
+    let f: [f32; 8] = std::array::from_fn(|k| {
+        if scaled && k < 7 {
+            (-4.0 * k as f32).exp2()
+        } else {
+            1.0
+        }
+    });
+    for (b, blk) in dst.chunks_exact_mut(bw).enumerate() {
+        let base = b * bw;
+        if base + bw <= x.len() {
+            let src = &x[base..base + bw];
+            for j in 0..wpb {
+                for k in 0..8 {
+                    blk[k * wpb + j] = src[8 * j + k] * f[k];
+                }
+            }
+        } else {
+            for j in 0..wpb {
+                for k in 0..8 {
+                    blk[k * wpb + j] = x.get(base + 8 * j + k).copied().unwrap_or(0.0) * f[k];
+                }
+            }
+        }
+    }
+}
+
+fn prepare(pk: PrepKind, x: &[f32], tokens: usize, cols: usize) -> Prep {
+    let sums = |gs: usize| {
+        let mut s = Vec::with_capacity(tokens * (cols / gs));
+        for t in 0..tokens {
+            s.extend(
+                x[t * cols..(t + 1) * cols]
+                    .chunks_exact(gs)
+                    .map(|g| g.iter().sum::<f32>()),
+            );
+        }
+        s
+    };
+    match pk {
+        PrepKind::None => Prep::default(),
+        PrepKind::Sums { gs } => Prep {
+            xsum: sums(gs),
+            ..Prep::default()
+        },
+        PrepKind::Q4 { gs, wpb, scaled } => {
+            let ldxp = cols.div_ceil(8 * wpb) * 8 * wpb;
+            let mut xp = vec![0f32; tokens * ldxp];
+            for t in 0..tokens {
+                permute_q4(
+                    &x[t * cols..(t + 1) * cols],
+                    wpb,
+                    scaled,
+                    &mut xp[t * ldxp..(t + 1) * ldxp],
+                );
+            }
+            Prep {
+                xp,
+                ldxp,
+                xsum: sums(gs),
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread-local scratch
+// ---------------------------------------------------------------------------------------------
+
+/// Reusable per-thread buffers (grown on demand, never shrunk).
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
+    pub c: Vec<f32>,
+    pub d: Vec<f32>,
+}
+
+/// `v` grown to at least `n` elements, as a slice of exactly `n`.
+pub(crate) fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    thread_local! {
+        static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    }
+    let mut f = Some(f);
+    let r = SCRATCH.with(|s| {
+        s.try_borrow_mut()
+            .ok()
+            .map(|mut s| (f.take().unwrap())(&mut s))
+    });
+    match r {
+        Some(r) => r,
+        // Re-entered (cannot happen with the code here, but stay correct): use fresh buffers.
+        None => (f.take().unwrap())(&mut Scratch::default()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Jobs, tasks and the parallel driver
+// ---------------------------------------------------------------------------------------------
+
+/// A job as the worker threads see it.
+pub(crate) struct Ctx<'a> {
+    pub w: MatRef<'a>,
+    pub kind: Kind,
+    pub x: &'a [f32],
+    pub tokens: usize,
+    /// Permuted activations (4-bit decode): `tokens` rows of `ldxp`.
+    pub xp: &'a [f32],
+    pub ldxp: usize,
+    /// Per-group sums of `x` (affine decode): `tokens` rows of `cols / group_size`.
+    pub xsum: &'a [f32],
+    /// Prefill through the packed micro-kernel (else decode).
+    gemm: bool,
+    out: *mut f32,
+    out_len: usize,
+}
+
+// SAFETY: `Ctx` is shared between rayon workers only inside `matmul_batch_at`, whose tasks
+// write disjoint sets of rows of `out` (each row index belongs to exactly one task), and the
+// `&mut [f32]` that `out` comes from is borrowed for the whole parallel section.
+unsafe impl Sync for Ctx<'_> {}
+
+impl<'a> Ctx<'a> {
+    /// Writes `res` (`tokens` rows of `r1 - r0` results) to rows `r0..r1` of `out`.
+    fn store(&self, r0: usize, r1: usize, res: &[f32]) {
+        let n = r1 - r0;
+        let rows = self.w.rows;
+        assert!(r0 <= r1 && r1 <= rows && res.len() == n * self.tokens);
+        assert_eq!(self.out_len, rows * self.tokens);
+        for t in 0..self.tokens {
+            // SAFETY: `t * rows + r1 <= out_len` (checked above), so the range is inside the
+            // `out` slice; rows `r0..r1` belong to this task alone (see `Sync` above), so no
+            // other thread touches these elements while the slice lives.
+            let dst = unsafe { std::slice::from_raw_parts_mut(self.out.add(t * rows + r0), n) };
+            dst.copy_from_slice(&res[t * n..(t + 1) * n]);
+        }
+    }
+
+    fn gemm(&self) -> bool {
+        self.gemm
+    }
+
+    /// Tokens `t0..t0 + nt` of a decode job, for the kernels (results go through `res`
+    /// buffers, never through [`Ctx::store`] of the view).
+    fn tokens_view(&self, t0: usize, nt: usize) -> Ctx<'a> {
+        let cols = self.w.cols;
+        let groups = self.xsum.len() / self.tokens.max(1);
+        Ctx {
+            w: self.w,
+            kind: self.kind,
+            x: &self.x[t0 * cols..(t0 + nt) * cols],
+            tokens: nt,
+            xp: &self.xp[(t0 * self.ldxp).min(self.xp.len())..],
+            ldxp: self.ldxp,
+            xsum: &self.xsum[t0 * groups..(t0 + nt) * groups],
+            gemm: false,
+            out: std::ptr::null_mut(),
+            out_len: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Task {
+    job: usize,
+    r0: usize,
+    r1: usize,
+}
+
+/// Cuts the rows of all jobs into tasks of roughly equal work.
+fn plan(ctxs: &[Ctx], threads: usize) -> (Vec<Task>, usize) {
+    // Work of one row, in "weight byte equivalents": decode streams the row's bytes; prefill
+    // spends about one byte's time on every two multiply-adds.
+    let row_cost = |c: &Ctx| {
+        let bytes = c.w.row_bytes() + 2 * c.w.format.scale_row_bytes(c.w.cols);
+        if c.gemm() {
+            bytes + c.tokens * c.w.cols / 2
+        } else {
+            bytes * c.tokens.max(1).div_ceil(2)
+        }
+        .max(1)
+    };
+    let total: usize = ctxs.iter().map(|c| c.w.rows * row_cost(c)).sum();
+    let target = (total / (threads * 4).max(1)).max(MIN_TASK_COST);
+    let mut tasks = Vec::new();
+    for (job, c) in ctxs.iter().enumerate() {
+        let rows = c.w.rows;
+        if rows == 0 || c.tokens == 0 {
+            continue;
+        }
+        let unit = if c.gemm() { GEMM_ROW_UNIT } else { 4 };
+        let per = target.div_ceil(row_cost(c)).div_ceil(unit) * unit;
+        let ntasks = rows.div_ceil(per.min(rows));
+        // Spread rows evenly over the tasks, in multiples of `unit`.
+        let per = rows.div_ceil(ntasks).div_ceil(unit) * unit;
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + per).min(rows);
+            tasks.push(Task { job, r0, r1 });
+            r0 = r1;
+        }
+    }
+    (tasks, total)
+}
+
+/// [`matmul_batch`] at a given SIMD level (tests use this to cover every level).
+pub(crate) fn matmul_batch_at(level: Level, jobs: &mut [MatmulJob<'_>]) {
+    assert!(
+        supported(level),
+        "SIMD level {} not supported",
+        level.name()
+    );
+    for job in jobs.iter() {
+        check_matrix(&job.w);
+        assert_eq!(
+            job.x.len(),
+            job.tokens * job.w.cols,
+            "matmul: x has wrong length"
+        );
+        assert_eq!(
+            job.out.len(),
+            job.tokens * job.w.rows,
+            "matmul: out has wrong length"
+        );
+    }
+    // Prepare activations once per distinct (x, format kind) pair.
+    let mut keys: Vec<(usize, usize, usize, PrepKind)> = Vec::new();
+    let mut preps: Vec<Prep> = Vec::new();
+    let mut prep_of = Vec::with_capacity(jobs.len());
+    for job in jobs.iter() {
+        let pk = prep_kind(level, Kind::of(job.w.format), job.tokens);
+        let key = (job.x.as_ptr() as usize, job.x.len(), job.tokens, pk);
+        let i = match keys.iter().position(|k| *k == key) {
+            Some(i) => i,
+            None => {
+                keys.push(key);
+                preps.push(prepare(pk, job.x, job.tokens, job.w.cols));
+                preps.len() - 1
+            }
+        };
+        prep_of.push(i);
+    }
+    let ctxs: Vec<Ctx> = jobs
+        .iter_mut()
+        .zip(&prep_of)
+        .map(|(job, &p)| Ctx {
+            w: job.w,
+            kind: Kind::of(job.w.format),
+            x: job.x,
+            tokens: job.tokens,
+            xp: &preps[p].xp,
+            ldxp: preps[p].ldxp,
+            xsum: &preps[p].xsum,
+            gemm: use_gemm(level, job.tokens),
+            out_len: job.out.len(),
+            out: job.out.as_mut_ptr(),
+        })
+        .collect();
+    let threads = rayon::current_num_threads();
+    let (tasks, total) = plan(&ctxs, threads);
+    let run = |t: &Task| with_scratch(|s| run_task(level, &ctxs[t.job], t.r0, t.r1, s));
+    if threads <= 1 || tasks.len() <= 1 || total < SERIAL_COST {
+        tasks.iter().for_each(run);
+    } else {
+        tasks.par_iter().with_max_len(1).for_each(run);
+    }
+}
+
+fn run_task(level: Level, c: &Ctx, r0: usize, r1: usize, s: &mut Scratch) {
+    if c.gemm() {
+        gemm_rows(level, c, r0, r1, s);
+        return;
+    }
+    let mut res = std::mem::take(&mut s.d);
+    let n = r1 - r0;
+    let out = grow(&mut res, n * c.tokens);
+    if c.tokens <= DECODE_MAX_TOKENS || !matches!(level, Level::Avx2 | Level::Avx512) {
+        decode_rows(level, c, r0, r1, out, s);
+    } else {
+        // Passes of up to `DECODE_MAX_TOKENS` tokens over blocks of rows small enough to stay
+        // in cache between passes.
+        const RB: usize = 32;
+        let mut tmp = [0f32; RB * DECODE_MAX_TOKENS];
+        let mut rb = r0;
+        while rb < r1 {
+            let nb = RB.min(r1 - rb);
+            let mut t0 = 0;
+            while t0 < c.tokens {
+                let nt = DECODE_MAX_TOKENS.min(c.tokens - t0);
+                let view = c.tokens_view(t0, nt);
+                decode_rows(level, &view, rb, rb + nb, &mut tmp[..nt * nb], s);
+                for t in 0..nt {
+                    let dst = (t0 + t) * n + rb - r0;
+                    out[dst..dst + nb].copy_from_slice(&tmp[t * nb..(t + 1) * nb]);
+                }
+                t0 += nt;
+            }
+            rb += nb;
+        }
+    }
+    c.store(r0, r1, out);
+    s.d = res;
+}
+
+/// Mat-vec over rows `r0..r1` for all (at most `DECODE_MAX_TOKENS`) tokens; `res` is `tokens`
+/// rows of `r1 - r0`.
+fn decode_rows(level: Level, c: &Ctx, r0: usize, r1: usize, res: &mut [f32], s: &mut Scratch) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => {
+            // SAFETY: `matmul_batch_at` asserted that the CPU supports this level, and the job's
+            // shapes were validated there.
+            unsafe { avx512::decode_rows(c, r0, r1, res, s) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => {
+            // SAFETY: as above.
+            unsafe { avx2::decode_rows(c, r0, r1, res, s) }
+        }
+        #[cfg(target_arch = "aarch64")]
+        Level::Neon => neon::decode_rows(c, r0, r1, res, s),
+        _ => portable::decode_rows(c, r0, r1, res, s),
+    }
+}
+
+/// The packed micro-kernel path of one SIMD level.
+pub(crate) trait Gemm {
+    /// Rows per packed panel.
+    const NR: usize;
+    /// Tokens per micro-kernel call.
+    const MR: usize;
+    /// Packs rows `rb..rb + nv` (`nv <= NR`; the others repeat row `rb + nv - 1`), columns
+    /// `k0..k0 + kc`, of `c.w` into `dst` (`kc * NR`, element `[p * NR + i]` is row `rb + i`,
+    /// column `k0 + p`).
+    fn pack(c: &Ctx, rb: usize, nv: usize, k0: usize, kc: usize, dst: &mut [f32], tmp: &mut [f32]);
+    /// `C[i][j] (+)= sum_p A[i][p] * B[p][j]` for `i < m <= MR`, `j < NR`: `A` is `m` rows of
+    /// `lda` (`kc` used), `B` a packed panel of `kc * NR`, `C` `m` rows of `ldc` (`NR` used).
+    /// With `first` C is overwritten, else accumulated into.
+    #[allow(clippy::too_many_arguments)]
+    fn kernel(
+        m: usize,
+        kc: usize,
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        c: &mut [f32],
+        ldc: usize,
+        first: bool,
+    );
+}
+
+fn gemm_rows(level: Level, c: &Ctx, r0: usize, r1: usize, s: &mut Scratch) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => gemm_driver::<avx512::Avx512Gemm>(c, r0, r1, s),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => gemm_driver::<avx2::Avx2Gemm>(c, r0, r1, s),
+        _ => gemm_driver::<portable::PortableGemm>(c, r0, r1, s),
+    }
+}
+
+/// Prefill over rows `r0..r1`: blocks of up to `NCB` rows are packed `KC` columns at a time and
+/// multiplied against all tokens, accumulating in a thread-local `[tokens, NCB]` tile.
+fn gemm_driver<G: Gemm>(c: &Ctx, r0: usize, r1: usize, s: &mut Scratch) {
+    let (tokens, k) = (c.tokens, c.w.cols);
+    let ncb = NCB.max(G::NR);
+    let bp = grow(&mut s.a, ncb.div_ceil(G::NR) * G::NR * KC);
+    let tmp = grow(&mut s.b, KC + 64);
+    let cb = grow(&mut s.c, tokens * ncb);
+    let mut rb0 = r0;
+    while rb0 < r1 {
+        let nb = ncb.min(r1 - rb0);
+        let npanels = nb.div_ceil(G::NR);
+        let ldc = npanels * G::NR;
+        let mut k0 = 0;
+        while k0 < k {
+            let kc = KC.min(k - k0);
+            for p in 0..npanels {
+                let nv = G::NR.min(nb - p * G::NR);
+                let dst = &mut bp[p * kc * G::NR..(p + 1) * kc * G::NR];
+                G::pack(c, rb0 + p * G::NR, nv, k0, kc, dst, tmp);
+            }
+            let mut t0 = 0;
+            while t0 < tokens {
+                let m = G::MR.min(tokens - t0);
+                let a = &c.x[t0 * k + k0..];
+                for p in 0..npanels {
+                    G::kernel(
+                        m,
+                        kc,
+                        a,
+                        k,
+                        &bp[p * kc * G::NR..(p + 1) * kc * G::NR],
+                        &mut cb[t0 * ldc + p * G::NR..],
+                        ldc,
+                        k0 == 0,
+                    );
+                }
+                t0 += m;
+            }
+            k0 += kc;
+        }
+        // Copy the valid columns of the tile out.
+        let res = &mut s.d;
+        let out = grow(res, tokens * nb);
+        for t in 0..tokens {
+            out[t * nb..(t + 1) * nb].copy_from_slice(&cb[t * ldc..t * ldc + nb]);
+        }
+        c.store(rb0, rb0 + nb, out);
+        rb0 += nb;
+    }
 }

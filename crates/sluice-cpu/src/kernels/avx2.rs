@@ -1,0 +1,861 @@
+//! AVX2 + FMA + F16C kernels. The 8-row packers here also serve the AVX-512 level.
+//!
+//! Functions with `#[target_feature]` may only run on a CPU with those features: the dispatcher
+//! in `mod.rs` checks the level once per call before anything here is reached.
+
+use std::arch::x86_64::*;
+
+use sluice_backend::{Dtype, MatRef};
+
+use super::{grow, portable, scalar, Ctx, Gemm, Kind, Scratch};
+
+pub(super) const DT_F32: u8 = 0;
+pub(super) const DT_F16: u8 = 1;
+pub(super) const DT_BF16: u8 = 2;
+
+/// Whether this CPU runs the code in this module (checked by the safe `Gemm` entry points).
+pub(super) fn cpu_ok() -> bool {
+    use std::sync::OnceLock;
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+/// Eight elements of dtype `DT` at `p`, as f32.
+///
+/// # Safety
+/// `8 * size` bytes must be readable at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn ld8<const DT: u8>(p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees the 16 or 32 bytes read here are readable.
+    unsafe {
+        match DT {
+            DT_F32 => _mm256_loadu_ps(p as *const f32),
+            DT_F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+            _ => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(p as *const __m128i),
+            ))),
+        }
+    }
+}
+
+/// [`ld8`] with the dtype chosen at run time.
+///
+/// # Safety
+/// As [`ld8`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn ld8_dyn(dt: Dtype, p: *const u8) -> __m256 {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match dt {
+            Dtype::F32 => ld8::<DT_F32>(p),
+            Dtype::F16 => ld8::<DT_F16>(p),
+            Dtype::Bf16 => ld8::<DT_BF16>(p),
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(super) fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// `out.len()` elements of `dt` from `bytes`, as f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn cvt_row(dt: Dtype, bytes: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    assert!(bytes.len() >= n * dt.size());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: elements `i..i + 8` lie inside both `bytes` (asserted above) and `out`.
+        unsafe {
+            let v = ld8_dyn(dt, bytes.as_ptr().add(i * dt.size()));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+        }
+        i += 8;
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(i) {
+        *o = scalar(dt, bytes, j);
+    }
+}
+
+/// Lane sums of `bias[g] * xsum[t * groups + g]` (`bias`: one row's `groups` biases as f32),
+/// for each token `t < NT`: the bias term of an affine row, before the final horizontal sum.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(super) fn bias_part<const NT: usize>(
+    bias: &[f32],
+    xsum: &[f32],
+    groups: usize,
+) -> [__m256; NT] {
+    assert!(bias.len() >= groups && xsum.len() >= NT * groups);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    let mut g = 0;
+    // SAFETY: groups `g..g + 8 <= groups` are inside `bias` and every token's row of `xsum`;
+    // the masked loads of the tail touch only groups `< groups`.
+    unsafe {
+        while g + 8 <= groups {
+            let b = _mm256_loadu_ps(bias.as_ptr().add(g));
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum.as_ptr().add(t * groups + g)), *a);
+            }
+            g += 8;
+        }
+        if g < groups {
+            let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let m = _mm256_cmpgt_epi32(_mm256_set1_epi32((groups - g) as i32), lane);
+            let b = _mm256_maskload_ps(bias.as_ptr().add(g), m);
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xs = _mm256_maskload_ps(xsum.as_ptr().add(t * groups + g), m);
+                *a = _mm256_fmadd_ps(b, xs, *a);
+            }
+        }
+    }
+    acc
+}
+
+/// Rows converted per batch of scales and biases in the affine decode kernels.
+pub(super) const ROW_CHUNK: usize = 16;
+
+macro_rules! nt_dispatch {
+    ($nt:expr, $f:ident :: < $($g:tt),* > ( $($arg:expr),* )) => {
+        match $nt {
+            1 => $f::<1, $($g),*>($($arg),*),
+            2 => $f::<2, $($g),*>($($arg),*),
+            3 => $f::<3, $($g),*>($($arg),*),
+            4 => $f::<4, $($g),*>($($arg),*),
+            n => unreachable!("{n} tokens in a decode kernel"),
+        }
+    };
+}
+pub(super) use nt_dispatch;
+
+/// Mat-vec over rows `r0..r1` for all tokens (`res`: `tokens` rows of `r1 - r0`).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C. `c` must be a validated job with at most
+/// `DECODE_MAX_TOKENS` tokens, prepared for the AVX2 level.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32], s: &mut Scratch) {
+    let nt = c.tokens;
+    // SAFETY (all calls below): the CPU features are guaranteed by the caller; every kernel
+    // checks the shapes it relies on itself.
+    unsafe {
+        match c.kind {
+            Kind::F32 => match nt {
+                1 => dense_rows::<1, DT_F32, 4>(c, r0, r1, res),
+                _ => nt_dispatch!(nt, dense_rows::<DT_F32, 2>(c, r0, r1, res)),
+            },
+            Kind::F16 => match nt {
+                1 => dense_rows::<1, DT_F16, 4>(c, r0, r1, res),
+                _ => nt_dispatch!(nt, dense_rows::<DT_F16, 2>(c, r0, r1, res)),
+            },
+            Kind::Bf16 => match nt {
+                1 => dense_rows::<1, DT_BF16, 4>(c, r0, r1, res),
+                _ => nt_dispatch!(nt, dense_rows::<DT_BF16, 2>(c, r0, r1, res)),
+            },
+            Kind::Q4 { gs, sdt } => match gs {
+                32 => nt_dispatch!(nt, q4_rows::<32>(c, sdt, r0, r1, res, s)),
+                64 => nt_dispatch!(nt, q4_rows::<64>(c, sdt, r0, r1, res, s)),
+                _ => nt_dispatch!(nt, q4_rows::<128>(c, sdt, r0, r1, res, s)),
+            },
+            Kind::Q8 { gs, sdt } => match gs {
+                32 => nt_dispatch!(nt, q8_rows::<32>(c, sdt, r0, r1, res, s)),
+                64 => nt_dispatch!(nt, q8_rows::<64>(c, sdt, r0, r1, res, s)),
+                _ => nt_dispatch!(nt, q8_rows::<128>(c, sdt, r0, r1, res, s)),
+            },
+            Kind::QAny => portable::decode_rows(c, r0, r1, res, s),
+        }
+    }
+}
+
+/// Dense rows dotted with `NT` tokens, `U` accumulators per token.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `c.w` must be validated and of dtype `DT`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_rows<const NT: usize, const DT: u8, const U: usize>(
+    c: &Ctx,
+    r0: usize,
+    r1: usize,
+    res: &mut [f32],
+) {
+    let (w, cols, n) = (&c.w, c.w.cols, r1 - r0);
+    let sz = if DT == DT_F32 { 4 } else { 2 };
+    let rb = w.row_bytes();
+    assert!(c.tokens == NT && r1 <= w.rows && rb == cols * sz);
+    assert!(c.x.len() >= NT * cols && res.len() >= NT * n);
+    let x = c.x.as_ptr();
+    for r in r0..r1 {
+        let row = &w.data[r * rb..(r + 1) * rb];
+        let rp = row.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); NT]; U];
+        let mut i = 0;
+        // SAFETY: every load reads columns `i..i + 8` with `i + 8 <= cols`: inside the row
+        // (`cols * sz` bytes) and inside each token's `cols` floats of `x`.
+        unsafe {
+            while i + 8 * U <= cols {
+                for (u, acc) in acc.iter_mut().enumerate() {
+                    let wv = ld8::<DT>(rp.add((i + 8 * u) * sz));
+                    for (t, a) in acc.iter_mut().enumerate() {
+                        let xv = _mm256_loadu_ps(x.add(t * cols + i + 8 * u));
+                        *a = _mm256_fmadd_ps(wv, xv, *a);
+                    }
+                }
+                i += 8 * U;
+            }
+            while i + 8 <= cols {
+                let wv = ld8::<DT>(rp.add(i * sz));
+                for (t, a) in acc[0].iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.add(t * cols + i)), *a);
+                }
+                i += 8;
+            }
+        }
+        let dt = match DT {
+            DT_F32 => Dtype::F32,
+            DT_F16 => Dtype::F16,
+            _ => Dtype::Bf16,
+        };
+        for t in 0..NT {
+            let mut v = acc[0][t];
+            for a in &acc[1..] {
+                v = _mm256_add_ps(v, a[t]);
+            }
+            let mut y = hsum(v);
+            for j in i..cols {
+                y += scalar(dt, row, j) * c.x[t * cols + j];
+            }
+            res[t * n + r - r0] = y;
+        }
+    }
+}
+
+/// One 64-column block of a 4-bit row (`v`: 8 words) against `NT` permuted, scaled tokens at
+/// `xb` (stride `ldxp`), scaled per lane by `sv` and added to `y`. Nibble `k < 7` is taken as
+/// `v & (15 << 4k)` = `q * 2^4k` (the permuted `x` carries the `2^-4k`), the last by a shift.
+///
+/// # Safety
+/// 64 floats must be readable at `xb + t * ldxp` for every `t < NT`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q4_block<const NT: usize>(
+    v: __m256i,
+    xb: *const f32,
+    ldxp: usize,
+    sv: __m256,
+    y: &mut [__m256; NT],
+) {
+    let mut a0 = [_mm256_setzero_ps(); NT];
+    let mut a1 = [_mm256_setzero_ps(); NT];
+    macro_rules! step {
+        ($k:literal, $q:expr, $acc:ident) => {{
+            let q = _mm256_cvtepi32_ps($q);
+            for (t, a) in $acc.iter_mut().enumerate() {
+                // SAFETY: the caller guarantees 64 readable floats per token at `xb`.
+                let xv = unsafe { _mm256_loadu_ps(xb.add(t * ldxp + 8 * $k)) };
+                *a = _mm256_fmadd_ps(q, xv, *a);
+            }
+        }};
+    }
+    macro_rules! nib {
+        ($k:literal) => {
+            _mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * $k)))
+        };
+    }
+    step!(0, nib!(0), a0);
+    step!(1, nib!(1), a1);
+    step!(2, nib!(2), a0);
+    step!(3, nib!(3), a1);
+    step!(4, nib!(4), a0);
+    step!(5, nib!(5), a1);
+    step!(6, nib!(6), a0);
+    step!(7, _mm256_srli_epi32::<28>(v), a1);
+    for t in 0..NT {
+        y[t] = _mm256_fmadd_ps(_mm256_add_ps(a0[t], a1[t]), sv, y[t]);
+    }
+}
+
+/// Scales of the 8 lanes (words) of 64-column block `b`: `sp` is the row's scales as f32.
+///
+/// # Safety
+/// `sp` must have `2 * b + 2` readable floats (group size 32), `b + 1` (64) or `b / 2 + 1` (128).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q4_scales<const GS: usize>(sp: *const f32, b: usize) -> __m256 {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match GS {
+            32 => _mm256_blend_ps::<0xF0>(
+                _mm256_set1_ps(*sp.add(2 * b)),
+                _mm256_set1_ps(*sp.add(2 * b + 1)),
+            ),
+            64 => _mm256_set1_ps(*sp.add(b)),
+            _ => _mm256_set1_ps(*sp.add(b / 2)),
+        }
+    }
+}
+
+/// 4-bit rows (group size `GS`) against `NT` tokens permuted (and scaled) in blocks of 8 words.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `c` must be a validated 4-bit job with group size
+/// `GS` and `NT` tokens, prepared for this level.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_rows<const NT: usize, const GS: usize>(
+    c: &Ctx,
+    sdt: Dtype,
+    r0: usize,
+    r1: usize,
+    res: &mut [f32],
+    s: &mut Scratch,
+) {
+    let w = &c.w;
+    let (cols, n) = (w.cols, r1 - r0);
+    let groups = cols / GS;
+    let (rb, srb) = (w.row_bytes(), groups * sdt.size());
+    let (xp, ldxp, xsum) = (c.xp, c.ldxp, c.xsum);
+    let nblk = cols / 64;
+    let tail = !cols.is_multiple_of(64);
+    assert!(c.tokens == NT && r1 <= w.rows && rb * 2 == cols && cols.is_multiple_of(GS));
+    assert!(ldxp >= cols.div_ceil(64) * 64 && xp.len() >= NT * ldxp);
+    assert!(xsum.len() >= NT * groups && res.len() >= NT * n);
+    // Only group size 32 can leave half a block (32 columns) over.
+    assert!(!tail || GS == 32);
+    let sfb = grow(&mut s.a, ROW_CHUNK * groups + 8);
+    let bfb = grow(&mut s.b, ROW_CHUNK * groups);
+    let mut ch = r0;
+    while ch < r1 {
+        let nc = ROW_CHUNK.min(r1 - ch);
+        cvt_row(
+            sdt,
+            &w.scales[ch * srb..(ch + nc) * srb],
+            &mut sfb[..nc * groups],
+        );
+        cvt_row(
+            sdt,
+            &w.biases[ch * srb..(ch + nc) * srb],
+            &mut bfb[..nc * groups],
+        );
+        sfb[nc * groups..nc * groups + 8].fill(0.0);
+        for i in 0..nc {
+            let r = ch + i;
+            let row = &w.data[r * rb..(r + 1) * rb];
+            let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
+            let sf = &sfb[i * groups..(i + 1) * groups + 8];
+            let (rp, xq, sp) = (row.as_ptr(), xp.as_ptr(), sf.as_ptr());
+            // SAFETY: block `b < nblk` reads row bytes `32b..32b + 32` (the row has `cols / 2
+            // >= 32 * nblk`), the tail reads the last 16; tokens' permuted rows have `ldxp >=
+            // 64 * (nblk + 1)` floats when there is a tail, else `>= 64 * nblk`; scale reads
+            // stay below `groups + 2` and `sf` has `groups + 8`.
+            unsafe {
+                for b in 0..nblk {
+                    let v = _mm256_loadu_si256(rp.add(32 * b) as *const __m256i);
+                    q4_block::<NT>(v, xq.add(64 * b), ldxp, q4_scales::<GS>(sp, b), &mut y);
+                }
+                if tail {
+                    let v = _mm256_zextsi128_si256(_mm_loadu_si128(
+                        rp.add(32 * nblk) as *const __m128i
+                    ));
+                    // Lanes 4..8 are past the row: give them a zero scale.
+                    let sv =
+                        _mm256_blend_ps::<0xF0>(q4_scales::<GS>(sp, nblk), _mm256_setzero_ps());
+                    q4_block::<NT>(v, xq.add(64 * nblk), ldxp, sv, &mut y);
+                }
+            }
+            for t in 0..NT {
+                res[t * n + r - r0] = hsum(y[t]);
+            }
+        }
+        ch += nc;
+    }
+}
+
+/// 8-bit rows (group size `GS`) against `NT` tokens in natural order.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `c` must be a validated 8-bit job with group size
+/// `GS` and `NT` tokens, prepared with per-group sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_rows<const NT: usize, const GS: usize>(
+    c: &Ctx,
+    sdt: Dtype,
+    r0: usize,
+    r1: usize,
+    res: &mut [f32],
+    s: &mut Scratch,
+) {
+    let w = &c.w;
+    let (cols, n) = (w.cols, r1 - r0);
+    let groups = cols / GS;
+    let (rb, srb) = (w.row_bytes(), groups * sdt.size());
+    let xsum = c.xsum;
+    assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
+    assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
+    let x = c.x.as_ptr();
+    let sfb = grow(&mut s.a, ROW_CHUNK * groups);
+    let bfb = grow(&mut s.b, ROW_CHUNK * groups);
+    let mut ch = r0;
+    while ch < r1 {
+        let nc = ROW_CHUNK.min(r1 - ch);
+        cvt_row(
+            sdt,
+            &w.scales[ch * srb..(ch + nc) * srb],
+            &mut sfb[..nc * groups],
+        );
+        cvt_row(
+            sdt,
+            &w.biases[ch * srb..(ch + nc) * srb],
+            &mut bfb[..nc * groups],
+        );
+        for i in 0..nc {
+            let r = ch + i;
+            let row = &w.data[r * rb..(r + 1) * rb];
+            let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
+            let rp = row.as_ptr();
+            for (g, &sc) in sfb[i * groups..(i + 1) * groups].iter().enumerate() {
+                let mut a0 = [_mm256_setzero_ps(); NT];
+                let mut a1 = [_mm256_setzero_ps(); NT];
+                let mut j = g * GS;
+                // SAFETY: columns `j..j + 16` stay inside group `g`, so inside the row
+                // (`cols` bytes) and each token's `cols` floats of `x`.
+                unsafe {
+                    while j < (g + 1) * GS {
+                        let q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            rp.add(j) as *const __m128i,
+                        )));
+                        let q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            rp.add(j + 8) as *const __m128i,
+                        )));
+                        for t in 0..NT {
+                            let xt = x.add(t * cols + j);
+                            a0[t] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xt), a0[t]);
+                            a1[t] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xt.add(8)), a1[t]);
+                        }
+                        j += 16;
+                    }
+                }
+                let sv = _mm256_set1_ps(sc);
+                for t in 0..NT {
+                    y[t] = _mm256_fmadd_ps(_mm256_add_ps(a0[t], a1[t]), sv, y[t]);
+                }
+            }
+            for t in 0..NT {
+                res[t * n + r - r0] = hsum(y[t]);
+            }
+        }
+        ch += nc;
+    }
+}
+
+/// Row `r` of `w` as f32 (natural order).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` must be validated.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequant_row(w: &MatRef, r: usize, out: &mut [f32]) {
+    let cols = w.cols;
+    assert!(r < w.rows && out.len() == cols);
+    let rb = w.row_bytes();
+    let row = &w.data[r * rb..(r + 1) * rb];
+    let op = out.as_mut_ptr();
+    match Kind::of(w.format) {
+        k @ (Kind::F32 | Kind::F16 | Kind::Bf16) => {
+            let dt = match k {
+                Kind::F32 => Dtype::F32,
+                Kind::F16 => Dtype::F16,
+                _ => Dtype::Bf16,
+            };
+            cvt_row(dt, row, out);
+        }
+        Kind::Q4 { gs, sdt } => {
+            let groups = cols / gs;
+            let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+            let mask = _mm256_set1_epi32(15);
+            for g in 0..groups {
+                let s = _mm256_set1_ps(scalar(sdt, w.scales, r * groups + g));
+                let b = _mm256_set1_ps(scalar(sdt, w.biases, r * groups + g));
+                for wi in g * gs / 8..(g + 1) * gs / 8 {
+                    let word = u32::from_le_bytes(row[4 * wi..4 * wi + 4].try_into().unwrap());
+                    let q = _mm256_and_si256(
+                        _mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts),
+                        mask,
+                    );
+                    // SAFETY: word `wi` holds columns `8wi..8wi + 8 <= cols` of `out`.
+                    unsafe {
+                        _mm256_storeu_ps(
+                            op.add(8 * wi),
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, b),
+                        )
+                    };
+                }
+            }
+        }
+        Kind::Q8 { gs, sdt } => {
+            let groups = cols / gs;
+            for g in 0..groups {
+                let s = _mm256_set1_ps(scalar(sdt, w.scales, r * groups + g));
+                let b = _mm256_set1_ps(scalar(sdt, w.biases, r * groups + g));
+                for i in (g * gs..(g + 1) * gs).step_by(8) {
+                    // SAFETY: columns `i..i + 8` are inside group `g`, so inside the row's
+                    // `cols` bytes and `out`.
+                    unsafe {
+                        let q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            row.as_ptr().add(i) as *const __m128i
+                        ));
+                        _mm256_storeu_ps(op.add(i), _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, b));
+                    }
+                }
+            }
+        }
+        Kind::QAny => portable::dequant_range(w, r, 0, out),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill: packing and micro-kernel
+// ---------------------------------------------------------------------------------------------
+
+/// Transposes an 8x8 matrix of 32-bit elements held in 8 vectors (row `i` in `v[i]`).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+    let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+    let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+    let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+    let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
+
+/// Packs rows `rb..rb + nv` of `c.w` (`1 <= nv <= 8`; missing rows repeat the last) and
+/// columns `k0..k0 + kc` into `dst[p * ld + off + i]` (`i < 8`). `k0` must be a multiple of 64.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pack_sub(
+    c: &Ctx,
+    rb: usize,
+    nv: usize,
+    k0: usize,
+    kc: usize,
+    dst: &mut [f32],
+    ld: usize,
+    off: usize,
+    tmp: &mut [f32],
+) {
+    assert!((1..=8).contains(&nv) && rb + nv <= c.w.rows && k0 + kc <= c.w.cols && kc > 0);
+    assert!(k0.is_multiple_of(64) && kc <= 256 && off + 8 <= ld);
+    assert!(dst.len() >= (kc - 1) * ld + off + 8 && tmp.len() >= kc.max(128));
+    let mut rows = [0usize; 8];
+    for (i, r) in rows.iter_mut().enumerate() {
+        *r = rb + i.min(nv - 1);
+    }
+    match c.kind {
+        Kind::Q4 { gs, sdt } => pack8_affine::<4>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+        Kind::Q8 { gs, sdt } => pack8_affine::<8>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+        Kind::F32 => pack8_dense::<DT_F32>(c, &rows, k0, kc, dst, ld, off),
+        Kind::F16 => pack8_dense::<DT_F16>(c, &rows, k0, kc, dst, ld, off),
+        Kind::Bf16 => pack8_dense::<DT_BF16>(c, &rows, k0, kc, dst, ld, off),
+        Kind::QAny => portable::pack_generic(c, rb, nv, 8, k0, kc, dst, ld, off, tmp),
+    }
+}
+
+/// Elements `g0..g0 + ng` (`ng <= 8`) of rows `rows` of a `[rows, groups]` array of `dt`,
+/// transposed: `out[g * 8 + i]` is element `g0 + g` of row `rows[i]`. `rows` are consecutive.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load_t8(
+    dt: Dtype,
+    bytes: &[u8],
+    rows: &[usize; 8],
+    groups: usize,
+    g0: usize,
+    ng: usize,
+    out: &mut [f32],
+) {
+    let ssz = dt.size();
+    assert!(ng <= 8 && out.len() >= 8 * ng && g0 + ng <= groups);
+    if rows
+        .iter()
+        .all(|&r| (r * groups + g0 + 8) * ssz <= bytes.len())
+    {
+        let mut v = [_mm256_setzero_ps(); 8];
+        for (i, v) in v.iter_mut().enumerate() {
+            // SAFETY: 8 elements from element `rows[i] * groups + g0` are inside `bytes`
+            // (checked above).
+            *v = unsafe { ld8_dyn(dt, bytes.as_ptr().add((rows[i] * groups + g0) * ssz)) };
+        }
+        let t = transpose8(v);
+        for (g, t) in t.iter().enumerate().take(ng) {
+            // SAFETY: `out` has `8 * ng` floats (asserted above).
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * g), *t) };
+        }
+    } else {
+        // The last rows of the array: no room to read 8 elements past each row's start.
+        for (i, &r) in rows.iter().enumerate() {
+            for g in 0..ng {
+                out[g * 8 + i] = scalar(dt, bytes, r * groups + g0 + g);
+            }
+        }
+    }
+}
+
+/// Eight rows (`srcs[i]`, each at least `4 * (wc + cnt)` bytes) of words `wc..wc + cnt`
+/// (`cnt <= 8`) loaded and transposed: lane `i` of result `j` is word `wc + j` of row `i`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn load_words_t8(srcs: &[&[u8]; 8], wc: usize, cnt: usize) -> [__m256; 8] {
+    assert!(cnt <= 8 && srcs.iter().all(|s| s.len() >= 4 * (wc + cnt)));
+    let mut v = [_mm256_setzero_ps(); 8];
+    if cnt == 8 {
+        for (v, src) in v.iter_mut().zip(srcs) {
+            // SAFETY: words `wc..wc + 8` are inside `src` (asserted above).
+            *v = unsafe { _mm256_loadu_ps(src.as_ptr().add(4 * wc) as *const f32) };
+        }
+    } else {
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt as i32), lane);
+        for (v, src) in v.iter_mut().zip(srcs) {
+            // SAFETY: the masked load reads only words `wc..wc + cnt`, inside `src`.
+            *v = unsafe { _mm256_maskload_ps(src.as_ptr().add(4 * wc) as *const f32, m) };
+        }
+    }
+    transpose8(v)
+}
+
+/// [`pack_sub`] for 4- or 8-bit affine rows: words of 8 rows are loaded 8 at a time,
+/// transposed, and every nibble/byte position then yields one packed column of 8 rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn pack8_affine<const BITS: usize>(
+    c: &Ctx,
+    gs: usize,
+    sdt: Dtype,
+    rows: &[usize; 8],
+    k0: usize,
+    kc: usize,
+    dst: &mut [f32],
+    ld: usize,
+    off: usize,
+    st: &mut [f32],
+) {
+    let w = &c.w;
+    let per = 32 / BITS; // elements per word
+    let (rb, groups) = (w.row_bytes(), w.cols / gs);
+    assert!(k0.is_multiple_of(gs) && kc.is_multiple_of(per) && gs.is_multiple_of(per));
+    // Scales and biases of the groups in range, transposed to `[group][row]`.
+    let (g0, ng) = (k0 / gs, kc.div_ceil(gs));
+    assert!(ng <= 8 && gs.is_power_of_two());
+    load_t8(sdt, w.scales, rows, groups, g0, ng, &mut st[..64]);
+    load_t8(sdt, w.biases, rows, groups, g0, ng, &mut st[64..128]);
+    // Words per group (a power of two), relative to the first word, which starts group `g0`.
+    let wshift = (gs / per).trailing_zeros();
+    let (w0, nw) = (k0 / per, kc / per);
+    let qmask = _mm256_set1_epi32((1 << BITS) - 1);
+    let mut srcs: [&[u8]; 8] = [&[]; 8];
+    for (src, &r) in srcs.iter_mut().zip(rows) {
+        *src = &w.data[r * rb + 4 * w0..][..4 * nw];
+    }
+    assert!(dst.len() >= (kc - 1) * ld + off + 8);
+    let (dp, sp) = (dst.as_mut_ptr(), st.as_ptr());
+    let mut wc = 0;
+    while wc < nw {
+        let cnt = (nw - wc).min(8);
+        let t = load_words_t8(&srcs, wc, cnt);
+        for (j, &tj) in t.iter().enumerate().take(cnt) {
+            let tj = _mm256_castps_si256(tj);
+            let g = (wc + j) >> wshift;
+            // SAFETY: `g < ng <= 8`, so both 8-float reads are inside `st[..128]`; the stores
+            // go to columns `(wc + j) * per + k < kc`, and `dst` has `(kc - 1) * ld + off + 8`
+            // floats (asserted above).
+            unsafe {
+                let s = _mm256_loadu_ps(sp.add(8 * g));
+                let b = _mm256_loadu_ps(sp.add(64 + 8 * g));
+                let base = dp.add((wc + j) * per * ld + off);
+                macro_rules! col {
+                    ($k:literal) => {
+                        if $k < per {
+                            let sh = _mm256_set1_epi32(($k * BITS) as i32);
+                            let q = _mm256_and_si256(_mm256_srlv_epi32(tj, sh), qmask);
+                            let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, b);
+                            _mm256_storeu_ps(base.add($k * ld), v);
+                        }
+                    };
+                }
+                col!(0);
+                col!(1);
+                col!(2);
+                col!(3);
+                col!(4);
+                col!(5);
+                col!(6);
+                col!(7);
+            }
+        }
+        wc += cnt;
+    }
+}
+
+/// [`pack_sub`] for dense rows: 8x8 tiles are converted, transposed and stored.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pack8_dense<const DT: u8>(
+    c: &Ctx,
+    rows: &[usize; 8],
+    k0: usize,
+    kc: usize,
+    dst: &mut [f32],
+    ld: usize,
+    off: usize,
+) {
+    let w = &c.w;
+    let sz = if DT == DT_F32 { 4 } else { 2 };
+    let rb = w.row_bytes();
+    let mut srcs: [&[u8]; 8] = [&[]; 8];
+    for (src, &r) in srcs.iter_mut().zip(rows) {
+        *src = &w.data[r * rb + k0 * sz..][..kc * sz];
+    }
+    assert!(dst.len() >= (kc - 1) * ld + off + 8);
+    let dp = dst.as_mut_ptr();
+    let mut p = 0;
+    while p + 8 <= kc {
+        let mut v = [_mm256_setzero_ps(); 8];
+        for (v, src) in v.iter_mut().zip(&srcs) {
+            // SAFETY: columns `p..p + 8 <= kc` are inside `src` (`kc` elements).
+            *v = unsafe { ld8::<DT>(src.as_ptr().add(p * sz)) };
+        }
+        let t = transpose8(v);
+        for (j, &tj) in t.iter().enumerate() {
+            // SAFETY: column `p + j < kc`; `dst` has `(kc - 1) * ld + off + 8` floats.
+            unsafe { _mm256_storeu_ps(dp.add((p + j) * ld + off), tj) };
+        }
+        p += 8;
+    }
+    let dt = match DT {
+        DT_F32 => Dtype::F32,
+        DT_F16 => Dtype::F16,
+        _ => Dtype::Bf16,
+    };
+    for q in p..kc {
+        for (i, src) in srcs.iter().enumerate() {
+            dst[q * ld + off + i] = scalar(dt, src, q);
+        }
+    }
+}
+
+/// `MR = M` tokens x 16 rows micro-kernel.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `a` must have `(M - 1) * lda + kc` readable floats, `b`
+/// `16 * kc`, and `c` `(M - 1) * ldc + 16` writable ones.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kern16<const M: usize>(
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    first: bool,
+) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    // SAFETY: every access is within the bounds the caller guarantees.
+    unsafe {
+        for p in 0..kc {
+            let b0 = _mm256_loadu_ps(b.add(16 * p));
+            let b1 = _mm256_loadu_ps(b.add(16 * p + 8));
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let av = _mm256_set1_ps(*a.add(i * lda + p));
+                acc[0] = _mm256_fmadd_ps(av, b0, acc[0]);
+                acc[1] = _mm256_fmadd_ps(av, b1, acc[1]);
+            }
+        }
+        for (i, acc) in acc.iter().enumerate() {
+            let cp = c.add(i * ldc);
+            if first {
+                _mm256_storeu_ps(cp, acc[0]);
+                _mm256_storeu_ps(cp.add(8), acc[1]);
+            } else {
+                _mm256_storeu_ps(cp, _mm256_add_ps(_mm256_loadu_ps(cp), acc[0]));
+                _mm256_storeu_ps(cp.add(8), _mm256_add_ps(_mm256_loadu_ps(cp.add(8)), acc[1]));
+            }
+        }
+    }
+}
+
+/// The AVX2 packed micro-kernel: panels of 16 rows, 6 tokens per call.
+pub(super) struct Avx2Gemm;
+
+impl Gemm for Avx2Gemm {
+    const NR: usize = 16;
+    const MR: usize = 6;
+
+    fn pack(c: &Ctx, rb: usize, nv: usize, k0: usize, kc: usize, dst: &mut [f32], tmp: &mut [f32]) {
+        assert!(cpu_ok());
+        for sub in 0..2 {
+            let base = 8 * sub;
+            if base >= nv {
+                for p in 0..kc {
+                    dst[p * 16 + base..p * 16 + base + 8].fill(0.0);
+                }
+            } else {
+                // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
+                unsafe { pack_sub(c, rb + base, (nv - base).min(8), k0, kc, dst, 16, base, tmp) };
+            }
+        }
+    }
+
+    fn kernel(
+        m: usize,
+        kc: usize,
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        c: &mut [f32],
+        ldc: usize,
+        first: bool,
+    ) {
+        assert!(cpu_ok() && (1..=6).contains(&m) && kc > 0);
+        assert!(a.len() >= (m - 1) * lda + kc && b.len() >= 16 * kc);
+        assert!(c.len() >= (m - 1) * ldc + 16);
+        let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+        // SAFETY: the CPU features and the slice lengths are asserted above.
+        unsafe {
+            match m {
+                1 => kern16::<1>(kc, a, lda, b, c, ldc, first),
+                2 => kern16::<2>(kc, a, lda, b, c, ldc, first),
+                3 => kern16::<3>(kc, a, lda, b, c, ldc, first),
+                4 => kern16::<4>(kc, a, lda, b, c, ldc, first),
+                5 => kern16::<5>(kc, a, lda, b, c, ldc, first),
+                _ => kern16::<6>(kc, a, lda, b, c, ldc, first),
+            }
+        }
+    }
+}

@@ -1,0 +1,492 @@
+//! Kernels against a straightforward f64 reference, at every SIMD level this CPU has.
+
+use sluice_backend::{Dtype, MatRef, WeightFormat};
+
+use super::*;
+
+/// splitmix64: small, deterministic, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[lo, hi)`.
+    fn f32(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32(lo, hi)).collect()
+    }
+}
+
+fn encode(dt: Dtype, v: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * dt.size());
+    for &x in v {
+        match dt {
+            Dtype::F32 => out.extend_from_slice(&x.to_le_bytes()),
+            Dtype::F16 => out.extend_from_slice(&half::f16::from_f32(x).to_bits().to_le_bytes()),
+            Dtype::Bf16 => out.extend_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes()),
+        }
+    }
+    out
+}
+
+fn decode64(dt: Dtype, bytes: &[u8], i: usize) -> f64 {
+    match dt {
+        Dtype::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap()) as f64,
+        Dtype::F16 => half::f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f64(),
+        Dtype::Bf16 => half::bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f64(),
+    }
+}
+
+/// A random matrix whose three byte buffers each start `offset` bytes into their allocation.
+struct TestMat {
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    offset: usize,
+    data: Vec<u8>,
+    scales: Vec<u8>,
+    biases: Vec<u8>,
+}
+
+impl TestMat {
+    fn new(format: WeightFormat, rows: usize, cols: usize, offset: usize, rng: &mut Rng) -> Self {
+        let pad = |mut v: Vec<u8>| {
+            let mut out = vec![0xA5u8; offset];
+            out.append(&mut v);
+            out
+        };
+        let (data, scales, biases) = match format {
+            WeightFormat::Dense(dt) => (
+                encode(dt, &rng.vec(rows * cols, -1.0, 1.0)),
+                Vec::new(),
+                Vec::new(),
+            ),
+            WeightFormat::Affine {
+                bits,
+                group_size,
+                scale_dtype,
+            } => {
+                let n = rows * format.row_bytes(cols);
+                let data: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                let ng = rows * cols / group_size;
+                let s = rng.vec(ng, 0.002, 0.05);
+                let half = (1u32 << (bits - 1)) as f32;
+                let b: Vec<f32> = s.iter().map(|&s| -s * half * rng.f32(0.8, 1.2)).collect();
+                (data, encode(scale_dtype, &s), encode(scale_dtype, &b))
+            }
+        };
+        TestMat {
+            format,
+            rows,
+            cols,
+            offset,
+            data: pad(data),
+            scales: pad(scales),
+            biases: pad(biases),
+        }
+    }
+
+    fn view(&self) -> MatRef<'_> {
+        let o = self.offset;
+        let m = MatRef {
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.data[o..],
+            scales: &self.scales[o.min(self.scales.len())..],
+            biases: &self.biases[o.min(self.biases.len())..],
+        };
+        m.validate().unwrap();
+        m
+    }
+}
+
+/// Element `[r, c]` of `m`, straight from the definition of the format (bit by bit).
+fn ref_weight(m: &MatRef, r: usize, c: usize) -> f64 {
+    let rb = m.format.row_bytes(m.cols);
+    let row = &m.data[r * rb..(r + 1) * rb];
+    match m.format {
+        WeightFormat::Dense(dt) => decode64(dt, row, c),
+        WeightFormat::Affine {
+            bits,
+            group_size,
+            scale_dtype,
+        } => {
+            let bits = bits as usize;
+            let mut q = 0u32;
+            for i in 0..bits {
+                let bit = c * bits + i;
+                q |= (((row[bit / 8] >> (bit % 8)) & 1) as u32) << i;
+            }
+            let g = r * (m.cols / group_size) + c / group_size;
+            decode64(scale_dtype, m.scales, g) * q as f64 + decode64(scale_dtype, m.biases, g)
+        }
+    }
+}
+
+fn ref_matmul(m: &MatRef, x: &[f32], tokens: usize) -> Vec<f64> {
+    let mut out = vec![0f64; tokens * m.rows];
+    for r in 0..m.rows {
+        let w: Vec<f64> = (0..m.cols).map(|c| ref_weight(m, r, c)).collect();
+        for t in 0..tokens {
+            let xt = &x[t * m.cols..(t + 1) * m.cols];
+            out[t * m.rows + r] = w.iter().zip(xt).map(|(a, &b)| a * b as f64).sum();
+        }
+    }
+    out
+}
+
+/// `Err` with a description if `got` differs from `want` by more than `1e-5 * max |want|`.
+fn compare(got: &[f32], want: &[f64]) -> Result<(), String> {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f64, |a, &b| a.max(b.abs())).max(1e-30);
+    let tol = 1e-5 * scale;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w).abs();
+        if err.is_nan() || err > tol {
+            return Err(format!(
+                "element {i}: got {g}, want {w} (error {err:.3e}, tolerance {tol:.3e})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn run(level: Level, w: &MatRef, x: &[f32], tokens: usize) -> Vec<f32> {
+    let mut out = vec![f32::NAN; tokens * w.rows];
+    matmul_batch_at(
+        level,
+        &mut [MatmulJob {
+            w: *w,
+            x,
+            tokens,
+            out: &mut out,
+        }],
+    );
+    out
+}
+
+fn check(level: Level, m: &TestMat, tokens: usize, rng: &mut Rng) {
+    let w = m.view();
+    let x = rng.vec(tokens * w.cols, -1.0, 1.0);
+    let got = run(level, &w, &x, tokens);
+    let want = ref_matmul(&w, &x, tokens);
+    if let Err(e) = compare(&got, &want) {
+        panic!(
+            "{} [{} x {}] {} tokens, offset {}, level {}: {e}",
+            w.format,
+            w.rows,
+            w.cols,
+            tokens,
+            m.offset,
+            level.name()
+        );
+    }
+}
+
+const DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+
+/// Token counts that cover decode (1..=4), chunked decode, and the packed micro-kernel with
+/// every tail of its 6- and 8-token tiles.
+const TOKENS: [usize; 16] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 40, 41, 44, 45, 47];
+
+#[test]
+fn levels_are_detected() {
+    let levels = available_levels();
+    assert_eq!(levels[0], Level::Scalar);
+    assert!(levels.contains(&level()));
+    assert_eq!(simd_level(), level().name());
+}
+
+#[test]
+fn comparison_detects_errors() {
+    let mut rng = Rng(1);
+    let m = TestMat::new(WeightFormat::Dense(Dtype::F32), 5, 40, 1, &mut rng);
+    let w = m.view();
+    let x = rng.vec(3 * 40, -1.0, 1.0);
+    let want = ref_matmul(&w, &x, 3);
+    let mut got = run(Level::Scalar, &w, &x, 3);
+    compare(&got, &want).unwrap();
+    got[7] += 1e-3 * got[7].abs().max(1.0);
+    assert!(compare(&got, &want).is_err());
+    got[7] = f32::NAN;
+    assert!(compare(&got, &want).is_err());
+}
+
+#[test]
+fn dense_every_dtype_every_level() {
+    let mut rng = Rng(2);
+    for level in available_levels() {
+        for dt in DTYPES {
+            for (rows, cols) in [(1, 1), (7, 13), (37, 77), (70, 300), (33, 520)] {
+                let m = TestMat::new(WeightFormat::Dense(dt), rows, cols, 1 + rows % 3, &mut rng);
+                for tokens in TOKENS {
+                    check(level, &m, tokens, &mut rng);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn affine_4_and_8_bits_every_group_scale_dtype_and_level() {
+    let mut rng = Rng(3);
+    for level in available_levels() {
+        for bits in [4, 8] {
+            for gs in [32, 64, 128] {
+                for sdt in DTYPES {
+                    let format = WeightFormat::Affine {
+                        bits,
+                        group_size: gs,
+                        scale_dtype: sdt,
+                    };
+                    // Column counts of 1, 3 and 5 groups (partial SIMD blocks, several `KC`
+                    // blocks with a short last one) and odd row counts.
+                    for (i, (rows, ngroups)) in [(3, 1), (37, 3), (45, 5)].into_iter().enumerate() {
+                        let m = TestMat::new(format, rows, gs * ngroups, 1 + i, &mut rng);
+                        for tokens in TOKENS {
+                            check(level, &m, tokens, &mut rng);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn affine_long_rows() {
+    // Columns beyond several `KC` blocks and every 128-column block alignment.
+    let mut rng = Rng(4);
+    for level in available_levels() {
+        for (bits, gs, cols) in [(4, 32, 1056), (4, 64, 1088), (4, 128, 1152), (8, 32, 800)] {
+            let format = WeightFormat::Affine {
+                bits,
+                group_size: gs,
+                scale_dtype: Dtype::Bf16,
+            };
+            let m = TestMat::new(format, 67, cols, 3, &mut rng);
+            for tokens in [1, 2, 4, 7, 64] {
+                check(level, &m, tokens, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn every_token_count_up_to_60() {
+    let mut rng = Rng(10);
+    let format = WeightFormat::Affine {
+        bits: 4,
+        group_size: 32,
+        scale_dtype: Dtype::Bf16,
+    };
+    let m = TestMat::new(format, 50, 96, 1, &mut rng);
+    for level in available_levels() {
+        for tokens in 1..=60 {
+            check(level, &m, tokens, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn many_tokens() {
+    let mut rng = Rng(5);
+    for level in available_levels() {
+        for format in [
+            WeightFormat::Affine {
+                bits: 4,
+                group_size: 64,
+                scale_dtype: Dtype::Bf16,
+            },
+            WeightFormat::Affine {
+                bits: 8,
+                group_size: 32,
+                scale_dtype: Dtype::F16,
+            },
+            WeightFormat::Dense(Dtype::Bf16),
+        ] {
+            // 130 rows: two row blocks plus a partial one; 300 tokens: many tiles plus a tail.
+            let m = TestMat::new(format, 130, 320, 2, &mut rng);
+            for tokens in [64, 300] {
+                check(level, &m, tokens, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn generic_affine_bits() {
+    let mut rng = Rng(6);
+    for level in available_levels() {
+        for bits in [2, 3, 4, 5, 6, 8] {
+            for gs in [16, 32, 64] {
+                let format = WeightFormat::Affine {
+                    bits,
+                    group_size: gs,
+                    scale_dtype: Dtype::Bf16,
+                };
+                // `cols * bits` must fill whole u32 words.
+                let cols = 2 * gs.max(32);
+                let m = TestMat::new(format, 19, cols, 3, &mut rng);
+                for tokens in [1, 3, 7] {
+                    check(level, &m, tokens, &mut rng);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn dequantize_row_every_format_and_level() {
+    let mut rng = Rng(7);
+    let mut formats: Vec<WeightFormat> = DTYPES.iter().map(|&d| WeightFormat::Dense(d)).collect();
+    for bits in [2, 3, 4, 5, 6, 8] {
+        for gs in [32, 64, 128] {
+            for sdt in DTYPES {
+                formats.push(WeightFormat::Affine {
+                    bits,
+                    group_size: gs,
+                    scale_dtype: sdt,
+                });
+            }
+        }
+    }
+    for level in available_levels() {
+        for &format in &formats {
+            let m = TestMat::new(format, 5, 384, 1, &mut rng);
+            let w = m.view();
+            let mut row = vec![f32::NAN; w.cols];
+            for r in 0..w.rows {
+                dequantize_row_at(level, &w, r, &mut row);
+                let want: Vec<f64> = (0..w.cols).map(|c| ref_weight(&w, r, c)).collect();
+                if let Err(e) = compare(&row, &want) {
+                    panic!("{format} row {r}, level {}: {e}", level.name());
+                }
+            }
+        }
+    }
+    // The public entry point (at the level in use).
+    let m = TestMat::new(WeightFormat::Dense(Dtype::Bf16), 2, 9, 2, &mut rng);
+    let w = m.view();
+    let mut row = vec![0f32; 9];
+    dequantize_row(&w, 1, &mut row);
+    let want: Vec<f64> = (0..9).map(|c| ref_weight(&w, 1, c)).collect();
+    compare(&row, &want).unwrap();
+}
+
+#[test]
+fn batch_of_mixed_jobs() {
+    let mut rng = Rng(8);
+    let q4 = WeightFormat::Affine {
+        bits: 4,
+        group_size: 64,
+        scale_dtype: Dtype::Bf16,
+    };
+    let q8 = WeightFormat::Affine {
+        bits: 8,
+        group_size: 32,
+        scale_dtype: Dtype::F32,
+    };
+    let q3 = WeightFormat::Affine {
+        bits: 3,
+        group_size: 32,
+        scale_dtype: Dtype::F16,
+    };
+    let mats: Vec<TestMat> = [
+        (q4, 96, 256),
+        (q4, 96, 256),
+        (q8, 40, 96),
+        (WeightFormat::Dense(Dtype::F32), 13, 29),
+        (q4, 300, 192),
+        (q3, 17, 64),
+        (WeightFormat::Dense(Dtype::F16), 70, 64),
+        (q4, 0, 64),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (f, r, c))| TestMat::new(f, r, c, i % 4, &mut rng))
+    .collect();
+    let tokens = [1, 1, 3, 5, 9, 2, 1, 2];
+    // Jobs 0 and 1 share their input (as gate and up projections do).
+    let mut xs: Vec<Vec<f32>> = mats
+        .iter()
+        .zip(tokens)
+        .map(|(m, t)| rng.vec(t * m.cols, -1.0, 1.0))
+        .collect();
+    xs[1] = xs[0].clone();
+    for level in available_levels() {
+        let views: Vec<MatRef> = mats.iter().map(|m| m.view()).collect();
+        let mut outs: Vec<Vec<f32>> = views
+            .iter()
+            .zip(tokens)
+            .map(|(w, t)| vec![f32::NAN; t * w.rows])
+            .collect();
+        {
+            let mut jobs: Vec<MatmulJob> = views
+                .iter()
+                .zip(&mut outs)
+                .enumerate()
+                .map(|(i, (w, out))| MatmulJob {
+                    w: *w,
+                    x: if i == 1 { &xs[0] } else { &xs[i] },
+                    tokens: tokens[i],
+                    out,
+                })
+                .collect();
+            matmul_batch_at(level, &mut jobs);
+        }
+        for (i, w) in views.iter().enumerate() {
+            let want = ref_matmul(w, &xs[i], tokens[i]);
+            if let Err(e) = compare(&outs[i], &want) {
+                panic!("job {i} ({}), level {}: {e}", w.format, level.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn public_matmul_many_rows_uses_threads_correctly() {
+    // Enough rows for many tasks on every level; checks the task split and the output layout.
+    let mut rng = Rng(9);
+    let format = WeightFormat::Affine {
+        bits: 4,
+        group_size: 64,
+        scale_dtype: Dtype::Bf16,
+    };
+    let m = TestMat::new(format, 1500, 512, 1, &mut rng);
+    let w = m.view();
+    for tokens in [1, 3, 70] {
+        let x = rng.vec(tokens * w.cols, -1.0, 1.0);
+        let mut out = vec![f32::NAN; tokens * w.rows];
+        matmul(&w, &x, tokens, &mut out);
+        compare(&out, &ref_matmul(&w, &x, tokens)).unwrap();
+    }
+}
+
+#[test]
+fn permutation_is_the_nibble_order() {
+    let x: Vec<f32> = (0..96).map(|i| i as f32).collect();
+    let mut dst = vec![-1f32; 128];
+    permute_q4(&x, 8, false, &mut dst);
+    // Block 0: word j, nibble k -> position 8k + j.
+    assert_eq!(dst[0], 0.0);
+    assert_eq!(dst[1], 8.0);
+    assert_eq!(dst[8], 1.0);
+    assert_eq!(dst[8 * 7 + 7], 63.0);
+    // Block 1 holds 32 real columns (words 0..4) and zeros.
+    assert_eq!(dst[64 + 8 + 3], 64.0 + 25.0);
+    assert_eq!(dst[64 + 8 + 4], 0.0);
+    // Scaled: nibble k times 2^-4k, except the last.
+    permute_q4(&x, 8, true, &mut dst);
+    assert_eq!(dst[8], 1.0 / 16.0);
+    assert_eq!(dst[8 * 6 + 1], 14.0 / 16f32.powi(6));
+    assert_eq!(dst[8 * 7 + 7], 63.0);
+}
