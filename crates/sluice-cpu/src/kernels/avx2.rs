@@ -123,6 +123,10 @@ pub(super) fn bias_part<const NT: usize>(
     acc
 }
 
+/// Bytes ahead of the current position that the 4-bit decode kernels prefetch (the weights are
+/// one contiguous stream; 0 disables).
+pub(super) const PREFETCH: usize = 2048;
+
 /// Rows converted per batch of scales and biases in the affine decode kernels.
 pub(super) const ROW_CHUNK: usize = 16;
 
@@ -359,6 +363,9 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
             // stay below `groups + 2` and `sf` has `groups + 8`.
             unsafe {
                 for b in 0..nblk {
+                    if PREFETCH > 0 && b % 2 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(32 * b + PREFETCH) as *const i8);
+                    }
                     let v = _mm256_loadu_si256(rp.add(32 * b) as *const __m256i);
                     q4_block::<NT>(v, xq.add(64 * b), ldxp, q4_scales::<GS>(sp, b), &mut y);
                 }
@@ -423,6 +430,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
             let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
             let rp = row.as_ptr();
             for (g, &sc) in sfb[i * groups..(i + 1) * groups].iter().enumerate() {
+                _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(g * GS + PREFETCH) as *const i8);
                 let mut a0 = [_mm256_setzero_ps(); NT];
                 let mut a1 = [_mm256_setzero_ps(); NT];
                 let mut j = g * GS;

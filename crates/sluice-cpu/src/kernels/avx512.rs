@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 
 use sluice_backend::Dtype;
 
-use super::avx2::{self, cvt_row, nt_dispatch, DT_BF16, DT_F16, DT_F32, ROW_CHUNK};
+use super::avx2::{self, cvt_row, nt_dispatch, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK};
 use super::{grow, portable, scalar, Ctx, Gemm, Kind, Scratch};
 
 /// Whether this CPU runs the code in this module (checked by the safe `Gemm` entry points).
@@ -289,6 +289,9 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
             // `groups + 16`.
             unsafe {
                 for b in 0..nblk {
+                    if PREFETCH > 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(64 * b + PREFETCH) as *const i8);
+                    }
                     let v = _mm512_loadu_si512(rp.add(64 * b) as *const __m512i);
                     q4_block::<NT>(v, xq.add(128 * b), ldxp, q4_scales::<GS>(sp, b), &mut y);
                 }
@@ -350,6 +353,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
             let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
             let rp = row.as_ptr();
             for (g, &sc) in sfb[i * groups..(i + 1) * groups].iter().enumerate() {
+                _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(g * GS + PREFETCH) as *const i8);
                 let mut a0 = [_mm512_setzero_ps(); NT];
                 let mut a1 = [_mm512_setzero_ps(); NT];
                 let mut j = g * GS;

@@ -5,20 +5,29 @@
 //!
 //! # Design
 //!
-//! * **Decode** (`tokens <= DECODE_MAX_TOKENS`): one pass over the weights, every row dotted with
-//!   all tokens at once. For affine weights `y_r = sum_g s_g * dot(q_g, x_g) + sum_g b_g *
-//!   xsum_g`, with the per-group sums of `x` computed once per call. For 4-bit weights `x` is also
-//!   permuted once per call into the "nibble-major" order that a vector of `u32` words yields when
-//!   it is shifted right by `4k` and masked, so a row costs only shift, mask, convert and FMA per
-//!   vector of elements (on AVX-512 the mask and convert are a single `vpermps` table lookup).
-//! * **Prefill** (more tokens): each task dequantizes a block of rows, `KC` columns at a time, into
-//!   a small thread-local buffer packed as `[column][NR rows]` panels, and a register-tiled
-//!   micro-kernel (`MR` tokens x `NR` rows) multiplies every token against it. Each weight byte is
-//!   read and dequantized once per call.
+//! * **Decode** (few tokens): one pass over the weights per `DECODE_MAX_TOKENS` (4) tokens,
+//!   each row dotted with those tokens at once. For affine weights `y_r = sum_g s_g * dot(q_g,
+//!   x_g) + sum_g b_g * xsum_g`, with the per-group sums of `x` computed once per call; scales and
+//!   biases are converted for 16 rows at a time and the bias term joins the row's vector
+//!   accumulator. For 4-bit weights `x` is permuted once per call into the "nibble-major" order a
+//!   vector of `u32` words yields nibble by nibble, so a row costs per vector of 8 (16) weights:
+//!   AVX2 `and` (nibble `k` masked in place; `x` carries the `2^-4k`), convert and FMA; AVX-512
+//!   shift and one `vpermps` table lookup (nibble to float) and FMA. Up to the `GEMM_MIN_TOKENS_*`
+//!   thresholds, more tokens run as several such passes over blocks of 32 rows (cache-resident).
+//! * **Prefill** (many tokens): each task dequantizes up to `NCB` rows, `KC` columns at a time,
+//!   into a thread-local buffer packed as `[column][NR rows]` panels (8x8 transposes of words),
+//!   and a register-tiled micro-kernel (`MR` tokens x `NR` rows: 6x16 AVX2, 8x32 AVX-512)
+//!   multiplies every token against it. Each weight byte is read and dequantized once per call.
 //! * **Threads**: the rows of all jobs of a call are cut into one flat list of tasks, sized so that
-//!   there are a few per thread and each is large enough that rayon's overhead does not show.
+//!   there are a few per thread and each is large enough that rayon's overhead does not show;
+//!   small calls run on the calling thread. Jobs sharing the same `x` share its preparation.
 //! * **SIMD**: AVX-512 (F), AVX2 (+FMA+F16C), NEON and a portable fallback, chosen once at run
-//!   time. `SLUICE_SIMD=scalar|avx2|avx512|neon` forces a lower level.
+//!   time. `SLUICE_SIMD=scalar|avx2|avx512|neon` forces a lower level; `SLUICE_GEMM_MIN_TOKENS=N`
+//!   overrides the decode/prefill threshold (for tuning).
+//! * Activations and accumulation stay f32 (the tests hold every path to 1e-5 of the largest
+//!   output against an f64 reference).
+//!   Other affine widths (2, 3, 5, 6 bits) and group sizes go through a generic scalar
+//!   dequantizer and the same drivers.
 
 // Every unsafe operation sits in its own `unsafe` block with a `SAFETY:` comment, also inside
 // `unsafe fn`s.
@@ -745,6 +754,10 @@ fn gemm_driver<G: Gemm>(c: &Ctx, r0: usize, r1: usize, s: &mut Scratch) {
         let nb = ncb.min(r1 - rb0);
         let npanels = nb.div_ceil(G::NR);
         let ldc = npanels * G::NR;
+        if k == 0 {
+            // No columns: the products are empty sums.
+            cb[..tokens * ldc].fill(0.0);
+        }
         let mut k0 = 0;
         while k0 < k {
             let kc = KC.min(k - k0);

@@ -323,6 +323,19 @@ fn many_tokens() {
 }
 
 #[test]
+fn empty_shapes() {
+    let mut rng = Rng(11);
+    for level in available_levels() {
+        for (rows, cols) in [(0, 16), (5, 0), (0, 0)] {
+            let m = TestMat::new(WeightFormat::Dense(Dtype::F32), rows, cols, 1, &mut rng);
+            for tokens in [0, 1, 3, 50] {
+                check(level, &m, tokens, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
 fn generic_affine_bits() {
     let mut rng = Rng(6);
     for level in available_levels() {
