@@ -138,7 +138,11 @@ fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
     let opts = LoadOptions {
         experts_per_token: args.experts_per_token,
     };
-    Ok(Engine::load(&args.model, Arc::new(CpuBackend::new()), &opts)?)
+    Ok(Engine::load(
+        &args.model,
+        Arc::new(CpuBackend::new()),
+        &opts,
+    )?)
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
@@ -185,7 +189,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut out = std::io::stdout().lock();
     let stats = engine.generate(&prompt, &params, a.max_tokens, |_, piece| {
         // A closed stdout (e.g. `| head`) ends the generation quietly.
-        if out.write_all(piece.as_bytes()).and_then(|_| out.flush()).is_err() {
+        if out
+            .write_all(piece.as_bytes())
+            .and_then(|_| out.flush())
+            .is_err()
+        {
             return ControlFlow::Break(());
         }
         ControlFlow::Continue(())

@@ -22,7 +22,11 @@ fn sluice(args: &[&str]) -> Output {
 fn sluice_fails(args: &[&str]) -> String {
     let out = sluice(args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert_eq!(out.status.code(), Some(1), "expected exit 1, stderr: {stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected exit 1, stderr: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "panic: {stderr}");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "expected one line, got: {stderr}");
@@ -65,7 +69,10 @@ fn generate_streams_text_and_reports_speed() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(!out.stdout.is_empty(), "no text generated");
-    assert!(stderr.contains("generation:") && stderr.contains("tok/s"), "{stderr}");
+    assert!(
+        stderr.contains("generation:") && stderr.contains("tok/s"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -86,7 +93,11 @@ fn generate_is_deterministic_with_a_seed() {
             "7",
             "--chat",
         ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         out.stdout
     };
     assert_eq!(run(), run());
@@ -109,7 +120,11 @@ fn logits_writes_npy_of_the_right_shape() {
             "--out",
             out_path.to_str().unwrap(),
         ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let (data, shape) = sluice_engine::npy::read_f32(&out_path).unwrap();
         assert_eq!(shape.len(), 2);
         assert_eq!(shape[0], 4);
@@ -119,7 +134,15 @@ fn logits_writes_npy_of_the_right_shape() {
 
 #[test]
 fn missing_model_directory() {
-    let err = sluice_fails(&["logits", "--model", "/nonexistent/model", "--tokens", "1", "--out", "/tmp/x.npy"]);
+    let err = sluice_fails(&[
+        "logits",
+        "--model",
+        "/nonexistent/model",
+        "--tokens",
+        "1",
+        "--out",
+        "/tmp/x.npy",
+    ]);
     assert!(err.contains("/nonexistent/model"), "{err}");
 }
 
@@ -127,7 +150,13 @@ fn missing_model_directory() {
 fn missing_tokenizer() {
     let dir = copy_fixture("qwen3_moe-q4");
     std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
-    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
+    let err = sluice_fails(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "x",
+    ]);
     assert!(err.contains("tokenizer.json"), "{err}");
 }
 
@@ -135,8 +164,17 @@ fn missing_tokenizer() {
 fn unsupported_model_type() {
     let dir = copy_fixture("qwen3_moe-q4");
     edit_config(dir.path(), |v| v["model_type"] = "llama4_moe".into());
-    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
-    assert!(err.contains("llama4_moe") && err.contains("config.json"), "{err}");
+    let err = sluice_fails(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "x",
+    ]);
+    assert!(
+        err.contains("llama4_moe") && err.contains("config.json"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -146,7 +184,13 @@ fn config_disagrees_with_tensor_shapes() {
         let e = v["num_experts"].as_u64().unwrap();
         v["num_experts"] = (e * 2).into();
     });
-    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
+    let err = sluice_fails(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "x",
+    ]);
     assert!(err.contains("mlp"), "error should name the tensor: {err}");
 }
 
@@ -157,7 +201,9 @@ fn wrong_dtype_tensor() {
     let path = dir.path().join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let hlen = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header = std::str::from_utf8(&bytes[8..8 + hlen]).unwrap().to_string();
+    let header = std::str::from_utf8(&bytes[8..8 + hlen])
+        .unwrap()
+        .to_string();
     // Same byte length: two BF16 elements become one I32 with half the shape.
     let mut v: serde_json::Value = serde_json::from_str(header.trim_end()).unwrap();
     let t = &mut v["model.norm.weight"];
@@ -174,7 +220,13 @@ fn wrong_dtype_tensor() {
     out.extend_from_slice(new_header.as_bytes());
     out.extend_from_slice(&bytes[8 + hlen..]);
     std::fs::write(&path, out).unwrap();
-    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
+    let err = sluice_fails(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "x",
+    ]);
     assert!(err.contains("model.norm.weight"), "{err}");
 }
 
@@ -185,24 +237,48 @@ fn truncated_safetensors() {
     let len = std::fs::metadata(&path).unwrap().len();
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.set_len(len / 2).unwrap();
-    let err = sluice_fails(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "x"]);
-    assert!(err.contains("model.safetensors") && err.contains("truncated"), "{err}");
+    let err = sluice_fails(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "x",
+    ]);
+    assert!(
+        err.contains("model.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
 }
 
 #[test]
 fn token_outside_the_vocabulary() {
     let model = fixture("qwen3_moe-q4");
     let err = sluice_fails(&[
-        "logits", "--model", model.to_str().unwrap(), "--tokens", "1,99999999", "--out", "/tmp/never.npy",
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        "1,99999999",
+        "--out",
+        "/tmp/never.npy",
     ]);
-    assert!(err.contains("99999999") && err.contains("vocabulary"), "{err}");
+    assert!(
+        err.contains("99999999") && err.contains("vocabulary"),
+        "{err}"
+    );
 }
 
 #[test]
 fn bad_experts_per_token() {
     let model = fixture("qwen3_moe-q4");
     let err = sluice_fails(&[
-        "generate", "--model", model.to_str().unwrap(), "--prompt", "x", "--experts-per-token", "999",
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--experts-per-token",
+        "999",
     ]);
     assert!(err.contains("experts per token"), "{err}");
 }
@@ -211,7 +287,13 @@ fn bad_experts_per_token() {
 fn bad_sampling_settings() {
     let model = fixture("qwen3_moe-q4");
     let err = sluice_fails(&[
-        "generate", "--model", model.to_str().unwrap(), "--prompt", "x", "--top-p", "1.5",
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--top-p",
+        "1.5",
     ]);
     assert!(err.contains("top_p") || err.contains("top-p"), "{err}");
 }

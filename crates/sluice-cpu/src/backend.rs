@@ -142,7 +142,10 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuAct, weight: &Vec<f32>, eps: f32) -> CpuAct {
         let n = weight.len();
-        assert_eq!(x.cols % n, 0, "rms_norm: width is not a multiple of the norm size");
+        assert!(
+            x.cols.is_multiple_of(n),
+            "rms_norm: width is not a multiple of the norm size"
+        );
         let mut out = x.clone();
         out.data.par_chunks_mut(n).for_each(|v| {
             let ms = v.iter().map(|a| a * a).sum::<f32>() / n as f32;
@@ -176,7 +179,11 @@ impl Backend for CpuBackend {
         theta: f32,
         first_position: usize,
     ) {
-        assert!(rotary_dim <= head_dim && rotary_dim % 2 == 0 && x.cols % head_dim == 0);
+        assert!(
+            rotary_dim <= head_dim
+                && rotary_dim.is_multiple_of(2)
+                && x.cols.is_multiple_of(head_dim)
+        );
         let half = rotary_dim / 2;
         // Frequencies as mlx and transformers compute them: theta^(-2i/d) in f32.
         let inv_freq: Vec<f32> = (0..half)
@@ -213,7 +220,7 @@ impl Backend for CpuBackend {
         assert_eq!(k.cols, kvh * hd);
         assert_eq!(v.cols, kvh * hd);
         assert_eq!(q.cols, heads * hd);
-        assert_eq!(heads % kvh, 0);
+        assert!(heads.is_multiple_of(kvh));
         let first = cache.len();
         cache.keys.extend_from_slice(&k.data);
         cache.values.extend_from_slice(&v.data);
@@ -302,7 +309,9 @@ impl Backend for CpuBackend {
                 if rows.len() == x.rows && rows.iter().enumerate().all(|(i, r)| r.0 == i) {
                     return x.data.clone();
                 }
-                rows.iter().flat_map(|&(r, _)| x.row(r).iter().copied()).collect()
+                rows.iter()
+                    .flat_map(|&(r, _)| x.row(r).iter().copied())
+                    .collect()
             })
             .collect();
         let inter: Vec<usize> = active.iter().map(|&e| experts[e].gate.rows).collect();

@@ -13,8 +13,7 @@ pub fn write_f32(path: &Path, data: &[f32], shape: &[usize]) -> io::Result<()> {
     } else {
         format!("({})", dims.join(", "))
     };
-    let mut header =
-        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_txt}, }}");
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_txt}, }}");
     // Magic (6) + version (2) + length (2) + header + '\n' must be a multiple of 64.
     let pad = (64 - (10 + header.len() + 1) % 64) % 64;
     header.push_str(&" ".repeat(pad));
@@ -31,7 +30,12 @@ pub fn write_f32(path: &Path, data: &[f32], shape: &[usize]) -> io::Result<()> {
 
 /// Reads a C-order `<f4` array; returns its data and shape.
 pub fn read_f32(path: &Path) -> io::Result<(Vec<f32>, Vec<usize>)> {
-    let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, format!("{}: {m}", path.display()));
+    let bad = |m: &str| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: {m}", path.display()),
+        )
+    };
     let mut bytes = Vec::new();
     std::fs::File::open(path)?.read_to_end(&mut bytes)?;
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
@@ -45,8 +49,12 @@ pub fn read_f32(path: &Path) -> io::Result<(Vec<f32>, Vec<usize>)> {
         ),
         _ => return Err(bad("unsupported .npy version")),
     };
-    let header = std::str::from_utf8(bytes.get(start..start + hlen).ok_or_else(|| bad("truncated header"))?)
-        .map_err(|_| bad("header is not UTF-8"))?;
+    let header = std::str::from_utf8(
+        bytes
+            .get(start..start + hlen)
+            .ok_or_else(|| bad("truncated header"))?,
+    )
+    .map_err(|_| bad("header is not UTF-8"))?;
     if !header.contains("'descr': '<f4'") || header.contains("'fortran_order': True") {
         return Err(bad("expected a C-order little-endian float32 array"));
     }
