@@ -37,6 +37,8 @@ pub struct Qwen3MoeConfig {
     pub rope_scaling: Option<serde_json::Value>,
     #[serde(default = "default_max_positions")]
     pub max_position_embeddings: usize,
+    /// transformers >= 5 writes `num_local_experts`.
+    #[serde(alias = "num_local_experts")]
     pub num_experts: usize,
     pub num_experts_per_tok: usize,
     pub moe_intermediate_size: usize,
@@ -50,6 +52,8 @@ pub struct Qwen3MoeConfig {
     pub tie_word_embeddings: bool,
     #[serde(default)]
     pub attention_bias: bool,
+    #[serde(default)]
+    pub use_sliding_window: bool,
 }
 
 fn default_max_positions() -> usize {
@@ -123,6 +127,9 @@ impl Qwen3MoeConfig {
                 "num_experts_per_tok ({}) must be between 1 and num_experts ({})",
                 self.num_experts_per_tok, self.num_experts
             ));
+        }
+        if self.use_sliding_window {
+            return err("use_sliding_window = true is not supported yet".into());
         }
         if self.attention_bias {
             return err("attention_bias = true is not supported yet".into());

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Reference fixtures from transformers (the official Hugging Face layout), complementing the mlx-lm
+ones written by make_fixtures.py. Needs torch and transformers (the GPU machine has both; the math
+runs on the CPU in float32, so no GPU is required).
+
+    python scripts/make_fixtures_transformers.py [--out tests/fixtures]
+
+Writes `qwen3_moe-transformers/`: a tiny random Qwen3MoeForCausalLM saved by `save_pretrained` in
+bf16 exactly as this transformers version writes it, with the shared fixture tokenizer, and the
+logits transformers computes from the saved files (reloaded in float32): `logits_decode.npy` (one
+token at a time through the KV cache) and `logits_prefill.npy` (one call). Weights are redrawn
+until routing and argmax are decisive, as in make_fixtures.py.
+"""
+import argparse, json, os, shutil, sys
+import numpy as np
+import torch
+import transformers
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOKENIZER_FROM = os.path.join(HERE, "..", "tests", "fixtures", "qwen3_moe-bf16")
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+
+
+def config():
+    return Qwen3MoeConfig(
+        vocab_size=500, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=48, num_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[2], rms_norm_eps=1e-6, rope_theta=1e4,
+        max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False,
+        output_router_logits=False, eos_token_id=[495, 493],
+    )
+
+
+def init_(model, seed, router_gain=1.0):
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if p.ndim == 1:  # norms: around 1 so a wrong formula shows
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1]
+                gain = router_gain if name.endswith("mlp.gate.weight") else 1.0
+                p.copy_(gain * torch.randn(p.shape, generator=g) / fan_in**0.5)
+
+
+def routing_gap(model, ids):
+    """Smallest gap between the k-th and (k+1)-th router probability over all layers and tokens."""
+    gaps = []
+    hooks = []
+    k = model.config.num_experts_per_tok
+
+    def hook(m, inp, _out):
+        # From the input and weight: what the router module returns differs between versions.
+        x = inp[0].float().reshape(-1, m.weight.shape[1])
+        p = torch.softmax(x @ m.weight.float().T, -1)
+        top = torch.topk(p, k + 1, -1).values
+        gaps.append((top[:, k - 1] - top[:, k]).min().item())
+
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(layer.mlp, "experts"):
+            hooks.append(gate.register_forward_hook(hook))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return min(gaps)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures"))
+    a = ap.parse_args()
+    torch.set_num_threads(4)
+    text = "The quick brown fox jumps over the lazy dog while the river runs to the sea."
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(TOKENIZER_FROM, "tokenizer.json"))
+    tokens = tok.encode(text, add_special_tokens=False).ids
+    ids = torch.tensor([tokens])
+    out = os.path.join(a.out, "qwen3_moe-transformers")
+    # Stage 1: a body whose routing is decisive; stage 2: an output head with clear argmaxes.
+    for seed in range(400):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config()).float().eval()
+        init_(model, seed)
+        # Round to bf16 first: the reference must use exactly the weights on disk.
+        model = model.to(torch.bfloat16).float()
+        gap = routing_gap(model, ids)
+        if seed < 5 or gap > 2e-3:
+            print(f"body seed {seed}: routing gap {gap:.5f}")
+        if gap > 2e-3:
+            break
+    else:
+        sys.exit("no seed gave decisive routing")
+    g = torch.Generator().manual_seed(1000)
+    for head_seed in range(1000, 3000):
+        with torch.no_grad():
+            w = model.lm_head.weight
+            w.copy_((torch.randn(w.shape, generator=g) * 3 / w.shape[1] ** 0.5).bfloat16().float())
+            logits = model(ids).logits[0]
+        top2 = torch.topk(logits, 2, -1).values
+        margin = (top2[:, 0] - top2[:, 1]).min().item()
+        scale = logits.abs().max().item()
+        if head_seed < 1005:
+            print(f"head draw {head_seed}: margin {margin:.4f}, max|logit| {scale:.2f}")
+        if margin > 0.01 * scale:
+            break
+    else:
+        sys.exit("no output head gave clear argmaxes")
+    print(f"seed {seed}, head draw {head_seed}: routing gap {gap:.4f}, argmax margin {margin:.4f}, max|logit| {scale:.2f}")
+
+    shutil.rmtree(out, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="500KB")
+    for f in TOKENIZER_FILES:
+        shutil.copy(os.path.join(TOKENIZER_FROM, f), out)
+
+    ref = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        prefill = ref(ids).logits[0].numpy().astype(np.float32)
+        past, rows = None, []
+        for t in tokens:
+            o = ref(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            rows.append(o.logits[0, -1].numpy())
+        decode = np.stack(rows).astype(np.float32)
+    np.save(os.path.join(out, "logits_prefill.npy"), prefill)
+    np.save(os.path.join(out, "logits_decode.npy"), decode)
+    names = sorted(json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"])             if os.path.exists(os.path.join(out, "model.safetensors.index.json")) else None
+    with open(os.path.join(out, "reference.json"), "w") as f:
+        json.dump({
+            "text": text, "tokens": tokens, "seed": seed, "head_draw": head_seed,
+            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+            "min_routing_gap": gap, "min_argmax_margin": margin, "max_abs_logit": scale,
+            "max_abs_decode_vs_prefill": float(np.abs(decode - prefill).max()),
+            "notes": "tiny random Qwen3MoeForCausalLM saved by transformers save_pretrained in bf16; "
+                     "logits from the saved files reloaded in float32 on the CPU",
+        }, f, indent=1)
+    print("decode vs prefill:", float(np.abs(decode - prefill).max()))
+    print("files:", sorted(os.listdir(out)))
+    if names:
+        print("layer-0 tensors:", [n for n in names if ".layers.0." in n])
+
+
+if __name__ == "__main__":
+    main()
