@@ -5,17 +5,17 @@ runs on the CPU in float32, so no GPU is required).
 
     python scripts/make_fixtures_transformers.py [--out tests/fixtures]
 
-Writes `qwen3_moe-transformers/`: a tiny random Qwen3MoeForCausalLM saved by `save_pretrained` in
-bf16 exactly as this transformers version writes it, with the shared fixture tokenizer, and the
-logits transformers computes from the saved files (reloaded in float32): `logits_decode.npy` (one
-token at a time through the KV cache) and `logits_prefill.npy` (one call). Weights are redrawn
-until routing and argmax are decisive, as in make_fixtures.py.
+Writes `qwen3_moe-transformers/` and `qwen3_5_moe-transformers/`: tiny random models saved by
+`save_pretrained` in bf16 exactly as this transformers version writes them, with the shared fixture
+tokenizer, and the logits transformers computes from the saved files (reloaded in float32):
+`logits_decode.npy` (one token at a time through the cache) and `logits_prefill.npy` (one call).
+Weights are redrawn until routing and argmax are decisive, as in make_fixtures.py.
 """
 import argparse, json, os, shutil, sys
 import numpy as np
 import torch
 import transformers
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_FROM = os.path.join(HERE, "..", "tests", "fixtures", "qwen3_moe-bf16")
@@ -33,17 +33,49 @@ def config():
     )
 
 
+def config_qwen3_5():
+    """A tiny text-only Qwen3.5-MoE: 3 Gated DeltaNet layers, then one gated attention layer."""
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(
+        vocab_size=500, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+        eos_token_id=[495, 493],
+    )
+
+
+MODELS = {
+    "qwen3_moe": (config, Qwen3MoeForCausalLM),
+    "qwen3_5_moe": (config_qwen3_5, AutoModelForCausalLM),
+}
+
+
 def init_(model, seed, router_gain=1.0):
     g = torch.Generator().manual_seed(seed)
+    zero_centred = model.config.model_type.startswith("qwen3_5")
     for name, p in model.named_parameters():
         with torch.no_grad():
-            if p.ndim == 1:  # norms: around 1 so a wrong formula shows
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            if name.endswith("A_log"):  # decay exp(-e^A softplus(.)) spread over (0.5, 1)
+                p.copy_(torch.log(0.05 + 0.45 * torch.rand(p.shape, generator=g)))
+            elif name.endswith("dt_bias"):
+                p.copy_(2 * torch.rand(p.shape, generator=g) - 1)
+            elif "conv1d" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:  # norms: away from their neutral value so a wrong formula shows
+                base = 0.0 if zero_centred and not name.endswith("linear_attn.norm.weight") else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 fan_in = p.shape[-1]
                 gain = router_gain if name.endswith("mlp.gate.weight") else 1.0
+                if name.endswith("in_proj_a.weight"):
+                    gain = 0.5
                 p.copy_(gain * torch.randn(p.shape, generator=g) / fan_in**0.5)
 
 
@@ -62,6 +94,8 @@ def routing_gap(model, ids):
 
     for layer in model.model.layers:
         gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and not hasattr(gate, "weight"):
+            gate = None
         if gate is not None and hasattr(layer.mlp, "experts"):
             hooks.append(gate.register_forward_hook(hook))
     with torch.no_grad():
@@ -74,18 +108,27 @@ def routing_gap(model, ids):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures"))
+    ap.add_argument("--model", choices=sorted(MODELS), action="append")
     a = ap.parse_args()
+    for name in a.model or sorted(MODELS):
+        make(name, a.out)
+
+
+def make(name, out_root):
+    make_config, model_class = MODELS[name]
     torch.set_num_threads(4)
     text = "The quick brown fox jumps over the lazy dog while the river runs to the sea."
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(TOKENIZER_FROM, "tokenizer.json"))
     tokens = tok.encode(text, add_special_tokens=False).ids
     ids = torch.tensor([tokens])
-    out = os.path.join(a.out, "qwen3_moe-transformers")
+    out = os.path.join(out_root, f"{name}-transformers")
     # Stage 1: a body whose routing is decisive; stage 2: an output head with clear argmaxes.
     for seed in range(400):
         torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config()).float().eval()
+        model = model_class.from_config(make_config()) if model_class is AutoModelForCausalLM \
+            else model_class(make_config())
+        model = model.float().eval()
         init_(model, seed)
         # Round to bf16 first: the reference must use exactly the weights on disk.
         model = model.to(torch.bfloat16).float()
@@ -118,7 +161,7 @@ def main():
     for f in TOKENIZER_FILES:
         shutil.copy(os.path.join(TOKENIZER_FROM, f), out)
 
-    ref = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         prefill = ref(ids).logits[0].numpy().astype(np.float32)
         past, rows = None, []
@@ -136,13 +179,14 @@ def main():
             "torch_version": torch.__version__, "transformers_version": transformers.__version__,
             "min_routing_gap": gap, "min_argmax_margin": margin, "max_abs_logit": scale,
             "max_abs_decode_vs_prefill": float(np.abs(decode - prefill).max()),
-            "notes": "tiny random Qwen3MoeForCausalLM saved by transformers save_pretrained in bf16; "
+            "notes": f"tiny random {type(model).__name__} saved by transformers save_pretrained in bf16; "
                      "logits from the saved files reloaded in float32 on the CPU",
         }, f, indent=1)
     print("decode vs prefill:", float(np.abs(decode - prefill).max()))
     print("files:", sorted(os.listdir(out)))
     if names:
-        print("layer-0 tensors:", [n for n in names if ".layers.0." in n])
+        print("tensors of layers 0 and 3:", [n for n in names if ".layers.0." in n or ".layers.3." in n])
+    print("config:", open(os.path.join(out, "config.json")).read())
 
 
 if __name__ == "__main__":

@@ -28,6 +28,23 @@ impl Routing {
     }
 }
 
+/// Shapes of a Gated DeltaNet (linear attention) layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaNetDims {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl DeltaNetDims {
+    /// Channels of the convolved projection: q, k and v.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+}
+
 /// The three projections of one SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
 pub struct FfnWeights<W> {
     pub gate: W,
@@ -45,6 +62,9 @@ pub trait Backend: Send + Sync {
     type Vector: Send + Sync;
     /// Keys and values of one attention layer for one request.
     type KvCache: Send;
+    /// Convolution window and recurrent state of one linear-attention (Gated DeltaNet) layer for
+    /// one request.
+    type LinearState: Send;
 
     /// Short human-readable description, e.g. `cpu (avx512, 2 threads)`.
     fn describe(&self) -> String;
@@ -56,6 +76,10 @@ pub trait Backend: Send + Sync {
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
     /// Drops every position at or after `len` (to rewind a request).
     fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize);
+
+    /// A zeroed linear-attention state: a window of `conv_kernel - 1` inputs of `conv_channels`,
+    /// and a `[value_dim, key_dim]` matrix per value head.
+    fn linear_state(&self, dims: &DeltaNetDims) -> Self::LinearState;
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::Act;
     fn to_host(&self, a: &Self::Act) -> Vec<f32>;
@@ -93,6 +117,45 @@ pub trait Backend: Send + Sync {
         cache: &mut Self::KvCache,
         heads: usize,
         scale: f32,
+    ) -> Self::Act;
+    /// `x * sigmoid(gate)`, elementwise; or, if `gate` has one column, each row of `x` scaled by
+    /// the sigmoid of its gate.
+    fn sigmoid_mul(&self, x: &mut Self::Act, gate: &Self::Act);
+    /// Views each row as consecutive chunks of `chunk` values and splits every chunk after its
+    /// first `first` values: returns (all the first parts, all the rest), each concatenated.
+    fn split_chunks(&self, x: &Self::Act, chunk: usize, first: usize) -> (Self::Act, Self::Act);
+    /// Depthwise causal 1-D convolution over time, then SiLU. `weight` is `[channels, kernel]`
+    /// (taps oldest first); the inputs before the first row come from the state's window, which
+    /// is updated to the last `kernel - 1` inputs.
+    fn causal_conv1d_silu(
+        &self,
+        x: &Self::Act,
+        weight: &Self::Vector,
+        state: &mut Self::LinearState,
+    ) -> Self::Act;
+    /// The gated delta rule over `qkv` (`[rows, 2 * key_heads * key_dim + value_heads *
+    /// value_dim]`, the convolved projection): q and k are L2-normalised (q also scaled by
+    /// `key_dim^-0.5`), value head `j` reads key head `j / (value_heads / key_heads)`, and per
+    /// value head the state `S` (`[value_dim, key_dim]`) evolves as
+    /// `S *= g; S += ((v - S k) * beta) k^T; y = S q` with
+    /// `g = exp(-exp(a_log) * softplus(a + dt_bias))`, `beta = sigmoid(b)`. Returns `y`,
+    /// `[rows, value_heads * value_dim]`.
+    fn gated_delta_rule(
+        &self,
+        qkv: &Self::Act,
+        a: &Self::Act,
+        b: &Self::Act,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+        state: &mut Self::LinearState,
+    ) -> Self::Act;
+    /// `silu(z) * rms_norm(x) * weight`, normalising each chunk of `weight.len()` values.
+    fn rms_norm_gated(
+        &self,
+        x: &Self::Act,
+        z: &Self::Act,
+        weight: &Self::Vector,
+        eps: f32,
     ) -> Self::Act;
     /// Softmax over router logits `[rows, experts]`, top-`k` per row, optionally renormalised
     /// to sum to one. Brings the choice to the host.

@@ -1,7 +1,7 @@
 //! [`Backend`] on the host CPU, threaded with rayon's global pool.
 
 use rayon::prelude::*;
-use sluice_backend::{Backend, FfnWeights, HostMatrix, Routing, WeightError};
+use sluice_backend::{Backend, DeltaNetDims, FfnWeights, HostMatrix, Routing, WeightError};
 
 use crate::kernels::{self, MatmulJob};
 
@@ -46,6 +46,15 @@ impl CpuKvCache {
     }
 }
 
+/// One Gated DeltaNet layer's memory: the last `kernel - 1` conv inputs and, per value head, a
+/// `[value_dim, key_dim]` state matrix.
+#[derive(Debug, Clone)]
+pub struct CpuLinearState {
+    dims: DeltaNetDims,
+    conv: Vec<f32>,
+    recurrent: Vec<f32>,
+}
+
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
 
@@ -60,6 +69,7 @@ impl Backend for CpuBackend {
     type Weight = HostMatrix;
     type Vector = Vec<f32>;
     type KvCache = CpuKvCache;
+    type LinearState = CpuLinearState;
 
     fn describe(&self) -> String {
         format!(
@@ -95,6 +105,14 @@ impl Backend for CpuBackend {
         let w = cache.width();
         cache.keys.truncate(len * w);
         cache.values.truncate(len * w);
+    }
+
+    fn linear_state(&self, dims: &DeltaNetDims) -> CpuLinearState {
+        CpuLinearState {
+            dims: *dims,
+            conv: vec![0.0; dims.conv_kernel.saturating_sub(1) * dims.conv_channels()],
+            recurrent: vec![0.0; dims.value_heads * dims.value_dim * dims.key_dim],
+        }
     }
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> CpuAct {
@@ -258,6 +276,127 @@ impl Backend for CpuBackend {
         out
     }
 
+    fn sigmoid_mul(&self, x: &mut CpuAct, gate: &CpuAct) {
+        assert_eq!(x.rows, gate.rows);
+        if gate.cols == 1 {
+            for (row, g) in x.data.chunks_mut(x.cols).zip(&gate.data) {
+                let s = sigmoid(*g);
+                row.iter_mut().for_each(|a| *a *= s);
+            }
+        } else {
+            assert_eq!(x.cols, gate.cols);
+            for (a, g) in x.data.iter_mut().zip(&gate.data) {
+                *a *= sigmoid(*g);
+            }
+        }
+    }
+
+    fn split_chunks(&self, x: &CpuAct, chunk: usize, first: usize) -> (CpuAct, CpuAct) {
+        assert!(first <= chunk && x.cols.is_multiple_of(chunk));
+        let n = x.cols / chunk;
+        let mut a = CpuAct::zeros(x.rows, n * first);
+        let mut b = CpuAct::zeros(x.rows, n * (chunk - first));
+        for (i, c) in x.data.chunks(chunk).enumerate() {
+            a.data[i * first..(i + 1) * first].copy_from_slice(&c[..first]);
+            let rest = chunk - first;
+            b.data[i * rest..(i + 1) * rest].copy_from_slice(&c[first..]);
+        }
+        (a, b)
+    }
+
+    fn causal_conv1d_silu(
+        &self,
+        x: &CpuAct,
+        weight: &Vec<f32>,
+        state: &mut CpuLinearState,
+    ) -> CpuAct {
+        let (c, k) = (state.dims.conv_channels(), state.dims.conv_kernel);
+        assert_eq!(x.cols, c);
+        assert_eq!(weight.len(), c * k);
+        // The window followed by the new inputs: [k - 1 + rows, c].
+        let mut input = std::mem::take(&mut state.conv);
+        input.extend_from_slice(&x.data);
+        let mut out = CpuAct::zeros(x.rows, c);
+        out.data.par_chunks_mut(c).enumerate().for_each(|(t, row)| {
+            for (ch, o) in row.iter_mut().enumerate() {
+                let taps = &weight[ch * k..(ch + 1) * k];
+                let acc: f32 = (0..k).map(|j| taps[j] * input[(t + j) * c + ch]).sum();
+                *o = acc * sigmoid(acc);
+            }
+        });
+        let keep = (k - 1) * c;
+        state.conv = input[input.len() - keep..].to_vec();
+        out
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &CpuAct,
+        a: &CpuAct,
+        b: &CpuAct,
+        a_log: &Vec<f32>,
+        dt_bias: &Vec<f32>,
+        state: &mut CpuLinearState,
+    ) -> CpuAct {
+        let d = state.dims;
+        let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_dim, d.value_dim);
+        assert_eq!(qkv.cols, d.conv_channels());
+        assert_eq!((a.cols, b.cols), (hv, hv));
+        let group = hv / hk;
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let mut out = CpuAct::zeros(qkv.rows, hv * dv);
+        // Heads are independent: each carries its own state through all rows.
+        let heads: Vec<(usize, &mut [f32])> =
+            state.recurrent.chunks_mut(dv * dk).enumerate().collect();
+        let ys: Vec<Vec<f32>> = heads
+            .into_par_iter()
+            .map(|(h, s)| {
+                let kh = h / group;
+                let mut y = vec![0.0; qkv.rows * dv];
+                let (mut q, mut k) = (vec![0.0; dk], vec![0.0; dk]);
+                for t in 0..qkv.rows {
+                    let row = qkv.row(t);
+                    l2_normalize(&row[kh * dk..(kh + 1) * dk], q_scale, &mut q);
+                    l2_normalize(&row[hk * dk + kh * dk..][..dk], 1.0, &mut k);
+                    let v = &row[2 * hk * dk + h * dv..][..dv];
+                    let g = (-a_log[h].exp() * softplus(a.row(t)[h] + dt_bias[h])).exp();
+                    let beta = sigmoid(b.row(t)[h]);
+                    let yt = &mut y[t * dv..(t + 1) * dv];
+                    for (i, s_row) in s.chunks_mut(dk).enumerate() {
+                        let mut kv = 0.0;
+                        for (sv, kv_) in s_row.iter_mut().zip(&k) {
+                            *sv *= g;
+                            kv += *sv * kv_;
+                        }
+                        let delta = (v[i] - kv) * beta;
+                        let mut acc = 0.0;
+                        for ((sv, kv_), qv) in s_row.iter_mut().zip(&k).zip(&q) {
+                            *sv += delta * kv_;
+                            acc += *sv * qv;
+                        }
+                        yt[i] = acc;
+                    }
+                }
+                y
+            })
+            .collect();
+        for (h, y) in ys.iter().enumerate() {
+            for t in 0..qkv.rows {
+                out.data[t * hv * dv + h * dv..][..dv].copy_from_slice(&y[t * dv..(t + 1) * dv]);
+            }
+        }
+        out
+    }
+
+    fn rms_norm_gated(&self, x: &CpuAct, z: &CpuAct, weight: &Vec<f32>, eps: f32) -> CpuAct {
+        assert_eq!((x.rows, x.cols), (z.rows, z.cols));
+        let mut out = self.rms_norm(x, weight, eps);
+        for (o, g) in out.data.iter_mut().zip(&z.data) {
+            *o *= g * sigmoid(*g);
+        }
+        out
+    }
+
     fn route(&self, logits: &CpuAct, k: usize, normalize: bool) -> Routing {
         let e = logits.cols;
         assert!(k >= 1 && k <= e);
@@ -374,6 +513,27 @@ impl Backend for CpuBackend {
             }
         }
         out
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `ln(1 + e^x)`, without overflow for large `x`.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// `out = scale * x / sqrt(sum(x^2) + 1e-6)`.
+fn l2_normalize(x: &[f32], scale: f32, out: &mut [f32]) {
+    let inv = scale / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+    for (o, v) in out.iter_mut().zip(x) {
+        *o = v * inv;
     }
 }
 

@@ -6,4 +6,4 @@
 mod backend;
 pub mod kernels;
 
-pub use backend::{CpuAct, CpuBackend, CpuKvCache};
+pub use backend::{CpuAct, CpuBackend, CpuKvCache, CpuLinearState};

@@ -90,4 +90,5 @@ reference_tests! {
     qwen3_moe_q4g128: "qwen3_moe-q4g128",
     qwen3_moe_hf: "qwen3_moe-hf",
     qwen3_moe_transformers: "qwen3_moe-transformers",
+    qwen3_5_moe_transformers: "qwen3_5_moe-transformers",
 }

@@ -6,9 +6,10 @@
 
 use std::sync::Arc;
 
-use sluice_backend::{Backend, HostMatrix, WeightError};
+use sluice_backend::{Backend, FfnWeights, HostMatrix, WeightError};
 use sluice_format::{FormatError, ModelDir, QuantConfig};
 
+pub mod qwen3_5_moe;
 pub mod qwen3_moe;
 
 /// Errors while loading or running a model. Every message names what was wrong and where.
@@ -50,6 +51,7 @@ pub struct ModelInfo {
 /// What one layer remembers between calls for one request.
 pub enum LayerState<B: Backend> {
     Attention(B::KvCache),
+    Linear(B::LinearState),
 }
 
 /// Everything a request carries between forward calls: the caches of every layer and the number
@@ -83,8 +85,11 @@ pub fn load<B: Backend + 'static>(
 ) -> Result<Box<dyn CausalLm<B>>, ModelError> {
     match dir.model_type()? {
         "qwen3_moe" => Ok(Box::new(qwen3_moe::Qwen3Moe::load(dir, backend)?)),
+        "qwen3_5_moe" | "qwen3_5_moe_text" => {
+            Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(dir, backend)?))
+        }
         other => Err(ModelError::Unsupported(format!(
-            "{}: model_type `{other}` is not supported (supported: qwen3_moe)",
+            "{}: model_type `{other}` is not supported (supported: qwen3_moe, qwen3_5_moe)",
             dir.path.join("config.json").display()
         ))),
     }
@@ -166,8 +171,100 @@ impl<'a, B: Backend> Loader<'a, B> {
         Ok(self.backend.vector(&v))
     }
 
+    /// The routed experts under `mlp` (e.g. `model.layers.0.mlp`), `[hidden -> inter -> hidden]`
+    /// each, from whichever layout the checkpoint uses: mlx-community's stacked
+    /// `switch_mlp.{gate,up,down}_proj`, the official per-expert `experts.{e}.*`, or transformers
+    /// 5's fused `experts.gate_up_proj` (`[E, 2 * inter, hidden]`, gate rows first) and
+    /// `experts.down_proj`.
+    pub fn experts(
+        &mut self,
+        mlp: &str,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Vec<FfnWeights<B::Weight>>, ModelError> {
+        let (e, h, i) = (experts, hidden, inter);
+        let stacked = format!("{mlp}.switch_mlp");
+        if self.has(&format!("{stacked}.gate_proj.weight")) {
+            let gate = self.matrix_stack(&format!("{stacked}.gate_proj"), e, i, h)?;
+            let up = self.matrix_stack(&format!("{stacked}.up_proj"), e, i, h)?;
+            let down = self.matrix_stack(&format!("{stacked}.down_proj"), e, h, i)?;
+            return Ok(gate
+                .into_iter()
+                .zip(up)
+                .zip(down)
+                .map(|((gate, up), down)| FfnWeights { gate, up, down })
+                .collect());
+        }
+        let fused = format!("{mlp}.experts.gate_up_proj");
+        if self.has(&fused) {
+            let gate_up = self.host_stack(&fused, e, 2 * i, h)?;
+            let down = self.matrix_stack(&format!("{mlp}.experts.down_proj"), e, h, i)?;
+            return gate_up
+                .into_iter()
+                .zip(down)
+                .map(|(gu, down)| {
+                    Ok(FfnWeights {
+                        gate: self.upload(&fused, gu.rows(0..i))?,
+                        up: self.upload(&fused, gu.rows(i..2 * i))?,
+                        down,
+                    })
+                })
+                .collect();
+        }
+        (0..e)
+            .map(|x| self.ffn(&format!("{mlp}.experts.{x}"), h, i))
+            .collect()
+    }
+
+    /// A dense SwiGLU block `{prefix}.{gate,up,down}_proj`.
+    pub fn ffn(
+        &mut self,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<FfnWeights<B::Weight>, ModelError> {
+        Ok(FfnWeights {
+            gate: self.matrix(&format!("{prefix}.gate_proj"), inter, hidden)?,
+            up: self.matrix(&format!("{prefix}.up_proj"), inter, hidden)?,
+            down: self.matrix(&format!("{prefix}.down_proj"), hidden, inter)?,
+        })
+    }
+
     pub fn has(&self, name: &str) -> bool {
         self.dir.tensors.contains(name)
+    }
+}
+
+/// Rejects empty input, ids outside the vocabulary and overlong contexts.
+pub(crate) fn check_tokens(
+    tokens: &[u32],
+    position: usize,
+    info: &ModelInfo,
+) -> Result<(), ModelError> {
+    if tokens.is_empty() {
+        return Err(ModelError::Input("no tokens to run".into()));
+    }
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= info.vocab_size) {
+        return Err(ModelError::Input(format!(
+            "token id {t} is outside the vocabulary (size {})",
+            info.vocab_size
+        )));
+    }
+    if position + tokens.len() > info.max_context {
+        return Err(ModelError::Input(format!(
+            "{} positions exceed the model's context of {}",
+            position + tokens.len(),
+            info.max_context
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn describe_quant(dir: &ModelDir) -> String {
+    match &dir.quantization {
+        Some(q) => format!("{}-bit affine, group {}", q.bits, q.group_size),
+        None => "unquantised".into(),
     }
 }
 

@@ -203,17 +203,16 @@ impl<B: Backend> Qwen3Moe<B> {
             let mlp = if cfg.is_sparse(i) {
                 let gate = ld.matrix(&format!("{p}.mlp.gate"), cfg.num_experts, hidden)?;
                 let before = ld.bytes;
-                let experts = load_experts(&mut ld, &format!("{p}.mlp"), &cfg)?;
+                let experts = ld.experts(
+                    &format!("{p}.mlp"),
+                    cfg.num_experts,
+                    hidden,
+                    cfg.moe_intermediate_size,
+                )?;
                 expert_bytes += ld.bytes - before;
                 Mlp::Sparse { gate, experts }
             } else {
-                let m = format!("{p}.mlp");
-                let inter = cfg.intermediate_size;
-                Mlp::Dense(FfnWeights {
-                    gate: ld.matrix(&format!("{m}.gate_proj"), inter, hidden)?,
-                    up: ld.matrix(&format!("{m}.up_proj"), inter, hidden)?,
-                    down: ld.matrix(&format!("{m}.down_proj"), hidden, inter)?,
-                })
+                Mlp::Dense(ld.ffn(&format!("{p}.mlp"), hidden, cfg.intermediate_size)?)
             };
             layers.push(Layer {
                 input_layernorm,
@@ -243,7 +242,7 @@ impl<B: Backend> Qwen3Moe<B> {
             experts_per_token: cfg.num_experts_per_tok,
             dense_bytes: ld.bytes - embed_bytes - expert_bytes,
             expert_bytes,
-            weight_format: describe_quant(dir),
+            weight_format: crate::describe_quant(dir),
         };
         Ok(Qwen3Moe {
             experts_per_token: cfg.num_experts_per_tok,
@@ -288,61 +287,6 @@ impl<B: Backend> Qwen3Moe<B> {
     }
 }
 
-/// The routed experts of one layer, from whichever layout the checkpoint uses.
-fn load_experts<B: Backend>(
-    ld: &mut Loader<B>,
-    mlp: &str,
-    cfg: &Qwen3MoeConfig,
-) -> Result<Vec<FfnWeights<B::Weight>>, ModelError> {
-    let (e, h, i) = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size);
-    let stacked = format!("{mlp}.switch_mlp");
-    if ld.has(&format!("{stacked}.gate_proj.weight")) {
-        let gate = ld.matrix_stack(&format!("{stacked}.gate_proj"), e, i, h)?;
-        let up = ld.matrix_stack(&format!("{stacked}.up_proj"), e, i, h)?;
-        let down = ld.matrix_stack(&format!("{stacked}.down_proj"), e, h, i)?;
-        return Ok(gate
-            .into_iter()
-            .zip(up)
-            .zip(down)
-            .map(|((gate, up), down)| FfnWeights { gate, up, down })
-            .collect());
-    }
-    // transformers >= 5: `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I].
-    let fused = format!("{mlp}.experts.gate_up_proj");
-    if ld.has(&fused) {
-        let gate_up = ld.host_stack(&fused, e, 2 * i, h)?;
-        let down = ld.matrix_stack(&format!("{mlp}.experts.down_proj"), e, h, i)?;
-        return gate_up
-            .into_iter()
-            .zip(down)
-            .map(|(gu, down)| {
-                Ok(FfnWeights {
-                    gate: ld.upload(&fused, gu.rows(0..i))?,
-                    up: ld.upload(&fused, gu.rows(i..2 * i))?,
-                    down,
-                })
-            })
-            .collect();
-    }
-    (0..e)
-        .map(|x| {
-            let p = format!("{mlp}.experts.{x}");
-            Ok(FfnWeights {
-                gate: ld.matrix(&format!("{p}.gate_proj"), i, h)?,
-                up: ld.matrix(&format!("{p}.up_proj"), i, h)?,
-                down: ld.matrix(&format!("{p}.down_proj"), h, i)?,
-            })
-        })
-        .collect()
-}
-
-fn describe_quant(dir: &ModelDir) -> String {
-    match &dir.quantization {
-        Some(q) => format!("{}-bit affine, group {}", q.bits, q.group_size),
-        None => "unquantised".into(),
-    }
-}
-
 impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
     fn info(&self) -> &ModelInfo {
         &self.info
@@ -370,26 +314,15 @@ impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
     ) -> Result<B::Act, ModelError> {
         let b = self.backend.as_ref();
         let eps = self.cfg.rms_norm_eps as f32;
-        if tokens.is_empty() {
-            return Err(ModelError::Input("no tokens to run".into()));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(ModelError::Input(format!(
-                "token id {t} is outside the vocabulary (size {})",
-                self.cfg.vocab_size
-            )));
-        }
-        if state.position + tokens.len() > self.info.max_context {
-            return Err(ModelError::Input(format!(
-                "{} positions exceed the model's context of {}",
-                state.position + tokens.len(),
-                self.info.max_context
-            )));
-        }
+        crate::check_tokens(tokens, state.position, &self.info)?;
 
         let mut h = b.embed(&self.embed_tokens, tokens);
         for (l, layer_state) in self.layers.iter().zip(&mut state.layers) {
-            let LayerState::Attention(cache) = layer_state;
+            let LayerState::Attention(cache) = layer_state else {
+                return Err(ModelError::Input(
+                    "state does not belong to this model".into(),
+                ));
+            };
             let x = b.rms_norm(&h, &l.input_layernorm, eps);
             let attn = self.attention(l, &x, cache);
             b.add_assign(&mut h, &attn);

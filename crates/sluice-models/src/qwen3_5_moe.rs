@@ -1,0 +1,522 @@
+//! Qwen3.5-MoE (`model_type: qwen3_5_moe`): Qwen3.5-35B-A3B, Qwen3.5-122B-A10B and their kin.
+//!
+//! A hybrid pre-norm decoder. Most layers are Gated DeltaNet linear attention (a causal depthwise
+//! conv over the q/k/v projection, then the gated delta rule with a fixed-size recurrent state,
+//! then an RMSNorm gated by `silu(z)`); every `full_attention_interval`-th layer is gated softmax
+//! attention (q/k RMSNorm, partial rotary embedding, output multiplied by `sigmoid(gate)` where
+//! `gate` comes out of `q_proj` beside the query). Every layer ends in an MoE block: softmax
+//! router and top-k experts plus a shared expert scaled by `sigmoid(shared_expert_gate(x))`.
+//!
+//! The checkpoints are vision-language; only the text model is read (vision tensors are never
+//! touched). Two layouts are accepted and told apart by the conv weight's shape:
+//! mlx-community (`language_model.model.*`, conv `[C, K, 1]`, norm weights already holding
+//! `1 + w`) and the official Hugging Face layout (`model.language_model.*`, conv `[C, 1, K]`,
+//! zero-centred norms applied as `1 + w`).
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+use sluice_backend::{Backend, DeltaNetDims, FfnWeights};
+use sluice_format::ModelDir;
+
+use crate::{config_error, CausalLm, LayerState, Loader, ModelError, ModelInfo, State};
+
+/// The fields of the text config this architecture reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Qwen35MoeConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_max_positions")]
+    pub max_position_embeddings: usize,
+    pub linear_num_value_heads: usize,
+    pub linear_num_key_heads: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    #[serde(default = "default_conv_kernel")]
+    pub linear_conv_kernel_dim: usize,
+    /// `"linear_attention"` or `"full_attention"` per layer; else from the interval.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default = "default_interval")]
+    pub full_attention_interval: usize,
+    #[serde(default)]
+    pub num_experts: usize,
+    #[serde(default)]
+    pub num_experts_per_tok: usize,
+    #[serde(default)]
+    pub moe_intermediate_size: usize,
+    #[serde(default)]
+    pub shared_expert_intermediate_size: usize,
+    #[serde(default)]
+    pub intermediate_size: usize,
+    #[serde(default = "yes")]
+    pub norm_topk_prob: bool,
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default = "yes")]
+    pub attn_output_gate: bool,
+}
+
+fn default_max_positions() -> usize {
+    262144
+}
+fn default_conv_kernel() -> usize {
+    4
+}
+fn default_interval() -> usize {
+    4
+}
+fn yes() -> bool {
+    true
+}
+
+impl Qwen35MoeConfig {
+    fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    fn is_linear(&self, layer: usize) -> bool {
+        match &self.layer_types {
+            Some(types) => types[layer] == "linear_attention",
+            None => !(layer + 1).is_multiple_of(self.full_attention_interval.max(1)),
+        }
+    }
+
+    fn delta_dims(&self) -> DeltaNetDims {
+        DeltaNetDims {
+            key_heads: self.linear_num_key_heads,
+            value_heads: self.linear_num_value_heads,
+            key_dim: self.linear_key_head_dim,
+            value_dim: self.linear_value_head_dim,
+            conv_kernel: self.linear_conv_kernel_dim,
+        }
+    }
+
+    /// (theta, rotary dims) from `rope_parameters` or the flat fields.
+    fn rope(&self, dir: &ModelDir) -> Result<(f64, usize), ModelError> {
+        let p = self.rope_parameters.as_ref();
+        let get = |k: &str| p.and_then(|p| p.get(k)).and_then(|v| v.as_f64());
+        let kind = p
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        if kind != "default" {
+            return Err(config_error(
+                dir,
+                format!(
+                    "rope type `{kind}` is not supported yet (only the default rotary embedding)"
+                ),
+            ));
+        }
+        let theta = get("rope_theta").or(self.rope_theta).unwrap_or(1e7);
+        let factor = get("partial_rotary_factor")
+            .or(self.partial_rotary_factor)
+            .unwrap_or(0.25);
+        let dims = (self.head_dim() as f64 * factor).round() as usize;
+        Ok((theta, dims))
+    }
+
+    fn check(&self, dir: &ModelDir) -> Result<(), ModelError> {
+        let err = |m: String| Err(config_error(dir, m));
+        let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
+        if h == 0 || kv == 0 || !h.is_multiple_of(kv) {
+            return err(format!(
+                "num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})"
+            ));
+        }
+        let (lk, lv) = (self.linear_num_key_heads, self.linear_num_value_heads);
+        if lk == 0 || lv == 0 || !lv.is_multiple_of(lk) {
+            return err(format!(
+                "linear_num_value_heads ({lv}) must be a positive multiple of linear_num_key_heads ({lk})"
+            ));
+        }
+        if self.linear_conv_kernel_dim == 0 {
+            return err("linear_conv_kernel_dim must be at least 1".into());
+        }
+        if let Some(types) = &self.layer_types {
+            if types.len() != self.num_hidden_layers {
+                return err(format!(
+                    "layer_types lists {} layers but num_hidden_layers is {}",
+                    types.len(),
+                    self.num_hidden_layers
+                ));
+            }
+            if let Some(t) = types
+                .iter()
+                .find(|t| *t != "linear_attention" && *t != "full_attention")
+            {
+                return err(format!("unknown layer type `{t}` in layer_types"));
+            }
+        }
+        if self.num_experts > 0
+            && (self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts)
+        {
+            return err(format!(
+                "num_experts_per_tok ({}) must be between 1 and num_experts ({})",
+                self.num_experts_per_tok, self.num_experts
+            ));
+        }
+        if self.attention_bias {
+            return err("attention_bias = true is not supported yet".into());
+        }
+        if !self.attn_output_gate {
+            return err("attn_output_gate = false is not supported yet".into());
+        }
+        Ok(())
+    }
+}
+
+struct LinearAttention<B: Backend> {
+    in_proj_qkv: B::Weight,
+    in_proj_z: B::Weight,
+    in_proj_b: B::Weight,
+    in_proj_a: B::Weight,
+    /// `[channels, kernel]`.
+    conv1d: B::Vector,
+    dt_bias: B::Vector,
+    a_log: B::Vector,
+    norm: B::Vector,
+    out_proj: B::Weight,
+}
+
+struct FullAttention<B: Backend> {
+    /// Query and output gate, interleaved per head: `[heads * 2 * head_dim, hidden]`.
+    q_proj: B::Weight,
+    k_proj: B::Weight,
+    v_proj: B::Weight,
+    o_proj: B::Weight,
+    q_norm: B::Vector,
+    k_norm: B::Vector,
+}
+
+enum Mixer<B: Backend> {
+    Linear(LinearAttention<B>),
+    Full(FullAttention<B>),
+}
+
+enum Mlp<B: Backend> {
+    Sparse {
+        gate: B::Weight,
+        experts: Vec<FfnWeights<B::Weight>>,
+        shared_expert: FfnWeights<B::Weight>,
+        /// `[1, hidden]`.
+        shared_expert_gate: B::Weight,
+    },
+    Dense(FfnWeights<B::Weight>),
+}
+
+struct Layer<B: Backend> {
+    input_layernorm: B::Vector,
+    mixer: Mixer<B>,
+    post_attention_layernorm: B::Vector,
+    mlp: Mlp<B>,
+}
+
+pub struct Qwen35Moe<B: Backend> {
+    backend: Arc<B>,
+    cfg: Qwen35MoeConfig,
+    info: ModelInfo,
+    rope_theta: f32,
+    rotary_dim: usize,
+    experts_per_token: usize,
+    embed_tokens: B::Weight,
+    layers: Vec<Layer<B>>,
+    norm: B::Vector,
+    lm_head: Option<B::Weight>,
+}
+
+/// Where the text model's tensors live in each layout.
+const TEXT_PREFIXES: [&str; 3] = ["language_model.model", "model.language_model", "model"];
+
+impl<B: Backend> Qwen35Moe<B> {
+    pub fn load(dir: &ModelDir, backend: Arc<B>) -> Result<Self, ModelError> {
+        let cfg: Qwen35MoeConfig = dir.parse_config()?;
+        cfg.check(dir)?;
+        let (rope_theta, rotary_dim) = cfg.rope(dir)?;
+        let (hidden, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let dims = cfg.delta_dims();
+        let mut ld = Loader::new(dir, backend.as_ref());
+
+        let root = TEXT_PREFIXES
+            .into_iter()
+            .find(|p| ld.has(&format!("{p}.embed_tokens.weight")))
+            .ok_or_else(|| {
+                ModelError::Unsupported(format!(
+                    "{}: no text-model embeddings found (looked for {})",
+                    dir.path.display(),
+                    TEXT_PREFIXES
+                        .map(|p| format!("`{p}.embed_tokens.weight`"))
+                        .join(", ")
+                ))
+            })?;
+        // The official layout stores conv weights as [C, 1, K] and zero-centred norms.
+        let official = (0..cfg.num_hidden_layers)
+            .filter(|&i| cfg.is_linear(i))
+            .map(|i| format!("{root}.layers.{i}.linear_attn.conv1d.weight"))
+            .find_map(|n| dir.tensors.get(&n).ok())
+            .is_some_and(|t| t.shape.last() != Some(&1));
+        let norm_shift = if official { 1.0 } else { 0.0 };
+        let norm = |ld: &mut Loader<B>, name: &str, len: usize| -> Result<B::Vector, ModelError> {
+            let mut v = dir.tensors.vector_f32(name, Some(len))?;
+            v.iter_mut().for_each(|w| *w += norm_shift);
+            ld.bytes += len * 4;
+            Ok(backend.vector(&v))
+        };
+
+        let embed_tokens = ld.matrix(&format!("{root}.embed_tokens"), cfg.vocab_size, hidden)?;
+        let embed_bytes = ld.bytes;
+        let mut expert_bytes = 0;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("{root}.layers.{i}");
+            let input_layernorm = norm(&mut ld, &format!("{p}.input_layernorm.weight"), hidden)?;
+            let mixer = if cfg.is_linear(i) {
+                let a = format!("{p}.linear_attn");
+                let channels = dims.conv_channels();
+                let value_width = dims.value_heads * dims.value_dim;
+                let conv_name = format!("{a}.conv1d.weight");
+                let (conv, shape) = dir.tensors.to_f32(&conv_name)?;
+                if conv.len() != channels * dims.conv_kernel {
+                    return Err(ModelError::Unsupported(format!(
+                        "tensor `{conv_name}` has shape {shape:?}, expected {channels} channels x {} taps",
+                        dims.conv_kernel
+                    )));
+                }
+                Mixer::Linear(LinearAttention {
+                    in_proj_qkv: ld.matrix(&format!("{a}.in_proj_qkv"), channels, hidden)?,
+                    in_proj_z: ld.matrix(&format!("{a}.in_proj_z"), value_width, hidden)?,
+                    in_proj_b: ld.matrix(&format!("{a}.in_proj_b"), dims.value_heads, hidden)?,
+                    in_proj_a: ld.matrix(&format!("{a}.in_proj_a"), dims.value_heads, hidden)?,
+                    conv1d: backend.vector(&conv),
+                    dt_bias: ld.vector(&format!("{a}.dt_bias"), dims.value_heads)?,
+                    a_log: ld.vector(&format!("{a}.A_log"), dims.value_heads)?,
+                    norm: ld.vector(&format!("{a}.norm.weight"), dims.value_dim)?,
+                    out_proj: ld.matrix(&format!("{a}.out_proj"), hidden, value_width)?,
+                })
+            } else {
+                let a = format!("{p}.self_attn");
+                Mixer::Full(FullAttention {
+                    q_proj: ld.matrix(&format!("{a}.q_proj"), heads * hd * 2, hidden)?,
+                    k_proj: ld.matrix(&format!("{a}.k_proj"), kv_heads * hd, hidden)?,
+                    v_proj: ld.matrix(&format!("{a}.v_proj"), kv_heads * hd, hidden)?,
+                    o_proj: ld.matrix(&format!("{a}.o_proj"), hidden, heads * hd)?,
+                    q_norm: norm(&mut ld, &format!("{a}.q_norm.weight"), hd)?,
+                    k_norm: norm(&mut ld, &format!("{a}.k_norm.weight"), hd)?,
+                })
+            };
+            let post_attention_layernorm = norm(
+                &mut ld,
+                &format!("{p}.post_attention_layernorm.weight"),
+                hidden,
+            )?;
+            let m = format!("{p}.mlp");
+            let mlp = if cfg.num_experts > 0 {
+                let gate = ld.matrix(&format!("{m}.gate"), cfg.num_experts, hidden)?;
+                let before = ld.bytes;
+                let experts = ld.experts(&m, cfg.num_experts, hidden, cfg.moe_intermediate_size)?;
+                expert_bytes += ld.bytes - before;
+                Mlp::Sparse {
+                    gate,
+                    experts,
+                    shared_expert: ld.ffn(
+                        &format!("{m}.shared_expert"),
+                        hidden,
+                        cfg.shared_expert_intermediate_size,
+                    )?,
+                    shared_expert_gate: ld.matrix(&format!("{m}.shared_expert_gate"), 1, hidden)?,
+                }
+            } else {
+                Mlp::Dense(ld.ffn(&m, hidden, cfg.intermediate_size)?)
+            };
+            layers.push(Layer {
+                input_layernorm,
+                mixer,
+                post_attention_layernorm,
+                mlp,
+            });
+        }
+        let final_norm = norm(&mut ld, &format!("{root}.norm.weight"), hidden)?;
+        let head = ["language_model.lm_head", "lm_head"]
+            .into_iter()
+            .find(|p| ld.has(&format!("{p}.weight")));
+        let lm_head = match head {
+            Some(p) if !cfg.tie_word_embeddings || ld.has(&format!("{p}.weight")) => {
+                Some(ld.matrix(p, cfg.vocab_size, hidden)?)
+            }
+            _ if cfg.tie_word_embeddings => None,
+            _ => Some(ld.matrix("lm_head", cfg.vocab_size, hidden)?),
+        };
+        let info = ModelInfo {
+            model_type: "qwen3_5_moe".into(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: hidden,
+            layers: cfg.num_hidden_layers,
+            max_context: cfg.max_position_embeddings,
+            experts: cfg.num_experts,
+            experts_per_token: cfg.num_experts_per_tok,
+            dense_bytes: ld.bytes - embed_bytes - expert_bytes,
+            expert_bytes,
+            weight_format: crate::describe_quant(dir),
+        };
+        Ok(Qwen35Moe {
+            experts_per_token: cfg.num_experts_per_tok,
+            backend,
+            cfg,
+            info,
+            rope_theta: rope_theta as f32,
+            rotary_dim,
+            embed_tokens,
+            layers,
+            norm: final_norm,
+            lm_head,
+        })
+    }
+
+    fn linear_attention(
+        &self,
+        l: &LinearAttention<B>,
+        x: &B::Act,
+        state: &mut B::LinearState,
+    ) -> B::Act {
+        let b = self.backend.as_ref();
+        let qkv = b.causal_conv1d_silu(&b.matmul(x, &l.in_proj_qkv), &l.conv1d, state);
+        let z = b.matmul(x, &l.in_proj_z);
+        let beta_logits = b.matmul(x, &l.in_proj_b);
+        let a = b.matmul(x, &l.in_proj_a);
+        let y = b.gated_delta_rule(&qkv, &a, &beta_logits, &l.a_log, &l.dt_bias, state);
+        let y = b.rms_norm_gated(&y, &z, &l.norm, self.cfg.rms_norm_eps as f32);
+        b.matmul(&y, &l.out_proj)
+    }
+
+    fn full_attention(&self, l: &FullAttention<B>, x: &B::Act, cache: &mut B::KvCache) -> B::Act {
+        let b = self.backend.as_ref();
+        let (hd, eps) = (self.cfg.head_dim(), self.cfg.rms_norm_eps as f32);
+        let position = b.kv_len(cache);
+        let (q, gate) = b.split_chunks(&b.matmul(x, &l.q_proj), 2 * hd, hd);
+        let mut q = b.rms_norm(&q, &l.q_norm, eps);
+        let mut k = b.rms_norm(&b.matmul(x, &l.k_proj), &l.k_norm, eps);
+        let v = b.matmul(x, &l.v_proj);
+        b.rope(&mut q, hd, self.rotary_dim, self.rope_theta, position);
+        b.rope(&mut k, hd, self.rotary_dim, self.rope_theta, position);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut o = b.attention(&q, &k, &v, cache, self.cfg.num_attention_heads, scale);
+        b.sigmoid_mul(&mut o, &gate);
+        b.matmul(&o, &l.o_proj)
+    }
+
+    fn mlp(&self, mlp: &Mlp<B>, x: &B::Act) -> B::Act {
+        let b = self.backend.as_ref();
+        match mlp {
+            Mlp::Sparse {
+                gate,
+                experts,
+                shared_expert,
+                shared_expert_gate,
+            } => {
+                let routing = b.route(
+                    &b.matmul(x, gate),
+                    self.experts_per_token,
+                    self.cfg.norm_topk_prob,
+                );
+                let mut y = b.moe(x, &routing, experts);
+                let mut shared = b.ffn(x, shared_expert);
+                b.sigmoid_mul(&mut shared, &b.matmul(x, shared_expert_gate));
+                b.add_assign(&mut y, &shared);
+                y
+            }
+            Mlp::Dense(ffn) => b.ffn(x, ffn),
+        }
+    }
+}
+
+impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_state(&self) -> State<B> {
+        let b = self.backend.as_ref();
+        let dims = self.cfg.delta_dims();
+        State {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l.mixer {
+                    Mixer::Linear(_) => LayerState::Linear(b.linear_state(&dims)),
+                    Mixer::Full(_) => LayerState::Attention(
+                        b.kv_cache(self.cfg.num_key_value_heads, self.cfg.head_dim()),
+                    ),
+                })
+                .collect(),
+            position: 0,
+        }
+    }
+
+    fn forward(
+        &self,
+        state: &mut State<B>,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<B::Act, ModelError> {
+        let b = self.backend.as_ref();
+        let eps = self.cfg.rms_norm_eps as f32;
+        crate::check_tokens(tokens, state.position, &self.info)?;
+
+        let mut h = b.embed(&self.embed_tokens, tokens);
+        for (l, layer_state) in self.layers.iter().zip(&mut state.layers) {
+            let x = b.rms_norm(&h, &l.input_layernorm, eps);
+            let mixed = match (&l.mixer, layer_state) {
+                (Mixer::Linear(m), LayerState::Linear(s)) => self.linear_attention(m, &x, s),
+                (Mixer::Full(m), LayerState::Attention(c)) => self.full_attention(m, &x, c),
+                _ => {
+                    return Err(ModelError::Input(
+                        "state does not belong to this model".into(),
+                    ))
+                }
+            };
+            b.add_assign(&mut h, &mixed);
+            let x = b.rms_norm(&h, &l.post_attention_layernorm, eps);
+            let mlp = self.mlp(&l.mlp, &x);
+            b.add_assign(&mut h, &mlp);
+        }
+        state.position += tokens.len();
+
+        if !all_logits && tokens.len() > 1 {
+            h = b.slice_rows(&h, tokens.len() - 1, 1);
+        }
+        let h = b.rms_norm(&h, &self.norm, eps);
+        Ok(b.matmul(&h, self.lm_head.as_ref().unwrap_or(&self.embed_tokens)))
+    }
+
+    fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
+        if k == 0 || k > self.cfg.num_experts {
+            return Err(ModelError::Input(format!(
+                "experts per token must be between 1 and {} for this model, not {k}",
+                self.cfg.num_experts
+            )));
+        }
+        self.experts_per_token = k;
+        self.info.experts_per_token = k;
+        Ok(())
+    }
+
+    fn backend(&self) -> &B {
+        &self.backend
+    }
+}
