@@ -124,6 +124,8 @@ pub trait Backend: Send + Sync {
     /// Views each row as consecutive chunks of `chunk` values and splits every chunk after its
     /// first `first` values: returns (all the first parts, all the rest), each concatenated.
     fn split_chunks(&self, x: &Self::Act, chunk: usize, first: usize) -> (Self::Act, Self::Act);
+    /// The columns of `parts` side by side (all with the same number of rows).
+    fn concat_cols(&self, parts: &[&Self::Act]) -> Self::Act;
     /// Depthwise causal 1-D convolution over time, then SiLU. `weight` is `[channels, kernel]`
     /// (taps oldest first); the inputs before the first row come from the state's window, which
     /// is updated to the last `kernel - 1` inputs.

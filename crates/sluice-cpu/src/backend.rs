@@ -304,6 +304,21 @@ impl Backend for CpuBackend {
         (a, b)
     }
 
+    fn concat_cols(&self, parts: &[&CpuAct]) -> CpuAct {
+        let rows = parts.first().map_or(0, |p| p.rows);
+        assert!(parts.iter().all(|p| p.rows == rows));
+        let cols = parts.iter().map(|p| p.cols).sum();
+        let mut out = CpuAct::zeros(rows, cols);
+        for r in 0..rows {
+            let mut at = r * cols;
+            for p in parts {
+                out.data[at..at + p.cols].copy_from_slice(p.row(r));
+                at += p.cols;
+            }
+        }
+        out
+    }
+
     fn causal_conv1d_silu(
         &self,
         x: &CpuAct,

@@ -91,4 +91,8 @@ reference_tests! {
     qwen3_moe_hf: "qwen3_moe-hf",
     qwen3_moe_transformers: "qwen3_moe-transformers",
     qwen3_5_moe_transformers: "qwen3_5_moe-transformers",
+    qwen3_5_moe_bf16: "qwen3_5_moe-bf16",
+    qwen3_5_moe_q4: "qwen3_5_moe-q4",
+    qwen3_5_moe_q8: "qwen3_5_moe-q8",
+    qwen3_next_bf16: "qwen3_next-bf16",
 }

@@ -85,11 +85,11 @@ pub fn load<B: Backend + 'static>(
 ) -> Result<Box<dyn CausalLm<B>>, ModelError> {
     match dir.model_type()? {
         "qwen3_moe" => Ok(Box::new(qwen3_moe::Qwen3Moe::load(dir, backend)?)),
-        "qwen3_5_moe" | "qwen3_5_moe_text" => {
+        "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => {
             Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(dir, backend)?))
         }
         other => Err(ModelError::Unsupported(format!(
-            "{}: model_type `{other}` is not supported (supported: qwen3_moe, qwen3_5_moe)",
+            "{}: model_type `{other}` is not supported (supported: qwen3_moe, qwen3_5_moe, qwen3_next)",
             dir.path.join("config.json").display()
         ))),
     }

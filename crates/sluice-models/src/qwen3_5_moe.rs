@@ -1,4 +1,6 @@
-//! Qwen3.5-MoE (`model_type: qwen3_5_moe`): Qwen3.5-35B-A3B, Qwen3.5-122B-A10B and their kin.
+//! Qwen3.5-MoE (`model_type: qwen3_5_moe`): Qwen3.5-35B-A3B, Qwen3.5-122B-A10B and their kin; and
+//! its forerunner Qwen3-Next (`qwen3_next`), the same network with a flat config and fused input
+//! projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key head).
 //!
 //! A hybrid pre-norm decoder. Most layers are Gated DeltaNet linear attention (a causal depthwise
 //! conv over the q/k/v projection, then the gated delta rule with a fixed-size recurrent state,
@@ -69,6 +71,15 @@ pub struct Qwen35MoeConfig {
     pub attention_bias: bool,
     #[serde(default = "yes")]
     pub attn_output_gate: bool,
+    /// Qwen3-Next: layers with a dense MLP instead of the MoE block.
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    #[serde(default = "one")]
+    pub decoder_sparse_step: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 fn default_max_positions() -> usize {
@@ -95,6 +106,12 @@ impl Qwen35MoeConfig {
             Some(types) => types[layer] == "linear_attention",
             None => !(layer + 1).is_multiple_of(self.full_attention_interval.max(1)),
         }
+    }
+
+    fn is_sparse(&self, layer: usize) -> bool {
+        self.num_experts > 0
+            && !self.mlp_only_layers.contains(&layer)
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
     }
 
     fn delta_dims(&self) -> DeltaNetDims {
@@ -181,11 +198,21 @@ impl Qwen35MoeConfig {
     }
 }
 
+enum InProj<B: Backend> {
+    /// Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Separate {
+        qkv: B::Weight,
+        z: B::Weight,
+        b: B::Weight,
+        a: B::Weight,
+    },
+    /// Qwen3-Next: per key head, `in_proj_qkvz` rows are `[q | k | v (r heads) | z (r heads)]`
+    /// and `in_proj_ba` rows `[b (r) | a (r)]`, with `r = value_heads / key_heads`.
+    Fused { qkvz: B::Weight, ba: B::Weight },
+}
+
 struct LinearAttention<B: Backend> {
-    in_proj_qkv: B::Weight,
-    in_proj_z: B::Weight,
-    in_proj_b: B::Weight,
-    in_proj_a: B::Weight,
+    in_proj: InProj<B>,
     /// `[channels, kernel]`.
     conv1d: B::Vector,
     dt_bias: B::Vector,
@@ -298,11 +325,26 @@ impl<B: Backend> Qwen35Moe<B> {
                         dims.conv_kernel
                     )));
                 }
+                let hv = dims.value_heads;
+                let in_proj = if ld.has(&format!("{a}.in_proj_qkvz.weight")) {
+                    InProj::Fused {
+                        qkvz: ld.matrix(
+                            &format!("{a}.in_proj_qkvz"),
+                            channels + value_width,
+                            hidden,
+                        )?,
+                        ba: ld.matrix(&format!("{a}.in_proj_ba"), 2 * hv, hidden)?,
+                    }
+                } else {
+                    InProj::Separate {
+                        qkv: ld.matrix(&format!("{a}.in_proj_qkv"), channels, hidden)?,
+                        z: ld.matrix(&format!("{a}.in_proj_z"), value_width, hidden)?,
+                        b: ld.matrix(&format!("{a}.in_proj_b"), hv, hidden)?,
+                        a: ld.matrix(&format!("{a}.in_proj_a"), hv, hidden)?,
+                    }
+                };
                 Mixer::Linear(LinearAttention {
-                    in_proj_qkv: ld.matrix(&format!("{a}.in_proj_qkv"), channels, hidden)?,
-                    in_proj_z: ld.matrix(&format!("{a}.in_proj_z"), value_width, hidden)?,
-                    in_proj_b: ld.matrix(&format!("{a}.in_proj_b"), dims.value_heads, hidden)?,
-                    in_proj_a: ld.matrix(&format!("{a}.in_proj_a"), dims.value_heads, hidden)?,
+                    in_proj,
                     conv1d: backend.vector(&conv),
                     dt_bias: ld.vector(&format!("{a}.dt_bias"), dims.value_heads)?,
                     a_log: ld.vector(&format!("{a}.A_log"), dims.value_heads)?,
@@ -326,7 +368,7 @@ impl<B: Backend> Qwen35Moe<B> {
                 hidden,
             )?;
             let m = format!("{p}.mlp");
-            let mlp = if cfg.num_experts > 0 {
+            let mlp = if cfg.is_sparse(i) {
                 let gate = ld.matrix(&format!("{m}.gate"), cfg.num_experts, hidden)?;
                 let before = ld.bytes;
                 let experts = ld.experts(&m, cfg.num_experts, hidden, cfg.moe_intermediate_size)?;
@@ -363,7 +405,7 @@ impl<B: Backend> Qwen35Moe<B> {
             _ => Some(ld.matrix("lm_head", cfg.vocab_size, hidden)?),
         };
         let info = ModelInfo {
-            model_type: "qwen3_5_moe".into(),
+            model_type: dir.model_type()?.to_string(),
             vocab_size: cfg.vocab_size,
             hidden_size: hidden,
             layers: cfg.num_hidden_layers,
@@ -395,10 +437,26 @@ impl<B: Backend> Qwen35Moe<B> {
         state: &mut B::LinearState,
     ) -> B::Act {
         let b = self.backend.as_ref();
-        let qkv = b.causal_conv1d_silu(&b.matmul(x, &l.in_proj_qkv), &l.conv1d, state);
-        let z = b.matmul(x, &l.in_proj_z);
-        let beta_logits = b.matmul(x, &l.in_proj_b);
-        let a = b.matmul(x, &l.in_proj_a);
+        let (qkv, z, beta_logits, a) = match &l.in_proj {
+            InProj::Separate { qkv, z, b: wb, a } => (
+                b.matmul(x, qkv),
+                b.matmul(x, z),
+                b.matmul(x, wb),
+                b.matmul(x, a),
+            ),
+            InProj::Fused { qkvz, ba } => {
+                let d = self.cfg.delta_dims();
+                // Per key head: dk of q, dk of k, then `width` of v and of z.
+                let (dk, width) = (d.key_dim, d.value_heads / d.key_heads * d.value_dim);
+                let (qk, vz) = b.split_chunks(&b.matmul(x, qkvz), 2 * dk + 2 * width, 2 * dk);
+                let (q, k) = b.split_chunks(&qk, 2 * dk, dk);
+                let (v, z) = b.split_chunks(&vz, 2 * width, width);
+                let r = d.value_heads / d.key_heads;
+                let (beta_logits, a) = b.split_chunks(&b.matmul(x, ba), 2 * r, r);
+                (b.concat_cols(&[&q, &k, &v]), z, beta_logits, a)
+            }
+        };
+        let qkv = b.causal_conv1d_silu(&qkv, &l.conv1d, state);
         let y = b.gated_delta_rule(&qkv, &a, &beta_logits, &l.a_log, &l.dt_bias, state);
         let y = b.rms_norm_gated(&y, &z, &l.norm, self.cfg.rms_norm_eps as f32);
         b.matmul(&y, &l.out_proj)
