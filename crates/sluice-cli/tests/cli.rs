@@ -297,3 +297,23 @@ fn bad_sampling_settings() {
     ]);
     assert!(err.contains("top_p") || err.contains("top-p"), "{err}");
 }
+
+#[test]
+fn generate_runs_the_hybrid_models() {
+    for name in ["qwen3_5_moe-q4", "qwen3_5_moe-bf16", "qwen3_next-bf16"] {
+        let model = fixture(name);
+        let out = sluice(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "The river",
+            "-n",
+            "8",
+            "--chat",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {stderr}");
+        assert!(stderr.contains("generation:"), "{name}: {stderr}");
+    }
+}
