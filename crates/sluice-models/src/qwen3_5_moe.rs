@@ -132,7 +132,8 @@ impl Qwen35MoeConfig {
             .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
             .and_then(|t| t.as_str())
             .unwrap_or("default");
-        if kind != "default" {
+        // M-RoPE with text alone gives every section the same position: plain 1-D rotary.
+        if kind != "default" && kind != "mrope" {
             return Err(config_error(
                 dir,
                 format!(
