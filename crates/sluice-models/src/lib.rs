@@ -261,6 +261,36 @@ pub(crate) fn check_tokens(
     Ok(())
 }
 
+/// The final norm and the output head: on the last row only unless `all_logits`.
+pub(crate) fn output_logits<B: Backend>(
+    b: &B,
+    h: B::Act,
+    all_logits: bool,
+    norm: &B::Vector,
+    eps: f32,
+    head: &B::Weight,
+) -> B::Act {
+    let (rows, _) = b.shape(&h);
+    let h = if !all_logits && rows > 1 {
+        b.slice_rows(&h, rows - 1, 1)
+    } else {
+        h
+    };
+    b.matmul(&b.rms_norm(&h, norm, eps), head)
+}
+
+/// Sets the routed experts per token after checking it against the model's expert count.
+pub(crate) fn set_experts_per_token(info: &mut ModelInfo, k: usize) -> Result<(), ModelError> {
+    if k == 0 || k > info.experts {
+        return Err(ModelError::Input(format!(
+            "experts per token must be between 1 and {} for this model, not {k}",
+            info.experts
+        )));
+    }
+    info.experts_per_token = k;
+    Ok(())
+}
+
 pub(crate) fn describe_quant(dir: &ModelDir) -> String {
     match &dir.quantization {
         Some(q) => format!("{}-bit affine, group {}", q.bits, q.group_size),

@@ -261,7 +261,6 @@ pub struct Qwen35Moe<B: Backend> {
     info: ModelInfo,
     rope_theta: f32,
     rotary_dim: usize,
-    experts_per_token: usize,
     embed_tokens: B::Weight,
     layers: Vec<Layer<B>>,
     norm: B::Vector,
@@ -418,7 +417,6 @@ impl<B: Backend> Qwen35Moe<B> {
             weight_format: crate::describe_quant(dir),
         };
         Ok(Qwen35Moe {
-            experts_per_token: cfg.num_experts_per_tok,
             backend,
             cfg,
             info,
@@ -490,7 +488,7 @@ impl<B: Backend> Qwen35Moe<B> {
             } => {
                 let routing = b.route(
                     &b.matmul(x, gate),
-                    self.experts_per_token,
+                    self.info.experts_per_token,
                     self.cfg.norm_topk_prob,
                 );
                 let mut y = b.moe(x, &routing, experts);
@@ -556,23 +554,14 @@ impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
         }
         state.position += tokens.len();
 
-        if !all_logits && tokens.len() > 1 {
-            h = b.slice_rows(&h, tokens.len() - 1, 1);
-        }
-        let h = b.rms_norm(&h, &self.norm, eps);
-        Ok(b.matmul(&h, self.lm_head.as_ref().unwrap_or(&self.embed_tokens)))
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Ok(crate::output_logits(
+            b, h, all_logits, &self.norm, eps, head,
+        ))
     }
 
     fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
-        if k == 0 || k > self.cfg.num_experts {
-            return Err(ModelError::Input(format!(
-                "experts per token must be between 1 and {} for this model, not {k}",
-                self.cfg.num_experts
-            )));
-        }
-        self.experts_per_token = k;
-        self.info.experts_per_token = k;
-        Ok(())
+        crate::set_experts_per_token(&mut self.info, k)
     }
 
     fn backend(&self) -> &B {

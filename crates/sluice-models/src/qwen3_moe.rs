@@ -167,7 +167,6 @@ pub struct Qwen3Moe<B: Backend> {
     cfg: Qwen3MoeConfig,
     info: ModelInfo,
     rope_theta: f32,
-    experts_per_token: usize,
     embed_tokens: B::Weight,
     layers: Vec<Layer<B>>,
     norm: B::Vector,
@@ -245,7 +244,6 @@ impl<B: Backend> Qwen3Moe<B> {
             weight_format: crate::describe_quant(dir),
         };
         Ok(Qwen3Moe {
-            experts_per_token: cfg.num_experts_per_tok,
             backend,
             cfg,
             info,
@@ -277,7 +275,7 @@ impl<B: Backend> Qwen3Moe<B> {
             Mlp::Sparse { gate, experts } => {
                 let routing = b.route(
                     &b.matmul(x, gate),
-                    self.experts_per_token,
+                    self.info.experts_per_token,
                     self.cfg.norm_topk_prob,
                 );
                 b.moe(x, &routing, experts)
@@ -332,23 +330,14 @@ impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
         }
         state.position += tokens.len();
 
-        if !all_logits && tokens.len() > 1 {
-            h = b.slice_rows(&h, tokens.len() - 1, 1);
-        }
-        let h = b.rms_norm(&h, &self.norm, eps);
-        Ok(b.matmul(&h, self.lm_head.as_ref().unwrap_or(&self.embed_tokens)))
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Ok(crate::output_logits(
+            b, h, all_logits, &self.norm, eps, head,
+        ))
     }
 
     fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
-        if k == 0 || k > self.cfg.num_experts {
-            return Err(ModelError::Input(format!(
-                "experts per token must be between 1 and {} for this model, not {k}",
-                self.cfg.num_experts
-            )));
-        }
-        self.experts_per_token = k;
-        self.info.experts_per_token = k;
-        Ok(())
+        crate::set_experts_per_token(&mut self.info, k)
     }
 
     fn backend(&self) -> &B {
