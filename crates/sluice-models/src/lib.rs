@@ -166,7 +166,20 @@ impl<'a, B: Backend> Loader<'a, B> {
     }
 
     pub fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector, ModelError> {
-        let v = self.dir.tensors.vector_f32(name, Some(len))?;
+        self.vector_plus(name, len, 0.0)
+    }
+
+    /// A 1-D tensor with `offset` added to every element (zero-centred norms store `w - 1`).
+    pub fn vector_plus(
+        &mut self,
+        name: &str,
+        len: usize,
+        offset: f32,
+    ) -> Result<B::Vector, ModelError> {
+        let mut v = self.dir.tensors.vector_f32(name, Some(len))?;
+        if offset != 0.0 {
+            v.iter_mut().for_each(|w| *w += offset);
+        }
         self.bytes += len * 4;
         Ok(self.backend.vector(&v))
     }

@@ -299,12 +299,8 @@ impl<B: Backend> Qwen35Moe<B> {
             .find_map(|n| dir.tensors.get(&n).ok())
             .is_some_and(|t| t.shape.last() != Some(&1));
         let norm_shift = if official { 1.0 } else { 0.0 };
-        let norm = |ld: &mut Loader<B>, name: &str, len: usize| -> Result<B::Vector, ModelError> {
-            let mut v = dir.tensors.vector_f32(name, Some(len))?;
-            v.iter_mut().for_each(|w| *w += norm_shift);
-            ld.bytes += len * 4;
-            Ok(backend.vector(&v))
-        };
+        let norm =
+            |ld: &mut Loader<B>, name: &str, len: usize| ld.vector_plus(name, len, norm_shift);
 
         let embed_tokens = ld.matrix(&format!("{root}.embed_tokens"), cfg.vocab_size, hidden)?;
         let embed_bytes = ld.bytes;
@@ -398,11 +394,10 @@ impl<B: Backend> Qwen35Moe<B> {
             .into_iter()
             .find(|p| ld.has(&format!("{p}.weight")));
         let lm_head = match head {
-            Some(p) if !cfg.tie_word_embeddings || ld.has(&format!("{p}.weight")) => {
-                Some(ld.matrix(p, cfg.vocab_size, hidden)?)
-            }
-            _ if cfg.tie_word_embeddings => None,
-            _ => Some(ld.matrix("lm_head", cfg.vocab_size, hidden)?),
+            Some(p) => Some(ld.matrix(p, cfg.vocab_size, hidden)?),
+            None if cfg.tie_word_embeddings => None,
+            // Absent and untied: let the loader name the missing tensor.
+            None => Some(ld.matrix("lm_head", cfg.vocab_size, hidden)?),
         };
         let info = ModelInfo {
             model_type: dir.model_type()?.to_string(),
