@@ -390,14 +390,16 @@ impl<B: Backend> Qwen35Moe<B> {
             });
         }
         let final_norm = norm(&mut ld, &format!("{root}.norm.weight"), hidden)?;
-        let head = ["language_model.lm_head", "lm_head"]
-            .into_iter()
-            .find(|p| ld.has(&format!("{p}.weight")));
-        let lm_head = match head {
-            Some(p) => Some(ld.matrix(p, cfg.vocab_size, hidden)?),
-            None if cfg.tie_word_embeddings => None,
-            // Absent and untied: let the loader name the missing tensor.
-            None => Some(ld.matrix("lm_head", cfg.vocab_size, hidden)?),
+        // Tied models use the embeddings even if a stray `lm_head` is stored, as mlx-lm and
+        // transformers do.
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            let head = ["language_model.lm_head", "lm_head"]
+                .into_iter()
+                .find(|p| ld.has(&format!("{p}.weight")))
+                .unwrap_or("lm_head");
+            Some(ld.matrix(head, cfg.vocab_size, hidden)?)
         };
         let info = ModelInfo {
             model_type: dir.model_type()?.to_string(),

@@ -226,7 +226,9 @@ impl<B: Backend> Qwen3Moe<B> {
             });
         }
         let norm = ld.vector("model.norm.weight", hidden)?;
-        let lm_head = if cfg.tie_word_embeddings && !ld.has("lm_head.weight") {
+        // Tied models use the embeddings even if a stray `lm_head` is stored, as mlx-lm and
+        // transformers do.
+        let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
             Some(ld.matrix("lm_head", cfg.vocab_size, hidden)?)
