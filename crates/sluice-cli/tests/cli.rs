@@ -34,6 +34,19 @@ fn sluice_fails(args: &[&str]) -> String {
     stderr
 }
 
+/// `sluice generate --model MODEL --prompt x EXTRA...`, expected to fail; returns the error line.
+fn generate_fails(model: &Path, extra: &[&str]) -> String {
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "x",
+    ];
+    args.extend_from_slice(extra);
+    sluice_fails(&args)
+}
+
 /// A writable copy of a fixture.
 fn copy_fixture(name: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
@@ -150,13 +163,7 @@ fn missing_model_directory() {
 fn missing_tokenizer() {
     let dir = copy_fixture("qwen3_moe-q4");
     std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
-    let err = sluice_fails(&[
-        "generate",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--prompt",
-        "x",
-    ]);
+    let err = generate_fails(dir.path(), &[]);
     assert!(err.contains("tokenizer.json"), "{err}");
 }
 
@@ -164,13 +171,7 @@ fn missing_tokenizer() {
 fn unsupported_model_type() {
     let dir = copy_fixture("qwen3_moe-q4");
     edit_config(dir.path(), |v| v["model_type"] = "llama4_moe".into());
-    let err = sluice_fails(&[
-        "generate",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--prompt",
-        "x",
-    ]);
+    let err = generate_fails(dir.path(), &[]);
     assert!(
         err.contains("llama4_moe") && err.contains("config.json"),
         "{err}"
@@ -184,13 +185,7 @@ fn config_disagrees_with_tensor_shapes() {
         let e = v["num_experts"].as_u64().unwrap();
         v["num_experts"] = (e * 2).into();
     });
-    let err = sluice_fails(&[
-        "generate",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--prompt",
-        "x",
-    ]);
+    let err = generate_fails(dir.path(), &[]);
     assert!(err.contains("mlp"), "error should name the tensor: {err}");
 }
 
@@ -220,13 +215,7 @@ fn wrong_dtype_tensor() {
     out.extend_from_slice(new_header.as_bytes());
     out.extend_from_slice(&bytes[8 + hlen..]);
     std::fs::write(&path, out).unwrap();
-    let err = sluice_fails(&[
-        "generate",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--prompt",
-        "x",
-    ]);
+    let err = generate_fails(dir.path(), &[]);
     assert!(err.contains("model.norm.weight"), "{err}");
 }
 
@@ -237,13 +226,7 @@ fn truncated_safetensors() {
     let len = std::fs::metadata(&path).unwrap().len();
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.set_len(len / 2).unwrap();
-    let err = sluice_fails(&[
-        "generate",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--prompt",
-        "x",
-    ]);
+    let err = generate_fails(dir.path(), &[]);
     assert!(
         err.contains("model.safetensors") && err.contains("truncated"),
         "{err}"
@@ -271,30 +254,14 @@ fn token_outside_the_vocabulary() {
 #[test]
 fn bad_experts_per_token() {
     let model = fixture("qwen3_moe-q4");
-    let err = sluice_fails(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "x",
-        "--experts-per-token",
-        "999",
-    ]);
+    let err = generate_fails(&model, &["--experts-per-token", "999"]);
     assert!(err.contains("experts per token"), "{err}");
 }
 
 #[test]
 fn bad_sampling_settings() {
     let model = fixture("qwen3_moe-q4");
-    let err = sluice_fails(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "x",
-        "--top-p",
-        "1.5",
-    ]);
+    let err = generate_fails(&model, &["--top-p", "1.5"]);
     assert!(err.contains("top_p") || err.contains("top-p"), "{err}");
 }
 
