@@ -1,0 +1,4 @@
+//! Benchmarks and the machine limits they are compared against.
+
+pub mod limits;
+pub mod sys;
