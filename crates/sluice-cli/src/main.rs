@@ -2,6 +2,8 @@
 //!
 //! The binary only parses arguments and prints; the work is done by `sluice-engine`.
 
+mod synth_cmd;
+
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -36,6 +38,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate(GenerateArgs),
+    /// Write a random checkpoint with a real model's exact shapes (for benchmarks).
+    Synth(synth_cmd::SynthArgs),
     /// Write the logits at every position of a token list to a .npy file (to compare with
     /// another implementation).
     Logits(LogitsArgs),
@@ -118,6 +122,7 @@ fn main() {
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),
+        Command::Synth(a) => synth_cmd::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -284,3 +284,90 @@ fn generate_runs_the_hybrid_models() {
         assert!(stderr.contains("generation:"), "{name}: {stderr}");
     }
 }
+
+#[test]
+fn synth_tiny_presets_load_and_generate() {
+    for preset in ["tiny-qwen3.5-moe", "tiny-qwen3-moe"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("m");
+        let d = dir.to_str().unwrap();
+        let out = sluice(&["synth", "--preset", preset, "-o", d, "--seed", "3"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!tmp.path().join("m.partial").exists());
+        let out = sluice(&["generate", "-m", d, "-p", "Hello", "-n", "8", "--chat"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains("generation: 8 tokens"), "{stderr}");
+        // Writing over an existing directory is refused, naming it.
+        let err = sluice_fails(&["synth", "--preset", preset, "-o", d]);
+        assert!(err.contains("already exists") && err.contains(d), "{err}");
+    }
+}
+
+#[test]
+fn synth_is_deterministic_per_seed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |name: &str, seed: &str| {
+        let d = tmp.path().join(name);
+        let out = sluice(&[
+            "synth",
+            "--preset",
+            "tiny-qwen3-moe",
+            "-o",
+            d.to_str().unwrap(),
+            "--seed",
+            seed,
+        ]);
+        assert!(out.status.success());
+        std::fs::read(d.join("model.safetensors")).unwrap()
+    };
+    let (a, b, c) = (write("a", "1"), write("b", "1"), write("c", "2"));
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[test]
+fn synth_rejects_bad_settings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    let d = d.to_str().unwrap();
+    let err = sluice_fails(&["synth", "--preset", "qwen9", "-o", d]);
+    assert!(
+        err.contains("unknown preset") && err.contains("qwen3.5-35b-a3b"),
+        "{err}"
+    );
+    let err = sluice_fails(&[
+        "synth",
+        "--preset",
+        "tiny-qwen3-moe",
+        "-o",
+        d,
+        "--layers",
+        "9",
+    ]);
+    assert!(err.contains("--layers 9"), "{err}");
+    let out = sluice(&[
+        "synth",
+        "--preset",
+        "tiny-qwen3-moe",
+        "-o",
+        d,
+        "--bits",
+        "3",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "clap rejects --bits 3");
+    assert!(!Path::new(d).exists());
+}
+
+#[test]
+fn synth_lists_presets_with_sizes() {
+    let out = sluice(&["synth", "--preset", "list"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(stdout.contains("| qwen3.5-122b-a10b |"), "{stdout}");
+    assert!(stdout.contains("| qwen3-235b-a22b |"), "{stdout}");
+}

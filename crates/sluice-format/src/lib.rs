@@ -37,7 +37,7 @@ mod tensors;
 pub use error::FormatError;
 pub use quant::QuantConfig;
 pub use safetensors::{convert_to_f32, read_safetensors, StDtype, TensorInfo};
-pub use safetensors_writer::write_safetensors;
+pub use safetensors_writer::{safetensors_header_for, write_safetensors};
 pub use settings::{GenerationConfig, TokenizerConfig};
 pub use sluice_backend::{Dtype, HostBytes, HostMatrix, WeightFormat};
 pub use tensors::{Tensors, INDEX_FILE, SINGLE_FILE};

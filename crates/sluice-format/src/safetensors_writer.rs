@@ -15,7 +15,28 @@ pub fn safetensors_header(
     tensors: &[(String, StDtype, Vec<usize>, &[u8])],
     metadata: Option<&BTreeMap<String, String>>,
 ) -> io::Result<Vec<u8>> {
-    let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidInput, m);
+    for (name, dtype, shape, data) in tensors {
+        let want = tensor_bytes(name, *dtype, shape)?;
+        if data.len() != want {
+            return Err(invalid(format!(
+                "tensor `{name}`: {} bytes given, shape {shape:?} of {dtype} needs {want}",
+                data.len()
+            )));
+        }
+    }
+    let entries: Vec<(String, StDtype, Vec<usize>)> = tensors
+        .iter()
+        .map(|(n, d, s, _)| (n.clone(), *d, s.clone()))
+        .collect();
+    safetensors_header_for(&entries, metadata)
+}
+
+/// The header for tensors of the given names, dtypes and shapes laid out in order, for writers
+/// that stream the data after it.
+pub fn safetensors_header_for(
+    tensors: &[(String, StDtype, Vec<usize>)],
+    metadata: Option<&BTreeMap<String, String>>,
+) -> io::Result<Vec<u8>> {
     let mut header = Map::new();
     if let Some(md) = metadata {
         let md: Map<String, Value> = md
@@ -26,31 +47,22 @@ pub fn safetensors_header(
     }
     let mut seen = HashSet::new();
     let mut offset = 0usize;
-    for (name, dtype, shape, data) in tensors {
+    for (name, dtype, shape) in tensors {
         if name == "__metadata__" || !seen.insert(name.as_str()) {
             return Err(invalid(format!(
                 "tensor name `{name}` repeated or reserved"
             )));
         }
-        let want = shape
-            .iter()
-            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
-            .ok_or_else(|| invalid(format!("tensor `{name}`: shape {shape:?} overflows")))?;
-        if data.len() != want {
-            return Err(invalid(format!(
-                "tensor `{name}`: {} bytes given, shape {shape:?} of {dtype} needs {want}",
-                data.len()
-            )));
-        }
+        let len = tensor_bytes(name, *dtype, shape)?;
         header.insert(
             name.clone(),
             json!({
                 "dtype": dtype.name(),
                 "shape": shape,
-                "data_offsets": [offset, offset + data.len()],
+                "data_offsets": [offset, offset + len],
             }),
         );
-        offset += data.len();
+        offset += len;
     }
     let mut text = serde_json::to_vec(&Value::Object(header)).map_err(io::Error::other)?;
     while text.len() % 8 != 0 {
@@ -60,6 +72,17 @@ pub fn safetensors_header(
     out.extend_from_slice(&(text.len() as u64).to_le_bytes());
     out.extend_from_slice(&text);
     Ok(out)
+}
+
+fn invalid(m: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, m)
+}
+
+fn tensor_bytes(name: &str, dtype: StDtype, shape: &[usize]) -> io::Result<usize> {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+        .ok_or_else(|| invalid(format!("tensor `{name}`: shape {shape:?} overflows")))
 }
 
 /// Writes `tensors` (name, dtype, shape, little-endian bytes) to `path` in the given order.

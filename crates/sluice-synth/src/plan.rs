@@ -1,0 +1,295 @@
+//! Which tensors a preset's checkpoint holds (names, dtypes and shapes as mlx-lm writes them) and
+//! how each is filled.
+//!
+//! Scaling: every matrix has weights of mean 0 and standard deviation `gain / sqrt(fan_in)`, so a
+//! unit-RMS input gives a unit-RMS output and the residual stream grows only like sqrt(layers)
+//! (RMSNorm in front of every block keeps each block's input at unit RMS). The router's gain of 4
+//! gives logits of standard deviation ~4, so each token picks a decisive, token-dependent top-k
+//! and routing spreads over all experts.
+
+use sluice_format::StDtype;
+
+use crate::presets::{Family, Preset};
+
+/// Gain of the router (`mlp.gate`): logits of standard deviation ~4.
+pub const ROUTER_GAIN: f32 = 4.0;
+
+/// How a tensor's bytes are made.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fill {
+    /// Packed quantised codes (uniform random bits).
+    Codes,
+    /// Per-group scales: `base * (0.8 + 0.4 u)` with `u` uniform, keyed by element index so the
+    /// matching biases can recompute them.
+    Scales { base: f32, key: u64 },
+    /// Per-group biases that centre the codes: `-scale * (2^bits - 1) / 2`.
+    Biases { base: f32, key: u64, bits: u32 },
+    /// Every element equal (norm weights).
+    Constant(f32),
+    /// Uniform on [lo, hi).
+    Uniform { lo: f32, hi: f32 },
+    /// `ln(u)`, u uniform on [lo, hi): Gated DeltaNet's `A_log`.
+    LogUniform { lo: f32, hi: f32 },
+    /// Inverse softplus of a log-uniform time step in [lo, hi): Gated DeltaNet's `dt_bias`.
+    InvSoftplusLogUniform { lo: f32, hi: f32 },
+}
+
+/// One tensor to write.
+#[derive(Debug, Clone)]
+pub struct TensorPlan {
+    pub name: String,
+    pub dtype: StDtype,
+    pub shape: Vec<usize>,
+    pub fill: Fill,
+    /// Seed of this tensor's random stream (derived from the name and the user's seed).
+    pub seed: u64,
+}
+
+impl TensorPlan {
+    pub fn nbytes(&self) -> u64 {
+        self.shape.iter().product::<usize>() as u64 * self.dtype.size() as u64
+    }
+}
+
+/// Quantisation of the checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct Quant {
+    pub bits: u32,
+    pub group_size: usize,
+}
+
+struct Builder {
+    seed: u64,
+    quant: Quant,
+    out: Vec<TensorPlan>,
+}
+
+impl Builder {
+    fn push(&mut self, name: String, dtype: StDtype, shape: Vec<usize>, fill: Fill) {
+        let seed = mix(self.seed ^ fnv1a(name.as_bytes()));
+        self.out.push(TensorPlan {
+            name,
+            dtype,
+            shape,
+            fill,
+            seed,
+        });
+    }
+
+    /// A linear layer (or stack of `lead` expert layers) `[lead.., out, in]`, quantised as mlx
+    /// does: when `in` is a multiple of the group size, else kept in bf16.
+    fn linear(&mut self, name: &str, lead: &[usize], out: usize, inp: usize, gain: f32, q: Quant) {
+        let std = gain / (inp as f32).sqrt();
+        if !inp.is_multiple_of(q.group_size) {
+            let mut shape = lead.to_vec();
+            shape.extend([out, inp]);
+            let a = std * 3f32.sqrt();
+            self.push(
+                format!("{name}.weight"),
+                StDtype::BF16,
+                shape,
+                Fill::Uniform { lo: -a, hi: a },
+            );
+            return;
+        }
+        let levels = (1u64 << q.bits) as f32;
+        // Uniform codes on 0..levels have standard deviation sqrt((levels^2 - 1) / 12).
+        let base = std / ((levels * levels - 1.0) / 12.0).sqrt();
+        let key = mix(self.seed ^ fnv1a(name.as_bytes()) ^ 0x5ca1e);
+        let mut wshape = lead.to_vec();
+        wshape.extend([out, inp * q.bits as usize / 32]);
+        let mut sshape = lead.to_vec();
+        sshape.extend([out, inp / q.group_size]);
+        self.push(format!("{name}.weight"), StDtype::U32, wshape, Fill::Codes);
+        self.push(
+            format!("{name}.scales"),
+            StDtype::BF16,
+            sshape.clone(),
+            Fill::Scales { base, key },
+        );
+        self.push(
+            format!("{name}.biases"),
+            StDtype::BF16,
+            sshape,
+            Fill::Biases {
+                base,
+                key,
+                bits: q.bits,
+            },
+        );
+    }
+
+    fn ones(&mut self, name: String, n: usize) {
+        self.push(name, StDtype::BF16, vec![n], Fill::Constant(1.0));
+    }
+}
+
+/// The tensors of `preset`'s checkpoint, in file order (embeddings, layer by layer, head).
+pub fn tensors(preset: &Preset, quant: Quant, seed: u64) -> Vec<TensorPlan> {
+    let mut b = Builder {
+        seed: mix(seed),
+        quant,
+        out: Vec::new(),
+    };
+    let q = quant;
+    let router = Quant {
+        bits: 8,
+        group_size: 64,
+    };
+    let h = preset.hidden_size;
+    let m = preset.model_prefix();
+    // Embedding rows of unit RMS: mlx quantises the embedding like a linear layer.
+    b.linear(
+        &format!("{m}.embed_tokens"),
+        &[],
+        preset.vocab_size,
+        h,
+        (h as f32).sqrt(),
+        q,
+    );
+    for l in 0..preset.layers {
+        let p = format!("{m}.layers.{l}");
+        b.ones(format!("{p}.input_layernorm.weight"), h);
+        b.ones(format!("{p}.post_attention_layernorm.weight"), h);
+        if preset.is_full_attention(l) {
+            let (nh, kv, hd) = (preset.heads, preset.kv_heads, preset.head_dim);
+            // Qwen3.5's gated attention projects queries and their gates together.
+            let q_rows = match preset.family {
+                Family::Qwen3Moe => nh * hd,
+                Family::Qwen35Moe => 2 * nh * hd,
+            };
+            b.linear(&format!("{p}.self_attn.q_proj"), &[], q_rows, h, 1.0, q);
+            b.linear(&format!("{p}.self_attn.k_proj"), &[], kv * hd, h, 1.0, q);
+            b.linear(&format!("{p}.self_attn.v_proj"), &[], kv * hd, h, 1.0, q);
+            b.linear(&format!("{p}.self_attn.o_proj"), &[], h, nh * hd, 1.0, q);
+            b.ones(format!("{p}.self_attn.q_norm.weight"), hd);
+            b.ones(format!("{p}.self_attn.k_norm.weight"), hd);
+        } else if let Some(lin) = preset.linear {
+            let la = format!("{p}.linear_attn");
+            let key_dim = lin.key_heads * lin.key_head_dim;
+            let value_dim = lin.value_heads * lin.value_head_dim;
+            let conv_dim = 2 * key_dim + value_dim;
+            b.linear(&format!("{la}.in_proj_qkv"), &[], conv_dim, h, 1.0, q);
+            b.linear(&format!("{la}.in_proj_z"), &[], value_dim, h, 1.0, q);
+            b.linear(&format!("{la}.in_proj_b"), &[], lin.value_heads, h, 1.0, q);
+            b.linear(&format!("{la}.in_proj_a"), &[], lin.value_heads, h, 1.0, q);
+            b.linear(&format!("{la}.out_proj"), &[], h, value_dim, 1.0, q);
+            let a = 1.0 / (lin.conv_kernel as f32).sqrt() * 3f32.sqrt();
+            // mlx keeps Conv1d weights as [channels, kernel, 1].
+            b.push(
+                format!("{la}.conv1d.weight"),
+                StDtype::BF16,
+                vec![conv_dim, lin.conv_kernel, 1],
+                Fill::Uniform { lo: -a, hi: a },
+            );
+            // As the official initialisation: A ~ U(1, 16), dt ~ logU(1e-3, 0.1).
+            b.push(
+                format!("{la}.A_log"),
+                StDtype::F32,
+                vec![lin.value_heads],
+                Fill::LogUniform { lo: 1.0, hi: 16.0 },
+            );
+            b.push(
+                format!("{la}.dt_bias"),
+                StDtype::BF16,
+                vec![lin.value_heads],
+                Fill::InvSoftplusLogUniform { lo: 1e-3, hi: 0.1 },
+            );
+            b.ones(format!("{la}.norm.weight"), lin.value_head_dim);
+        }
+        let mlp = format!("{p}.mlp");
+        let (e, i) = (preset.experts, preset.moe_intermediate_size);
+        b.linear(&format!("{mlp}.gate"), &[], e, h, ROUTER_GAIN, router);
+        b.linear(&format!("{mlp}.switch_mlp.gate_proj"), &[e], i, h, 1.0, q);
+        b.linear(&format!("{mlp}.switch_mlp.up_proj"), &[e], i, h, 1.0, q);
+        b.linear(&format!("{mlp}.switch_mlp.down_proj"), &[e], h, i, 1.0, q);
+        let s = preset.shared_expert_intermediate_size;
+        if s > 0 {
+            let se = format!("{mlp}.shared_expert");
+            b.linear(&format!("{se}.gate_proj"), &[], s, h, 1.0, q);
+            b.linear(&format!("{se}.up_proj"), &[], s, h, 1.0, q);
+            b.linear(&format!("{se}.down_proj"), &[], h, s, 1.0, q);
+            b.linear(&format!("{mlp}.shared_expert_gate"), &[], 1, h, 1.0, router);
+        }
+    }
+    b.ones(format!("{m}.norm.weight"), h);
+    b.linear(preset.lm_head(), &[], preset.vocab_size, h, 1.0, b.quant);
+    b.out
+}
+
+/// SplitMix64's finaliser: a well-mixed 64-bit hash of `x`.
+pub fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::Preset;
+
+    fn q4() -> Quant {
+        Quant {
+            bits: 4,
+            group_size: 64,
+        }
+    }
+
+    #[test]
+    fn qwen35_35b_has_the_published_size() {
+        let p = Preset::find("qwen3.5-35b-a3b").unwrap();
+        let t = tensors(p, q4(), 0);
+        let total: u64 = t.iter().map(|t| t.nbytes()).sum();
+        let experts: u64 = t
+            .iter()
+            .filter(|t| t.name.contains("switch_mlp"))
+            .map(|t| t.nbytes())
+            .sum();
+        // 40 x 256 x 3 x 2048 x 512 x 4.5 bits = 18.1 GB of routed experts (shared notes).
+        assert_eq!(experts, 40 * 256 * 3 * 2048 * 512 * 9 / 16);
+        // mlx-community's Qwen3.5-35B-A3B-4bit text weights are ~19.5 GB.
+        assert!((19.0e9..20.5e9).contains(&(total as f64)), "{total}");
+    }
+
+    #[test]
+    fn names_are_unique_and_shapes_consistent() {
+        for p in crate::presets::PRESETS {
+            let t = tensors(p, q4(), 1);
+            let mut names: Vec<_> = t.iter().map(|t| t.name.as_str()).collect();
+            names.sort();
+            let n = names.len();
+            names.dedup();
+            assert_eq!(n, names.len(), "{}", p.name);
+            for x in &t {
+                if let Some(stem) = x.name.strip_suffix(".scales") {
+                    let w = t
+                        .iter()
+                        .find(|w| w.name == format!("{stem}.weight"))
+                        .unwrap();
+                    let per_word = 32 / q4().bits as usize;
+                    let bits = if stem.ends_with("gate") { 8 } else { 4 };
+                    let cols = w.shape.last().unwrap() * 32 / bits;
+                    assert_eq!(*x.shape.last().unwrap() * 64, cols, "{}", x.name);
+                    assert!(per_word > 0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn seeds_differ_between_tensors_and_user_seeds() {
+        let p = Preset::find("tiny-qwen3-moe").unwrap();
+        let a = tensors(p, q4(), 1);
+        let b = tensors(p, q4(), 2);
+        assert_ne!(a[0].seed, a[1].seed);
+        assert_ne!(a[0].seed, b[0].seed);
+    }
+}

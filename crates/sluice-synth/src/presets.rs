@@ -1,0 +1,428 @@
+//! The real models' shapes, and the config.json each synthetic checkpoint carries.
+//!
+//! Every number of a full-size preset is the published `config.json` value of the model it is
+//! named after; `source` says where it was read and which second source agreed. The `tiny-*`
+//! presets keep each family's structure (layer schedule, shared expert, gated attention) at a
+//! size that writes in milliseconds, for tests.
+
+use serde_json::{json, Map, Value};
+
+/// Which architecture (and config.json layout) a preset has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `qwen3_moe`: full attention in every layer, no shared expert.
+    Qwen3Moe,
+    /// `qwen3_5_moe`: Gated DeltaNet + gated full attention every `full_attention_interval`
+    /// layers, shared expert; config under `text_config`, tensors under `language_model.`.
+    Qwen35Moe,
+}
+
+/// Gated DeltaNet (linear attention) dimensions of a `qwen3_5_moe` preset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearAttention {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+    /// Every n-th layer (1-based) is full attention, the rest linear.
+    pub full_attention_interval: usize,
+}
+
+/// The shape of one model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preset {
+    pub name: &'static str,
+    pub family: Family,
+    /// Where the numbers come from.
+    pub source: &'static str,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub experts: usize,
+    pub experts_per_token: usize,
+    pub moe_intermediate_size: usize,
+    /// 0 when the model has no shared expert.
+    pub shared_expert_intermediate_size: usize,
+    /// The dense FFN width the config declares (unused by all-MoE layer schedules).
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub rope_theta: f64,
+    pub partial_rotary_factor: f64,
+    pub max_position_embeddings: usize,
+    pub linear: Option<LinearAttention>,
+    /// Id of `<|endoftext|>`; the other special tokens follow it (as in Qwen's vocabularies).
+    pub special_tokens_start: usize,
+}
+
+/// The special tokens every preset's tokenizer has, in id order from `special_tokens_start`.
+pub const SPECIAL_TOKENS: [(&str, bool); 7] = [
+    ("<|endoftext|>", true),
+    ("<|im_start|>", true),
+    ("<|im_end|>", true),
+    ("<think>", false),
+    ("</think>", false),
+    ("<tool_call>", false),
+    ("</tool_call>", false),
+];
+
+const QWEN35_LINEAR: LinearAttention = LinearAttention {
+    key_heads: 16,
+    value_heads: 32,
+    key_head_dim: 128,
+    value_head_dim: 128,
+    conv_kernel: 4,
+    full_attention_interval: 4,
+};
+
+/// All presets, full-size first.
+pub const PRESETS: &[Preset] = &[
+    Preset {
+        name: "qwen3.5-35b-a3b",
+        family: Family::Qwen35Moe,
+        source: "huggingface.co/Qwen/Qwen3.5-35B-A3B config.json (text_config); \
+                 agrees with THUDM/slime scripts/models/qwen3.5-35B-A3B.sh",
+        hidden_size: 2048,
+        layers: 40,
+        heads: 16,
+        kv_heads: 2,
+        head_dim: 256,
+        experts: 256,
+        experts_per_token: 8,
+        moe_intermediate_size: 512,
+        shared_expert_intermediate_size: 512,
+        intermediate_size: 0,
+        vocab_size: 248320,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 262144,
+        linear: Some(QWEN35_LINEAR),
+        special_tokens_start: 248044,
+    },
+    Preset {
+        name: "qwen3.5-122b-a10b",
+        family: Family::Qwen35Moe,
+        source: "huggingface.co/Qwen/Qwen3.5-122B-A10B config.json (text_config); \
+                 agrees with slime scripts/models/qwen3.5-122B-A10B.sh (Aphoh/slime)",
+        hidden_size: 3072,
+        layers: 48,
+        heads: 32,
+        kv_heads: 2,
+        head_dim: 256,
+        experts: 256,
+        experts_per_token: 8,
+        moe_intermediate_size: 1024,
+        shared_expert_intermediate_size: 1024,
+        intermediate_size: 0,
+        vocab_size: 248320,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 262144,
+        linear: Some(LinearAttention {
+            value_heads: 64,
+            ..QWEN35_LINEAR
+        }),
+        special_tokens_start: 248044,
+    },
+    Preset {
+        name: "qwen3-30b-a3b",
+        family: Family::Qwen3Moe,
+        source: "huggingface.co/Qwen/Qwen3-30B-A3B config.json; \
+                 agrees with THUDM/slime scripts/models/qwen3-30B-A3B.sh",
+        hidden_size: 2048,
+        layers: 48,
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        experts: 128,
+        experts_per_token: 8,
+        moe_intermediate_size: 768,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 6144,
+        vocab_size: 151936,
+        rope_theta: 1e6,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 40960,
+        linear: None,
+        special_tokens_start: 151643,
+    },
+    Preset {
+        name: "qwen3-235b-a22b",
+        family: Family::Qwen3Moe,
+        source: "huggingface.co/Qwen/Qwen3-235B-A22B config.json; \
+                 agrees with THUDM/slime scripts/models/qwen3-235B-A22B.sh",
+        hidden_size: 4096,
+        layers: 94,
+        heads: 64,
+        kv_heads: 4,
+        head_dim: 128,
+        experts: 128,
+        experts_per_token: 8,
+        moe_intermediate_size: 1536,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 12288,
+        vocab_size: 151936,
+        rope_theta: 1e6,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 40960,
+        linear: None,
+        special_tokens_start: 151643,
+    },
+    Preset {
+        name: "tiny-qwen3.5-moe",
+        family: Family::Qwen35Moe,
+        source: "qwen3.5-35b-a3b's structure at test size",
+        hidden_size: 128,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        experts: 16,
+        experts_per_token: 4,
+        moe_intermediate_size: 64,
+        shared_expert_intermediate_size: 64,
+        intermediate_size: 0,
+        vocab_size: 1024,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 4096,
+        linear: Some(LinearAttention {
+            key_heads: 2,
+            value_heads: 4,
+            key_head_dim: 32,
+            value_head_dim: 32,
+            conv_kernel: 4,
+            full_attention_interval: 4,
+        }),
+        special_tokens_start: 1000,
+    },
+    Preset {
+        name: "tiny-qwen3-moe",
+        family: Family::Qwen3Moe,
+        source: "qwen3-30b-a3b's structure at test size",
+        hidden_size: 128,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        experts: 16,
+        experts_per_token: 4,
+        moe_intermediate_size: 64,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 256,
+        vocab_size: 1024,
+        rope_theta: 1e6,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 4096,
+        linear: None,
+        special_tokens_start: 1000,
+    },
+];
+
+impl Preset {
+    /// The preset called `name`, or an error listing the known ones.
+    pub fn find(name: &str) -> Result<&'static Preset, String> {
+        PRESETS.iter().find(|p| p.name == name).ok_or_else(|| {
+            let names: Vec<_> = PRESETS.iter().map(|p| p.name).collect();
+            format!(
+                "unknown preset `{name}`; known presets: {}",
+                names.join(", ")
+            )
+        })
+    }
+
+    /// Whether layer `l` (0-based) is full attention.
+    pub fn is_full_attention(&self, l: usize) -> bool {
+        match self.linear {
+            None => true,
+            Some(lin) => (l + 1).is_multiple_of(lin.full_attention_interval),
+        }
+    }
+
+    /// Id of `<|im_end|>`, the end-of-turn token.
+    pub fn eos_token_id(&self) -> usize {
+        self.special_tokens_start + 2
+    }
+
+    /// Module-path prefix of the decoder stack as mlx-lm writes it (`...layers.N`).
+    pub fn model_prefix(&self) -> &'static str {
+        match self.family {
+            Family::Qwen3Moe => "model",
+            Family::Qwen35Moe => "language_model.model",
+        }
+    }
+
+    /// Path of the output head.
+    pub fn lm_head(&self) -> &'static str {
+        match self.family {
+            Family::Qwen3Moe => "lm_head",
+            Family::Qwen35Moe => "language_model.lm_head",
+        }
+    }
+
+    /// The config.json mlx-lm writes for this model quantised to `bits` with `group_size`
+    /// (router gates at 8 bits, as mlx-lm's `quant_predicate` does for these families).
+    pub fn config_json(&self, bits: u32, group_size: usize) -> Value {
+        let mut quant = Map::new();
+        quant.insert("group_size".into(), json!(group_size));
+        quant.insert("bits".into(), json!(bits));
+        quant.insert("mode".into(), json!("affine"));
+        let router = json!({"group_size": 64, "bits": 8});
+        for l in 0..self.layers {
+            let p = format!("{}.layers.{l}.mlp", self.model_prefix());
+            quant.insert(format!("{p}.gate"), router.clone());
+            if self.shared_expert_intermediate_size > 0 {
+                quant.insert(format!("{p}.shared_expert_gate"), router.clone());
+            }
+        }
+        let quant = Value::Object(quant);
+        let eos = self.eos_token_id();
+        let endoftext = self.special_tokens_start;
+        match (self.family, self.linear) {
+            (Family::Qwen35Moe, Some(lin)) => {
+                let layer_types: Vec<&str> = (0..self.layers)
+                    .map(|l| {
+                        if self.is_full_attention(l) {
+                            "full_attention"
+                        } else {
+                            "linear_attention"
+                        }
+                    })
+                    .collect();
+                let rotary_pairs = (self.head_dim as f64 * self.partial_rotary_factor) as usize / 2;
+                // Qwen3.5's multimodal rotary sections (t, h, w); text positions make them plain
+                // rope. Split as the published [11, 11, 10] for 32 pairs.
+                let s0 = rotary_pairs.div_ceil(3);
+                let s1 = (rotary_pairs - s0).div_ceil(2);
+                let mrope_section = json!([s0, s1, rotary_pairs - s0 - s1]);
+                json!({
+                    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                    "model_type": "qwen3_5_moe",
+                    "eos_token_id": [eos, endoftext],
+                    "tie_word_embeddings": false,
+                    "quantization": quant,
+                    "quantization_config": quant,
+                    "text_config": {
+                        "model_type": "qwen3_5_moe_text",
+                        "attention_bias": false,
+                        "attn_output_gate": true,
+                        "dtype": "bfloat16",
+                        "eos_token_id": eos,
+                        "full_attention_interval": lin.full_attention_interval,
+                        "head_dim": self.head_dim,
+                        "hidden_act": "silu",
+                        "hidden_size": self.hidden_size,
+                        "layer_types": layer_types,
+                        "linear_conv_kernel_dim": lin.conv_kernel,
+                        "linear_key_head_dim": lin.key_head_dim,
+                        "linear_num_key_heads": lin.key_heads,
+                        "linear_num_value_heads": lin.value_heads,
+                        "linear_value_head_dim": lin.value_head_dim,
+                        "max_position_embeddings": self.max_position_embeddings,
+                        "moe_intermediate_size": self.moe_intermediate_size,
+                        "norm_topk_prob": true,
+                        "num_attention_heads": self.heads,
+                        "num_experts": self.experts,
+                        "num_experts_per_tok": self.experts_per_token,
+                        "num_hidden_layers": self.layers,
+                        "num_key_value_heads": self.kv_heads,
+                        "rms_norm_eps": 1e-6,
+                        "rope_parameters": {
+                            "mrope_interleaved": true,
+                            "mrope_section": mrope_section,
+                            "rope_theta": self.rope_theta,
+                            "partial_rotary_factor": self.partial_rotary_factor,
+                            "type": "default",
+                        },
+                        "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                        "tie_word_embeddings": false,
+                        "vocab_size": self.vocab_size,
+                    },
+                })
+            }
+            _ => json!({
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "attention_bias": false,
+                "bos_token_id": endoftext,
+                "decoder_sparse_step": 1,
+                "eos_token_id": eos,
+                "head_dim": self.head_dim,
+                "hidden_act": "silu",
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "max_position_embeddings": self.max_position_embeddings,
+                "mlp_only_layers": [],
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": true,
+                "num_attention_heads": self.heads,
+                "num_experts": self.experts,
+                "num_experts_per_tok": self.experts_per_token,
+                "num_hidden_layers": self.layers,
+                "num_key_value_heads": self.kv_heads,
+                "rms_norm_eps": 1e-6,
+                "rope_scaling": null,
+                "rope_theta": self.rope_theta,
+                "tie_word_embeddings": false,
+                "torch_dtype": "bfloat16",
+                "vocab_size": self.vocab_size,
+                "quantization": quant,
+                "quantization_config": quant,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mrope_sections_cover_the_rotary_pairs() {
+        let p = Preset::find("qwen3.5-35b-a3b").unwrap();
+        let c = p.config_json(4, 64);
+        let rp = &c["text_config"]["rope_parameters"];
+        // The published value for head_dim 256 at a 0.25 rotary factor.
+        assert_eq!(rp["mrope_section"], json!([11, 11, 10]));
+        let tiny = Preset::find("tiny-qwen3.5-moe").unwrap().config_json(4, 64);
+        let s = &tiny["text_config"]["rope_parameters"]["mrope_section"];
+        let sum: u64 = s
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert_eq!(sum, 8);
+    }
+
+    #[test]
+    fn layer_schedule_is_three_linear_then_one_full() {
+        let p = Preset::find("qwen3.5-122b-a10b").unwrap();
+        let full: Vec<usize> = (0..p.layers).filter(|&l| p.is_full_attention(l)).collect();
+        assert_eq!(full.len(), 12);
+        assert_eq!(full[0], 3);
+        assert!(Preset::find("qwen3-30b-a3b").unwrap().is_full_attention(0));
+    }
+
+    #[test]
+    fn unknown_preset_lists_the_known_ones() {
+        let e = Preset::find("qwen9").unwrap_err();
+        assert!(
+            e.contains("qwen3.5-35b-a3b") && e.contains("tiny-qwen3-moe"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn special_tokens_fit_the_vocabulary() {
+        for p in PRESETS {
+            assert!(
+                p.special_tokens_start + SPECIAL_TOKENS.len() <= p.vocab_size,
+                "{}",
+                p.name
+            );
+        }
+    }
+}
