@@ -1,4 +1,5 @@
 //! Benchmarks and the machine limits they are compared against.
 
 pub mod limits;
+pub mod model;
 pub mod sys;

@@ -2,6 +2,7 @@
 //!
 //! The binary only parses arguments and prints; the work is done by `sluice-engine`.
 
+mod bench_cmd;
 mod synth_cmd;
 
 use std::io::Write;
@@ -38,6 +39,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate(GenerateArgs),
+    /// Measure prompt and generation speed, next to the machine's memory and disk limits.
+    Bench(bench_cmd::BenchArgs),
     /// Write a random checkpoint with a real model's exact shapes (for benchmarks).
     Synth(synth_cmd::SynthArgs),
     /// Write the logits at every position of a token list to a .npy file (to compare with
@@ -123,6 +126,7 @@ fn main() {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),
         Command::Synth(a) => synth_cmd::run(a),
+        Command::Bench(a) => bench_cmd::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -371,3 +371,93 @@ fn synth_lists_presets_with_sizes() {
     assert!(stdout.contains("| qwen3.5-122b-a10b |"), "{stdout}");
     assert!(stdout.contains("| qwen3-235b-a22b |"), "{stdout}");
 }
+
+#[test]
+fn bench_reports_runs_and_limits_as_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    let m = model.to_str().unwrap();
+    assert!(sluice(&["synth", "--preset", "tiny-qwen3.5-moe", "-o", m])
+        .status
+        .success());
+    let out = sluice(&[
+        "bench", "-m", m, "-p", "16", "-n", "4", "-r", "2", "-t", "1,2", "-k", "2,4", "--memory",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["limits"]["memory_read_gbps"].as_f64().unwrap() > 0.0);
+    let runs = v["runs"].as_array().unwrap();
+    // 2 K values x 2 thread counts x (pp16, tg4).
+    assert_eq!(runs.len(), 8);
+    for r in runs {
+        assert!(r["tok_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(r["samples"].as_array().unwrap().len(), 2);
+        assert!(r["fraction_of_limit"].as_f64().unwrap() > 0.0);
+    }
+    let tg = |k: u64| {
+        runs.iter()
+            .find(|r| r["test"] == "tg4" && r["experts_per_token"] == k)
+            .unwrap()["bytes_per_token"]
+            .as_f64()
+            .unwrap()
+    };
+    // Two more experts per token read two more experts' bytes in each of the 4 layers.
+    assert!(tg(4) > tg(2), "{} vs {}", tg(4), tg(2));
+}
+
+/// Like `sluice_fails`, for commands that print progress lines before the error: exit 1, no
+/// panic, and the error as the last line (returned).
+fn bench_fails(args: &[&str]) -> String {
+    let out = sluice(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    let last = stderr.lines().last().unwrap_or("").to_string();
+    assert!(last.starts_with("error: "), "{stderr}");
+    last
+}
+
+#[test]
+fn bench_measures_the_disk_and_rejects_bad_settings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("blob");
+    std::fs::write(&file, vec![7u8; 64 << 20]).unwrap();
+    let f = file.to_str().unwrap();
+    let out = sluice(&["bench", "--disk", "--file", f, "--disk-seconds", "0.1"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("| sequential") && stdout.contains("GB/s"),
+        "{stdout}"
+    );
+
+    sluice_fails(&["bench"]);
+    let small = tmp.path().join("small");
+    std::fs::write(&small, b"tiny").unwrap();
+    // Progress lines may precede the error; the error is still the last line.
+    let out = sluice(&["bench", "--disk", "--file", small.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    let last = err.lines().last().unwrap();
+    assert!(
+        last.starts_with("error: ") && last.contains("too small"),
+        "{err}"
+    );
+    let m = fixture("qwen3_moe-q4");
+    let m = m.to_str().unwrap();
+    let err = sluice_fails(&["bench", "-m", m, "-t", "0"]);
+    assert!(err.contains("--threads"), "{err}");
+    let err = bench_fails(&[
+        "bench", "-m", m, "-k", "99", "-p", "4", "-n", "0", "-r", "1",
+    ]);
+    assert!(err.contains("99"), "{err}");
+}

@@ -1,0 +1,314 @@
+//! Model benchmarks in the spirit of llama-bench: prompt processing (`ppN`) and generation
+//! (`tgN`) tok/s over repetitions, time to first token, peak RSS, bytes moved per token and the
+//! fraction of the relevant machine limit that represents.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use sluice_backend::Backend;
+use sluice_engine::Engine;
+
+use crate::sys;
+
+/// One benchmark test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Test {
+    /// Process a prompt of N random tokens in one prefill.
+    Prompt(usize),
+    /// Generate N tokens one at a time (greedy) from an empty context.
+    Generate(usize),
+}
+
+impl Test {
+    pub fn name(&self) -> String {
+        match self {
+            Test::Prompt(n) => format!("pp{n}"),
+            Test::Generate(n) => format!("tg{n}"),
+        }
+    }
+
+    fn tokens(&self) -> usize {
+        match *self {
+            Test::Prompt(n) | Test::Generate(n) => n,
+        }
+    }
+}
+
+/// Which limit a run is compared against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Limit {
+    /// The weights fit in memory: DRAM read bandwidth bounds decode.
+    Memory,
+    /// They do not: what is not resident comes from disk.
+    Disk,
+}
+
+/// The measured limits of this machine, in GB/s.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct LimitRates {
+    pub memory_read_gbps: Option<f64>,
+    /// The best sustained O_DIRECT throughput measured (sequential or parallel random).
+    pub disk_gbps: Option<f64>,
+}
+
+/// The result of one test at one setting.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    pub model: PathBuf,
+    pub test: String,
+    pub threads: usize,
+    pub experts_per_token: usize,
+    /// Mean over the repetitions.
+    pub tok_s: f64,
+    /// Sample standard deviation over the repetitions (0 for one).
+    pub tok_s_sd: f64,
+    pub samples: Vec<f64>,
+    /// Time to first token: the prefill of the prompt (pp tests only).
+    pub ttft_s: Option<f64>,
+    /// Weight bytes each token reads: all dense weights plus K experts per MoE layer for
+    /// generation; for prompts, the dense and the expected distinct experts, divided by N.
+    pub bytes_per_token: f64,
+    pub limit: Limit,
+    pub limit_gbps: Option<f64>,
+    /// tok_s x bytes_per_token / limit.
+    pub fraction_of_limit: Option<f64>,
+    /// Peak resident set during this run (mapped file pages included), when the OS says.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// Settings for the runs of one model.
+#[derive(Debug, Clone)]
+pub struct RunSettings {
+    pub tests: Vec<Test>,
+    pub repetitions: usize,
+    pub threads: Vec<usize>,
+    /// `None` runs the model's own K.
+    pub experts_per_token: Vec<Option<usize>>,
+    /// One untimed run of each test first (page cache, allocator, branch predictors).
+    pub warmup: bool,
+    pub seed: u64,
+}
+
+/// Total bytes of the model's weight files.
+pub fn model_file_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// Runs every test at every setting on `engine`, calling `report` after each. Thread counts run
+/// in their own rayon pools.
+pub fn run_model<B: Backend + 'static>(
+    engine: &mut Engine<B>,
+    settings: &RunSettings,
+    limits: &LimitRates,
+    report: &mut dyn FnMut(&RunResult),
+) -> Result<Vec<RunResult>> {
+    if settings.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    let dir = engine.dir.path.clone();
+    let file_bytes = model_file_bytes(&dir);
+    // MemAvailable counts the reclaimable page cache, so a model already cached still "fits".
+    let limit = match sys::mem_available_bytes() {
+        Some(avail) if file_bytes > avail => Limit::Disk,
+        _ => Limit::Memory,
+    };
+    let limit_gbps = match limit {
+        Limit::Memory => limits.memory_read_gbps,
+        Limit::Disk => limits.disk_gbps,
+    };
+    let default_k = engine.model.info().experts_per_token;
+    let mut out = Vec::new();
+    for &k in &settings.experts_per_token {
+        let k = k.unwrap_or(default_k);
+        engine
+            .model
+            .set_experts_per_token(k)
+            .with_context(|| format!("--experts-per-token {k}"))?;
+        for &threads in &settings.threads {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .context("building the thread pool")?;
+            for &test in &settings.tests {
+                let engine = &*engine;
+                let result = pool.install(|| -> Result<RunResult> {
+                    if settings.warmup {
+                        run_once(engine, test, settings.seed)?;
+                    }
+                    sys::reset_peak_rss();
+                    let mut samples = Vec::new();
+                    let mut ttft = Vec::new();
+                    for r in 0..settings.repetitions {
+                        let secs = run_once(engine, test, settings.seed + 1 + r as u64)?;
+                        samples.push(test.tokens() as f64 / secs);
+                        ttft.push(secs);
+                    }
+                    let (mean, sd) = mean_sd(&samples);
+                    let bytes_per_token = bytes_per_token(engine, test);
+                    Ok(RunResult {
+                        model: dir.clone(),
+                        test: test.name(),
+                        threads,
+                        experts_per_token: k,
+                        tok_s: mean,
+                        tok_s_sd: sd,
+                        samples,
+                        ttft_s: matches!(test, Test::Prompt(_)).then(|| mean_sd(&ttft).0),
+                        bytes_per_token,
+                        limit,
+                        limit_gbps,
+                        fraction_of_limit: limit_gbps.map(|g| mean * bytes_per_token / 1e9 / g),
+                        peak_rss_bytes: sys::peak_rss_bytes(),
+                    })
+                })?;
+                report(&result);
+                out.push(result);
+            }
+        }
+    }
+    engine.model.set_experts_per_token(default_k)?;
+    Ok(out)
+}
+
+/// Seconds for one run of `test` from a fresh state.
+fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> Result<f64> {
+    let info = engine.model.info();
+    // Ordinary tokens only: below the first special token of Qwen vocabularies when known.
+    let range = engine.tokenizer.vocab_size().min(info.vocab_size).max(1) as u64;
+    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next_token = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % range) as u32
+    };
+    let mut state = engine.new_state();
+    match test {
+        Test::Prompt(n) => {
+            let tokens: Vec<u32> = (0..n).map(|_| next_token()).collect();
+            let start = Instant::now();
+            let logits = engine.prefill(&mut state, &tokens)?;
+            std::hint::black_box(argmax(&logits));
+            Ok(start.elapsed().as_secs_f64())
+        }
+        Test::Generate(n) => {
+            let mut token = next_token();
+            let backend = engine.model.backend();
+            let start = Instant::now();
+            for _ in 0..n {
+                let logits = engine.model.forward(&mut state, &[token], false)?;
+                token = argmax(&backend.to_host(&logits));
+            }
+            Ok(start.elapsed().as_secs_f64())
+        }
+    }
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Weight bytes read per token (see [`RunResult::bytes_per_token`]).
+pub fn bytes_per_token<B: Backend>(engine: &Engine<B>, test: Test) -> f64 {
+    let info = engine.model.info();
+    let per_expert = info.expert_bytes as f64 / info.experts.max(1) as f64;
+    let row = (info.hidden_size * 2) as f64; // One embedding row, roughly.
+    match test {
+        Test::Generate(_) => {
+            info.dense_bytes as f64 + per_expert * info.experts_per_token as f64 + row
+        }
+        Test::Prompt(n) => {
+            // Each expert is read once per prefill if any of the n tokens routes to it.
+            let p_unused = (1.0 - info.experts_per_token as f64 / info.experts.max(1) as f64)
+                .powi(n.min(i32::MAX as usize) as i32);
+            let experts_read = info.experts as f64 * (1.0 - p_unused);
+            (info.dense_bytes as f64 + per_expert * experts_read) / n.max(1) as f64 + row
+        }
+    }
+}
+
+/// Mean and sample standard deviation.
+pub fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    let mean = v.iter().sum::<f64>() / n;
+    if v.len() < 2 {
+        return (mean, 0.0);
+    }
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, var.sqrt())
+}
+
+/// The markdown table of results.
+pub fn markdown_table(results: &[RunResult]) -> String {
+    let mut s = String::from(
+        "| model | K | threads | test | tok/s | TTFT | bytes/token | limit | of limit | peak RSS |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in results {
+        let name = r
+            .model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| r.model.display().to_string());
+        let limit = match (r.limit, r.limit_gbps) {
+            (l, Some(g)) => format!("{} {g:.1} GB/s", format!("{l:?}").to_lowercase()),
+            (l, None) => format!("{} (not measured)", format!("{l:?}").to_lowercase()),
+        };
+        s.push_str(&format!(
+            "| {name} | {} | {} | {} | {:.2} ± {:.2} | {} | {} | {limit} | {} | {} |\n",
+            r.experts_per_token,
+            r.threads,
+            r.test,
+            r.tok_s,
+            r.tok_s_sd,
+            r.ttft_s.map_or("-".into(), |t| if t < 1.0 {
+                format!("{:.1} ms", t * 1e3)
+            } else {
+                format!("{t:.2} s")
+            }),
+            sys::format_bytes(r.bytes_per_token as u64),
+            r.fraction_of_limit
+                .map_or("-".into(), |f| format!("{:.0}%", f * 100.0)),
+            r.peak_rss_bytes.map_or("-".into(), sys::format_bytes),
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_and_sample_sd() {
+        let (m, sd) = mean_sd(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]);
+        assert_eq!(m, 5.0);
+        assert!((sd - 2.138).abs() < 1e-3, "{sd}");
+        assert_eq!(mean_sd(&[3.0]), (3.0, 0.0));
+    }
+
+    #[test]
+    fn test_names() {
+        assert_eq!(Test::Prompt(512).name(), "pp512");
+        assert_eq!(Test::Generate(128).name(), "tg128");
+    }
+}

@@ -1,0 +1,204 @@
+//! `sluice bench`: speed next to the machine's limits, in one run.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::json;
+use sluice_bench::limits::{self, DiskOptions};
+use sluice_bench::model::{markdown_table, run_model, LimitRates, RunSettings, Test};
+use sluice_bench::sys;
+use sluice_cpu::CpuBackend;
+use sluice_engine::{Engine, LoadOptions};
+
+#[derive(Args)]
+#[command(after_help = "Examples:\n  \
+    sluice bench -m ./Qwen3-30B-A3B-4bit --memory            pp512 + tg128, 3 repetitions, vs DRAM\n  \
+    sluice bench -m ./m -p 0 -n 32,128 -t 1,2 -k 4,8           sweep threads and experts per token\n  \
+    sluice bench --disk --file ./m/model-00001-of-00004.safetensors   only the disk limit\n  \
+    sluice bench -m ./m --memory --disk --json > run.json\n\n\
+Each row reports tok/s as mean ± sample sd over the repetitions (after one untimed warm-up), the \
+weight bytes each token reads, and tok/s x bytes/token as a fraction of the limit that bounds it: \
+DRAM read bandwidth (--memory) when the weights fit in available memory, else the disk (--disk).")]
+pub struct BenchArgs {
+    /// Model directories to benchmark (repeat or comma-separate).
+    #[arg(long, short = 'm', value_name = "DIR", value_delimiter = ',')]
+    model: Vec<PathBuf>,
+    /// Prompt lengths to process (comma-separated; 0 skips).
+    #[arg(long, short = 'p', value_delimiter = ',', default_value = "512")]
+    prompt: Vec<usize>,
+    /// Numbers of tokens to generate (comma-separated; 0 skips).
+    #[arg(long, short = 'n', value_delimiter = ',', default_value = "128")]
+    generate: Vec<usize>,
+    /// Repetitions of each test.
+    #[arg(long, short = 'r', default_value_t = 3)]
+    repetitions: usize,
+    /// Thread counts to run (comma-separated; default: all cores).
+    #[arg(long, short = 't', value_delimiter = ',')]
+    threads: Vec<usize>,
+    /// Routed experts per token to run (comma-separated; default: the model's).
+    #[arg(long, short = 'k', value_delimiter = ',')]
+    experts_per_token: Vec<usize>,
+    /// Skip the untimed warm-up run of each test.
+    #[arg(long)]
+    no_warmup: bool,
+    /// Measure DRAM read bandwidth (all threads) first.
+    #[arg(long)]
+    memory: bool,
+    /// Measure disk throughput first (O_DIRECT; sequential, and random blocks at queue depth 1
+    /// and N) on --file, else on the first model's largest safetensors file.
+    #[arg(long)]
+    disk: bool,
+    /// File for --disk.
+    #[arg(long, value_name = "FILE")]
+    file: Option<PathBuf>,
+    /// Random-read size for --disk (default: 2MiB, about one expert block).
+    #[arg(long, value_name = "BYTES", default_value = "2MiB")]
+    block: String,
+    /// Reads in flight for the parallel --disk pattern.
+    #[arg(long, default_value_t = 8)]
+    queue_depth: usize,
+    /// Seconds per --disk pattern.
+    #[arg(long, default_value_t = 2.0)]
+    disk_seconds: f64,
+    /// Print JSON instead of markdown.
+    #[arg(long)]
+    json: bool,
+    /// Random seed for the prompt tokens.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.model.is_empty() && !a.memory && !a.disk {
+        bail!("nothing to do: pass --model DIR, --memory or --disk");
+    }
+    if a.threads.contains(&0) {
+        bail!("--threads must be at least 1");
+    }
+    let threads = if a.threads.is_empty() {
+        vec![std::thread::available_parallelism().map_or(1, |n| n.get())]
+    } else {
+        a.threads.clone()
+    };
+    let max_threads = *threads.iter().max().expect("one thread count");
+    let mut rates = LimitRates::default();
+    let mut limits_json = serde_json::Map::new();
+    if a.memory {
+        eprintln!("measuring DRAM read bandwidth ({max_threads} threads)...");
+        let m = limits::memory_read(max_threads, limits::DEFAULT_MEMORY_BYTES);
+        rates.memory_read_gbps = Some(m.gbps);
+        limits_json.insert("memory".into(), json!(m));
+    }
+    if a.disk {
+        let file = match &a.file {
+            Some(f) => f.clone(),
+            None => match a.model.first() {
+                Some(m) => limits::default_disk_file(m)?,
+                None => bail!("--disk needs --file FILE or --model DIR to read from"),
+            },
+        };
+        let block = sys::parse_bytes(&a.block).map_err(|e| anyhow::anyhow!("--block: {e}"))?;
+        let opts = DiskOptions {
+            block: block as usize,
+            queue_depth: a.queue_depth,
+            seconds: a.disk_seconds,
+            ..DiskOptions::new(file.clone())
+        };
+        eprintln!("measuring disk throughput on {}...", file.display());
+        let d = limits::disk(&opts)?;
+        rates.disk_gbps = Some(d.sequential.gbps.max(d.random_qdn.gbps));
+        limits_json.insert("disk".into(), json!(d));
+    }
+    let settings = RunSettings {
+        tests: a
+            .prompt
+            .iter()
+            .filter(|&&n| n > 0)
+            .map(|&n| Test::Prompt(n))
+            .chain(
+                a.generate
+                    .iter()
+                    .filter(|&&n| n > 0)
+                    .map(|&n| Test::Generate(n)),
+            )
+            .collect(),
+        repetitions: a.repetitions,
+        threads,
+        experts_per_token: if a.experts_per_token.is_empty() {
+            vec![None]
+        } else {
+            a.experts_per_token.iter().map(|&k| Some(k)).collect()
+        },
+        warmup: !a.no_warmup,
+        seed: a.seed,
+    };
+    let mut results = Vec::new();
+    for dir in &a.model {
+        let mut engine = Engine::load(dir, Arc::new(CpuBackend::new()), &LoadOptions::default())
+            .with_context(|| format!("loading {}", dir.display()))?;
+        let info = engine.model.info();
+        eprintln!(
+            "{}: {} layers, {} experts ({} per token), {}; dense {} + experts {}",
+            dir.display(),
+            info.layers,
+            info.experts,
+            info.experts_per_token,
+            info.weight_format,
+            sys::format_bytes(info.dense_bytes as u64),
+            sys::format_bytes(info.expert_bytes as u64),
+        );
+        results.extend(run_model(&mut engine, &settings, &rates, &mut |r| {
+            eprintln!(
+                "  {} K={} threads={}: {:.2} ± {:.2} tok/s",
+                r.test, r.experts_per_token, r.threads, r.tok_s, r.tok_s_sd
+            );
+        })?);
+    }
+    if a.json {
+        let out = json!({
+            "limits": {
+                "memory_read_gbps": rates.memory_read_gbps,
+                "disk_gbps": rates.disk_gbps,
+                "detail": limits_json,
+            },
+            "runs": results,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    if let Some(g) = rates.memory_read_gbps {
+        println!("DRAM read, {max_threads} threads: {g:.1} GB/s\n");
+    }
+    if let Some(d) = limits_json.get("disk") {
+        println!(
+            "| disk pattern ({}) | request | queue depth | GB/s | mean latency |",
+            if d["direct"].as_bool() == Some(true) {
+                "O_DIRECT"
+            } else {
+                "buffered"
+            }
+        );
+        println!("|---|---|---|---|---|");
+        for p in ["sequential", "random_qd1", "random_qdn"] {
+            let p = &d[p];
+            println!(
+                "| {} | {} | {} | {:.2} | {:.2} ms |",
+                p["name"].as_str().unwrap_or("?"),
+                sys::format_bytes_binary(p["request_bytes"].as_u64().unwrap_or(0)),
+                p["queue_depth"],
+                p["gbps"].as_f64().unwrap_or(0.0),
+                p["mean_latency_ms"].as_f64().unwrap_or(0.0)
+            );
+        }
+        for n in d["notes"].as_array().into_iter().flatten() {
+            println!("note: {}", n.as_str().unwrap_or(""));
+        }
+        println!();
+    }
+    if !results.is_empty() {
+        print!("{}", markdown_table(&results));
+    }
+    Ok(())
+}
