@@ -1,0 +1,10 @@
+//! The expert store: packed expert files, a budgeted expert cache, parallel reads, prefetch and
+//! stats.
+//!
+//! A packed model directory (written by [`pack`]) holds the resident tensors in
+//! `model.safetensors` and every routed expert as one contiguous, 4 KiB-aligned block of
+//! `experts.bin`, described by `experts.json` ([`manifest::Manifest`]).
+
+pub mod manifest;
+
+pub use manifest::{Manifest, MANIFEST_FILE};
