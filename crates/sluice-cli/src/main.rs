@@ -3,6 +3,7 @@
 //! The binary only parses arguments and prints; the work is done by `sluice-engine`.
 
 mod bench_cmd;
+mod pack_cmd;
 mod synth_cmd;
 
 use std::io::Write;
@@ -43,6 +44,9 @@ enum Command {
     Bench(bench_cmd::BenchArgs),
     /// Write a random checkpoint with a real model's exact shapes (for benchmarks).
     Synth(synth_cmd::SynthArgs),
+    /// Rewrite a checkpoint into the streaming layout: resident tensors + one aligned block per
+    /// expert.
+    Pack(pack_cmd::PackArgs),
     /// Write the logits at every position of a token list to a .npy file (to compare with
     /// another implementation).
     Logits(LogitsArgs),
@@ -126,6 +130,7 @@ fn main() {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),
         Command::Synth(a) => synth_cmd::run(a),
+        Command::Pack(a) => pack_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
     };
     if let Err(e) = result {

@@ -461,3 +461,34 @@ fn bench_measures_the_disk_and_rejects_bad_settings() {
     ]);
     assert!(err.contains("99"), "{err}");
 }
+
+#[test]
+fn pack_writes_a_streaming_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("packed");
+    let o = out.to_str().unwrap();
+    let m = fixture("qwen3_moe-q4");
+    let m = m.to_str().unwrap();
+    let run = sluice(&["pack", m, "-o", o]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("packed") && stderr.contains("blocks"),
+        "{stderr}"
+    );
+    for f in [
+        "model.safetensors",
+        "experts.bin",
+        "experts.json",
+        "config.json",
+        "tokenizer.json",
+    ] {
+        assert!(out.join(f).is_file(), "{f} missing: {stderr}");
+    }
+    assert!(!tmp.path().join("packed.partial").exists());
+    // An existing output is kept unless --force.
+    let err = sluice_fails(&["pack", m, "-o", o]);
+    assert!(err.contains("--force"), "{err}");
+    let run = sluice(&["pack", m, "-o", o, "--force"]);
+    assert!(run.status.success());
+}

@@ -7,5 +7,6 @@
 
 pub mod io;
 pub mod manifest;
+pub mod pack;
 
 pub use manifest::{Manifest, MANIFEST_FILE};

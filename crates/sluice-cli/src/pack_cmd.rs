@@ -1,0 +1,75 @@
+//! `sluice pack`: rewrite a checkpoint into the streaming layout.
+
+use std::path::PathBuf;
+use std::sync::Once;
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use sluice_store::pack::{pack, PackOptions};
+
+#[derive(Args)]
+#[command(
+    after_help = "Writes OUT/model.safetensors (every tensor except the routed experts, \
+unchanged), OUT/experts.bin (one 4 KiB-aligned block per layer x expert), OUT/experts.json \
+(where each block lives, with checksums) and copies of the other files (config.json, \
+tokenizer files, ...). The output is written as OUT.partial and renamed when complete.\n\n\
+Example:\n  sluice pack ~/models/Qwen3.5-35B-A3B-4bit -o ~/models/Qwen3.5-35B-A3B-4bit-packed"
+)]
+pub struct PackArgs {
+    /// Model directory to pack (config.json, tokenizer.json, *.safetensors).
+    #[arg(value_name = "MODEL_DIR")]
+    model: PathBuf,
+    /// Output directory (must not exist unless --force).
+    #[arg(long, short = 'o', value_name = "OUT_DIR")]
+    out: PathBuf,
+    /// Replace OUT_DIR if it exists (never the source directory).
+    #[arg(long)]
+    force: bool,
+}
+
+pub fn run(a: PackArgs) -> Result<()> {
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template(
+            "{wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template"),
+    );
+    let start = Instant::now();
+    let started = Once::new();
+    let summary = pack(
+        &a.model,
+        &a.out,
+        &PackOptions { force: a.force },
+        &|done, total| {
+            // Called once the checks have passed: errors before it stay one line.
+            started.call_once(|| {
+                bar.println(format!(
+                    "sluice pack: {} -> {} ({:.2} GB)",
+                    a.model.display(),
+                    a.out.display(),
+                    total as f64 / 1e9
+                ));
+                bar.set_length(total);
+            });
+            bar.set_position(done);
+        },
+    );
+    bar.finish_and_clear();
+    let s = summary?;
+    let secs = start.elapsed().as_secs_f64();
+    let total = (s.resident_bytes + s.expert_bytes) as f64 / 1e9;
+    eprintln!(
+        "packed {}: resident {:.2} GB, experts {:.2} GB ({} layers x {} experts = {} blocks) in {:.1} s, {:.2} GB/s",
+        a.out.display(),
+        s.resident_bytes as f64 / 1e9,
+        s.expert_bytes as f64 / 1e9,
+        s.layers,
+        s.experts_per_layer,
+        s.blocks,
+        secs,
+        total / secs.max(1e-9)
+    );
+    Ok(())
+}
