@@ -168,7 +168,29 @@ pub trait Backend: Send + Sync {
         x: &Self::Act,
         routing: &Routing,
         experts: &[FfnWeights<Self::Weight>],
-    ) -> Self::Act;
+    ) -> Self::Act {
+        let (rows, cols) = self.shape(x);
+        let mut used: Vec<u32> = routing.experts.clone();
+        used.sort_unstable();
+        used.dedup();
+        let present: Vec<(u32, &FfnWeights<Self::Weight>)> =
+            used.iter().map(|&e| (e, &experts[e as usize])).collect();
+        let mut out = self.act_from_host(&vec![0.0; rows * cols], rows, cols);
+        self.moe_accumulate(x, routing, &present, &mut out);
+        out
+    }
+    /// Adds `weight_j * ffn_{expert_j}(x)` to `out` for the routed (row, expert) pairs whose
+    /// expert is in `experts` (expert id and weights, ascending ids); pairs of other experts are
+    /// skipped. Each row accumulates in ascending expert id, so splitting the experts of a call
+    /// into ascending runs over several calls gives bit-identical results (a streamed expert
+    /// cache smaller than the experts a batch needs relies on this).
+    fn moe_accumulate(
+        &self,
+        x: &Self::Act,
+        routing: &Routing,
+        experts: &[(u32, &FfnWeights<Self::Weight>)],
+        out: &mut Self::Act,
+    );
     /// A dense SwiGLU feed-forward block.
     fn ffn(&self, x: &Self::Act, w: &FfnWeights<Self::Weight>) -> Self::Act {
         let gate = self.matmul(x, &w.gate);

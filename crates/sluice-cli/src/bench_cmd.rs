@@ -62,6 +62,11 @@ pub struct BenchArgs {
     /// Seconds per --disk pattern.
     #[arg(long, default_value_t = 2.0)]
     disk_seconds: f64,
+    /// Expert cache sizes to run packed models with (comma-separated, e.g. 2GiB,4GiB).
+    #[arg(long, value_delimiter = ',', value_name = "SIZE")]
+    expert_cache: Vec<String>,
+    #[command(flatten)]
+    stream: crate::stream_args::StreamArgs,
     /// Print JSON instead of markdown.
     #[arg(long)]
     json: bool,
@@ -135,26 +140,53 @@ pub fn run(a: BenchArgs) -> Result<()> {
         seed: a.seed,
     };
     let mut results = Vec::new();
+    let caches: Vec<Option<&str>> = if a.expert_cache.is_empty() {
+        vec![None]
+    } else {
+        a.expert_cache.iter().map(|c| Some(c.as_str())).collect()
+    };
     for dir in &a.model {
-        let mut engine = Engine::load(dir, Arc::new(CpuBackend::new()), &LoadOptions::default())
-            .with_context(|| format!("loading {}", dir.display()))?;
-        let info = engine.model.info();
-        eprintln!(
-            "{}: {} layers, {} experts ({} per token), {}; dense {} + experts {}",
-            dir.display(),
-            info.layers,
-            info.experts,
-            info.experts_per_token,
-            info.weight_format,
-            sys::format_bytes(info.dense_bytes as u64),
-            sys::format_bytes(info.expert_bytes as u64),
-        );
-        results.extend(run_model(&mut engine, &settings, &rates, &mut |r| {
+        for cache in &caches {
+            let opts = LoadOptions {
+                streaming: a.stream.options(*cache)?,
+                ..LoadOptions::default()
+            };
+            let mut engine = Engine::load(dir, Arc::new(CpuBackend::new()), &opts)
+                .with_context(|| format!("loading {}", dir.display()))?;
+            let info = engine.model.info();
             eprintln!(
-                "  {} K={} threads={}: {:.2} ± {:.2} tok/s",
-                r.test, r.experts_per_token, r.threads, r.tok_s, r.tok_s_sd
+                "{}: {} layers, {} experts ({} per token), {}; dense {} + experts {}{}",
+                dir.display(),
+                info.layers,
+                info.experts,
+                info.experts_per_token,
+                info.weight_format,
+                sys::format_bytes(info.dense_bytes as u64),
+                sys::format_bytes(info.expert_bytes as u64),
+                engine.store.as_ref().map_or(String::new(), |s| format!(
+                    "; streaming, cache {} ({} slots, {})",
+                    sys::format_bytes(s.cache_bytes()),
+                    s.slots(),
+                    s.io_description()
+                )),
             );
-        })?);
+            results.extend(run_model(&mut engine, &settings, &rates, &mut |r| {
+                eprintln!(
+                    "  {} K={} threads={}: {:.2} ± {:.2} tok/s{}",
+                    r.test,
+                    r.experts_per_token,
+                    r.threads,
+                    r.tok_s,
+                    r.tok_s_sd,
+                    r.streaming.as_ref().map_or(String::new(), |st| format!(
+                        ", hit {:.0}%, read {:.2} GB/s ({:.2} in flight)",
+                        st.hit_rate * 100.0,
+                        st.read_gbps_wall,
+                        st.read_gbps
+                    ))
+                );
+            })?);
+        }
     }
     if a.json {
         let out = json!({

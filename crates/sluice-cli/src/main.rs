@@ -4,6 +4,7 @@
 
 mod bench_cmd;
 mod pack_cmd;
+mod stream_args;
 mod synth_cmd;
 
 use std::io::Write;
@@ -14,6 +15,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use sluice_backend::Backend;
+use sluice_bench::sys;
 use sluice_cpu::CpuBackend;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::sampler::SamplingParams;
@@ -63,6 +65,12 @@ struct ModelArgs {
     /// Routed experts per token, overriding the config (fewer is faster, less accurate).
     #[arg(long, value_name = "K")]
     experts_per_token: Option<usize>,
+    /// Expert cache size for a packed model, e.g. 6GiB (default: available memory minus the
+    /// resident weights and 1 GiB).
+    #[arg(long, value_name = "SIZE")]
+    expert_cache: Option<String>,
+    #[command(flatten)]
+    stream: stream_args::StreamArgs,
 }
 
 #[derive(Args)]
@@ -75,6 +83,9 @@ struct GenerateArgs {
     /// Maximum number of tokens to generate.
     #[arg(long = "max-tokens", short = 'n', default_value_t = 128)]
     max_tokens: usize,
+    /// Print expert-streaming statistics per token and in total (packed models).
+    #[arg(long)]
+    stats: bool,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -151,6 +162,7 @@ fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
     }
     let opts = LoadOptions {
         experts_per_token: args.experts_per_token,
+        streaming: args.stream.options(args.expert_cache.as_deref())?,
     };
     Ok(Engine::load(
         &args.model,
@@ -200,8 +212,47 @@ fn generate(a: GenerateArgs) -> Result<()> {
         info.experts_per_token,
         engine.model.backend().describe()
     );
+    if let (Some(store), Some(plan)) = (&engine.store, &engine.cache_plan) {
+        eprintln!(
+            "streaming experts from {} ({}): cache {} in {} slots ({}), {:.0}% of {} expert bytes; resident {}",
+            store.dir().display(),
+            store.io_description(),
+            sys::format_bytes(store.cache_bytes()),
+            store.slots(),
+            plan.reason,
+            store.cache_bytes() as f64 / plan.expert_bytes.max(1) as f64 * 100.0,
+            sys::format_bytes(plan.expert_bytes),
+            sys::format_bytes(plan.resident_bytes),
+        );
+    }
+    let start_stats = engine.store.as_ref().map(|s| s.stats());
+    let mut last_stats = start_stats.clone();
+    let mut last_time = std::time::Instant::now();
+    let mut index = 0usize;
     let mut out = std::io::stdout().lock();
     let stats = engine.generate(&prompt, &params, a.max_tokens, |_, piece| {
+        if a.stats {
+            if let (Some(store), Some(last)) = (&engine.store, &mut last_stats) {
+                let now = store.stats();
+                let d = now.since(last);
+                let secs = last_time.elapsed().as_secs_f64();
+                eprintln!(
+                    "[stats] {} {index}: {:.0} ms, read {} ({:.2} GB/s while reading), hit {:.0}% of {}, io wait {:.0} ms, prefetch {}/{} useful",
+                    if index == 0 { "prompt+token" } else { "token" },
+                    secs * 1e3,
+                    sys::format_bytes(d.bytes_read),
+                    d.read_gbps(),
+                    d.hit_rate() * 100.0,
+                    d.requests,
+                    d.io_wait_secs * 1e3,
+                    d.prefetch_useful,
+                    d.prefetch_useful + d.prefetch_wasted,
+                );
+                *last = now;
+                last_time = std::time::Instant::now();
+                index += 1;
+            }
+        }
         // A closed stdout (e.g. `| head`) ends the generation quietly.
         if out
             .write_all(piece.as_bytes())
@@ -221,6 +272,28 @@ fn generate(a: GenerateArgs) -> Result<()> {
         stats.decode_tok_per_sec(),
         stats.finish
     );
+    if let (Some(store), Some(start)) = (&engine.store, &start_stats) {
+        let d = store.stats().since(start);
+        let total = stats.prompt_secs + stats.decode_secs;
+        eprintln!(
+            "experts: read {} in {} blocks, {:.2} GB/s while reading; hit rate {:.1}% ({} cached + {} read ahead, of {}), \
+             prefetch {:.0}% useful ({} of {} blocks, {} prefetched); io wait {:.2} s = {:.0}% of {:.2} s",
+            sys::format_bytes(d.bytes_read),
+            d.blocks_read,
+            d.read_gbps(),
+            d.hit_rate() * 100.0,
+            d.hits,
+            d.prefetch_hits,
+            d.requests,
+            d.prefetch_accuracy() * 100.0,
+            d.prefetch_useful,
+            d.prefetch_useful + d.prefetch_wasted,
+            sys::format_bytes(d.prefetch_bytes),
+            d.io_wait_secs,
+            d.io_wait_secs / total.max(1e-9) * 100.0,
+            total,
+        );
+    }
     Ok(())
 }
 

@@ -446,13 +446,27 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn moe(&self, x: &CpuAct, routing: &Routing, experts: &[FfnWeights<HostMatrix>]) -> CpuAct {
+    fn moe_accumulate(
+        &self,
+        x: &CpuAct,
+        routing: &Routing,
+        experts: &[(u32, &FfnWeights<HostMatrix>)],
+        out: &mut CpuAct,
+    ) {
         assert_eq!(routing.tokens(), x.rows);
+        assert_eq!((out.rows, out.cols), (x.rows, x.cols));
+        assert!(
+            experts.windows(2).all(|w| w[0].0 < w[1].0),
+            "ascending expert ids"
+        );
         // Group the rows by expert so each expert's weights are read once per call.
         let mut rows_of: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
         for (i, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
-            rows_of[e as usize].push((i / routing.k, w));
+            if let Ok(slot) = experts.binary_search_by_key(&e, |p| p.0) {
+                rows_of[slot].push((i / routing.k, w));
+            }
         }
+        let experts: Vec<&FfnWeights<HostMatrix>> = experts.iter().map(|p| p.1).collect();
         let active: Vec<usize> = (0..experts.len())
             .filter(|&e| !rows_of[e].is_empty())
             .collect();
@@ -518,7 +532,6 @@ impl Backend for CpuBackend {
                 .collect();
             kernels::matmul_batch(&mut jobs);
         }
-        let mut out = CpuAct::zeros(x.rows, x.cols);
         for (&e, down) in active.iter().zip(&downs) {
             for (j, &(r, w)) in rows_of[e].iter().enumerate() {
                 let dst = &mut out.data[r * x.cols..(r + 1) * x.cols];
@@ -527,7 +540,6 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        out
     }
 }
 

@@ -13,6 +13,7 @@ use sluice_models::{CausalLm, ModelError, State};
 pub mod chat;
 pub mod npy;
 pub mod sampler;
+pub mod streaming;
 pub mod tokenizer;
 
 use chat::{ChatError, ChatMessage, ChatTemplate};
@@ -31,6 +32,8 @@ pub enum EngineError {
     Chat(#[from] ChatError),
     #[error("{0}")]
     Input(String),
+    #[error(transparent)]
+    Store(#[from] sluice_store::StoreError),
 }
 
 /// Choices made when a model is loaded.
@@ -38,6 +41,8 @@ pub enum EngineError {
 pub struct LoadOptions {
     /// Overrides the config's number of routed experts per token.
     pub experts_per_token: Option<usize>,
+    /// Expert cache and I/O settings for packed (streaming) model directories.
+    pub streaming: streaming::StreamingOptions,
 }
 
 /// How `logits` feeds tokens through the model.
@@ -95,12 +100,28 @@ pub struct Engine<B: Backend> {
     pub eos_ids: Vec<u32>,
     /// Sampling defaults from generation_config.json.
     pub defaults: SamplingParams,
+    /// The expert store, when the directory is packed and experts stream from disk.
+    pub store: Option<sluice_store::ExpertStore>,
+    /// How the expert cache was sized (packed directories).
+    pub cache_plan: Option<streaming::CachePlan>,
 }
 
 impl<B: Backend + 'static> Engine<B> {
     pub fn load(path: &Path, backend: Arc<B>, opts: &LoadOptions) -> Result<Self, EngineError> {
         let dir = ModelDir::open(path)?;
-        let mut model = sluice_models::load(&dir, backend)?;
+        let (store, cache_plan) = match sluice_store::Manifest::open(&dir.path)
+            .map_err(sluice_store::StoreError::from)?
+        {
+            Some(manifest) => {
+                let k =
+                    Self::config_experts_per_token(&dir).max(opts.experts_per_token.unwrap_or(0));
+                let (store, plan) =
+                    streaming::open_store(&dir.path, manifest, &opts.streaming, k.max(1))?;
+                (Some(store), Some(plan))
+            }
+            None => (None, None),
+        };
+        let mut model = sluice_models::load_with_store(&dir, backend, store.clone())?;
         if let Some(k) = opts.experts_per_token {
             model.set_experts_per_token(k)?;
         }
@@ -142,7 +163,17 @@ impl<B: Backend + 'static> Engine<B> {
             chat_template,
             eos_ids,
             defaults,
+            store,
+            cache_plan,
         })
+    }
+
+    /// `num_experts_per_tok` from config.json (top level or `text_config`), 0 if absent.
+    fn config_experts_per_token(dir: &ModelDir) -> usize {
+        dir.text_config
+            .get("num_experts_per_tok")
+            .and_then(|k| k.as_u64())
+            .unwrap_or(0) as usize
     }
 
     pub fn new_state(&self) -> State<B> {

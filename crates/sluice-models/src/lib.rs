@@ -8,7 +8,11 @@ use std::sync::Arc;
 
 use sluice_backend::{Backend, FfnWeights, HostMatrix, WeightError};
 use sluice_format::{FormatError, ModelDir, QuantConfig};
+use sluice_store::ExpertStore;
 
+pub use experts::Experts;
+
+pub mod experts;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
 
@@ -83,11 +87,21 @@ pub fn load<B: Backend + 'static>(
     dir: &ModelDir,
     backend: Arc<B>,
 ) -> Result<Box<dyn CausalLm<B>>, ModelError> {
+    load_with_store(dir, backend, None)
+}
+
+/// Like [`load`], with the routed experts streamed from `store` (required for a packed
+/// directory, whose resident file holds no experts).
+pub fn load_with_store<B: Backend + 'static>(
+    dir: &ModelDir,
+    backend: Arc<B>,
+    store: Option<ExpertStore>,
+) -> Result<Box<dyn CausalLm<B>>, ModelError> {
     match dir.model_type()? {
-        "qwen3_moe" => Ok(Box::new(qwen3_moe::Qwen3Moe::load(dir, backend)?)),
-        "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => {
-            Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(dir, backend)?))
-        }
+        "qwen3_moe" => Ok(Box::new(qwen3_moe::Qwen3Moe::load(dir, backend, store)?)),
+        "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => Ok(Box::new(
+            qwen3_5_moe::Qwen35Moe::load(dir, backend, store)?,
+        )),
         other => Err(ModelError::Unsupported(format!(
             "{}: model_type `{other}` is not supported (supported: qwen3_moe, qwen3_5_moe, qwen3_next)",
             dir.path.join("config.json").display()
@@ -102,6 +116,8 @@ pub(crate) struct Loader<'a, B: Backend> {
     pub quant: Option<&'a QuantConfig>,
     /// Running totals for [`ModelInfo`].
     pub bytes: usize,
+    /// Streams the routed experts when set.
+    pub store: Option<ExpertStore>,
 }
 
 impl<'a, B: Backend> Loader<'a, B> {
@@ -111,6 +127,7 @@ impl<'a, B: Backend> Loader<'a, B> {
             backend,
             quant: dir.quantization.as_ref(),
             bytes: 0,
+            store: None,
         }
     }
 
@@ -190,6 +207,45 @@ impl<'a, B: Backend> Loader<'a, B> {
     /// 5's fused `experts.gate_up_proj` (`[E, 2 * inter, hidden]`, gate rows first) and
     /// `experts.down_proj`.
     pub fn experts(
+        &mut self,
+        layer: usize,
+        mlp: &str,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Experts<B>, ModelError> {
+        if let Some(store) = &self.store {
+            let m = store.manifest();
+            let bad = |msg: String| ModelError::Config {
+                file: store
+                    .dir()
+                    .join(sluice_store::MANIFEST_FILE)
+                    .display()
+                    .to_string(),
+                msg,
+            };
+            let l = m
+                .layer(layer)
+                .ok_or_else(|| bad(format!("no experts for layer {layer} (`{mlp}`)")))?;
+            let want = [(inter, hidden), (inter, hidden), (hidden, inter)];
+            let got: Vec<(usize, usize)> = l.projections.iter().map(|p| (p.rows, p.cols)).collect();
+            if l.experts != experts || got != want {
+                return Err(bad(format!(
+                    "layer {layer}: {} experts of shapes {got:?}, the config needs {experts} of {want:?}",
+                    l.experts
+                )));
+            }
+            self.bytes += (l.block_bytes * l.experts as u64) as usize;
+            return Ok(Experts::Streamed {
+                store: store.clone(),
+                layer,
+            });
+        }
+        self.resident_experts(mlp, experts, hidden, inter)
+            .map(Experts::Resident)
+    }
+
+    fn resident_experts(
         &mut self,
         mlp: &str,
         experts: usize,

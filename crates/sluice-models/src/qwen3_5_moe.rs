@@ -20,8 +20,9 @@ use std::sync::Arc;
 use serde::Deserialize;
 use sluice_backend::{Backend, DeltaNetDims, FfnWeights};
 use sluice_format::ModelDir;
+use sluice_store::ExpertStore;
 
-use crate::{config_error, CausalLm, LayerState, Loader, ModelError, ModelInfo, State};
+use crate::{config_error, CausalLm, Experts, LayerState, Loader, ModelError, ModelInfo, State};
 
 /// The fields of the text config this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -240,7 +241,7 @@ enum Mixer<B: Backend> {
 enum Mlp<B: Backend> {
     Sparse {
         gate: B::Weight,
-        experts: Vec<FfnWeights<B::Weight>>,
+        experts: Experts<B>,
         shared_expert: FfnWeights<B::Weight>,
         /// `[1, hidden]`.
         shared_expert_gate: B::Weight,
@@ -271,7 +272,11 @@ pub struct Qwen35Moe<B: Backend> {
 const TEXT_PREFIXES: [&str; 3] = ["language_model.model", "model.language_model", "model"];
 
 impl<B: Backend> Qwen35Moe<B> {
-    pub fn load(dir: &ModelDir, backend: Arc<B>) -> Result<Self, ModelError> {
+    pub fn load(
+        dir: &ModelDir,
+        backend: Arc<B>,
+        store: Option<ExpertStore>,
+    ) -> Result<Self, ModelError> {
         let cfg: Qwen35MoeConfig = dir.parse_config()?;
         cfg.check(dir)?;
         let (rope_theta, rotary_dim) = cfg.rope(dir)?;
@@ -279,6 +284,7 @@ impl<B: Backend> Qwen35Moe<B> {
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let dims = cfg.delta_dims();
         let mut ld = Loader::new(dir, backend.as_ref());
+        ld.store = store;
 
         let root = TEXT_PREFIXES
             .into_iter()
@@ -367,7 +373,8 @@ impl<B: Backend> Qwen35Moe<B> {
             let mlp = if cfg.is_sparse(i) {
                 let gate = ld.matrix(&format!("{m}.gate"), cfg.num_experts, hidden)?;
                 let before = ld.bytes;
-                let experts = ld.experts(&m, cfg.num_experts, hidden, cfg.moe_intermediate_size)?;
+                let experts =
+                    ld.experts(i, &m, cfg.num_experts, hidden, cfg.moe_intermediate_size)?;
                 expert_bytes += ld.bytes - before;
                 Mlp::Sparse {
                     gate,
@@ -474,9 +481,9 @@ impl<B: Backend> Qwen35Moe<B> {
         b.matmul(&o, &l.o_proj)
     }
 
-    fn mlp(&self, mlp: &Mlp<B>, x: &B::Act) -> B::Act {
+    fn mlp(&self, i: usize, x: &B::Act) -> Result<B::Act, ModelError> {
         let b = self.backend.as_ref();
-        match mlp {
+        match &self.layers[i].mlp {
             Mlp::Sparse {
                 gate,
                 experts,
@@ -488,13 +495,21 @@ impl<B: Backend> Qwen35Moe<B> {
                     self.info.experts_per_token,
                     self.cfg.norm_topk_prob,
                 );
-                let mut y = b.moe(x, &routing, experts);
+                let mut y = experts.run(b, x, &routing, &mut || self.prefetch_after(i, x))?;
                 let mut shared = b.ffn(x, shared_expert);
                 b.sigmoid_mul(&mut shared, &b.matmul(x, shared_expert_gate));
                 b.add_assign(&mut y, &shared);
-                y
+                Ok(y)
             }
-            Mlp::Dense(ffn) => b.ffn(x, ffn),
+            Mlp::Dense(ffn) => Ok(b.ffn(x, ffn)),
+        }
+    }
+
+    /// Starts reading the next layer's likely experts: its router applied to this layer's input.
+    fn prefetch_after(&self, i: usize, x: &B::Act) {
+        if let Some(Mlp::Sparse { gate, experts, .. }) = self.layers.get(i + 1).map(|l| &l.mlp) {
+            let k = self.info.experts_per_token;
+            experts.prefetch(self.backend.as_ref(), gate, x, k, self.cfg.norm_topk_prob);
         }
     }
 }
@@ -533,7 +548,7 @@ impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
         crate::check_tokens(tokens, state.position, &self.info)?;
 
         let mut h = b.embed(&self.embed_tokens, tokens);
-        for (l, layer_state) in self.layers.iter().zip(&mut state.layers) {
+        for (i, (l, layer_state)) in self.layers.iter().zip(&mut state.layers).enumerate() {
             let x = b.rms_norm(&h, &l.input_layernorm, eps);
             let mixed = match (&l.mixer, layer_state) {
                 (Mixer::Linear(m), LayerState::Linear(s)) => self.linear_attention(m, &x, s),
@@ -546,7 +561,7 @@ impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
             };
             b.add_assign(&mut h, &mixed);
             let x = b.rms_norm(&h, &l.post_attention_layernorm, eps);
-            let mlp = self.mlp(&l.mlp, &x);
+            let mlp = self.mlp(i, &x)?;
             b.add_assign(&mut h, &mlp);
         }
         state.position += tokens.len();

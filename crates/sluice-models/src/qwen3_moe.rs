@@ -12,8 +12,9 @@ use std::sync::Arc;
 use serde::Deserialize;
 use sluice_backend::{Backend, FfnWeights};
 use sluice_format::ModelDir;
+use sluice_store::ExpertStore;
 
-use crate::{config_error, CausalLm, LayerState, Loader, ModelError, ModelInfo, State};
+use crate::{config_error, CausalLm, Experts, LayerState, Loader, ModelError, ModelInfo, State};
 
 /// The fields of config.json this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -145,7 +146,7 @@ enum Mlp<B: Backend> {
     Sparse {
         /// The router: `[num_experts, hidden]`.
         gate: B::Weight,
-        experts: Vec<FfnWeights<B::Weight>>,
+        experts: Experts<B>,
     },
     Dense(FfnWeights<B::Weight>),
 }
@@ -175,13 +176,18 @@ pub struct Qwen3Moe<B: Backend> {
 }
 
 impl<B: Backend> Qwen3Moe<B> {
-    pub fn load(dir: &ModelDir, backend: Arc<B>) -> Result<Self, ModelError> {
+    pub fn load(
+        dir: &ModelDir,
+        backend: Arc<B>,
+        store: Option<ExpertStore>,
+    ) -> Result<Self, ModelError> {
         let cfg: Qwen3MoeConfig = dir.parse_config()?;
         cfg.check(dir)?;
         let rope_theta = cfg.rope_theta(dir)? as f32;
         let (hidden, hd) = (cfg.hidden_size, cfg.head_dim());
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let mut ld = Loader::new(dir, backend.as_ref());
+        ld.store = store;
 
         let embed_tokens = ld.matrix("model.embed_tokens", cfg.vocab_size, hidden)?;
         let embed_bytes = ld.bytes;
@@ -203,6 +209,7 @@ impl<B: Backend> Qwen3Moe<B> {
                 let gate = ld.matrix(&format!("{p}.mlp.gate"), cfg.num_experts, hidden)?;
                 let before = ld.bytes;
                 let experts = ld.experts(
+                    i,
                     &format!("{p}.mlp"),
                     cfg.num_experts,
                     hidden,
@@ -271,18 +278,26 @@ impl<B: Backend> Qwen3Moe<B> {
         b.matmul(&o, &l.o_proj)
     }
 
-    fn mlp(&self, mlp: &Mlp<B>, x: &B::Act) -> B::Act {
+    fn mlp(&self, i: usize, x: &B::Act) -> Result<B::Act, ModelError> {
         let b = self.backend.as_ref();
-        match mlp {
+        match &self.layers[i].mlp {
             Mlp::Sparse { gate, experts } => {
                 let routing = b.route(
                     &b.matmul(x, gate),
                     self.info.experts_per_token,
                     self.cfg.norm_topk_prob,
                 );
-                b.moe(x, &routing, experts)
+                experts.run(b, x, &routing, &mut || self.prefetch_after(i, x))
             }
-            Mlp::Dense(ffn) => b.ffn(x, ffn),
+            Mlp::Dense(ffn) => Ok(b.ffn(x, ffn)),
+        }
+    }
+
+    /// Starts reading the next layer's likely experts: its router applied to this layer's input.
+    fn prefetch_after(&self, i: usize, x: &B::Act) {
+        if let Some(Mlp::Sparse { gate, experts }) = self.layers.get(i + 1).map(|l| &l.mlp) {
+            let k = self.info.experts_per_token;
+            experts.prefetch(self.backend.as_ref(), gate, x, k, self.cfg.norm_topk_prob);
         }
     }
 }
@@ -317,7 +332,7 @@ impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
         crate::check_tokens(tokens, state.position, &self.info)?;
 
         let mut h = b.embed(&self.embed_tokens, tokens);
-        for (l, layer_state) in self.layers.iter().zip(&mut state.layers) {
+        for (i, (l, layer_state)) in self.layers.iter().zip(&mut state.layers).enumerate() {
             let LayerState::Attention(cache) = layer_state else {
                 return Err(ModelError::Input(
                     "state does not belong to this model".into(),
@@ -327,7 +342,7 @@ impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
             let attn = self.attention(l, &x, cache);
             b.add_assign(&mut h, &attn);
             let x = b.rms_norm(&h, &l.post_attention_layernorm, eps);
-            let mlp = self.mlp(&l.mlp, &x);
+            let mlp = self.mlp(i, &x)?;
             b.add_assign(&mut h, &mlp);
         }
         state.position += tokens.len();

@@ -8,5 +8,9 @@
 pub mod io;
 pub mod manifest;
 pub mod pack;
+pub mod policy;
+pub mod store;
 
 pub use manifest::{Manifest, MANIFEST_FILE};
+pub use policy::Policy;
+pub use store::{ExpertStore, FetchedExpert, StoreError, StoreOptions, StoreStats};

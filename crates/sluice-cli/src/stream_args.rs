@@ -1,0 +1,79 @@
+//! Flags that set up expert streaming for packed model directories (`sluice pack`).
+
+use anyhow::{anyhow, Result};
+use clap::{Args, ValueEnum};
+use sluice_bench::sys::parse_bytes;
+use sluice_engine::streaming::StreamingOptions;
+use sluice_store::io::IoKind;
+use sluice_store::Policy;
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum PolicyArg {
+    /// Evict the expert with the lowest recent use count (decayed), then the least recent.
+    Frequency,
+    /// Evict the least recently used expert.
+    Lru,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum IoArg {
+    /// io_uring where the kernel allows it, else a pread thread pool.
+    Auto,
+    Uring,
+    Threads,
+}
+
+#[derive(Args, Clone)]
+pub struct StreamArgs {
+    /// Total memory for the model: resident weights + expert cache + working memory (e.g.
+    /// 10GiB); the expert cache gets what is left. Packed models only.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
+    /// Expert cache eviction policy.
+    #[arg(long, value_enum, default_value = "frequency")]
+    pub cache_policy: PolicyArg,
+    /// How expert blocks are read.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub io: IoArg,
+    /// Expert reads in flight.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub queue_depth: usize,
+    /// Read through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    pub buffered: bool,
+    /// Skip checking each expert block's checksum after reading it.
+    #[arg(long)]
+    pub no_verify: bool,
+}
+
+impl StreamArgs {
+    /// The engine's options, with `expert_cache` (a size like `6GiB`) if given.
+    pub fn options(&self, expert_cache: Option<&str>) -> Result<StreamingOptions> {
+        let size = |flag: &str, v: &str| parse_bytes(v).map_err(|e| anyhow!("{flag}: {e}"));
+        if self.queue_depth == 0 {
+            return Err(anyhow!("--queue-depth must be at least 1"));
+        }
+        Ok(StreamingOptions {
+            expert_cache: expert_cache
+                .map(|v| size("--expert-cache", v))
+                .transpose()?,
+            memory_budget: self
+                .memory_budget
+                .as_deref()
+                .map(|v| size("--memory-budget", v))
+                .transpose()?,
+            policy: match self.cache_policy {
+                PolicyArg::Frequency => Policy::Frequency,
+                PolicyArg::Lru => Policy::Lru,
+            },
+            io: match self.io {
+                IoArg::Auto => IoKind::Auto,
+                IoArg::Uring => IoKind::Uring,
+                IoArg::Threads => IoKind::Threads,
+            },
+            queue_depth: self.queue_depth,
+            direct: !self.buffered,
+            verify: !self.no_verify,
+        })
+    }
+}

@@ -1,0 +1,139 @@
+//! Choosing the expert cache of a packed model: its size from the user's flags or the machine's
+//! free memory, and the I/O settings.
+
+use std::path::Path;
+
+use sluice_store::io::{IoKind, ReaderOptions};
+use sluice_store::{ExpertStore, Manifest, Policy, StoreError, StoreOptions};
+
+/// Memory kept free for everything but weights and the expert cache (KV caches, activations,
+/// the OS) when the cache size is derived.
+pub const RESERVE_BYTES: u64 = 1 << 30;
+
+/// Streaming settings (only used for packed model directories).
+#[derive(Debug, Clone)]
+pub struct StreamingOptions {
+    /// Expert cache size in bytes.
+    pub expert_cache: Option<u64>,
+    /// Total memory for resident weights + expert cache + working memory; the cache gets the rest.
+    pub memory_budget: Option<u64>,
+    pub policy: Policy,
+    pub io: IoKind,
+    /// Reads in flight.
+    pub queue_depth: usize,
+    /// O_DIRECT reads (bypass the page cache).
+    pub direct: bool,
+    /// Verify each block's checksum after reading it.
+    pub verify: bool,
+}
+
+impl Default for StreamingOptions {
+    fn default() -> Self {
+        StreamingOptions {
+            expert_cache: None,
+            memory_budget: None,
+            policy: Policy::Frequency,
+            io: IoKind::Auto,
+            queue_depth: 16,
+            direct: true,
+            verify: true,
+        }
+    }
+}
+
+/// The expert cache a run will use, and why.
+#[derive(Debug, Clone)]
+pub struct CachePlan {
+    pub cache_bytes: u64,
+    /// Bytes of the resident weights (the packed directory's safetensors).
+    pub resident_bytes: u64,
+    pub expert_bytes: u64,
+    pub reason: String,
+}
+
+/// Bytes of the safetensors files in `dir`.
+pub fn safetensors_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// MemAvailable from /proc/meminfo (Linux), in bytes.
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Sizes the cache: `--expert-cache` if given, else `--memory-budget` minus the resident
+/// weights and a reserve, else the available memory minus the same; never more than all experts.
+pub fn plan_cache(dir: &Path, manifest: &Manifest, opts: &StreamingOptions) -> CachePlan {
+    let resident = safetensors_bytes(dir);
+    let experts = manifest.total_block_bytes();
+    let (want, reason) = if let Some(c) = opts.expert_cache {
+        (c, "--expert-cache".to_string())
+    } else if let Some(b) = opts.memory_budget {
+        (
+            b.saturating_sub(resident + RESERVE_BYTES / 2),
+            format!(
+                "--memory-budget minus {:.2} GB resident and {} MiB working memory",
+                resident as f64 / 1e9,
+                RESERVE_BYTES / 2 / (1 << 20)
+            ),
+        )
+    } else {
+        match mem_available() {
+            Some(avail) => (
+                avail.saturating_sub(resident + RESERVE_BYTES),
+                format!(
+                    "available memory {:.2} GB minus {:.2} GB resident and a {} GiB reserve",
+                    avail as f64 / 1e9,
+                    resident as f64 / 1e9,
+                    RESERVE_BYTES >> 30
+                ),
+            ),
+            None => (
+                4 << 30,
+                "default 4 GiB (available memory unknown)".to_string(),
+            ),
+        }
+    };
+    CachePlan {
+        cache_bytes: want.min(experts),
+        resident_bytes: resident,
+        expert_bytes: experts,
+        reason,
+    }
+}
+
+/// Opens the store of a packed directory with the planned cache.
+pub fn open_store(
+    dir: &Path,
+    manifest: Manifest,
+    opts: &StreamingOptions,
+    experts_per_token: usize,
+) -> Result<(ExpertStore, CachePlan), StoreError> {
+    let plan = plan_cache(dir, &manifest, opts);
+    let store = ExpertStore::from_manifest(
+        dir,
+        manifest,
+        &StoreOptions {
+            cache_bytes: plan.cache_bytes,
+            policy: opts.policy,
+            io: ReaderOptions {
+                kind: opts.io,
+                direct: opts.direct,
+                queue_depth: opts.queue_depth.max(1),
+            },
+            verify: opts.verify,
+            min_slots: experts_per_token,
+        },
+    )?;
+    Ok((store, plan))
+}

@@ -1,0 +1,707 @@
+//! The expert store at run time: a fixed set of cache slots (allocated once), filled from the
+//! packed blocks file by parallel reads, handed out as pinned leases.
+//!
+//! One decode thread drives it: [`ExpertStore::fetch`] for the experts a layer was routed to
+//! (hits are pinned at once, misses are read all at once, then it waits), and
+//! [`ExpertStore::prefetch`] for the experts a layer will probably need (reads issued, not
+//! waited for). The matrices handed out borrow their slot through a lease; the slot cannot be
+//! evicted or overwritten until every lease clone is dropped.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use serde::Serialize;
+use sluice_backend::{HostBytes, HostMatrix};
+
+use crate::io::{Completion, ReadRequest, Reader, ReaderOptions};
+use crate::manifest::{checksum, LayerExperts, Manifest};
+use crate::policy::{Frequencies, Policy};
+
+/// How the store is set up.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Bytes of expert cache (rounded down to whole slots, raised to the minimum).
+    pub cache_bytes: u64,
+    pub policy: Policy,
+    pub io: ReaderOptions,
+    /// Check every block read against its checksum.
+    pub verify: bool,
+    /// Smallest number of slots accepted (the experts one token needs in one layer).
+    pub min_slots: usize,
+}
+
+/// Errors of the store, each naming the block and the file.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{0}")]
+    Manifest(#[from] crate::manifest::ManifestError),
+    #[error("opening {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("layer {layer} expert {expert}: {msg} ({path} at offset {offset}); the file is damaged: re-run `sluice pack`")]
+    Block {
+        layer: usize,
+        expert: u32,
+        msg: String,
+        path: PathBuf,
+        offset: u64,
+    },
+    #[error("layer {0} has no streamed experts in {1}")]
+    NoLayer(usize, PathBuf),
+    #[error("expert {expert} is out of range for layer {layer} ({experts} experts)")]
+    Expert {
+        layer: usize,
+        expert: u32,
+        experts: usize,
+    },
+    #[error("{0}")]
+    Memory(String),
+}
+
+/// Counters since the store opened (see [`StoreStats::since`] for per-token deltas).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StoreStats {
+    /// Experts asked for by `fetch`.
+    pub requests: u64,
+    /// Of those, already in the cache and ready.
+    pub hits: u64,
+    /// Of those, found in flight from a prefetch (they still wait, but less).
+    pub prefetch_hits: u64,
+    /// Of those, read on demand.
+    pub misses: u64,
+    pub prefetch_issued: u64,
+    /// Prefetched blocks that the next fetch of their layer used.
+    pub prefetch_useful: u64,
+    pub prefetch_wasted: u64,
+    pub bytes_read: u64,
+    pub prefetch_bytes: u64,
+    pub blocks_read: u64,
+    /// Seconds `fetch` spent waiting for reads.
+    pub io_wait_secs: f64,
+    /// Seconds with at least one read in flight.
+    pub io_busy_secs: f64,
+    pub evictions: u64,
+    pub errors: u64,
+}
+
+impl StoreStats {
+    /// The counters accumulated since `earlier`.
+    pub fn since(&self, earlier: &StoreStats) -> StoreStats {
+        StoreStats {
+            requests: self.requests - earlier.requests,
+            hits: self.hits - earlier.hits,
+            prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
+            misses: self.misses - earlier.misses,
+            prefetch_issued: self.prefetch_issued - earlier.prefetch_issued,
+            prefetch_useful: self.prefetch_useful - earlier.prefetch_useful,
+            prefetch_wasted: self.prefetch_wasted - earlier.prefetch_wasted,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            prefetch_bytes: self.prefetch_bytes - earlier.prefetch_bytes,
+            blocks_read: self.blocks_read - earlier.blocks_read,
+            io_wait_secs: self.io_wait_secs - earlier.io_wait_secs,
+            io_busy_secs: self.io_busy_secs - earlier.io_busy_secs,
+            evictions: self.evictions - earlier.evictions,
+            errors: self.errors - earlier.errors,
+        }
+    }
+
+    /// Share of requested experts that needed no demand read: in the cache, or already being
+    /// read by a prefetch.
+    pub fn hit_rate(&self) -> f64 {
+        if self.requests == 0 {
+            return 0.0;
+        }
+        (self.hits + self.prefetch_hits) as f64 / self.requests as f64
+    }
+
+    /// Read throughput while reads were in flight, GB/s.
+    pub fn read_gbps(&self) -> f64 {
+        if self.io_busy_secs <= 0.0 {
+            return 0.0;
+        }
+        self.bytes_read as f64 / self.io_busy_secs / 1e9
+    }
+
+    /// Share of prefetched blocks that were used.
+    pub fn prefetch_accuracy(&self) -> f64 {
+        let done = self.prefetch_useful + self.prefetch_wasted;
+        if done == 0 {
+            return 0.0;
+        }
+        self.prefetch_useful as f64 / done as f64
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Status {
+    Empty,
+    Loading,
+    Ready,
+    Failed(String),
+}
+
+struct Slot {
+    /// (index into the manifest's layers, expert).
+    key: Option<(usize, u32)>,
+    status: Status,
+    /// Leases alive plus one while a prefetch holds it for its layer.
+    pins: u32,
+    last_use: u64,
+    /// Bumped on every (re)assignment, carried in read tags.
+    generation: u32,
+}
+
+struct State {
+    slots: Vec<Slot>,
+    map: HashMap<(usize, u32), usize>,
+    freq: Frequencies,
+    clock: u64,
+    /// Slots held by a prefetch, per manifest layer index, until that layer's next fetch.
+    prefetched: HashMap<usize, Vec<usize>>,
+    stats: StoreStats,
+    /// When reads last went from none to some in flight.
+    busy_since: Option<Instant>,
+}
+
+/// The slots' memory: one allocation, aligned for O_DIRECT.
+struct Slab {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: the slab is plain memory; which thread may touch which slot is governed by the store's
+// state (a slot is written only while Loading and unpinned, read only while pinned and Ready).
+unsafe impl Send for Slab {}
+// SAFETY: as above.
+unsafe impl Sync for Slab {}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `Inner::new` with exactly this layout; no lease outlives the
+        // store's Inner (leases hold an Arc to it).
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+struct Inner {
+    dir: PathBuf,
+    manifest: Manifest,
+    /// Decoder layer -> index into `manifest.layers`.
+    layer_index: HashMap<usize, usize>,
+    reader: Reader,
+    blocks_path: PathBuf,
+    slab: Slab,
+    slot_bytes: usize,
+    verify: bool,
+    policy: Policy,
+    state: Mutex<State>,
+}
+
+/// The streamed experts of a packed model directory.
+#[derive(Clone)]
+pub struct ExpertStore {
+    inner: Arc<Inner>,
+}
+
+/// One fetched expert: its three matrices, valid (pinned) as long as any clone lives.
+pub struct FetchedExpert {
+    pub expert: u32,
+    pub gate: HostMatrix,
+    pub up: HostMatrix,
+    pub down: HostMatrix,
+}
+
+/// Keeps a slot pinned; the owner behind the slot's `HostBytes`.
+struct Lease {
+    inner: Arc<Inner>,
+    slot: usize,
+}
+
+impl AsRef<[u8]> for Lease {
+    fn as_ref(&self) -> &[u8] {
+        let start = self.slot * self.inner.slot_bytes;
+        // SAFETY: the slot lies inside the slab; it is Ready and pinned by this lease, so no read
+        // is in flight into it and it cannot be reassigned until the lease drops.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.inner.slab.ptr.as_ptr().add(start),
+                self.inner.slot_bytes,
+            )
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut st = self.inner.lock();
+        let slot = &mut st.slots[self.slot];
+        slot.pins = slot.pins.saturating_sub(1);
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves counters possibly stale, never memory unsafe.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn slot_ptr(&self, slot: usize) -> *mut u8 {
+        // SAFETY: `slot < slots`, so the offset stays inside the allocation.
+        unsafe { self.slab.ptr.as_ptr().add(slot * self.slot_bytes) }
+    }
+}
+
+impl ExpertStore {
+    /// Opens the packed experts of `dir` with a cache of `opts.cache_bytes`.
+    pub fn open(dir: &Path, opts: &StoreOptions) -> Result<ExpertStore, StoreError> {
+        let manifest = Manifest::open(dir)?.ok_or_else(|| {
+            StoreError::Manifest(crate::manifest::ManifestError::Invalid {
+                path: dir
+                    .join(crate::manifest::MANIFEST_FILE)
+                    .display()
+                    .to_string(),
+                msg: "missing (not a packed model directory: run `sluice pack`)".into(),
+            })
+        })?;
+        Self::from_manifest(dir, manifest, opts)
+    }
+
+    pub fn from_manifest(
+        dir: &Path,
+        manifest: Manifest,
+        opts: &StoreOptions,
+    ) -> Result<ExpertStore, StoreError> {
+        manifest.check_file_len(dir)?;
+        let blocks_path = dir.join(&manifest.file);
+        let reader = Reader::open(&blocks_path, &opts.io).map_err(|source| StoreError::Open {
+            path: blocks_path.clone(),
+            source,
+        })?;
+        let slot_bytes = manifest.max_stride() as usize;
+        let total_blocks: usize = manifest.layers.iter().map(|l| l.experts).sum();
+        let slots = Self::slots_for(opts.cache_bytes, slot_bytes as u64, opts.min_slots)
+            .min(total_blocks.max(1));
+        let layout = std::alloc::Layout::from_size_align(
+            slots.max(1) * slot_bytes.max(1),
+            crate::manifest::BLOCK_ALIGN as usize,
+        )
+        .map_err(|e| StoreError::Memory(format!("expert cache layout: {e}")))?;
+        // SAFETY: the layout has a non-zero size. The memory is left uninitialised: every slot is
+        // written by a read before it is handed out.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        let ptr = std::ptr::NonNull::new(ptr).ok_or_else(|| {
+            StoreError::Memory(format!(
+                "could not allocate an expert cache of {} bytes; lower --expert-cache",
+                layout.size()
+            ))
+        })?;
+        let layer_index = manifest
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.layer, i))
+            .collect();
+        let experts: Vec<usize> = manifest.layers.iter().map(|l| l.experts).collect();
+        // Counts halve over about the cache's worth of accesses.
+        let freq = Frequencies::new(&experts, (slots as f64).max(64.0));
+        let state = State {
+            slots: (0..slots)
+                .map(|_| Slot {
+                    key: None,
+                    status: Status::Empty,
+                    pins: 0,
+                    last_use: 0,
+                    generation: 0,
+                })
+                .collect(),
+            map: HashMap::new(),
+            freq,
+            clock: 0,
+            prefetched: HashMap::new(),
+            stats: StoreStats::default(),
+            busy_since: None,
+        };
+        Ok(ExpertStore {
+            inner: Arc::new(Inner {
+                dir: dir.to_path_buf(),
+                manifest,
+                layer_index,
+                reader,
+                blocks_path,
+                slab: Slab {
+                    ptr,
+                    layout: std::alloc::Layout::from_size_align(
+                        slots.max(1) * slot_bytes.max(1),
+                        crate::manifest::BLOCK_ALIGN as usize,
+                    )
+                    .expect("checked above"),
+                },
+                slot_bytes,
+                verify: opts.verify,
+                policy: opts.policy,
+                state: Mutex::new(state),
+            }),
+        })
+    }
+
+    /// Slots a budget buys (at least `min_slots`).
+    pub fn slots_for(cache_bytes: u64, slot_bytes: u64, min_slots: usize) -> usize {
+        ((cache_bytes / slot_bytes.max(1)) as usize)
+            .max(min_slots)
+            .max(1)
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.inner.manifest
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// Number of cache slots.
+    pub fn slots(&self) -> usize {
+        self.inner.lock().slots.len()
+    }
+
+    /// Bytes of cache memory.
+    pub fn cache_bytes(&self) -> u64 {
+        self.inner.slab.layout.size() as u64
+    }
+
+    /// A description of the I/O path, e.g. `io_uring, O_DIRECT`.
+    pub fn io_description(&self) -> String {
+        format!(
+            "{:?}{}",
+            self.inner.reader.kind(),
+            if self.inner.reader.direct() {
+                ", O_DIRECT"
+            } else {
+                ", buffered"
+            }
+        )
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let st = self.inner.lock();
+        let mut s = st.stats.clone();
+        if let Some(t) = st.busy_since {
+            s.io_busy_secs += t.elapsed().as_secs_f64();
+        }
+        s
+    }
+
+    fn layer(&self, layer: usize) -> Result<(usize, &LayerExperts), StoreError> {
+        let i = *self
+            .inner
+            .layer_index
+            .get(&layer)
+            .ok_or_else(|| StoreError::NoLayer(layer, self.inner.dir.clone()))?;
+        Ok((i, &self.inner.manifest.layers[i]))
+    }
+
+    /// Picks a slot to (re)fill: empty first, else the policy's victim among unpinned ready or
+    /// failed slots. `None` when every slot is pinned or loading.
+    fn victim(&self, st: &State) -> Option<usize> {
+        let mut best: Option<(usize, f64, u64)> = None;
+        for (i, s) in st.slots.iter().enumerate() {
+            if s.pins > 0 || s.status == Status::Loading {
+                continue;
+            }
+            let Some((l, e)) = s.key else {
+                return Some(i);
+            };
+            let score = match self.inner.policy {
+                Policy::Lru => 0.0,
+                Policy::Frequency => st.freq.count(l, e as usize),
+            };
+            if best.is_none_or(|(_, bs, bu)| (score, s.last_use) < (bs, bu)) {
+                best = Some((i, score, s.last_use));
+            }
+        }
+        best.map(|b| b.0)
+    }
+
+    /// Assigns `slot` to (layer index, expert) and returns its read.
+    fn assign(&self, st: &mut State, slot: usize, li: usize, expert: u32) -> ReadRequest {
+        let s = &mut st.slots[slot];
+        if let Some(old) = s.key.take() {
+            st.map.remove(&old);
+            st.stats.evictions += 1;
+        }
+        let s = &mut st.slots[slot];
+        s.key = Some((li, expert));
+        s.status = Status::Loading;
+        s.generation = s.generation.wrapping_add(1);
+        let tag = (slot as u64) << 32 | s.generation as u64;
+        st.map.insert((li, expert), slot);
+        let l = &self.inner.manifest.layers[li];
+        ReadRequest {
+            tag,
+            offset: l.block_offset(expert as usize),
+            len: l.stride as usize,
+            dst: self.inner.slot_ptr(slot),
+        }
+    }
+
+    fn submit(&self, st: &mut State, reqs: &[ReadRequest]) {
+        if reqs.is_empty() {
+            return;
+        }
+        if st.busy_since.is_none() {
+            st.busy_since = Some(Instant::now());
+        }
+        for r in reqs {
+            st.stats.bytes_read += r.len as u64;
+            st.stats.blocks_read += 1;
+        }
+        // SAFETY: each destination is a whole slot that is Loading: no lease exists for it and
+        // no other read targets it until its completion has been processed.
+        unsafe { self.inner.reader.submit(reqs) };
+    }
+
+    /// Marks finished reads ready (after checking their checksums) or failed.
+    fn complete(&self, done: Vec<Completion>) {
+        // Verify outside the lock: the slots are Loading, so nothing else touches them.
+        let checked: Vec<(usize, u32, Result<(), String>)> = done
+            .into_iter()
+            .map(|c| {
+                let slot = (c.tag >> 32) as usize;
+                let generation = c.tag as u32;
+                let result = c.result.map_err(|e| e.to_string()).and_then(|()| {
+                    if !self.inner.verify {
+                        return Ok(());
+                    }
+                    let st = self.inner.lock();
+                    let key = st.slots[slot].key;
+                    drop(st);
+                    let Some((li, e)) = key else { return Ok(()) };
+                    let l = &self.inner.manifest.layers[li];
+                    // SAFETY: the slot is Loading and its read has completed: nothing writes it
+                    // and nothing else reads it.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(self.inner.slot_ptr(slot), l.stride as usize)
+                    };
+                    if checksum(bytes) == l.checksums[e as usize] {
+                        Ok(())
+                    } else {
+                        Err("checksum mismatch".to_string())
+                    }
+                });
+                (slot, generation, result)
+            })
+            .collect();
+        let mut st = self.inner.lock();
+        for (slot, generation, result) in checked {
+            let s = &mut st.slots[slot];
+            if s.generation != generation || s.status != Status::Loading {
+                continue;
+            }
+            s.status = match result {
+                Ok(()) => Status::Ready,
+                Err(msg) => Status::Failed(msg),
+            };
+            if matches!(s.status, Status::Failed(_)) {
+                st.stats.errors += 1;
+            }
+        }
+        if self.inner.reader.in_flight() == 0 {
+            if let Some(t) = st.busy_since.take() {
+                st.stats.io_busy_secs += t.elapsed().as_secs_f64();
+            }
+        }
+    }
+
+    /// Releases the prefetch holds of layer index `li`, counting which were used by `wanted`.
+    fn release_prefetched(&self, st: &mut State, li: usize, wanted: &[u32]) {
+        let Some(held) = st.prefetched.remove(&li) else {
+            return;
+        };
+        for slot in held {
+            let s = &mut st.slots[slot];
+            s.pins = s.pins.saturating_sub(1);
+            let used = matches!(s.key, Some((l, e)) if l == li && wanted.contains(&e));
+            if used {
+                st.stats.prefetch_useful += 1;
+            } else {
+                st.stats.prefetch_wasted += 1;
+            }
+        }
+    }
+
+    /// Most experts one `fetch` can hold at once (the number of slots).
+    pub fn max_fetch(&self) -> usize {
+        self.slots()
+    }
+
+    /// Fetches the blocks of `experts` (ascending, distinct) of decoder layer `layer`: hits are
+    /// pinned, misses read in parallel, and this waits until all are in memory. At most
+    /// [`ExpertStore::max_fetch`] experts per call.
+    pub fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<FetchedExpert>, StoreError> {
+        let (li, l) = self.layer(layer)?;
+        for &e in experts {
+            if e as usize >= l.experts {
+                return Err(StoreError::Expert {
+                    layer,
+                    expert: e,
+                    experts: l.experts,
+                });
+            }
+        }
+        let mut st = self.inner.lock();
+        // Pin what is cached (or in flight) first, so that no miss below evicts a block this
+        // call wants; then drop this layer's prefetch holds; then assign the misses.
+        let mut found: Vec<Option<usize>> = Vec::with_capacity(experts.len());
+        for &e in experts {
+            st.clock += 1;
+            st.freq.touch(li, e as usize);
+            st.stats.requests += 1;
+            let slot = st.map.get(&(li, e)).copied();
+            if let Some(s) = slot {
+                if st.slots[s].status == Status::Ready {
+                    st.stats.hits += 1;
+                } else {
+                    st.stats.prefetch_hits += 1;
+                }
+                let clock = st.clock;
+                let slot = &mut st.slots[s];
+                slot.pins += 1;
+                slot.last_use = clock;
+            }
+            found.push(slot);
+        }
+        self.release_prefetched(&mut st, li, experts);
+        let mut slots: Vec<usize> = Vec::with_capacity(experts.len());
+        let mut reqs = Vec::new();
+        for (i, &e) in experts.iter().enumerate() {
+            let slot = match found[i] {
+                Some(s) => s,
+                None => {
+                    st.stats.misses += 1;
+                    let Some(v) = self.victim(&st) else {
+                        // Cannot happen with max_fetch respected; undo the pins taken so far.
+                        for s in slots.iter().chain(found[i..].iter().flatten()) {
+                            st.slots[*s].pins -= 1;
+                        }
+                        return Err(StoreError::Memory(format!(
+                            "layer {layer}: {} experts requested but the expert cache has only {} slots",
+                            experts.len(),
+                            st.slots.len()
+                        )));
+                    };
+                    reqs.push(self.assign(&mut st, v, li, e));
+                    let clock = st.clock;
+                    let slot = &mut st.slots[v];
+                    slot.pins += 1;
+                    slot.last_use = clock;
+                    v
+                }
+            };
+            slots.push(slot);
+        }
+        self.submit(&mut st, &reqs);
+        // Wait until every slot is ready (processing any completion, prefetches included).
+        let wait_start = Instant::now();
+        let mut waited = false;
+        loop {
+            let pending = slots.iter().any(|&s| st.slots[s].status == Status::Loading);
+            if !pending {
+                break;
+            }
+            drop(st);
+            waited = true;
+            let done = self.inner.reader.wait();
+            self.complete(done);
+            st = self.inner.lock();
+        }
+        if waited {
+            st.stats.io_wait_secs += wait_start.elapsed().as_secs_f64();
+        }
+        // Any failure fails the request: unpin, forget the block, report the first.
+        let failed = slots
+            .iter()
+            .zip(experts)
+            .find_map(|(&s, &e)| match &st.slots[s].status {
+                Status::Failed(msg) => Some((e, msg.clone())),
+                _ => None,
+            });
+        if let Some((e, msg)) = failed {
+            for &s in &slots {
+                st.slots[s].pins -= 1;
+                if matches!(st.slots[s].status, Status::Failed(_)) {
+                    if let Some(k) = st.slots[s].key.take() {
+                        st.map.remove(&k);
+                    }
+                    st.slots[s].status = Status::Empty;
+                }
+            }
+            return Err(StoreError::Block {
+                layer,
+                expert: e,
+                msg,
+                path: self.inner.blocks_path.clone(),
+                offset: l.block_offset(e as usize),
+            });
+        }
+        drop(st);
+        Ok(slots
+            .into_iter()
+            .zip(experts)
+            .map(|(slot, &expert)| {
+                let lease: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(Lease {
+                    inner: self.inner.clone(),
+                    slot,
+                });
+                let block = HostBytes::new(lease, 0..l.stride as usize);
+                let [gate, up, down] = l.matrices(&block);
+                FetchedExpert {
+                    expert,
+                    gate,
+                    up,
+                    down,
+                }
+            })
+            .collect())
+    }
+
+    /// Starts reading the blocks of `experts` of decoder layer `layer` that are not cached,
+    /// without waiting; they stay held until that layer's next `fetch`. Skips what does not fit
+    /// without evicting anything pinned.
+    pub fn prefetch(&self, layer: usize, experts: &[u32]) {
+        let Ok((li, l)) = self.layer(layer) else {
+            return;
+        };
+        let mut st = self.inner.lock();
+        // Holds from an earlier prefetch of this layer that no fetch consumed are replaced.
+        if st.prefetched.contains_key(&li) {
+            self.release_prefetched(&mut st, li, &[]);
+        }
+        let mut reqs = Vec::new();
+        let mut held = Vec::new();
+        for &e in experts {
+            if e as usize >= l.experts || st.map.contains_key(&(li, e)) {
+                continue;
+            }
+            let Some(v) = self.victim(&st) else { break };
+            reqs.push(self.assign(&mut st, v, li, e));
+            st.slots[v].pins += 1;
+            held.push(v);
+        }
+        st.stats.prefetch_issued += reqs.len() as u64;
+        st.stats.prefetch_bytes += reqs.iter().map(|r| r.len as u64).sum::<u64>();
+        if !held.is_empty() {
+            st.prefetched.insert(li, held);
+        }
+        self.submit(&mut st, &reqs);
+        drop(st);
+        // Retire whatever has finished meanwhile, so slots become ready without a fetch.
+        let done = self.inner.reader.poll();
+        if !done.is_empty() {
+            self.complete(done);
+        }
+    }
+}
