@@ -57,8 +57,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "BYTES", default_value = "2MiB")]
     block: String,
     /// Reads in flight for the parallel --disk pattern.
-    #[arg(long, default_value_t = 8)]
-    queue_depth: usize,
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    disk_queue_depth: usize,
     /// Seconds per --disk pattern.
     #[arg(long, default_value_t = 2.0)]
     disk_seconds: f64,
@@ -107,7 +107,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let block = sys::parse_bytes(&a.block).map_err(|e| anyhow::anyhow!("--block: {e}"))?;
         let opts = DiskOptions {
             block: block as usize,
-            queue_depth: a.queue_depth,
+            queue_depth: a.disk_queue_depth,
             seconds: a.disk_seconds,
             ..DiskOptions::new(file.clone())
         };

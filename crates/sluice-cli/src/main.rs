@@ -3,6 +3,7 @@
 //! The binary only parses arguments and prints; the work is done by `sluice-engine`.
 
 mod bench_cmd;
+mod info_cmd;
 mod pack_cmd;
 mod stream_args;
 mod synth_cmd;
@@ -44,6 +45,9 @@ enum Command {
     Generate(GenerateArgs),
     /// Measure prompt and generation speed, next to the machine's memory and disk limits.
     Bench(bench_cmd::BenchArgs),
+    /// Show the plan before running: resident and streamed bytes, bytes per token, the expert
+    /// cache that fits, and the speed to expect from measured bandwidths.
+    Info(info_cmd::InfoArgs),
     /// Write a random checkpoint with a real model's exact shapes (for benchmarks).
     Synth(synth_cmd::SynthArgs),
     /// Rewrite a checkpoint into the streaming layout: resident tensors + one aligned block per
@@ -143,6 +147,7 @@ fn main() {
         Command::Synth(a) => synth_cmd::run(a),
         Command::Pack(a) => pack_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
+        Command::Info(a) => info_cmd::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,182 @@
+//! `sluice info`: the plan before running: what is resident, what streams, how much each token
+//! reads, the cache that fits, and the speed to expect from the measured bandwidths.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use sluice_bench::limits::{self, DiskOptions};
+use sluice_bench::sys::{self, format_bytes};
+use sluice_cpu::CpuBackend;
+use sluice_engine::streaming::{plan_cache, safetensors_bytes, StreamingOptions};
+use sluice_engine::{Engine, LoadOptions};
+
+#[derive(Args)]
+#[command(
+    after_help = "Example:\n  sluice info -m ./Qwen3.5-35B-A3B-4bit-packed --memory-budget 10GiB\n\n\
+The estimate assumes uniformly random routing (the hit rate equals the share of experts the cache \
+holds); real routing is skewed, so real hit rates are higher. It prints two bounds: reads and \
+compute one after the other, and reads fully hidden behind compute."
+)]
+pub struct InfoArgs {
+    /// Model directory (packed or not).
+    #[arg(long, short = 'm', value_name = "DIR")]
+    model: PathBuf,
+    /// Total memory for the model (resident weights + expert cache + working memory).
+    #[arg(long, value_name = "SIZE")]
+    memory_budget: Option<String>,
+    /// Expert cache size (overrides --memory-budget).
+    #[arg(long, value_name = "SIZE")]
+    expert_cache: Option<String>,
+    /// DRAM read bandwidth in GB/s (default: measured now, ~1 s).
+    #[arg(long, value_name = "GB/S")]
+    memory_gbps: Option<f64>,
+    /// Disk read bandwidth in GB/s (default: measured now on the model's largest file, ~3 s).
+    #[arg(long, value_name = "GB/S")]
+    disk_gbps: Option<f64>,
+}
+
+pub fn run(a: InfoArgs) -> Result<()> {
+    let size = |flag: &str, v: &Option<String>| -> Result<Option<u64>> {
+        v.as_deref()
+            .map(|s| sys::parse_bytes(s).map_err(|e| anyhow::anyhow!("{flag}: {e}")))
+            .transpose()
+    };
+    let streaming = StreamingOptions {
+        expert_cache: size("--expert-cache", &a.expert_cache)?,
+        memory_budget: size("--memory-budget", &a.memory_budget)?,
+        ..StreamingOptions::default()
+    };
+    // A tiny cache: loading only to read the shapes.
+    let probe = LoadOptions {
+        streaming: StreamingOptions {
+            expert_cache: Some(0),
+            ..streaming.clone()
+        },
+        ..LoadOptions::default()
+    };
+    let engine = Engine::load(&a.model, Arc::new(CpuBackend::new()), &probe)
+        .with_context(|| format!("loading {}", a.model.display()))?;
+    let info = engine.model.info().clone();
+    let packed = engine.store.is_some();
+    let files = safetensors_bytes(&a.model);
+    let experts_total = match &engine.store {
+        Some(s) => s.manifest().total_block_bytes(),
+        None => info.expert_bytes as u64,
+    };
+    let resident = if packed {
+        files
+    } else {
+        files.saturating_sub(experts_total)
+    };
+    let moe_layers = engine
+        .store
+        .as_ref()
+        .map_or(0, |s| s.manifest().layers.len());
+    let per_expert = experts_total as f64 / info.experts.max(1) as f64; // all layers
+    let k = info.experts_per_token;
+    let experts_per_token = per_expert * k as f64;
+    let dense_per_token = info.dense_bytes as f64;
+
+    println!("{} ({})", a.model.display(), info.model_type);
+    println!(
+        "  {} layers, {} experts per MoE layer, {k} per token; {}",
+        info.layers, info.experts, info.weight_format
+    );
+    println!(
+        "  resident: {} (dense weights read every token: {}; embeddings: the rest)",
+        format_bytes(resident),
+        format_bytes(info.dense_bytes as u64)
+    );
+    println!(
+        "  routed experts: {} in all, {} per expert across the layers{}",
+        format_bytes(experts_total),
+        format_bytes(per_expert as u64),
+        if packed {
+            format!(", {moe_layers} streamed layers (packed)")
+        } else {
+            " (not packed: memory-mapped; run `sluice pack` to stream them)".into()
+        }
+    );
+    println!(
+        "  bytes per token at K={k}: dense {} + experts {k} x {} = {}",
+        format_bytes(dense_per_token as u64),
+        format_bytes(per_expert as u64),
+        format_bytes((dense_per_token + experts_per_token) as u64)
+    );
+
+    let plan = match &engine.store {
+        Some(s) => plan_cache(&a.model, s.manifest(), &streaming),
+        None => {
+            // What packing would give: the same arithmetic on the unpacked sizes.
+            let mut p = sluice_engine::streaming::CachePlan {
+                cache_bytes: 0,
+                resident_bytes: resident,
+                expert_bytes: experts_total,
+                reason: String::new(),
+            };
+            let avail = streaming
+                .expert_cache
+                .map(|c| (c, "--expert-cache".to_string()))
+                .or(streaming.memory_budget.map(|b| {
+                    (
+                        b.saturating_sub(resident + sluice_engine::streaming::RESERVE_BYTES / 2),
+                        "--memory-budget minus resident and working memory".into(),
+                    )
+                }))
+                .unwrap_or_else(|| {
+                    let m = sys::mem_available_bytes().unwrap_or(0);
+                    (
+                        m.saturating_sub(resident + sluice_engine::streaming::RESERVE_BYTES),
+                        "available memory minus resident and 1 GiB".into(),
+                    )
+                });
+            p.cache_bytes = avail.0.min(experts_total);
+            p.reason = avail.1;
+            p
+        }
+    };
+    let share = plan.cache_bytes as f64 / experts_total.max(1) as f64;
+    println!(
+        "  expert cache: {} = {:.0}% of the experts ({})",
+        format_bytes(plan.cache_bytes),
+        share * 100.0,
+        plan.reason
+    );
+
+    let mem = match a.memory_gbps {
+        Some(g) => g,
+        None => limits::memory_read(0, 512 << 20).gbps,
+    };
+    let disk = match a.disk_gbps {
+        Some(g) => g,
+        None => {
+            let file = limits::default_disk_file(&a.model)?;
+            let d = limits::disk(&DiskOptions {
+                seconds: 1.0,
+                ..DiskOptions::new(file)
+            })?;
+            d.sequential.gbps.max(d.random_qdn.gbps)
+        }
+    };
+    let hit = share.min(1.0);
+    let disk_bytes = (1.0 - hit) * experts_per_token;
+    let mem_bytes = dense_per_token + hit * experts_per_token;
+    let t_mem = mem_bytes / (mem * 1e9);
+    let t_disk = disk_bytes / (disk * 1e9);
+    println!(
+        "  per token: {} from memory at {mem:.1} GB/s = {:.1} ms; {} from disk at {disk:.2} GB/s = {:.1} ms (hit rate {:.0}% if routing were uniform)",
+        format_bytes(mem_bytes as u64),
+        t_mem * 1e3,
+        format_bytes(disk_bytes as u64),
+        t_disk * 1e3,
+        hit * 100.0
+    );
+    println!(
+        "  estimate: {:.2} tok/s with reads after compute, {:.2} tok/s with reads hidden behind compute",
+        1.0 / (t_mem + t_disk),
+        1.0 / t_mem.max(t_disk)
+    );
+    Ok(())
+}
