@@ -50,7 +50,8 @@ pub enum Limit {
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct LimitRates {
     pub memory_read_gbps: Option<f64>,
-    /// The best sustained O_DIRECT throughput measured (sequential or parallel random).
+    /// O_DIRECT throughput of block-sized random reads with many in flight: the pattern expert
+    /// streaming issues.
     pub disk_gbps: Option<f64>,
 }
 
