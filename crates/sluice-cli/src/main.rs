@@ -69,8 +69,9 @@ struct ModelArgs {
     /// Routed experts per token, overriding the config (fewer is faster, less accurate).
     #[arg(long, value_name = "K")]
     experts_per_token: Option<usize>,
-    /// Expert cache size for a packed model, e.g. 6GiB (default: available memory minus the
-    /// resident weights and 1 GiB).
+    /// Expert cache size, e.g. 6GiB (packed models default to the available memory minus the
+    /// resident weights and 1 GiB; unpacked models stream their experts only when this or
+    /// --memory-budget is given).
     #[arg(long, value_name = "SIZE")]
     expert_cache: Option<String>,
     #[command(flatten)]

@@ -26,7 +26,8 @@ pub enum IoArg {
 #[derive(Args, Clone)]
 pub struct StreamArgs {
     /// Total memory for the model: resident weights + expert cache + working memory (e.g.
-    /// 10GiB); the expert cache gets what is left. Packed models only.
+    /// 10GiB); the expert cache gets what is left. Unpacked models then stream their experts
+    /// too (buffered reads; `sluice pack` makes streaming faster).
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
     /// Expert cache eviction policy.
@@ -74,6 +75,8 @@ impl StreamArgs {
             queue_depth: self.queue_depth,
             direct: !self.buffered,
             verify: !self.no_verify,
+            // Asking for a cache streams unpacked checkpoints too (packed ones always stream).
+            stream_unpacked: expert_cache.is_some() || self.memory_budget.is_some(),
         })
     }
 }

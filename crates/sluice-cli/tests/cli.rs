@@ -492,3 +492,35 @@ fn pack_writes_a_streaming_layout() {
     let run = sluice(&["pack", m, "-o", o, "--force"]);
     assert!(run.status.success());
 }
+
+#[test]
+fn generate_streams_an_unpacked_model_when_given_a_cache() {
+    let m = fixture("qwen3_5_moe-q4");
+    let m = m.to_str().unwrap();
+    let run = sluice(&[
+        "generate",
+        "-m",
+        m,
+        "--expert-cache",
+        "1MiB",
+        "--stats",
+        "-p",
+        "hi",
+        "-n",
+        "4",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("streaming experts from")
+            && stderr.contains("unpacked")
+            && stderr.contains("[stats]")
+            && stderr.contains("experts: read"),
+        "{stderr}"
+    );
+    // Without a cache flag an unpacked model keeps its experts memory-mapped.
+    let run = sluice(&["generate", "-m", m, "--stats", "-p", "hi", "-n", "2"]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(!stderr.contains("streaming experts from"), "{stderr}");
+}

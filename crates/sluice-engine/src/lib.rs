@@ -41,7 +41,8 @@ pub enum EngineError {
 pub struct LoadOptions {
     /// Overrides the config's number of routed experts per token.
     pub experts_per_token: Option<usize>,
-    /// Expert cache and I/O settings for packed (streaming) model directories.
+    /// Expert cache and I/O settings for streamed experts (packed model directories, or
+    /// unpacked ones with `streaming.stream_unpacked`).
     pub streaming: streaming::StreamingOptions,
 }
 
@@ -100,9 +101,10 @@ pub struct Engine<B: Backend> {
     pub eos_ids: Vec<u32>,
     /// Sampling defaults from generation_config.json.
     pub defaults: SamplingParams,
-    /// The expert store, when the directory is packed and experts stream from disk.
+    /// The expert store, when experts stream from disk (a packed directory, or an unpacked one
+    /// with `stream_unpacked`).
     pub store: Option<sluice_store::ExpertStore>,
-    /// How the expert cache was sized (packed directories).
+    /// How the expert cache was sized (streamed experts).
     pub cache_plan: Option<streaming::CachePlan>,
 }
 
@@ -118,6 +120,14 @@ impl<B: Backend + 'static> Engine<B> {
                 let (store, plan) =
                     streaming::open_store(&dir.path, manifest, &opts.streaming, k.max(1))?;
                 (Some(store), Some(plan))
+            }
+            None if opts.streaming.stream_unpacked => {
+                let k =
+                    Self::config_experts_per_token(&dir).max(opts.experts_per_token.unwrap_or(0));
+                match streaming::open_unpacked_store(&dir, &opts.streaming, k.max(1))? {
+                    Some((store, plan)) => (Some(store), Some(plan)),
+                    None => (None, None),
+                }
             }
             None => (None, None),
         };

@@ -1,16 +1,17 @@
-//! Choosing the expert cache of a packed model: its size from the user's flags or the machine's
-//! free memory, and the I/O settings.
+//! Choosing the expert cache of a streamed model (packed, or unpacked when asked for): its size
+//! from the user's flags or the machine's free memory, and the I/O settings.
 
 use std::path::Path;
 
 use sluice_store::io::{IoKind, ReaderOptions};
-use sluice_store::{ExpertStore, Manifest, Policy, StoreError, StoreOptions};
+use sluice_store::{ExpertStore, Manifest, Policy, StoreError, StoreOptions, UnpackedLayout};
 
 /// Memory kept free for everything but weights and the expert cache (KV caches, activations,
 /// the OS) when the cache size is derived.
 pub const RESERVE_BYTES: u64 = 1 << 30;
 
-/// Streaming settings (only used for packed model directories).
+/// Streaming settings (packed model directories always stream; unpacked ones when
+/// `stream_unpacked` is set).
 #[derive(Debug, Clone)]
 pub struct StreamingOptions {
     /// Expert cache size in bytes.
@@ -23,8 +24,12 @@ pub struct StreamingOptions {
     pub queue_depth: usize,
     /// O_DIRECT reads (bypass the page cache).
     pub direct: bool,
-    /// Verify each block's checksum after reading it.
+    /// Verify each block's checksum after reading it (packed directories only).
     pub verify: bool,
+    /// Stream the routed experts of an unpacked checkpoint too (buffered reads of each expert's
+    /// slices) instead of keeping them all memory-mapped. Set when the user asks for a cache
+    /// (`--expert-cache` or `--memory-budget`).
+    pub stream_unpacked: bool,
 }
 
 impl Default for StreamingOptions {
@@ -37,6 +42,7 @@ impl Default for StreamingOptions {
             queue_depth: 16,
             direct: true,
             verify: true,
+            stream_unpacked: false,
         }
     }
 }
@@ -74,8 +80,11 @@ pub fn mem_available() -> Option<u64> {
 /// Sizes the cache: `--expert-cache` if given, else `--memory-budget` minus the resident
 /// weights and a reserve, else the available memory minus the same; never more than all experts.
 pub fn plan_cache(dir: &Path, manifest: &Manifest, opts: &StreamingOptions) -> CachePlan {
-    let resident = safetensors_bytes(dir);
-    let experts = manifest.total_block_bytes();
+    plan_cache_for(safetensors_bytes(dir), manifest.total_block_bytes(), opts)
+}
+
+/// [`plan_cache`] from the resident and expert bytes.
+pub fn plan_cache_for(resident: u64, experts: u64, opts: &StreamingOptions) -> CachePlan {
     let (want, reason) = if let Some(c) = opts.expert_cache {
         (c, "--expert-cache".to_string())
     } else if let Some(b) = opts.memory_budget {
@@ -136,4 +145,37 @@ pub fn open_store(
         },
     )?;
     Ok((store, plan))
+}
+
+/// Opens a store streaming the routed experts of the unpacked checkpoint `dir`; `None` when it
+/// has no routed experts.
+pub fn open_unpacked_store(
+    dir: &sluice_format::ModelDir,
+    opts: &StreamingOptions,
+    experts_per_token: usize,
+) -> Result<Option<(ExpertStore, CachePlan)>, StoreError> {
+    let layout = UnpackedLayout::plan(&dir.tensors, dir.quantization.as_ref())?;
+    if layout.is_empty() {
+        return Ok(None);
+    }
+    let experts = layout.expert_bytes();
+    let resident = safetensors_bytes(&dir.path).saturating_sub(experts);
+    // Sized in slots, like a packed directory's blocks (each part 64-byte aligned).
+    let plan = plan_cache_for(resident, layout.manifest.total_block_bytes(), opts);
+    let store = ExpertStore::from_unpacked(
+        &dir.path,
+        layout,
+        &StoreOptions {
+            cache_bytes: plan.cache_bytes,
+            policy: opts.policy,
+            io: ReaderOptions {
+                kind: opts.io,
+                direct: false,
+                queue_depth: opts.queue_depth.max(1),
+            },
+            verify: false,
+            min_slots: experts_per_token,
+        },
+    )?;
+    Ok(Some((store, plan)))
 }

@@ -160,3 +160,66 @@ fn truncated_or_missing_blocks_files_are_load_errors() {
         .to_string();
     assert!(err.contains("experts.bin"), "{err}");
 }
+
+#[test]
+fn unpacked_streaming_is_bit_identical_to_resident() {
+    for name in [
+        "qwen3_moe-q4",
+        "qwen3_moe-hf",
+        "qwen3_5_moe-q4",
+        "qwen3_5_moe-bf16",
+        "qwen3_next-bf16",
+    ] {
+        let dir = fixture(name);
+        let resident = load(&dir, StreamingOptions::default());
+        assert!(
+            resident.store.is_none(),
+            "{name}: unpacked stays resident by default"
+        );
+        let info = resident.model.info().clone();
+        for mode in [LogitsMode::Decode, LogitsMode::Prefill] {
+            let want = resident.logits(&TOKENS, mode).unwrap();
+            for (cache, policy, io) in [
+                (1, Policy::Frequency, IoKind::Auto),
+                (u64::MAX, Policy::Lru, IoKind::Threads),
+            ] {
+                let streamed = load(
+                    &dir,
+                    StreamingOptions {
+                        stream_unpacked: true,
+                        ..stream_opts(cache, policy, io)
+                    },
+                );
+                let store = streamed.store.as_ref().expect("stream_unpacked streams");
+                assert!(store.is_unpacked(), "{name}");
+                assert_eq!(
+                    streamed.model.info().expert_bytes,
+                    info.expert_bytes,
+                    "{name}: expert bytes reported as resident"
+                );
+                let got = streamed.logits(&TOKENS, mode).unwrap();
+                let same = got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{name} {mode:?} cache {cache} {policy:?}: logits differ"
+                );
+                let s = store.stats();
+                assert!(
+                    s.requests > 0 && s.blocks_read > 0 && s.bytes_read > 0 && s.errors == 0,
+                    "{name}: {s:?}"
+                );
+                if cache == 1 {
+                    assert_eq!(
+                        store.slots(),
+                        info.experts_per_token,
+                        "{name}: minimum cache is K slots"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -143,6 +143,8 @@ pub struct TensorInfo {
     pub file: PathBuf,
     /// Exactly `numel() * dtype.size()` bytes, little-endian, not necessarily aligned.
     pub bytes: HostBytes,
+    /// Absolute offset of the data in `file` (header included), for reading it without the map.
+    pub offset: u64,
 }
 
 impl TensorInfo {
@@ -326,6 +328,7 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<TensorInfo>, FormatError> {
             shape: raw.shape,
             file: path.to_path_buf(),
             bytes: HostBytes::new(owner.clone(), data_start + begin..data_start + end),
+            offset: (data_start + begin) as u64,
         });
     }
     Ok(out)

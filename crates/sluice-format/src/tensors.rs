@@ -180,6 +180,13 @@ impl Tensors {
         self.map.get(name).ok_or_else(|| self.not_found(name))
     }
 
+    /// Where tensor `name`'s data lives on disk: the file, the absolute offset of its first byte
+    /// in that file, and its length in bytes (to read it with plain file I/O instead of the map).
+    pub fn location(&self, name: &str) -> Result<(&Path, u64, u64), FormatError> {
+        let t = self.get(name)?;
+        Ok((&t.file, t.offset, t.bytes.len() as u64))
+    }
+
     fn not_found(&self, name: &str) -> FormatError {
         let similar = similar_names(name, self.map.keys().map(String::as_str), 3);
         FormatError::TensorNotFound {

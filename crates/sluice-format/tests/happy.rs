@@ -562,3 +562,23 @@ fn writer_pads_header_and_keeps_metadata() {
     .unwrap_err();
     assert!(e.to_string().contains("repeated"), "{e}");
 }
+
+#[test]
+fn location_gives_the_file_offset_of_each_tensor() {
+    let d = Dir::new(base_config());
+    let tensors = vec![
+        dense("a.weight", StDtype::BF16, &[3, 8], 1),
+        dense("b.weight", StDtype::F32, &[5, 8], 2),
+    ];
+    d.st("model.safetensors", &tensors);
+    let m = ModelDir::open(d.path()).unwrap();
+    let file = std::fs::read(d.file("model.safetensors")).unwrap();
+    for (name, _, _, bytes) in &tensors {
+        let (path, offset, len) = m.tensors.location(name).unwrap();
+        assert_eq!(path, d.file("model.safetensors"));
+        assert_eq!(len, bytes.len() as u64);
+        let at = offset as usize;
+        assert_eq!(&file[at..at + len as usize], bytes.as_slice(), "{name}");
+    }
+    assert!(m.tensors.location("c.weight").is_err());
+}

@@ -10,7 +10,9 @@ pub mod manifest;
 pub mod pack;
 pub mod policy;
 pub mod store;
+pub mod unpacked;
 
 pub use manifest::{Manifest, MANIFEST_FILE};
 pub use policy::Policy;
 pub use store::{ExpertStore, FetchedExpert, StoreError, StoreOptions, StoreStats};
+pub use unpacked::{PartRead, UnpackedLayout};

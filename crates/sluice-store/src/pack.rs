@@ -116,11 +116,11 @@ fn resolve(p: &Path) -> io::Result<PathBuf> {
 }
 
 /// The experts of one MoE layer, as found in the source.
-struct SourceLayer {
-    layer: usize,
-    prefix: String,
+pub(crate) struct SourceLayer {
+    pub(crate) layer: usize,
+    pub(crate) prefix: String,
     /// Per expert: gate, up, down.
-    experts: Vec<[HostMatrix; 3]>,
+    pub(crate) experts: Vec<[HostMatrix; 3]>,
 }
 
 /// `Some((prefix, stack, layer))` when `name` is under `*.layers.N.mlp.{switch_mlp,experts}.`,
@@ -142,8 +142,9 @@ fn expert_prefix(name: &str) -> Option<(String, String, usize)> {
 
 /// Finds the routed experts of every MoE layer, in layer order, and the names of the tensors
 /// they use. Only the decoder stack with the most MoE layers is packed (e.g. the experts of a
-/// multi-token-prediction head stay resident).
-fn find_experts(
+/// multi-token-prediction head stay resident). Shared with [`crate::unpacked`], which streams
+/// the same experts straight from the checkpoint.
+pub(crate) fn find_experts(
     t: &Tensors,
     quant: Option<&QuantConfig>,
 ) -> Result<(Vec<SourceLayer>, BTreeSet<String>), PackError> {
@@ -468,19 +469,10 @@ pub fn pack(
     }
 
     // Plan experts.bin.
-    let mut plans = Vec::with_capacity(layers.len());
-    let mut offset = 0u64;
-    for l in &layers {
-        let projs: Vec<(String, usize, usize, WeightFormat)> = l.experts[0]
-            .iter()
-            .zip(PROJECTIONS)
-            .map(|(m, name)| (name.to_string(), m.rows, m.cols, m.format))
-            .collect();
-        let plan = LayerExperts::plan(l.layer, l.prefix.clone(), l.experts.len(), offset, &projs);
-        offset = plan.offset + plan.stride * plan.experts as u64;
-        plans.push(plan);
-    }
-    let expert_bytes = offset;
+    let mut plans = plan_layers(&layers);
+    let expert_bytes = plans
+        .last()
+        .map_or(0, |p| p.offset + p.stride * p.experts as u64);
 
     // Plan model.safetensors.
     let resident: Vec<_> = t.iter().filter(|x| !used.contains(&x.name)).collect();
@@ -589,6 +581,23 @@ pub fn pack(
         experts_per_layer: layers[0].experts.len(),
         blocks: layers.iter().map(|l| l.experts.len()).sum(),
     })
+}
+
+/// The block layout of every layer, one after another from offset 0 (checksums left empty).
+pub(crate) fn plan_layers(layers: &[SourceLayer]) -> Vec<LayerExperts> {
+    let mut plans = Vec::with_capacity(layers.len());
+    let mut offset = 0u64;
+    for l in layers {
+        let projs: Vec<(String, usize, usize, WeightFormat)> = l.experts[0]
+            .iter()
+            .zip(PROJECTIONS)
+            .map(|(m, name)| (name.to_string(), m.rows, m.cols, m.format))
+            .collect();
+        let plan = LayerExperts::plan(l.layer, l.prefix.clone(), l.experts.len(), offset, &projs);
+        offset = plan.offset + plan.stride * plan.experts as u64;
+        plans.push(plan);
+    }
+    plans
 }
 
 fn remove_any(p: &Path) -> Result<(), PackError> {

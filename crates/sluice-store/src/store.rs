@@ -1,5 +1,7 @@
-//! The expert store at run time: a fixed set of cache slots (allocated once), filled from the
-//! packed blocks file by parallel reads, handed out as pinned leases.
+//! The expert store at run time: a fixed set of cache slots (allocated once), filled by
+//! parallel reads, handed out as pinned leases. A slot is filled from the packed blocks file by
+//! one aligned read, or (unpacked checkpoints, [`crate::unpacked`]) by one buffered read per
+//! slice of the expert in the safetensors shards; it is ready when all its reads are.
 //!
 //! One decode thread drives it: [`ExpertStore::fetch`] for the experts a layer was routed to
 //! (hits are pinned at once, misses are read all at once, then it waits), and
@@ -18,6 +20,7 @@ use sluice_backend::{HostBytes, HostMatrix};
 use crate::io::{Completion, ReadRequest, Reader, ReaderOptions};
 use crate::manifest::{checksum, LayerExperts, Manifest};
 use crate::policy::{Frequencies, Policy};
+use crate::unpacked::{PartRead, UnpackedLayout};
 
 /// How the store is set up.
 #[derive(Debug, Clone)]
@@ -26,7 +29,8 @@ pub struct StoreOptions {
     pub cache_bytes: u64,
     pub policy: Policy,
     pub io: ReaderOptions,
-    /// Check every block read against its checksum.
+    /// Check every block read against its checksum (packed directories; unpacked checkpoints
+    /// have no checksums and ignore it).
     pub verify: bool,
     /// Smallest number of slots accepted (the experts one token needs in one layer).
     pub min_slots: usize,
@@ -42,14 +46,18 @@ pub enum StoreError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("layer {layer} expert {expert}: {msg} ({path} at offset {offset}); the file is damaged: re-run `sluice pack`")]
+    #[error("layer {layer} expert {expert}: {msg} ({path} at offset {offset}); {hint}")]
     Block {
         layer: usize,
         expert: u32,
         msg: String,
         path: PathBuf,
         offset: u64,
+        /// What to do about it.
+        hint: &'static str,
     },
+    #[error("{0}")]
+    Layout(String),
     #[error("layer {0} has no streamed experts in {1}")]
     NoLayer(usize, PathBuf),
     #[error("expert {expert} is out of range for layer {layer} ({experts} experts)")]
@@ -151,9 +159,58 @@ struct Slot {
     /// Leases alive plus one while a prefetch holds it for its layer.
     pins: u32,
     last_use: u64,
-    /// Bumped on every (re)assignment, carried in read tags.
+    /// Bumped on every (re)assignment, carried in read tags (24 bits).
     generation: u32,
+    /// Reads of the current assignment not yet completed.
+    parts_left: u32,
+    /// The first failure among them: message, file and offset.
+    failure: Option<(String, PathBuf, u64)>,
 }
+
+/// Read tags: slot, part index (unpacked reads of one slot), generation.
+fn tag(slot: usize, part: usize, generation: u32) -> u64 {
+    (slot as u64) << 32 | (part as u64 & 0xff) << 24 | (generation & GENERATION_MASK) as u64
+}
+
+fn untag(tag: u64) -> (usize, usize, u32) {
+    (
+        (tag >> 32) as usize,
+        ((tag >> 24) & 0xff) as usize,
+        tag as u32 & GENERATION_MASK,
+    )
+}
+
+const GENERATION_MASK: u32 = 0xff_ffff;
+
+/// Where blocks come from.
+enum Source {
+    /// `experts.bin`: one aligned read per block.
+    Packed { reader: Reader, path: PathBuf },
+    /// The checkpoint's shards, one buffered reader each; per manifest layer index, per expert,
+    /// the reads that fill a slot.
+    Unpacked {
+        readers: Vec<Reader>,
+        files: Vec<PathBuf>,
+        reads: Vec<Vec<Vec<PartRead>>>,
+    },
+}
+
+impl Source {
+    fn readers(&self) -> &[Reader] {
+        match self {
+            Source::Packed { reader, .. } => std::slice::from_ref(reader),
+            Source::Unpacked { readers, .. } => readers,
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.readers().iter().map(Reader::in_flight).sum()
+    }
+}
+
+const PACKED_HINT: &str = "the file is damaged: re-run `sluice pack`";
+const UNPACKED_HINT: &str =
+    "the checkpoint file is damaged, or was truncated or replaced while sluice ran";
 
 struct State {
     slots: Vec<Slot>,
@@ -192,8 +249,7 @@ struct Inner {
     manifest: Manifest,
     /// Decoder layer -> index into `manifest.layers`.
     layer_index: HashMap<usize, usize>,
-    reader: Reader,
-    blocks_path: PathBuf,
+    source: Source,
     slab: Slab,
     slot_bytes: usize,
     verify: bool,
@@ -201,7 +257,7 @@ struct Inner {
     state: Mutex<State>,
 }
 
-/// The streamed experts of a packed model directory.
+/// The streamed experts of a packed model directory (or of an unpacked checkpoint).
 #[derive(Clone)]
 pub struct ExpertStore {
     inner: Arc<Inner>,
@@ -281,6 +337,65 @@ impl ExpertStore {
             path: blocks_path.clone(),
             source,
         })?;
+        let source = Source::Packed {
+            reader,
+            path: blocks_path,
+        };
+        Self::build(dir, manifest, source, opts.verify, opts)
+    }
+
+    /// Streams the routed experts of the unpacked checkpoint `dir` (buffered reads of each
+    /// expert's slices; `opts.io.direct` and `opts.verify` do not apply). Errors when it has no
+    /// routed experts.
+    pub fn open_unpacked(
+        dir: &sluice_format::ModelDir,
+        opts: &StoreOptions,
+    ) -> Result<ExpertStore, StoreError> {
+        let layout = UnpackedLayout::plan(&dir.tensors, dir.quantization.as_ref())?;
+        if layout.is_empty() {
+            return Err(StoreError::Layout(format!(
+                "{} has no routed experts to stream",
+                dir.path.display()
+            )));
+        }
+        Self::from_unpacked(&dir.path, layout, opts)
+    }
+
+    /// Like [`ExpertStore::open_unpacked`] from a planned layout.
+    pub fn from_unpacked(
+        dir: &Path,
+        layout: UnpackedLayout,
+        opts: &StoreOptions,
+    ) -> Result<ExpertStore, StoreError> {
+        let io = ReaderOptions {
+            direct: false,
+            ..opts.io.clone()
+        };
+        let readers = layout
+            .files
+            .iter()
+            .map(|path| {
+                Reader::open(path, &io).map_err(|source| StoreError::Open {
+                    path: path.clone(),
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let source = Source::Unpacked {
+            readers,
+            files: layout.files,
+            reads: layout.reads,
+        };
+        Self::build(dir, layout.manifest, source, false, opts)
+    }
+
+    fn build(
+        dir: &Path,
+        manifest: Manifest,
+        source: Source,
+        verify: bool,
+        opts: &StoreOptions,
+    ) -> Result<ExpertStore, StoreError> {
         let slot_bytes = manifest.max_stride() as usize;
         let total_blocks: usize = manifest.layers.iter().map(|l| l.experts).sum();
         let slots = Self::slots_for(opts.cache_bytes, slot_bytes as u64, opts.min_slots)
@@ -316,6 +431,8 @@ impl ExpertStore {
                     pins: 0,
                     last_use: 0,
                     generation: 0,
+                    parts_left: 0,
+                    failure: None,
                 })
                 .collect(),
             map: HashMap::new(),
@@ -330,8 +447,7 @@ impl ExpertStore {
                 dir: dir.to_path_buf(),
                 manifest,
                 layer_index,
-                reader,
-                blocks_path,
+                source,
                 slab: Slab {
                     ptr,
                     layout: std::alloc::Layout::from_size_align(
@@ -341,7 +457,7 @@ impl ExpertStore {
                     .expect("checked above"),
                 },
                 slot_bytes,
-                verify: opts.verify,
+                verify,
                 policy: opts.policy,
                 state: Mutex::new(state),
             }),
@@ -375,15 +491,30 @@ impl ExpertStore {
 
     /// A description of the I/O path, e.g. `io_uring, O_DIRECT`.
     pub fn io_description(&self) -> String {
-        format!(
-            "{:?}{}",
-            self.inner.reader.kind(),
-            if self.inner.reader.direct() {
-                ", O_DIRECT"
-            } else {
-                ", buffered"
-            }
-        )
+        match &self.inner.source {
+            Source::Packed { reader, .. } => format!(
+                "{:?}{}",
+                reader.kind(),
+                if reader.direct() {
+                    ", O_DIRECT"
+                } else {
+                    ", buffered"
+                }
+            ),
+            Source::Unpacked { readers, .. } => format!(
+                "{:?}, buffered, unpacked: {} file{}",
+                readers
+                    .first()
+                    .map_or(crate::io::IoKind::Threads, Reader::kind),
+                readers.len(),
+                if readers.len() == 1 { "" } else { "s" }
+            ),
+        }
+    }
+
+    /// Whether the experts stream from an unpacked checkpoint rather than a packed directory.
+    pub fn is_unpacked(&self) -> bool {
+        matches!(self.inner.source, Source::Unpacked { .. })
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -426,8 +557,16 @@ impl ExpertStore {
         best.map(|b| b.0)
     }
 
-    /// Assigns `slot` to (layer index, expert) and returns its read.
-    fn assign(&self, st: &mut State, slot: usize, li: usize, expert: u32) -> ReadRequest {
+    /// Assigns `slot` to (layer index, expert) and appends its reads, as (reader index,
+    /// request), to `reqs`.
+    fn assign(
+        &self,
+        st: &mut State,
+        slot: usize,
+        li: usize,
+        expert: u32,
+        reqs: &mut Vec<(usize, ReadRequest)>,
+    ) {
         let s = &mut st.slots[slot];
         if let Some(old) = s.key.take() {
             st.map.remove(&old);
@@ -436,80 +575,213 @@ impl ExpertStore {
         let s = &mut st.slots[slot];
         s.key = Some((li, expert));
         s.status = Status::Loading;
-        s.generation = s.generation.wrapping_add(1);
-        let tag = (slot as u64) << 32 | s.generation as u64;
-        st.map.insert((li, expert), slot);
-        let l = &self.inner.manifest.layers[li];
-        ReadRequest {
-            tag,
-            offset: l.block_offset(expert as usize),
-            len: l.stride as usize,
-            dst: self.inner.slot_ptr(slot),
+        s.failure = None;
+        s.generation = s.generation.wrapping_add(1) & GENERATION_MASK;
+        let generation = s.generation;
+        let dst = self.inner.slot_ptr(slot);
+        let before = reqs.len();
+        match &self.inner.source {
+            Source::Packed { .. } => {
+                let l = &self.inner.manifest.layers[li];
+                reqs.push((
+                    0,
+                    ReadRequest {
+                        tag: tag(slot, 0, generation),
+                        offset: l.block_offset(expert as usize),
+                        len: l.stride as usize,
+                        dst,
+                    },
+                ));
+            }
+            Source::Unpacked { reads, .. } => {
+                let parts = &reads[li][expert as usize];
+                // The reads fill the parts only: zero the gaps (alignment padding, the slot's
+                // tail), so that the whole slot a lease exposes is initialised.
+                let mut at = 0usize;
+                let gaps = parts
+                    .iter()
+                    .map(|r| (r.at as usize, (r.at + r.len) as usize))
+                    .chain(std::iter::once((
+                        self.inner.slot_bytes,
+                        self.inner.slot_bytes,
+                    )));
+                for (start, end) in gaps {
+                    if start > at {
+                        // SAFETY: the slot is being (re)assigned: unpinned and not Loading, so
+                        // no lease and no read touches it; `at..start` lies inside the slot
+                        // (parts are ascending and within the block, which fits the slot).
+                        unsafe { std::ptr::write_bytes(dst.add(at), 0, start - at) };
+                    }
+                    at = at.max(end);
+                }
+                for (i, r) in parts.iter().enumerate() {
+                    reqs.push((
+                        r.file,
+                        ReadRequest {
+                            tag: tag(slot, i, generation),
+                            offset: r.offset,
+                            len: r.len as usize,
+                            // `at + len` lies within the block, which fits in the slot.
+                            dst: dst.wrapping_add(r.at as usize),
+                        },
+                    ));
+                }
+            }
         }
+        let s = &mut st.slots[slot];
+        s.parts_left = (reqs.len() - before) as u32;
+        if s.parts_left == 0 {
+            s.status = Status::Ready;
+        }
+        st.map.insert((li, expert), slot);
     }
 
-    fn submit(&self, st: &mut State, reqs: &[ReadRequest]) {
+    /// Issues the reads of `blocks` newly assigned slots.
+    fn submit(&self, st: &mut State, reqs: &[(usize, ReadRequest)], blocks: usize) {
+        st.stats.blocks_read += blocks as u64;
         if reqs.is_empty() {
             return;
         }
         if st.busy_since.is_none() {
             st.busy_since = Some(Instant::now());
         }
-        for r in reqs {
+        for (_, r) in reqs {
             st.stats.bytes_read += r.len as u64;
-            st.stats.blocks_read += 1;
         }
-        // SAFETY: each destination is a whole slot that is Loading: no lease exists for it and
-        // no other read targets it until its completion has been processed.
-        unsafe { self.inner.reader.submit(reqs) };
+        let readers = self.inner.source.readers();
+        let mut per_reader: Vec<Vec<ReadRequest>> = vec![Vec::new(); readers.len()];
+        for (ri, r) in reqs {
+            per_reader[*ri].push(*r);
+        }
+        for (reader, rs) in readers.iter().zip(&per_reader) {
+            // SAFETY: each destination is a range of a slot that is Loading: no lease exists
+            // for it, and no other read targets that range (the parts of a block are disjoint)
+            // until its completion has been processed.
+            unsafe { reader.submit(rs) };
+        }
     }
 
-    /// Marks finished reads ready (after checking their checksums) or failed.
-    fn complete(&self, done: Vec<Completion>) {
+    /// Processes whatever completions are available; if there are none, blocks on a reader
+    /// that has reads in flight. Returns false when no reads were in flight at all.
+    fn wait_any(&self) -> bool {
+        let readers = self.inner.source.readers();
+        let mut got = false;
+        for (ri, r) in readers.iter().enumerate() {
+            let done = r.poll();
+            if !done.is_empty() {
+                got = true;
+                self.complete(ri, done);
+            }
+        }
+        if got {
+            return true;
+        }
+        let Some((ri, r)) = readers.iter().enumerate().find(|(_, r)| r.in_flight() > 0) else {
+            return false;
+        };
+        let done = r.wait();
+        self.complete(ri, done);
+        true
+    }
+
+    /// Retires completions available now, without blocking.
+    fn poll_all(&self) {
+        for (ri, r) in self.inner.source.readers().iter().enumerate() {
+            let done = r.poll();
+            if !done.is_empty() {
+                self.complete(ri, done);
+            }
+        }
+    }
+
+    /// Counts finished reads (from reader `ri`) against their slots; a slot whose reads have
+    /// all finished becomes ready (after its checksum is checked) or failed.
+    fn complete(&self, ri: usize, done: Vec<Completion>) {
+        // Slots whose last read finished: (slot, generation).
+        let mut finished: Vec<(usize, u32)> = Vec::new();
+        {
+            let mut st = self.inner.lock();
+            for c in done {
+                let (slot, part, generation) = untag(c.tag);
+                let s = &mut st.slots[slot];
+                if s.generation != generation || s.status != Status::Loading || s.parts_left == 0 {
+                    continue;
+                }
+                s.parts_left -= 1;
+                if let Err(e) = c.result {
+                    if s.failure.is_none() {
+                        let (path, offset) = match (&self.inner.source, s.key) {
+                            (Source::Packed { path, .. }, Some((li, ex))) => (
+                                path.clone(),
+                                self.inner.manifest.layers[li].block_offset(ex as usize),
+                            ),
+                            (Source::Unpacked { files, reads, .. }, Some((li, ex))) => {
+                                let r = reads[li][ex as usize][part];
+                                (files[r.file].clone(), r.offset)
+                            }
+                            (Source::Packed { path, .. }, None) => (path.clone(), 0),
+                            (Source::Unpacked { files, .. }, None) => (files[ri].clone(), 0),
+                        };
+                        s.failure = Some((e.to_string(), path, offset));
+                    }
+                }
+                if s.parts_left == 0 {
+                    finished.push((slot, generation));
+                }
+            }
+        }
         // Verify outside the lock: the slots are Loading, so nothing else touches them.
-        let checked: Vec<(usize, u32, Result<(), String>)> = done
+        let checked: Vec<(usize, u32, bool)> = finished
             .into_iter()
-            .map(|c| {
-                let slot = (c.tag >> 32) as usize;
-                let generation = c.tag as u32;
-                let result = c.result.map_err(|e| e.to_string()).and_then(|()| {
-                    if !self.inner.verify {
-                        return Ok(());
-                    }
-                    let st = self.inner.lock();
-                    let key = st.slots[slot].key;
-                    drop(st);
-                    let Some((li, e)) = key else { return Ok(()) };
-                    let l = &self.inner.manifest.layers[li];
-                    // SAFETY: the slot is Loading and its read has completed: nothing writes it
-                    // and nothing else reads it.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(self.inner.slot_ptr(slot), l.stride as usize)
-                    };
-                    if checksum(bytes) == l.checksums[e as usize] {
-                        Ok(())
-                    } else {
-                        Err("checksum mismatch".to_string())
-                    }
-                });
-                (slot, generation, result)
+            .map(|(slot, generation)| {
+                if !self.inner.verify {
+                    return (slot, generation, true);
+                }
+                let st = self.inner.lock();
+                let s = &st.slots[slot];
+                let (key, failed) = (s.key, s.failure.is_some());
+                drop(st);
+                let Some((li, e)) = key else {
+                    return (slot, generation, true);
+                };
+                if failed {
+                    return (slot, generation, true);
+                }
+                let l = &self.inner.manifest.layers[li];
+                // SAFETY: the slot is Loading and its reads have completed: nothing writes it
+                // and nothing else reads it.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(self.inner.slot_ptr(slot), l.stride as usize)
+                };
+                (slot, generation, checksum(bytes) == l.checksums[e as usize])
             })
             .collect();
         let mut st = self.inner.lock();
-        for (slot, generation, result) in checked {
+        for (slot, generation, sum_ok) in checked {
             let s = &mut st.slots[slot];
             if s.generation != generation || s.status != Status::Loading {
                 continue;
             }
-            s.status = match result {
-                Ok(()) => Status::Ready,
-                Err(msg) => Status::Failed(msg),
+            if s.failure.is_none() && !sum_ok {
+                let (li, e) = s.key.expect("a loading slot has a key");
+                let (path, offset) = match &self.inner.source {
+                    Source::Packed { path, .. } => (
+                        path.clone(),
+                        self.inner.manifest.layers[li].block_offset(e as usize),
+                    ),
+                    Source::Unpacked { files, .. } => (files[0].clone(), 0),
+                };
+                s.failure = Some(("checksum mismatch".to_string(), path, offset));
+            }
+            s.status = match &s.failure {
+                None => Status::Ready,
+                Some((msg, _, _)) => Status::Failed(msg.clone()),
             };
             if matches!(s.status, Status::Failed(_)) {
                 st.stats.errors += 1;
             }
         }
-        if self.inner.reader.in_flight() == 0 {
+        if self.inner.source.in_flight() == 0 {
             if let Some(t) = st.busy_since.take() {
                 st.stats.io_busy_secs += t.elapsed().as_secs_f64();
             }
@@ -577,6 +849,7 @@ impl ExpertStore {
         self.release_prefetched(&mut st, li, experts);
         let mut slots: Vec<usize> = Vec::with_capacity(experts.len());
         let mut reqs = Vec::new();
+        let mut blocks = 0;
         for (i, &e) in experts.iter().enumerate() {
             let slot = match found[i] {
                 Some(s) => s,
@@ -593,7 +866,8 @@ impl ExpertStore {
                             st.slots.len()
                         )));
                     };
-                    reqs.push(self.assign(&mut st, v, li, e));
+                    self.assign(&mut st, v, li, e, &mut reqs);
+                    blocks += 1;
                     let clock = st.clock;
                     let slot = &mut st.slots[v];
                     slot.pins += 1;
@@ -603,7 +877,7 @@ impl ExpertStore {
             };
             slots.push(slot);
         }
-        self.submit(&mut st, &reqs);
+        self.submit(&mut st, &reqs, blocks);
         // Wait until every slot is ready (processing any completion, prefetches included).
         let wait_start = Instant::now();
         let mut waited = false;
@@ -614,9 +888,18 @@ impl ExpertStore {
             }
             drop(st);
             waited = true;
-            let done = self.inner.reader.wait();
-            self.complete(done);
+            let any = self.wait_any();
             st = self.inner.lock();
+            if !any {
+                // No read in flight can finish these slots (cannot happen): fail them rather
+                // than wait forever.
+                for &s in &slots {
+                    if st.slots[s].status == Status::Loading {
+                        st.slots[s].status = Status::Failed("its read was lost".into());
+                        st.stats.errors += 1;
+                    }
+                }
+            }
         }
         if waited {
             st.stats.io_wait_secs += wait_start.elapsed().as_secs_f64();
@@ -626,10 +909,10 @@ impl ExpertStore {
             .iter()
             .zip(experts)
             .find_map(|(&s, &e)| match &st.slots[s].status {
-                Status::Failed(msg) => Some((e, msg.clone())),
+                Status::Failed(msg) => Some((e, msg.clone(), st.slots[s].failure.clone())),
                 _ => None,
             });
-        if let Some((e, msg)) = failed {
+        if let Some((e, msg, at)) = failed {
             for &s in &slots {
                 st.slots[s].pins -= 1;
                 if matches!(st.slots[s].status, Status::Failed(_)) {
@@ -639,12 +922,21 @@ impl ExpertStore {
                     st.slots[s].status = Status::Empty;
                 }
             }
+            let (path, offset, hint) = match (&self.inner.source, at) {
+                (Source::Packed { .. }, Some((_, path, offset))) => (path, offset, PACKED_HINT),
+                (Source::Unpacked { .. }, Some((_, path, offset))) => (path, offset, UNPACKED_HINT),
+                (Source::Packed { path, .. }, None) => {
+                    (path.clone(), l.block_offset(e as usize), PACKED_HINT)
+                }
+                (Source::Unpacked { files, .. }, None) => (files[0].clone(), 0, UNPACKED_HINT),
+            };
             return Err(StoreError::Block {
                 layer,
                 expert: e,
                 msg,
-                path: self.inner.blocks_path.clone(),
-                offset: l.block_offset(e as usize),
+                path,
+                offset,
+                hint,
             });
         }
         drop(st);
@@ -687,22 +979,20 @@ impl ExpertStore {
                 continue;
             }
             let Some(v) = self.victim(&st) else { break };
-            reqs.push(self.assign(&mut st, v, li, e));
+            self.assign(&mut st, v, li, e, &mut reqs);
             st.slots[v].pins += 1;
             held.push(v);
         }
-        st.stats.prefetch_issued += reqs.len() as u64;
-        st.stats.prefetch_bytes += reqs.iter().map(|r| r.len as u64).sum::<u64>();
+        st.stats.prefetch_issued += held.len() as u64;
+        st.stats.prefetch_bytes += reqs.iter().map(|(_, r)| r.len as u64).sum::<u64>();
+        let blocks = held.len();
         if !held.is_empty() {
             st.prefetched.insert(li, held);
         }
-        self.submit(&mut st, &reqs);
+        self.submit(&mut st, &reqs, blocks);
         drop(st);
         // Retire whatever has finished meanwhile, so slots become ready without a fetch.
-        let done = self.inner.reader.poll();
-        if !done.is_empty() {
-            self.complete(done);
-        }
+        self.poll_all();
     }
 }
 
