@@ -47,7 +47,8 @@ pub struct BenchArgs {
     #[arg(long)]
     memory: bool,
     /// Measure disk throughput first (O_DIRECT; sequential, and random blocks at queue depth 1
-    /// and N) on --file, else on the first model's largest safetensors file.
+    /// and N) on --file, else on the first model's experts.bin (packed) or largest safetensors
+    /// file.
     #[arg(long)]
     disk: bool,
     /// File for --disk.
@@ -100,6 +101,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let file = match &a.file {
             Some(f) => f.clone(),
             None => match a.model.first() {
+                // A packed model streams from its blocks file: measure that one.
+                Some(m) if m.join("experts.bin").is_file() => m.join("experts.bin"),
                 Some(m) => limits::default_disk_file(m)?,
                 None => bail!("--disk needs --file FILE or --model DIR to read from"),
             },

@@ -152,7 +152,12 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let disk = match a.disk_gbps {
         Some(g) => g,
         None => {
-            let file = limits::default_disk_file(&a.model)?;
+            let blocks = a.model.join("experts.bin");
+            let file = if blocks.is_file() {
+                blocks
+            } else {
+                limits::default_disk_file(&a.model)?
+            };
             let d = limits::disk(&DiskOptions {
                 seconds: 1.0,
                 ..DiskOptions::new(file)

@@ -524,3 +524,51 @@ fn generate_streams_an_unpacked_model_when_given_a_cache() {
     assert!(run.status.success(), "{stderr}");
     assert!(!stderr.contains("streaming experts from"), "{stderr}");
 }
+
+#[test]
+fn info_shows_the_plan_with_its_arithmetic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let packed = tmp.path().join("p");
+    let p = packed.to_str().unwrap();
+    let src = fixture("qwen3_5_moe-q4");
+    assert!(sluice(&["pack", src.to_str().unwrap(), "-o", p])
+        .status
+        .success());
+    let out = sluice(&[
+        "info",
+        "-m",
+        p,
+        "--expert-cache",
+        "64KiB",
+        "--memory-gbps",
+        "20",
+        "--disk-gbps",
+        "1",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "bytes per token at K=3",
+        "streamed layers (packed)",
+        "expert cache",
+        "estimate:",
+    ] {
+        assert!(stdout.contains(want), "missing `{want}` in:\n{stdout}");
+    }
+    // Unpacked: says how to stream it.
+    let out = sluice(&[
+        "info",
+        "-m",
+        src.to_str().unwrap(),
+        "--memory-gbps",
+        "20",
+        "--disk-gbps",
+        "1",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("sluice pack"), "{stdout}");
+}
