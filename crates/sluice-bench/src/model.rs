@@ -2,7 +2,7 @@
 //! (`tgN`) tok/s over repetitions, time to first token, peak RSS, bytes moved per token and the
 //! fraction of the relevant machine limit that represents.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -114,18 +114,6 @@ pub struct RunSettings {
     pub seed: u64,
 }
 
-/// Total bytes of the model's weight files.
-pub fn model_file_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum()
-}
-
 /// Runs every test at every setting on `engine`, calling `report` after each. Thread counts run
 /// in their own rayon pools.
 pub fn run_model<B: Backend + 'static>(
@@ -138,7 +126,7 @@ pub fn run_model<B: Backend + 'static>(
         bail!("--repetitions must be at least 1");
     }
     let dir = engine.dir.path.clone();
-    let file_bytes = model_file_bytes(&dir);
+    let file_bytes = sluice_format::safetensors_bytes(&dir);
     // MemAvailable counts the reclaimable page cache, so a model already cached still "fits".
     let limit = match sys::mem_available_bytes() {
         _ if engine.store.is_some() => Limit::Disk,

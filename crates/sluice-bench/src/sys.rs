@@ -3,8 +3,6 @@
 //!
 //! The memory figures come from `/proc` and exist on Linux only; elsewhere they are `None`.
 
-use std::path::Path;
-
 /// A `kB` field (`VmHWM`, `MemAvailable`, ...) of a `/proc` status-style file, in bytes.
 fn proc_kb_field(file: &str, field: &str) -> Option<u64> {
     let text = std::fs::read_to_string(file).ok()?;
@@ -47,48 +45,7 @@ pub fn mem_available_bytes() -> Option<u64> {
     proc_kb_field("/proc/meminfo", "MemAvailable")
 }
 
-/// Bytes an unprivileged user may still write on the filesystem holding `path`, or holding its
-/// nearest existing ancestor when `path` does not exist yet.
-pub fn free_disk_bytes(path: &Path) -> Option<u64> {
-    let existing = path.ancestors().find(|p| {
-        // An empty ancestor is the current directory of a relative path.
-        let p = if p.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            p
-        };
-        p.exists()
-    })?;
-    let existing = if existing.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        existing
-    };
-    statvfs_free(existing)
-}
-
-#[cfg(unix)]
-fn statvfs_free(path: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call, and `st` points to
-    // writable memory of the right type, which statvfs fills in when it returns 0.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it initialised `st`.
-    let st = unsafe { st.assume_init() };
-    #[allow(clippy::unnecessary_cast)] // the field types differ between platforms
-    let free = (st.f_bavail as u64).checked_mul(st.f_frsize as u64)?;
-    Some(free)
-}
-
-#[cfg(not(unix))]
-fn statvfs_free(_path: &Path) -> Option<u64> {
-    None
-}
+pub use sluice_format::free_disk_bytes;
 
 /// Parses a byte count: a number, optionally fractional, then optionally a unit, with or without
 /// a space between: `1024`, `512MiB`, `6 GiB`, `1.5GB`, `4k`. Units (case-insensitive): `B`;
@@ -167,6 +124,7 @@ fn format_with(bytes: u64, step: f64, units: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn parse_bytes_accepts_common_forms() {

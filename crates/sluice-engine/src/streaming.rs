@@ -57,17 +57,7 @@ pub struct CachePlan {
     pub reason: String,
 }
 
-/// Bytes of the safetensors files in `dir`.
-pub fn safetensors_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum()
-}
+pub use sluice_format::safetensors_bytes;
 
 /// MemAvailable from /proc/meminfo (Linux), in bytes.
 pub fn mem_available() -> Option<u64> {

@@ -366,37 +366,6 @@ fn source_metadata(files: &[PathBuf]) -> Result<Option<BTreeMap<String, String>>
     Ok(None)
 }
 
-/// Free bytes on the filesystem holding `dir` (or its nearest existing ancestor).
-fn free_bytes(dir: &Path) -> Option<u64> {
-    let mut d = dir.to_path_buf();
-    while !d.exists() {
-        d = d.parent()?.to_path_buf();
-    }
-    statvfs_free(&d)
-}
-
-#[cfg(unix)]
-fn statvfs_free(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a valid NUL-terminated path and `st` is a writable statvfs buffer.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled `st`.
-    let st = unsafe { st.assume_init() };
-    // The field types differ between platforms (u32 on some 32-bit ones).
-    #[allow(clippy::unnecessary_cast)]
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
-}
-
-#[cfg(not(unix))]
-fn statvfs_free(_dir: &Path) -> Option<u64> {
-    None
-}
-
 /// The source's files other than the weights, to copy: regular, non-hidden files that are not
 /// safetensors shards or their index.
 fn other_files(src: &Path) -> Result<Vec<(PathBuf, u64)>, PackError> {
@@ -502,7 +471,7 @@ pub fn pack(
         _ => PathBuf::from("."),
     };
     let need = total + other_bytes + (total / 50).max(64 << 20);
-    if let Some(free) = free_bytes(&parent) {
+    if let Some(free) = sluice_format::free_disk_bytes(&parent) {
         if need > free {
             return Err(PackError::NoSpace {
                 dir: parent,

@@ -154,7 +154,7 @@ pub fn synthesize(
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    if let Some(free) = free_bytes(&parent) {
+    if let Some(free) = sluice_format::free_disk_bytes(&parent) {
         // Keep a margin so the rest of the machine keeps working.
         let need = total + (total / 50).max(64 << 20);
         if need > free {
@@ -285,35 +285,4 @@ fn write_shard(
         drop(tx);
         writer.join().expect("writer thread does not panic")
     })
-}
-
-/// Free bytes on the filesystem holding `dir` (or its nearest existing ancestor).
-fn free_bytes(dir: &Path) -> Option<u64> {
-    let mut d = dir.to_path_buf();
-    while !d.exists() {
-        d = d.parent()?.to_path_buf();
-    }
-    statvfs_free(&d)
-}
-
-#[cfg(unix)]
-fn statvfs_free(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a valid NUL-terminated path and `st` is a writable statvfs buffer.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled `st`.
-    let st = unsafe { st.assume_init() };
-    // The field types differ between platforms (u32 on some 32-bit ones).
-    #[allow(clippy::unnecessary_cast)]
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
-}
-
-#[cfg(not(unix))]
-fn statvfs_free(_dir: &Path) -> Option<u64> {
-    None
 }
