@@ -63,7 +63,9 @@ pub struct BenchArgs {
     /// Seconds per --disk pattern.
     #[arg(long, default_value_t = 2.0)]
     disk_seconds: f64,
-    /// Expert cache sizes to run packed models with (comma-separated, e.g. 2GiB,4GiB).
+    /// Expert cache sizes to run with (comma-separated, e.g. 2GiB,4GiB). Unpacked models stream
+    /// through a cache of that size too; `off` runs them memory-mapped (packed ones then get the
+    /// default cache), so `off,4GiB` compares the two in one run.
     #[arg(long, value_delimiter = ',', value_name = "SIZE")]
     expert_cache: Vec<String>,
     #[command(flatten)]
@@ -148,7 +150,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let caches: Vec<Option<&str>> = if a.expert_cache.is_empty() {
         vec![None]
     } else {
-        a.expert_cache.iter().map(|c| Some(c.as_str())).collect()
+        a.expert_cache
+            .iter()
+            .map(|c| (c != "off").then_some(c.as_str()))
+            .collect()
     };
     for dir in &a.model {
         for cache in &caches {
