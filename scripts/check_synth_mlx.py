@@ -71,7 +71,8 @@ def main():
     print(f"mlx-lm loaded {a.model}: hidden RMS {emb_rms:.2f} after the embedding, "
           f"{final_in[0]:.2f} after {len(layers)} layers; logits std {ref.std():.3f}, "
           f"experts used {used * 100:.0f}% ({len(chosen)} routed layers x {a.tokens} tokens), "
-          f"max share of one expert {counts.max() / counts.sum() * 100:.1f}%")
+          f"max share of one expert {counts.max() / counts.sum() * 100:.1f}% "
+          f"({counts.max() / max(np.median(counts), 1):.1f}x the median)")
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "l.npy")

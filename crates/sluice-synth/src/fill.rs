@@ -3,7 +3,7 @@
 
 use sluice_format::StDtype;
 
-use crate::plan::{mix, Fill, TensorPlan};
+use crate::plan::{mix, Fill, GroupScales, TensorPlan};
 
 /// A small, fast generator (wyrand); ~1 ns per 8 random bytes.
 struct Rng(u64);
@@ -24,6 +24,20 @@ impl Rng {
 /// Uniform on [0, 1) from a hash of `key` and `index` (stateless: scales and biases agree).
 fn hashed_unit(key: u64, index: u64) -> f32 {
     (mix(key ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 40) as f32 / (1u64 << 24) as f32
+}
+
+/// The scale of group `index` (the same for the scales and the biases tensors).
+fn group_scale(g: &GroupScales, index: u64) -> f32 {
+    let mut s = g.base * (0.8 + 0.4 * hashed_unit(g.key, index));
+    if g.row_spread != 0.0 {
+        // A standard normal per output row (Box-Muller on two hashes of the row).
+        let row = index / g.row_groups.max(1) as u64;
+        let u1 = hashed_unit(g.key ^ 0x5eed, row).max(1e-7);
+        let u2 = hashed_unit(g.key ^ 0xfeed, row);
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+        s *= (g.row_spread * z).exp();
+    }
+    s
 }
 
 /// Round-to-nearest-even f32 -> bf16 bits.
@@ -55,9 +69,9 @@ pub fn fill(t: &TensorPlan, start: usize, end: usize) -> Vec<u8> {
         let index = first + i as u64;
         let v = match t.fill {
             Fill::Codes => unreachable!("handled above"),
-            Fill::Scales { base, key } => base * (0.8 + 0.4 * hashed_unit(key, index)),
-            Fill::Biases { base, key, bits } => {
-                let scale = bf16_value(base * (0.8 + 0.4 * hashed_unit(key, index)));
+            Fill::Scales(g) => group_scale(&g, index),
+            Fill::Biases(g, bits) => {
+                let scale = bf16_value(group_scale(&g, index));
                 -scale * ((1u64 << bits) - 1) as f32 / 2.0
             }
             Fill::Constant(c) => c,
@@ -100,21 +114,44 @@ mod tests {
 
     #[test]
     fn biases_centre_their_scales() {
-        let (base, key) = (0.01, 7);
-        let s = bf16s(&fill(
-            &plan(Fill::Scales { base, key }, StDtype::BF16, 100),
-            0,
-            200,
-        ));
-        let b = fill(
-            &plan(Fill::Biases { base, key, bits: 4 }, StDtype::BF16, 100),
-            0,
-            200,
-        );
+        let g = GroupScales {
+            base: 0.01,
+            key: 7,
+            row_groups: 4,
+            row_spread: 0.0,
+        };
+        let s = bf16s(&fill(&plan(Fill::Scales(g), StDtype::BF16, 100), 0, 200));
+        let b = fill(&plan(Fill::Biases(g, 4), StDtype::BF16, 100), 0, 200);
         for (s, b) in s.iter().zip(bf16s(&b)) {
             assert!((0.0079..0.0121).contains(s), "{s}");
             // bf16 keeps 8 significant bits: within 0.4% of the bias.
             assert!((b + 7.5 * s).abs() <= 0.004 * 7.5 * s, "{b} vs {s}");
+        }
+    }
+
+    #[test]
+    fn row_spread_scales_whole_rows_and_biases_follow() {
+        let g = GroupScales {
+            base: 0.01,
+            key: 9,
+            row_groups: 8,
+            row_spread: 0.3,
+        };
+        let s = bf16s(&fill(&plan(Fill::Scales(g), StDtype::BF16, 800), 0, 1600));
+        let b = bf16s(&fill(
+            &plan(Fill::Biases(g, 8), StDtype::BF16, 800),
+            0,
+            1600,
+        ));
+        let row_mean = |r: usize| s[r * 8..(r + 1) * 8].iter().sum::<f32>() / 8.0;
+        let means: Vec<f32> = (0..100).map(row_mean).collect();
+        let (lo, hi) = means
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(a, b), &m| (a.min(m), b.max(m)));
+        // exp(0.3 z) over 100 rows spans well over 1.5x; without spread rows agree within ~20%.
+        assert!(hi / lo > 1.5, "{lo} {hi}");
+        for (s, b) in s.iter().zip(&b) {
+            assert!((b + 127.5 * s).abs() <= 0.004 * 127.5 * s, "{b} vs {s}");
         }
     }
 

@@ -5,7 +5,8 @@
 //! unit-RMS input gives a unit-RMS output and the residual stream grows only like sqrt(layers)
 //! (RMSNorm in front of every block keeps each block's input at unit RMS). The router's gain of 4
 //! gives logits of standard deviation ~4, so each token picks a decisive, token-dependent top-k
-//! and routing spreads over all experts.
+//! and routing spreads over all experts, with a trained model's skew in popularity
+//! ([`ROUTER_SPREAD`]).
 
 use sluice_format::StDtype;
 
@@ -13,17 +14,22 @@ use crate::presets::{Family, Preset};
 
 /// Gain of the router (`mlp.gate`): logits of standard deviation ~4.
 pub const ROUTER_GAIN: f32 = 4.0;
+/// Spread of the router rows' gains (log-normal, per expert). Top-k picks from the upper tail of
+/// the logits, so experts with wider logits are picked more often: popularity is skewed, as in
+/// trained models (at 0.12 the most popular expert of a layer is picked ~3x as often as the
+/// median one, and the most popular third of the experts take about half of the picks).
+pub const ROUTER_SPREAD: f32 = 0.12;
 
 /// How a tensor's bytes are made.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Fill {
     /// Packed quantised codes (uniform random bits).
     Codes,
-    /// Per-group scales: `base * (0.8 + 0.4 u)` with `u` uniform, keyed by element index so the
-    /// matching biases can recompute them.
-    Scales { base: f32, key: u64 },
+    /// Per-group scales: `base * row_gain * (0.8 + 0.4 u)` with `u` uniform, keyed by element
+    /// index so the matching biases can recompute them.
+    Scales(GroupScales),
     /// Per-group biases that centre the codes: `-scale * (2^bits - 1) / 2`.
-    Biases { base: f32, key: u64, bits: u32 },
+    Biases(GroupScales, u32),
     /// Every element equal (norm weights).
     Constant(f32),
     /// Uniform on [lo, hi).
@@ -32,6 +38,17 @@ pub enum Fill {
     LogUniform { lo: f32, hi: f32 },
     /// Inverse softplus of a log-uniform time step in [lo, hi): Gated DeltaNet's `dt_bias`.
     InvSoftplusLogUniform { lo: f32, hi: f32 },
+}
+
+/// How the scales of a quantised matrix are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupScales {
+    pub base: f32,
+    pub key: u64,
+    /// Groups per output row.
+    pub row_groups: usize,
+    /// Each output row is scaled by `exp(row_spread * z)`, z standard normal per row (0: none).
+    pub row_spread: f32,
 }
 
 /// One tensor to write.
@@ -79,6 +96,21 @@ impl Builder {
     /// A linear layer (or stack of `lead` expert layers) `[lead.., out, in]`, quantised as mlx
     /// does: when `in` is a multiple of the group size, else kept in bf16.
     fn linear(&mut self, name: &str, lead: &[usize], out: usize, inp: usize, gain: f32, q: Quant) {
+        self.linear_spread(name, lead, out, inp, gain, 0.0, q);
+    }
+
+    /// [`Builder::linear`] with output rows scaled by `exp(row_spread * z)`, z normal per row.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_spread(
+        &mut self,
+        name: &str,
+        lead: &[usize],
+        out: usize,
+        inp: usize,
+        gain: f32,
+        row_spread: f32,
+        q: Quant,
+    ) {
         let std = gain / (inp as f32).sqrt();
         if !inp.is_multiple_of(q.group_size) {
             let mut shape = lead.to_vec();
@@ -101,21 +133,23 @@ impl Builder {
         let mut sshape = lead.to_vec();
         sshape.extend([out, inp / q.group_size]);
         self.push(format!("{name}.weight"), StDtype::U32, wshape, Fill::Codes);
+        let scales = GroupScales {
+            base,
+            key,
+            row_groups: inp / q.group_size,
+            row_spread,
+        };
         self.push(
             format!("{name}.scales"),
             StDtype::BF16,
             sshape.clone(),
-            Fill::Scales { base, key },
+            Fill::Scales(scales),
         );
         self.push(
             format!("{name}.biases"),
             StDtype::BF16,
             sshape,
-            Fill::Biases {
-                base,
-                key,
-                bits: q.bits,
-            },
+            Fill::Biases(scales, q.bits),
         );
     }
 
@@ -199,7 +233,15 @@ pub fn tensors(preset: &Preset, quant: Quant, seed: u64) -> Vec<TensorPlan> {
         }
         let mlp = format!("{p}.mlp");
         let (e, i) = (preset.experts, preset.moe_intermediate_size);
-        b.linear(&format!("{mlp}.gate"), &[], e, h, ROUTER_GAIN, router);
+        b.linear_spread(
+            &format!("{mlp}.gate"),
+            &[],
+            e,
+            h,
+            ROUTER_GAIN,
+            ROUTER_SPREAD,
+            router,
+        );
         b.linear(&format!("{mlp}.switch_mlp.gate_proj"), &[e], i, h, 1.0, q);
         b.linear(&format!("{mlp}.switch_mlp.up_proj"), &[e], i, h, 1.0, q);
         b.linear(&format!("{mlp}.switch_mlp.down_proj"), &[e], h, i, 1.0, q);
