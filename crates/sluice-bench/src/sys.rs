@@ -41,9 +41,7 @@ pub fn reset_peak_rss() -> bool {
 
 /// Memory the kernel estimates is available for new allocations without swapping
 /// (`MemAvailable` in `/proc/meminfo`); page cache it can drop counts as available.
-pub fn mem_available_bytes() -> Option<u64> {
-    proc_kb_field("/proc/meminfo", "MemAvailable")
-}
+pub use sluice_engine::streaming::mem_available as mem_available_bytes;
 
 pub use sluice_format::free_disk_bytes;
 

@@ -9,7 +9,7 @@ use clap::Args;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_bench::sys::{self, format_bytes};
 use sluice_cpu::CpuBackend;
-use sluice_engine::streaming::{plan_cache, safetensors_bytes, StreamingOptions};
+use sluice_engine::streaming::{plan_cache_for, safetensors_bytes, StreamingOptions};
 use sluice_engine::{Engine, LoadOptions};
 
 #[derive(Args)]
@@ -106,37 +106,8 @@ pub fn run(a: InfoArgs) -> Result<()> {
         format_bytes((dense_per_token + experts_per_token) as u64)
     );
 
-    let plan = match &engine.store {
-        Some(s) => plan_cache(&a.model, s.manifest(), &streaming),
-        None => {
-            // What packing would give: the same arithmetic on the unpacked sizes.
-            let mut p = sluice_engine::streaming::CachePlan {
-                cache_bytes: 0,
-                resident_bytes: resident,
-                expert_bytes: experts_total,
-                reason: String::new(),
-            };
-            let avail = streaming
-                .expert_cache
-                .map(|c| (c, "--expert-cache".to_string()))
-                .or(streaming.memory_budget.map(|b| {
-                    (
-                        b.saturating_sub(resident + sluice_engine::streaming::RESERVE_BYTES / 2),
-                        "--memory-budget minus resident and working memory".into(),
-                    )
-                }))
-                .unwrap_or_else(|| {
-                    let m = sys::mem_available_bytes().unwrap_or(0);
-                    (
-                        m.saturating_sub(resident + sluice_engine::streaming::RESERVE_BYTES),
-                        "available memory minus resident and 1 GiB".into(),
-                    )
-                });
-            p.cache_bytes = avail.0.min(experts_total);
-            p.reason = avail.1;
-            p
-        }
-    };
+    // Packed or not, the cache that fits (for an unpacked model: what packing it would give).
+    let plan = plan_cache_for(resident, experts_total, &streaming);
     let share = plan.cache_bytes as f64 / experts_total.max(1) as f64;
     println!(
         "  expert cache: {} = {:.0}% of the experts ({})",

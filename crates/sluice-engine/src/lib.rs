@@ -111,20 +111,19 @@ pub struct Engine<B: Backend> {
 impl<B: Backend + 'static> Engine<B> {
     pub fn load(path: &Path, backend: Arc<B>, opts: &LoadOptions) -> Result<Self, EngineError> {
         let dir = ModelDir::open(path)?;
+        // The cache holds at least the experts one token needs in one layer.
+        let k = Self::config_experts_per_token(&dir)
+            .max(opts.experts_per_token.unwrap_or(0))
+            .max(1);
         let (store, cache_plan) = match sluice_store::Manifest::open(&dir.path)
             .map_err(sluice_store::StoreError::from)?
         {
             Some(manifest) => {
-                let k =
-                    Self::config_experts_per_token(&dir).max(opts.experts_per_token.unwrap_or(0));
-                let (store, plan) =
-                    streaming::open_store(&dir.path, manifest, &opts.streaming, k.max(1))?;
+                let (store, plan) = streaming::open_store(&dir.path, manifest, &opts.streaming, k)?;
                 (Some(store), Some(plan))
             }
             None if opts.streaming.stream_unpacked => {
-                let k =
-                    Self::config_experts_per_token(&dir).max(opts.experts_per_token.unwrap_or(0));
-                match streaming::open_unpacked_store(&dir, &opts.streaming, k.max(1))? {
+                match streaming::open_unpacked_store(&dir, &opts.streaming, k)? {
                     Some((store, plan)) => (Some(store), Some(plan)),
                     None => (None, None),
                 }

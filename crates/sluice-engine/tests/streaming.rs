@@ -48,6 +48,15 @@ fn stream_opts(cache: u64, policy: Policy, io: IoKind) -> StreamingOptions {
     }
 }
 
+fn assert_bit_identical(got: &[f32], want: &[f32], what: &str) {
+    let same = got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "{what}: logits differ");
+}
+
 const TOKENS: [u32; 12] = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 26, 43];
 
 #[test]
@@ -75,14 +84,10 @@ fn streamed_logits_are_bit_identical_to_resident() {
                 let streamed = load(&dir, stream_opts(cache, policy, io));
                 let store = streamed.store.as_ref().expect("packed dirs stream");
                 let got = streamed.logits(&TOKENS, mode).unwrap();
-                let same = got.len() == want.len()
-                    && got
-                        .iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "{name} {mode:?} cache {cache} {policy:?}: logits differ"
+                assert_bit_identical(
+                    &got,
+                    &want,
+                    &format!("{name} {mode:?} cache {cache} {policy:?}"),
                 );
                 let s = store.stats();
                 assert!(s.requests > 0 && s.blocks_read > 0, "{name}: {s:?}");
@@ -198,14 +203,10 @@ fn unpacked_streaming_is_bit_identical_to_resident() {
                     "{name}: expert bytes reported as resident"
                 );
                 let got = streamed.logits(&TOKENS, mode).unwrap();
-                let same = got.len() == want.len()
-                    && got
-                        .iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "{name} {mode:?} cache {cache} {policy:?}: logits differ"
+                assert_bit_identical(
+                    &got,
+                    &want,
+                    &format!("{name} {mode:?} cache {cache} {policy:?}"),
                 );
                 let s = store.stats();
                 assert!(

@@ -448,14 +448,7 @@ impl ExpertStore {
                 manifest,
                 layer_index,
                 source,
-                slab: Slab {
-                    ptr,
-                    layout: std::alloc::Layout::from_size_align(
-                        slots.max(1) * slot_bytes.max(1),
-                        crate::manifest::BLOCK_ALIGN as usize,
-                    )
-                    .expect("checked above"),
-                },
+                slab: Slab { ptr, layout },
                 slot_bytes,
                 verify,
                 policy: opts.policy,
