@@ -60,11 +60,12 @@ pub trait Backend: Send + Sync {
     type Weight: Send + Sync;
     /// A 1-D f32 parameter (norm weights, biases).
     type Vector: Send + Sync;
-    /// Keys and values of one attention layer for one request.
-    type KvCache: Send;
+    /// Keys and values of one attention layer for one request. `Clone` so a request's state can
+    /// be saved and resumed (the server's prompt cache).
+    type KvCache: Send + Clone;
     /// Convolution window and recurrent state of one linear-attention (Gated DeltaNet) layer for
     /// one request.
-    type LinearState: Send;
+    type LinearState: Send + Clone;
 
     /// Short human-readable description, e.g. `cpu (avx512, 2 threads)`.
     fn describe(&self) -> String;

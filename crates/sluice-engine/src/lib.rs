@@ -3,6 +3,7 @@
 
 use std::ops::ControlFlow;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -12,11 +13,14 @@ use sluice_models::{CausalLm, ModelError, State};
 
 pub mod chat;
 pub mod npy;
+pub mod output;
+pub mod prompt_cache;
 pub mod sampler;
 pub mod streaming;
 pub mod tokenizer;
 
 use chat::{ChatError, ChatMessage, ChatTemplate};
+use prompt_cache::PromptCache;
 use sampler::{Sampler, SamplingParams};
 use tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
@@ -61,14 +65,28 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` were produced.
     Length,
-    /// The caller asked to stop.
+    /// The caller asked to stop (`on_token` broke, or the cancel flag was set).
     Cancelled,
+}
+
+/// One generation: the prompt tokens and how to continue them.
+#[derive(Debug, Clone, Copy)]
+pub struct GenerateRequest<'a> {
+    pub prompt: &'a [u32],
+    pub params: &'a SamplingParams,
+    /// At most this many tokens (also capped by the model's context).
+    pub max_tokens: usize,
+    /// Checked between prompt chunks and before every token: set it to stop the generation
+    /// (a disconnected client); the result then has [`FinishReason::Cancelled`].
+    pub cancel: Option<&'a AtomicBool>,
 }
 
 /// Counts and timings of one generation.
 #[derive(Debug, Clone)]
 pub struct GenerationStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose state came from the prompt cache instead of being recomputed.
+    pub cached_tokens: usize,
     pub generated_tokens: usize,
     /// Time to process the prompt and produce the first token's logits.
     pub prompt_secs: f64,
@@ -78,8 +96,9 @@ pub struct GenerationStats {
 }
 
 impl GenerationStats {
+    /// Prompt tokens actually computed per second.
     pub fn prompt_tok_per_sec(&self) -> f64 {
-        self.prompt_tokens as f64 / self.prompt_secs.max(1e-9)
+        (self.prompt_tokens - self.cached_tokens) as f64 / self.prompt_secs.max(1e-9)
     }
 
     /// Decode speed over the tokens after the first.
@@ -201,12 +220,26 @@ impl<B: Backend + 'static> Engine<B> {
 
     /// Runs `tokens` through the model (in chunks) and returns the last token's logits.
     pub fn prefill(&self, state: &mut State<B>, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.prefill_cancellable(state, tokens, None)?
+            .ok_or_else(|| EngineError::Input("the prompt is empty".into()))
+    }
+
+    /// [`Engine::prefill`] that checks `cancel` between chunks; `Ok(None)` when cancelled or
+    /// `tokens` is empty.
+    fn prefill_cancellable(
+        &self,
+        state: &mut State<B>,
+        tokens: &[u32],
+        cancel: Option<&AtomicBool>,
+    ) -> Result<Option<Vec<f32>>, EngineError> {
         let mut last = None;
         for chunk in tokens.chunks(PREFILL_CHUNK) {
+            if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                return Ok(None);
+            }
             last = Some(self.model.forward(state, chunk, false)?);
         }
-        let last = last.ok_or_else(|| EngineError::Input("the prompt is empty".into()))?;
-        Ok(self.model.backend().to_host(&last))
+        Ok(last.map(|l| self.model.backend().to_host(&l)))
     }
 
     /// Generates up to `max_tokens` after `prompt`, calling `on_token(id, text)` as each token is
@@ -217,9 +250,35 @@ impl<B: Backend + 'static> Engine<B> {
         prompt: &[u32],
         params: &SamplingParams,
         max_tokens: usize,
+        on_token: impl FnMut(u32, &str) -> ControlFlow<()>,
+    ) -> Result<GenerationStats, EngineError> {
+        let request = GenerateRequest {
+            prompt,
+            params,
+            max_tokens,
+            cancel: None,
+        };
+        self.generate_cached(None, &request, on_token)
+    }
+
+    /// [`Engine::generate`] that resumes from the longest usable state saved in `cache` (see
+    /// [`PromptCache`]) and saves this request's states there afterwards.
+    pub fn generate_cached(
+        &self,
+        mut cache: Option<&mut PromptCache<B>>,
+        request: &GenerateRequest,
         mut on_token: impl FnMut(u32, &str) -> ControlFlow<()>,
     ) -> Result<GenerationStats, EngineError> {
+        let GenerateRequest {
+            prompt,
+            params,
+            max_tokens,
+            cancel,
+        } = *request;
         params.validate().map_err(EngineError::Input)?;
+        if prompt.is_empty() {
+            return Err(EngineError::Input("the prompt is empty".into()));
+        }
         let ctx = self.model.info().max_context;
         if prompt.len() >= ctx {
             return Err(EngineError::Input(format!(
@@ -227,46 +286,75 @@ impl<B: Backend + 'static> Engine<B> {
                 prompt.len()
             )));
         }
+        let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
         let max_tokens = max_tokens.min(ctx - prompt.len());
         let mut sampler = Sampler::new(params.clone());
-        let mut state = self.new_state();
-        let mut history = prompt.to_vec();
-        let mut stream = StreamDecoder::new(&self.tokenizer, true);
+        let backend = self.model.backend();
         let start = Instant::now();
-        let mut logits = self.prefill(&mut state, prompt)?;
-        let prompt_secs = start.elapsed().as_secs_f64();
+        let resumed = cache.as_mut().and_then(|c| c.take(backend, prompt));
+        let (mut state, cached_tokens, saved_logits) = match resumed {
+            Some(r) => (r.state, r.cached_tokens, r.logits),
+            None => (self.new_state(), 0, None),
+        };
+        let mut stats = GenerationStats {
+            prompt_tokens: prompt.len(),
+            cached_tokens,
+            generated_tokens: 0,
+            prompt_secs: 0.0,
+            decode_secs: 0.0,
+            finish: FinishReason::Cancelled,
+        };
+        let mut logits = match saved_logits {
+            Some(l) => l,
+            None => match self.prefill_cancellable(&mut state, &prompt[cached_tokens..], cancel)? {
+                Some(l) => l,
+                None => return Ok(stats),
+            },
+        };
+        stats.prompt_secs = start.elapsed().as_secs_f64();
+        // The tokens `state` has consumed, for the prompt cache.
+        let mut consumed = prompt.to_vec();
+        if let Some(cache) = cache.as_mut() {
+            // A recurrent state cannot be rewound to the prompt later, so keep a copy of it now.
+            if !state.can_rewind() {
+                cache.insert(consumed.clone(), state.clone(), Some(logits.clone()));
+            }
+        }
+        let mut stream = StreamDecoder::new(&self.tokenizer, true);
         let decode_start = Instant::now();
-        let mut generated = 0;
         let mut finish = FinishReason::Length;
-        while generated < max_tokens {
-            let token = sampler.sample(&mut logits, &history);
+        while stats.generated_tokens < max_tokens {
+            if cancelled() {
+                finish = FinishReason::Cancelled;
+                break;
+            }
+            let token = sampler.sample(&mut logits, &consumed);
             if self.eos_ids.contains(&token) {
                 finish = FinishReason::Stop;
                 break;
             }
-            generated += 1;
-            history.push(token);
+            stats.generated_tokens += 1;
             let text = stream.push(token)?.unwrap_or_default();
             if on_token(token, &text).is_break() {
                 finish = FinishReason::Cancelled;
                 break;
             }
-            if generated == max_tokens {
+            if stats.generated_tokens == max_tokens {
                 break;
             }
             let out = self.model.forward(&mut state, &[token], false)?;
-            logits = self.model.backend().to_host(&out);
+            consumed.push(token);
+            logits = backend.to_host(&out);
         }
         if let Some(rest) = stream.finish()? {
             let _ = on_token(u32::MAX, &rest);
         }
-        Ok(GenerationStats {
-            prompt_tokens: prompt.len(),
-            generated_tokens: generated,
-            prompt_secs,
-            decode_secs: decode_start.elapsed().as_secs_f64(),
-            finish,
-        })
+        stats.decode_secs = decode_start.elapsed().as_secs_f64();
+        stats.finish = finish;
+        if let Some(cache) = cache {
+            cache.insert(consumed, state, None);
+        }
+        Ok(stats)
     }
 
     /// Logits `[tokens.len(), vocab]` (row-major) at every position of `tokens`.

@@ -58,11 +58,54 @@ pub enum LayerState<B: Backend> {
     Linear(B::LinearState),
 }
 
+impl<B: Backend> Clone for LayerState<B> {
+    fn clone(&self) -> Self {
+        match self {
+            LayerState::Attention(kv) => LayerState::Attention(kv.clone()),
+            LayerState::Linear(s) => LayerState::Linear(s.clone()),
+        }
+    }
+}
+
 /// Everything a request carries between forward calls: the caches of every layer and the number
 /// of positions consumed so far.
 pub struct State<B: Backend> {
     pub layers: Vec<LayerState<B>>,
     pub position: usize,
+}
+
+impl<B: Backend> Clone for State<B> {
+    fn clone(&self) -> Self {
+        State {
+            layers: self.layers.clone(),
+            position: self.position,
+        }
+    }
+}
+
+impl<B: Backend> State<B> {
+    /// Whether the state can be rewound to an earlier position: attention caches can drop
+    /// positions, recurrent (linear-attention) states cannot.
+    pub fn can_rewind(&self) -> bool {
+        self.layers
+            .iter()
+            .all(|l| matches!(l, LayerState::Attention(_)))
+    }
+
+    /// Rewinds to `len` positions. Returns false (and changes nothing) when `len` is past the
+    /// current position or a layer is recurrent.
+    pub fn rewind(&mut self, backend: &B, len: usize) -> bool {
+        if len > self.position || !self.can_rewind() {
+            return false;
+        }
+        for layer in &mut self.layers {
+            if let LayerState::Attention(kv) = layer {
+                backend.kv_truncate(kv, len);
+            }
+        }
+        self.position = len;
+        true
+    }
 }
 
 /// A causal language model: tokens in, logits out.
