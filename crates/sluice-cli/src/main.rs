@@ -3,8 +3,10 @@
 //! The binary only parses arguments and prints; the work is done by `sluice-engine`.
 
 mod bench_cmd;
+mod chat_cmd;
 mod info_cmd;
 mod pack_cmd;
+mod serve_cmd;
 mod stream_args;
 mod synth_cmd;
 
@@ -43,6 +45,12 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate(GenerateArgs),
+    /// Chat with a model in the terminal (history, streaming; /reset, /system, /quit; Ctrl-C
+    /// stops an answer).
+    Chat(chat_cmd::ChatArgs),
+    /// Serve the OpenAI API (chat completions with tool calls, completions, SSE streaming) on
+    /// loopback.
+    Serve(serve_cmd::ServeArgs),
     /// Measure prompt and generation speed, next to the machine's memory and disk limits.
     Bench(bench_cmd::BenchArgs),
     /// Show the plan before running: resident and streamed bytes, bytes per token, the expert
@@ -59,10 +67,10 @@ enum Command {
 }
 
 #[derive(Args)]
-struct ModelArgs {
+pub(crate) struct ModelArgs {
     /// Model directory (config.json, tokenizer.json, *.safetensors).
     #[arg(long, short = 'm', value_name = "DIR")]
-    model: PathBuf,
+    pub(crate) model: PathBuf,
     /// Worker threads (default: all cores).
     #[arg(long, short = 't')]
     threads: Option<usize>,
@@ -97,6 +105,13 @@ struct GenerateArgs {
     /// System message (implies --chat).
     #[arg(long)]
     system: Option<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+/// Sampling flags shared by `generate` and `chat` (defaults: the model's generation_config.json).
+#[derive(Args, Clone)]
+pub(crate) struct SamplingArgs {
     /// Sampling temperature; 0 picks the most likely token (default: generation_config.json,
     /// else 0).
     #[arg(long)]
@@ -116,6 +131,26 @@ struct GenerateArgs {
     /// Random seed, for reproducible sampling.
     #[arg(long)]
     seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The flags over the model's defaults, checked.
+    pub(crate) fn params(&self, defaults: &SamplingParams) -> Result<SamplingParams> {
+        let d = defaults;
+        let params = SamplingParams {
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            seed: self.seed,
+            ..d.clone()
+        };
+        params
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid sampling settings: {e}"))?;
+        Ok(params)
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -145,6 +180,8 @@ fn main() {
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),
+        Command::Chat(a) => chat_cmd::run(a),
+        Command::Serve(a) => serve_cmd::run(a),
         Command::Synth(a) => synth_cmd::run(a),
         Command::Pack(a) => pack_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
@@ -156,7 +193,7 @@ fn main() {
     }
 }
 
-fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
+pub(crate) fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
     if let Some(n) = args.threads {
         if n == 0 {
             bail!("--threads must be at least 1");
@@ -177,37 +214,8 @@ fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
     )?)
 }
 
-fn generate(a: GenerateArgs) -> Result<()> {
-    let engine = load(&a.model)?;
-    let d = &engine.defaults;
-    let params = SamplingParams {
-        temperature: a.temperature.unwrap_or(d.temperature),
-        top_k: a.top_k.unwrap_or(d.top_k),
-        top_p: a.top_p.unwrap_or(d.top_p),
-        min_p: a.min_p.unwrap_or(d.min_p),
-        repetition_penalty: a.repetition_penalty.unwrap_or(d.repetition_penalty),
-        seed: a.seed,
-        ..d.clone()
-    };
-    params
-        .validate()
-        .map_err(|e| anyhow::anyhow!("invalid sampling settings: {e}"))?;
-    let chat = a.chat || a.system.is_some();
-    let text = if chat {
-        let mut messages = Vec::new();
-        if let Some(s) = &a.system {
-            messages.push(ChatMessage::new("system", s));
-        }
-        messages.push(ChatMessage::new("user", &a.prompt));
-        engine.render_chat(&messages, None, &Default::default())?
-    } else {
-        a.prompt.clone()
-    };
-    // A rendered template already holds its special tokens (transformers encodes it likewise).
-    let prompt = engine.tokenizer.encode(&text, !chat)?;
-    if prompt.is_empty() {
-        bail!("the prompt is empty after tokenisation");
-    }
+/// Prints what was loaded and how experts stream, to stderr.
+pub(crate) fn print_banner(engine: &Engine<CpuBackend>) {
     let info = engine.model.info();
     eprintln!(
         "sluice: {} ({}, {} layers, {} experts, {} per token) on {}",
@@ -231,6 +239,28 @@ fn generate(a: GenerateArgs) -> Result<()> {
             sys::format_bytes(plan.resident_bytes),
         );
     }
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let engine = load(&a.model)?;
+    let params = a.sampling.params(&engine.defaults)?;
+    let chat = a.chat || a.system.is_some();
+    let text = if chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &a.system {
+            messages.push(ChatMessage::new("system", s));
+        }
+        messages.push(ChatMessage::new("user", &a.prompt));
+        engine.render_chat(&messages, None, &Default::default())?
+    } else {
+        a.prompt.clone()
+    };
+    // A rendered template already holds its special tokens (transformers encodes it likewise).
+    let prompt = engine.tokenizer.encode(&text, !chat)?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty after tokenisation");
+    }
+    print_banner(&engine);
     let start_stats = engine.store.as_ref().map(|s| s.stats());
     let mut last_stats = start_stats.clone();
     let mut last_time = std::time::Instant::now();

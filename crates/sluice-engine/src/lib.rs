@@ -79,6 +79,8 @@ pub struct GenerateRequest<'a> {
     /// Checked between prompt chunks and before every token: set it to stop the generation
     /// (a disconnected client); the result then has [`FinishReason::Cancelled`].
     pub cancel: Option<&'a AtomicBool>,
+    /// Keep going past end-of-sequence tokens until `max_tokens` (benchmarks, tests).
+    pub ignore_eos: bool,
 }
 
 /// Counts and timings of one generation.
@@ -257,6 +259,7 @@ impl<B: Backend + 'static> Engine<B> {
             params,
             max_tokens,
             cancel: None,
+            ignore_eos: false,
         };
         self.generate_cached(None, &request, on_token)
     }
@@ -274,6 +277,7 @@ impl<B: Backend + 'static> Engine<B> {
             params,
             max_tokens,
             cancel,
+            ignore_eos,
         } = *request;
         params.validate().map_err(EngineError::Input)?;
         if prompt.is_empty() {
@@ -329,7 +333,7 @@ impl<B: Backend + 'static> Engine<B> {
                 break;
             }
             let token = sampler.sample(&mut logits, &consumed);
-            if self.eos_ids.contains(&token) {
+            if !ignore_eos && self.eos_ids.contains(&token) {
                 finish = FinishReason::Stop;
                 break;
             }

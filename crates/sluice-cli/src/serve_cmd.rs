@@ -1,0 +1,87 @@
+//! `sluice serve`: the OpenAI-compatible HTTP server (crate `sluice-server`).
+
+use std::net::{IpAddr, SocketAddr};
+
+use anyhow::{bail, Result};
+use clap::Args;
+use sluice_bench::sys::parse_bytes;
+use sluice_server::ServerConfig;
+
+use crate::ModelArgs;
+
+#[derive(Args)]
+#[command(after_help = "Examples:\n  \
+    sluice serve --model ./Qwen3-30B-A3B-4bit\n  \
+    sluice serve --model ./packed --port 9000 --api-key secret\n\n\
+    Then point any OpenAI client at http://127.0.0.1:8080/v1, e.g.\n  \
+    curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
+    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"stream\": true}'")]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on. The default accepts connections from this machine only; use
+    /// 0.0.0.0 to accept others (set --api-key then).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0 picks a free one; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 requests (default: the SLUICE_API_KEY
+    /// environment variable, else no key).
+    #[arg(long, env = "SLUICE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Model id reported by /v1/models (default: the model directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Largest accepted request body.
+    #[arg(long, default_value = "16MiB", value_name = "SIZE")]
+    max_body: String,
+    /// Saved conversation states for prompt reuse (each holds a KV cache and recurrent state;
+    /// 0 turns prompt caching off).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    prompt_cache: usize,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let max_body = parse_bytes(&a.max_body).map_err(|e| anyhow::anyhow!("--max-body: {e}"))?;
+    if max_body == 0 {
+        bail!("--max-body must be more than 0 bytes");
+    }
+    if a.api_key.as_deref() == Some("") {
+        bail!("--api-key must not be empty");
+    }
+    let engine = crate::load(&a.model)?;
+    crate::print_banner(&engine);
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        let path = engine
+            .dir
+            .path
+            .canonicalize()
+            .unwrap_or(engine.dir.path.clone());
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    let mut config = ServerConfig::new(SocketAddr::new(a.host, a.port), name);
+    config.api_key = a.api_key.clone();
+    config.max_body_bytes = max_body.min(usize::MAX as u64) as usize;
+    config.prompt_cache = a.prompt_cache;
+    let loopback = a.host.is_loopback();
+    let key = a.api_key.is_some();
+    let model = config.model_name.clone();
+    sluice_server::run(engine, config, |addr| {
+        eprintln!("sluice: serving `{model}` at http://{addr}/v1 (OpenAI API)");
+        if loopback {
+            eprintln!("sluice: listening on {addr}: loopback only, other machines cannot connect (--host 0.0.0.0 to allow)");
+        } else {
+            eprintln!(
+                "sluice: listening on {addr}: reachable from other machines{}",
+                if key {
+                    ""
+                } else {
+                    " WITHOUT an API key (set --api-key)"
+                }
+            );
+        }
+    })
+}

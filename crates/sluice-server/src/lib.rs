@@ -1,0 +1,788 @@
+//! An OpenAI-compatible HTTP server over one loaded model: what Open WebUI, agents, editors and
+//! the `openai` SDKs talk to.
+//!
+//! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (JSON or SSE streaming),
+//! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Requests queue for the single
+//! model thread ([`worker`]); a client that disconnects cancels its generation. Chat requests
+//! are rendered with the model's own chat template; `<think>` reasoning comes back as
+//! `reasoning_content` and `<tool_call>` blocks as OpenAI `tool_calls`
+//! ([`sluice_engine::output`]). A request that extends an earlier conversation resumes from the
+//! saved model state of the common prefix ([`sluice_engine::prompt_cache`]) and reports it in
+//! `usage.prompt_tokens_details.cached_tokens`.
+//!
+//! ```no_run
+//! # fn demo(engine: sluice_engine::Engine<sluice_cpu::CpuBackend>) -> anyhow::Result<()> {
+//! let config = sluice_server::ServerConfig::new("127.0.0.1:8080".parse()?, "my-model");
+//! sluice_server::run(engine, config, |addr| eprintln!("listening on http://{addr}"))?;
+//! # Ok(()) }
+//! ```
+
+pub mod api;
+pub mod error;
+pub mod metrics;
+pub mod worker;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{json, Map, Value};
+use sluice_backend::Backend;
+use sluice_engine::output::{OutputEvent, OutputOptions};
+use sluice_engine::Engine;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use api::{ChatRequest, CompletionRequest, Prompt, Sampling};
+use error::ApiError;
+use metrics::Metrics;
+use worker::{CancelOnDrop, Event, Job, Queue};
+
+/// How the server is set up.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub addr: SocketAddr,
+    /// The model id clients see in `/v1/models` and responses.
+    pub model_name: String,
+    /// When set, `/v1/*` requires `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// Saved request states kept for prompt reuse (0 turns the prompt cache off).
+    pub prompt_cache: usize,
+}
+
+impl ServerConfig {
+    pub fn new(addr: SocketAddr, model_name: impl Into<String>) -> Self {
+        ServerConfig {
+            addr,
+            model_name: model_name.into(),
+            api_key: None,
+            max_body_bytes: 16 << 20,
+            prompt_cache: 4,
+        }
+    }
+}
+
+struct App<B: Backend> {
+    engine: Arc<Engine<B>>,
+    queue: Queue,
+    metrics: Arc<Metrics>,
+    config: ServerConfig,
+    created: u64,
+    ids: AtomicU64,
+}
+
+/// Serves until Ctrl-C (or a bind/serve error). `on_ready` gets the bound address (useful with
+/// port 0).
+pub fn run<B: Backend + 'static>(
+    engine: Engine<B>,
+    config: ServerConfig,
+    on_ready: impl FnOnce(SocketAddr),
+) -> anyhow::Result<()> {
+    // The model computes on its own thread pool; HTTP needs little.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(serve(engine, config, on_ready))
+}
+
+async fn serve<B: Backend + 'static>(
+    engine: Engine<B>,
+    config: ServerConfig,
+    on_ready: impl FnOnce(SocketAddr),
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(config.addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.addr))?;
+    let addr = listener.local_addr()?;
+    let router = router(engine, config)?;
+    on_ready(addr);
+    tokio::select! {
+        r = axum::serve(listener, router) => r?,
+        _ = tokio::signal::ctrl_c() => eprintln!("sluice: interrupted, shutting down"),
+    }
+    Ok(())
+}
+
+fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyhow::Result<Router> {
+    let engine = Arc::new(engine);
+    let metrics = Arc::new(Metrics::default());
+    let queue = worker::start(engine.clone(), metrics.clone(), config.prompt_cache)?;
+    let app = Arc::new(App {
+        engine,
+        queue,
+        metrics,
+        created: unix_now(),
+        ids: AtomicU64::new(0),
+        config: config.clone(),
+    });
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions::<B>))
+        .route("/v1/completions", post(completions::<B>))
+        .route("/v1/models", get(list_models::<B>))
+        .route("/v1/models/{*id}", get(get_model::<B>))
+        .route_layer(middleware::from_fn_with_state(app.clone(), check_key::<B>));
+    Ok(Router::new()
+        .merge(v1)
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics_text::<B>))
+        .fallback(|| async {
+            ApiError::invalid("no such route (see /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
+                .with_status(StatusCode::NOT_FOUND)
+        })
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .with_state(app))
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn check_key<B: Backend + 'static>(
+    State(app): State<Arc<App<B>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(key) = &app.config.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            app.metrics.requests_failed.fetch_add(1, Relaxed);
+            let message = if given.is_some() {
+                "incorrect API key (send the server's --api-key as `Authorization: Bearer KEY`)"
+            } else {
+                "missing API key (send the server's --api-key as `Authorization: Bearer KEY`)"
+            };
+            return ApiError::invalid(message)
+                .with_status(StatusCode::UNAUTHORIZED)
+                .with_code("invalid_api_key")
+                .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+fn model_json<B: Backend>(app: &App<B>) -> Value {
+    json!({
+        "id": app.config.model_name,
+        "object": "model",
+        "created": app.created,
+        "owned_by": "sluice",
+        "max_model_len": app.engine.model.info().max_context,
+    })
+}
+
+async fn list_models<B: Backend + 'static>(State(app): State<Arc<App<B>>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_json(&app)]}))
+}
+
+async fn get_model<B: Backend + 'static>(
+    State(app): State<Arc<App<B>>>,
+    Path(id): Path<String>,
+) -> Response {
+    if id == app.config.model_name {
+        Json(model_json(&app)).into_response()
+    } else {
+        ApiError::invalid(format!(
+            "model `{id}` does not exist (this server has `{}`)",
+            app.config.model_name
+        ))
+        .with_status(StatusCode::NOT_FOUND)
+        .with_code("model_not_found")
+        .into_response()
+    }
+}
+
+async fn metrics_text<B: Backend + 'static>(State(app): State<Arc<App<B>>>) -> Response {
+    let store = app.engine.store.as_ref().map(|s| s.stats());
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(store.as_ref()),
+    )
+        .into_response()
+}
+
+/// Everything a handler prepared for the model thread, plus what the response needs.
+struct Prepared {
+    prompt: Vec<u32>,
+    sampling: Sampling,
+    params: sluice_engine::sampler::SamplingParams,
+    max_tokens: usize,
+    output: OutputOptions,
+}
+
+impl<B: Backend + 'static> App<B> {
+    fn next_id(&self, prefix: &str) -> String {
+        let n = self.ids.fetch_add(1, Relaxed);
+        format!("{prefix}-{:x}{n:x}", random_u64() >> 16)
+    }
+
+    /// Checks lengths and settings shared by both endpoints.
+    fn prepare(
+        &self,
+        prompt: Vec<u32>,
+        sampling: Sampling,
+        mut output: OutputOptions,
+        default_max: Option<usize>,
+    ) -> Result<Prepared, ApiError> {
+        let params = sampling.params(&self.engine.defaults)?;
+        output.stop = sampling.stop()?;
+        if prompt.is_empty() {
+            return Err(ApiError::field("prompt", "the prompt is empty"));
+        }
+        let ctx = self.engine.model.info().max_context;
+        if prompt.len() >= ctx {
+            return Err(ApiError::invalid(format!(
+                "the prompt has {} tokens but the model's context is {ctx} tokens; shorten the conversation",
+                prompt.len()
+            ))
+            .with_code("context_length_exceeded"));
+        }
+        let room = ctx - prompt.len();
+        let max_tokens = sampling
+            .max_tokens()?
+            .or(default_max)
+            .unwrap_or(room)
+            .min(room);
+        Ok(Prepared {
+            prompt,
+            sampling,
+            params,
+            max_tokens,
+            output,
+        })
+    }
+
+    /// Queues the generation; the receiver yields its events, the guard cancels it when dropped.
+    fn submit(&self, p: &Prepared) -> Result<(UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
+        let (events, rx) = unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let job = Job {
+            prompt: p.prompt.clone(),
+            params: p.params.clone(),
+            max_tokens: p.max_tokens,
+            ignore_eos: p.sampling.ignore_eos.unwrap_or(false),
+            output: p.output.clone(),
+            events,
+            cancel: cancel.clone(),
+        };
+        if !self.queue.submit(job) {
+            return Err(ApiError::internal("the model thread has stopped"));
+        }
+        Ok((rx, CancelOnDrop(cancel)))
+    }
+}
+
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// `call_` + 24 alphanumerics, like OpenAI's tool-call ids.
+fn tool_call_id() -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    let (mut a, b) = (random_u64(), random_u64());
+    let mut id = String::from("call_");
+    for i in 0..24 {
+        if i == 12 {
+            a = b;
+        }
+        id.push(ALPHABET[(a % 62) as usize] as char);
+        a /= 62;
+    }
+    id
+}
+
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let status = e.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "the request body is larger than the server's limit (sluice serve --max-body)"
+                .to_string()
+        } else {
+            format!("could not read the request body: {}", e.body_text())
+        };
+        ApiError::invalid(message).with_status(status)
+    })
+}
+
+/// Whether the rendered prompt leaves a `<think>` block open (Qwen3.5 opens it in the
+/// generation prompt): the answer then starts with reasoning.
+fn prompt_opens_thinking(prompt: &str) -> bool {
+    match (prompt.rfind("<think>"), prompt.rfind("</think>")) {
+        (Some(open), Some(close)) => open > close,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+fn usage(stats: &sluice_engine::GenerationStats) -> Value {
+    json!({
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    })
+}
+
+fn failed<B: Backend>(app: &App<B>, e: ApiError) -> Response {
+    app.metrics.requests_failed.fetch_add(1, Relaxed);
+    e.into_response()
+}
+
+async fn chat_completions<B: Backend + 'static>(
+    State(app): State<Arc<App<B>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    app.metrics.requests_chat.fetch_add(1, Relaxed);
+    match chat_inner(&app, body).await {
+        Ok(r) => r,
+        Err(e) => failed(&app, e),
+    }
+}
+
+async fn chat_inner<B: Backend + 'static>(
+    app: &Arc<App<B>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let request: ChatRequest = api::parse_body(&body)?;
+    let sampling: Sampling = api::parse_body(&body)?;
+    request.check_unsupported()?;
+    let messages = request.messages()?;
+    let tools = request.tools()?;
+    let extra = request.chat_template_kwargs.clone().unwrap_or_default();
+    let text = app
+        .engine
+        .chat_template
+        .render(&messages, tools.as_ref(), true, &extra)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let prompt = app
+        .engine
+        .tokenizer
+        .encode(&text, false)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let output = OutputOptions {
+        starts_in_reasoning: prompt_opens_thinking(&text),
+        parse_reasoning: true,
+        parse_tool_calls: tools.is_some(),
+        stop: Vec::new(),
+        tools,
+    };
+    let prepared = app.prepare(prompt, sampling, output, None)?;
+    let (rx, guard) = app.submit(&prepared)?;
+    let reply = Reply {
+        id: app.next_id("chatcmpl"),
+        created: unix_now(),
+        model: app.config.model_name.clone(),
+    };
+    if prepared.sampling.stream() {
+        let stream = ChatStream {
+            reply,
+            include_usage: prepared.sampling.include_usage(),
+            rx,
+            _guard: guard,
+            tool_calls: 0,
+            finished: false,
+        };
+        return Ok(sse(stream.events()));
+    }
+    let (events, done) = collect(rx, guard).await?;
+    let mut reasoning = String::new();
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    for e in events {
+        match e {
+            OutputEvent::Reasoning(t) => reasoning.push_str(&t),
+            OutputEvent::Content(t) => content.push_str(&t),
+            OutputEvent::ToolCall(c) => calls.push(json!({
+                "id": tool_call_id(),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            })),
+        }
+    }
+    let mut message = Map::new();
+    message.insert("role".into(), json!("assistant"));
+    let content = if content.is_empty() && !calls.is_empty() {
+        Value::Null
+    } else {
+        Value::String(content)
+    };
+    message.insert("content".into(), content);
+    if !reasoning.is_empty() {
+        message.insert("reasoning_content".into(), Value::String(reasoning));
+    }
+    let finish = if calls.is_empty() {
+        done.finish
+    } else {
+        message.insert("tool_calls".into(), Value::Array(calls));
+        if done.finish == "stop" {
+            "tool_calls"
+        } else {
+            done.finish
+        }
+    };
+    Ok(Json(json!({
+        "id": reply.id,
+        "object": "chat.completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+        "usage": usage(&done.stats),
+    }))
+    .into_response())
+}
+
+async fn completions<B: Backend + 'static>(
+    State(app): State<Arc<App<B>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    app.metrics.requests_completion.fetch_add(1, Relaxed);
+    match completion_inner(&app, body).await {
+        Ok(r) => r,
+        Err(e) => failed(&app, e),
+    }
+}
+
+/// OpenAI's legacy completions endpoint defaults to 16 tokens.
+const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
+
+async fn completion_inner<B: Backend + 'static>(
+    app: &Arc<App<B>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let request: CompletionRequest = api::parse_body(&body)?;
+    let sampling: Sampling = api::parse_body(&body)?;
+    if request.suffix.is_some() {
+        return Err(ApiError::field("suffix", "suffix is not supported"));
+    }
+    let tokenizer = &app.engine.tokenizer;
+    let (prompt, prompt_text) = match request.prompt {
+        Prompt::Text(t) => (tokenizer.encode(&t, true), t),
+        Prompt::Texts(v) if v.len() == 1 => (tokenizer.encode(&v[0], true), v[0].clone()),
+        Prompt::Texts(v) => {
+            return Err(ApiError::field(
+                "prompt",
+                format!("one prompt per request, got {}", v.len()),
+            ))
+        }
+        Prompt::Tokens(ids) => {
+            let vocab = app.engine.model.info().vocab_size;
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::field(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                ));
+            }
+            let text = tokenizer.decode(&ids, false).unwrap_or_default();
+            (Ok(ids), text)
+        }
+    };
+    let prompt = prompt.map_err(|e| ApiError::invalid(e.to_string()))?;
+    let output = OutputOptions {
+        starts_in_reasoning: false,
+        parse_reasoning: false,
+        parse_tool_calls: false,
+        stop: Vec::new(),
+        tools: None,
+    };
+    let prepared = app.prepare(
+        prompt,
+        sampling,
+        output,
+        Some(COMPLETION_DEFAULT_MAX_TOKENS),
+    )?;
+    let echo = request.echo.unwrap_or(false).then_some(prompt_text);
+    let (rx, guard) = app.submit(&prepared)?;
+    let reply = Reply {
+        id: app.next_id("cmpl"),
+        created: unix_now(),
+        model: app.config.model_name.clone(),
+    };
+    if prepared.sampling.stream() {
+        let stream = CompletionStream {
+            reply,
+            include_usage: prepared.sampling.include_usage(),
+            rx,
+            _guard: guard,
+            echo,
+            finished: false,
+        };
+        return Ok(sse(stream.events()));
+    }
+    let (events, done) = collect(rx, guard).await?;
+    let mut text = echo.unwrap_or_default();
+    for e in events {
+        if let OutputEvent::Content(t) | OutputEvent::Reasoning(t) = e {
+            text.push_str(&t);
+        }
+    }
+    Ok(Json(json!({
+        "id": reply.id,
+        "object": "text_completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": done.finish}],
+        "usage": usage(&done.stats),
+    }))
+    .into_response())
+}
+
+/// Waits for a whole generation. Dropping this future (the client went away) drops `guard`,
+/// which cancels the generation.
+async fn collect(
+    mut rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+) -> Result<(Vec<OutputEvent>, worker::Done), ApiError> {
+    let mut events = Vec::new();
+    let result = loop {
+        match rx.recv().await {
+            Some(Event::Output(e)) => events.extend(e),
+            Some(Event::Done(done)) => break Ok((events, done)),
+            Some(Event::Error(e)) => break Err(ApiError::internal(e)),
+            None => break Err(ApiError::internal("the generation ended without a result")),
+        }
+    };
+    drop(guard);
+    result
+}
+
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+fn sse(events: impl Stream<Item = SseEvent> + Send + 'static) -> Response {
+    Sse::new(events.map(Ok::<_, Infallible>))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+fn done_marker() -> SseEvent {
+    SseEvent::default().data("[DONE]")
+}
+
+/// Turns the model thread's events into `chat.completion.chunk` SSE events.
+struct ChatStream {
+    reply: Reply,
+    include_usage: bool,
+    rx: UnboundedReceiver<Event>,
+    /// Dropped with the stream when the client disconnects: cancels the generation.
+    _guard: CancelOnDrop,
+    tool_calls: usize,
+    finished: bool,
+}
+
+impl ChatStream {
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> SseEvent {
+        let mut v = json!({
+            "id": self.reply.id,
+            "object": "chat.completion.chunk",
+            "created": self.reply.created,
+            "model": self.reply.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        data(&v)
+    }
+
+    fn events(self) -> impl Stream<Item = SseEvent> + Send + 'static {
+        let first = self.chunk(json!({"role": "assistant", "content": ""}), None);
+        let rest = stream::unfold(self, |mut s| async move {
+            if s.finished {
+                return None;
+            }
+            let out = match s.rx.recv().await {
+                Some(Event::Output(events)) => s.deltas(events),
+                Some(Event::Done(done)) => {
+                    s.finished = true;
+                    let finish = if s.tool_calls > 0 && done.finish == "stop" {
+                        "tool_calls"
+                    } else {
+                        done.finish
+                    };
+                    let mut out = vec![s.chunk(json!({}), Some(finish))];
+                    if s.include_usage {
+                        out.push(data(&json!({
+                            "id": s.reply.id,
+                            "object": "chat.completion.chunk",
+                            "created": s.reply.created,
+                            "model": s.reply.model,
+                            "choices": [],
+                            "usage": usage(&done.stats),
+                        })));
+                    }
+                    out.push(done_marker());
+                    out
+                }
+                Some(Event::Error(e)) => {
+                    s.finished = true;
+                    vec![data(&ApiError::internal(e).body()), done_marker()]
+                }
+                None => return None,
+            };
+            Some((stream::iter(out), s))
+        })
+        .flatten();
+        stream::iter([first]).chain(rest)
+    }
+
+    fn deltas(&mut self, events: Vec<OutputEvent>) -> Vec<SseEvent> {
+        let mut out = Vec::new();
+        for e in events {
+            let delta = match e {
+                OutputEvent::Content(t) => json!({"content": t}),
+                OutputEvent::Reasoning(t) => json!({"reasoning_content": t}),
+                OutputEvent::ToolCall(c) => {
+                    let index = self.tool_calls;
+                    self.tool_calls += 1;
+                    json!({"tool_calls": [{
+                        "index": index,
+                        "id": tool_call_id(),
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }]})
+                }
+            };
+            out.push(self.chunk(delta, None));
+        }
+        out
+    }
+}
+
+/// Turns the model thread's events into `text_completion` SSE events.
+struct CompletionStream {
+    reply: Reply,
+    include_usage: bool,
+    rx: UnboundedReceiver<Event>,
+    _guard: CancelOnDrop,
+    echo: Option<String>,
+    finished: bool,
+}
+
+impl CompletionStream {
+    fn chunk(&self, text: &str, finish: Option<&str>) -> SseEvent {
+        let mut v = json!({
+            "id": self.reply.id,
+            "object": "text_completion",
+            "created": self.reply.created,
+            "model": self.reply.model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        data(&v)
+    }
+
+    fn events(mut self) -> impl Stream<Item = SseEvent> + Send + 'static {
+        let first: Vec<SseEvent> = self
+            .echo
+            .take()
+            .filter(|t| !t.is_empty())
+            .map(|t| self.chunk(&t, None))
+            .into_iter()
+            .collect();
+        let rest = stream::unfold(self, |mut s| async move {
+            if s.finished {
+                return None;
+            }
+            let out = match s.rx.recv().await {
+                Some(Event::Output(events)) => events
+                    .into_iter()
+                    .filter_map(|e| match e {
+                        OutputEvent::Content(t) | OutputEvent::Reasoning(t) => {
+                            Some(s.chunk(&t, None))
+                        }
+                        OutputEvent::ToolCall(_) => None,
+                    })
+                    .collect(),
+                Some(Event::Done(done)) => {
+                    s.finished = true;
+                    let mut out = vec![s.chunk("", Some(done.finish))];
+                    if s.include_usage {
+                        out.push(data(&json!({
+                            "id": s.reply.id,
+                            "object": "text_completion",
+                            "created": s.reply.created,
+                            "model": s.reply.model,
+                            "choices": [],
+                            "usage": usage(&done.stats),
+                        })));
+                    }
+                    out.push(done_marker());
+                    out
+                }
+                Some(Event::Error(e)) => {
+                    s.finished = true;
+                    vec![data(&ApiError::internal(e).body()), done_marker()]
+                }
+                None => return None,
+            };
+            Some((stream::iter(out), s))
+        })
+        .flatten();
+        stream::iter(first).chain(rest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thinking_detection_follows_the_last_marker() {
+        assert!(prompt_opens_thinking("<|im_start|>assistant\n<think>\n"));
+        assert!(!prompt_opens_thinking(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        ));
+        assert!(!prompt_opens_thinking("<|im_start|>assistant\n"));
+        assert!(prompt_opens_thinking(
+            "<think>\nold\n</think>\n\nanswer<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        ));
+    }
+
+    #[test]
+    fn tool_call_ids_look_like_openai_ones() {
+        let id = tool_call_id();
+        assert!(id.starts_with("call_"));
+        assert_eq!(id.len(), 29);
+        assert!(id[5..].chars().all(|c| c.is_ascii_alphanumeric()));
+        assert_ne!(tool_call_id(), tool_call_id());
+    }
+}

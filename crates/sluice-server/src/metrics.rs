@@ -1,0 +1,196 @@
+//! Counters for `GET /metrics`, in the Prometheus text format.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+
+use sluice_store::StoreStats;
+
+/// Updated by the handlers and the model thread; read by `/metrics`.
+#[derive(Default)]
+pub struct Metrics {
+    pub requests_chat: AtomicU64,
+    pub requests_completion: AtomicU64,
+    /// Requests answered with an error status (4xx or 5xx).
+    pub requests_failed: AtomicU64,
+    /// Generations stopped because their client went away.
+    pub requests_cancelled: AtomicU64,
+    pub requests_finished: AtomicU64,
+    /// Requests waiting for the model.
+    pub queue_depth: AtomicU64,
+    /// Requests on the model now (0 or 1).
+    pub running: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub prompt_tokens_cached: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    timing: Mutex<Timing>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Timing {
+    prompt_secs: f64,
+    decode_secs: f64,
+    /// Tokens counted in `decode_secs` (the first token of each answer is in `prompt_secs`).
+    decode_tokens: u64,
+    last_decode_tok_s: f64,
+    last_prompt_tok_s: f64,
+}
+
+impl Metrics {
+    /// Records one finished generation.
+    pub fn record(&self, stats: &sluice_engine::GenerationStats) {
+        self.prompt_tokens
+            .fetch_add(stats.prompt_tokens as u64, Relaxed);
+        self.prompt_tokens_cached
+            .fetch_add(stats.cached_tokens as u64, Relaxed);
+        let mut t = self.timing.lock().unwrap_or_else(|e| e.into_inner());
+        t.prompt_secs += stats.prompt_secs;
+        t.decode_secs += stats.decode_secs;
+        t.decode_tokens += stats.generated_tokens.saturating_sub(1) as u64;
+        t.last_prompt_tok_s = stats.prompt_tok_per_sec();
+        if stats.generated_tokens > 1 {
+            t.last_decode_tok_s = stats.decode_tok_per_sec();
+        }
+    }
+
+    /// The exposition text; `store` adds the expert cache's counters when experts stream.
+    pub fn render(&self, store: Option<&StoreStats>) -> String {
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
+            let _ = writeln!(out, "# HELP sluice_{name} {help}");
+            let _ = writeln!(out, "# TYPE sluice_{name} {kind}");
+            let _ = writeln!(out, "sluice_{name} {value}");
+        };
+        let get = |c: &AtomicU64| c.load(Relaxed) as f64;
+        metric(
+            "chat_requests_total",
+            "counter",
+            "POST /v1/chat/completions requests received.",
+            get(&self.requests_chat),
+        );
+        metric(
+            "completion_requests_total",
+            "counter",
+            "POST /v1/completions requests received.",
+            get(&self.requests_completion),
+        );
+        metric(
+            "requests_failed_total",
+            "counter",
+            "Requests answered with an error.",
+            get(&self.requests_failed),
+        );
+        metric(
+            "requests_cancelled_total",
+            "counter",
+            "Generations stopped because the client disconnected.",
+            get(&self.requests_cancelled),
+        );
+        metric(
+            "requests_finished_total",
+            "counter",
+            "Generations that ran to the end.",
+            get(&self.requests_finished),
+        );
+        metric(
+            "queue_depth",
+            "gauge",
+            "Requests waiting for the model.",
+            get(&self.queue_depth),
+        );
+        metric(
+            "requests_running",
+            "gauge",
+            "Requests being generated now.",
+            get(&self.running),
+        );
+        metric(
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens of finished generations.",
+            get(&self.prompt_tokens),
+        );
+        metric(
+            "prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens reused from the prompt cache instead of recomputed.",
+            get(&self.prompt_tokens_cached),
+        );
+        metric(
+            "generated_tokens_total",
+            "counter",
+            "Tokens generated.",
+            get(&self.generated_tokens),
+        );
+        let t = *self.timing.lock().unwrap_or_else(|e| e.into_inner());
+        metric(
+            "decode_tokens_per_second",
+            "gauge",
+            "Generation speed over all requests (tokens after the first / their time).",
+            t.decode_tokens as f64 / t.decode_secs.max(1e-9),
+        );
+        metric(
+            "last_decode_tokens_per_second",
+            "gauge",
+            "Generation speed of the last request.",
+            t.last_decode_tok_s,
+        );
+        metric(
+            "last_prompt_tokens_per_second",
+            "gauge",
+            "Prompt processing speed of the last request (computed tokens only).",
+            t.last_prompt_tok_s,
+        );
+        metric(
+            "prompt_seconds_total",
+            "counter",
+            "Time spent on prompts, first token included.",
+            t.prompt_secs,
+        );
+        metric(
+            "decode_seconds_total",
+            "counter",
+            "Time spent generating after the first token.",
+            t.decode_secs,
+        );
+        if let Some(s) = store {
+            metric(
+                "expert_requests_total",
+                "counter",
+                "Routed experts the model asked the expert cache for.",
+                s.requests as f64,
+            );
+            metric(
+                "expert_cache_hit_rate",
+                "gauge",
+                "Share of expert requests served without a demand read (cached or prefetched).",
+                s.hit_rate(),
+            );
+            metric(
+                "expert_read_bytes_total",
+                "counter",
+                "Bytes of experts read from disk.",
+                s.bytes_read as f64,
+            );
+            metric(
+                "expert_read_gbps",
+                "gauge",
+                "Expert read throughput while reads were in flight, GB/s.",
+                s.read_gbps(),
+            );
+            metric(
+                "expert_io_wait_seconds_total",
+                "counter",
+                "Time the model waited for expert reads.",
+                s.io_wait_secs,
+            );
+            metric(
+                "expert_read_errors_total",
+                "counter",
+                "Failed expert reads and checksum mismatches.",
+                s.errors as f64,
+            );
+        }
+        out
+    }
+}
