@@ -572,3 +572,71 @@ fn info_shows_the_plan_with_its_arithmetic() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("sluice pack"), "{stdout}");
 }
+
+/// `sluice chat` with the given stdin (not a terminal: plain line reading).
+fn chat(model: &Path, input: &str) -> (String, String) {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["chat", "--model", model.to_str().unwrap(), "-n", "5"])
+        .env("RAYON_NUM_THREADS", "2")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (String::from_utf8_lossy(&out.stdout).to_string(), stderr)
+}
+
+/// The `[N tokens, ...; prompt P tokens, R reused...]` lines, as (P, R).
+fn chat_turns(stderr: &str) -> Vec<(usize, usize)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split("; prompt ").nth(1)?;
+            let mut words = rest.split_whitespace();
+            let prompt = words.next()?.parse().ok()?;
+            let reused = words.nth(1)?.parse().ok()?;
+            Some((prompt, reused))
+        })
+        .collect()
+}
+
+#[test]
+fn chat_keeps_history_and_reuses_the_prompt() {
+    let model = fixture("qwen3_5_moe-q4");
+    let (_, stderr) = chat(&model, "hello there\nand again\n/quit\nnot read\n");
+    let turns = chat_turns(&stderr);
+    assert_eq!(turns.len(), 2, "{stderr}");
+    // Turn 2's prompt holds turn 1 (history), most of which is reused from the saved state.
+    assert!(turns[1].0 > turns[0].0 + 5, "{turns:?}");
+    assert_eq!(turns[0].1, 0, "{turns:?}");
+    assert!(turns[1].1 >= turns[0].0, "{turns:?}");
+}
+
+#[test]
+fn chat_commands_reset_and_set_the_system_message() {
+    let model = fixture("qwen3_5_moe-q4");
+    let (_, stderr) = chat(
+        &model,
+        "hello there\n/reset\nhello there\n/system Be brief.\nhello there\n/bogus\n",
+    );
+    let turns = chat_turns(&stderr);
+    assert_eq!(turns.len(), 3, "{stderr}");
+    assert!(stderr.contains("(conversation cleared)"), "{stderr}");
+    assert!(stderr.contains("(system message set"), "{stderr}");
+    assert!(stderr.contains("unknown command /bogus"), "{stderr}");
+    // After /reset the prompt is turn 1's again; the system message makes it longer.
+    assert_eq!(turns[1].0, turns[0].0, "{turns:?}");
+    assert!(turns[2].0 > turns[0].0, "{turns:?}");
+}
