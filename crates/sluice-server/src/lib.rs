@@ -430,7 +430,9 @@ async fn chat_inner<B: Backend + 'static>(
     }
     let mut message = Map::new();
     message.insert("role".into(), json!("assistant"));
-    let content = if content.is_empty() && !calls.is_empty() {
+    // OpenAI sends `null` content with tool calls; a model's "\n\n" before the call is not an
+    // answer.
+    let content = if content.trim().is_empty() && !calls.is_empty() {
         Value::Null
     } else {
         Value::String(content)
