@@ -6,7 +6,8 @@
 //! time (pinned in tests/server/requirements.txt); that needs `python3` with `venv` and network
 //! access to PyPI. Without them this test fails and says so: it does not skip.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -126,4 +127,89 @@ fn openai_client_against_sluice_serve() {
         "client checks failed:\n{stdout}\n{stderr}"
     );
     assert!(stdout.contains(" 0 failed"), "{stdout}");
+}
+
+/// One HTTP/1.1 request with the standard library; returns (status, body).
+fn http(base_url: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let addr = base_url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap();
+    let mut stream = TcpStream::connect(addr).expect("connecting to the server");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, body.to_string())
+}
+
+fn chat_message(base_url: &str, request: serde_json::Value) -> serde_json::Value {
+    let (status, body) = http(
+        base_url,
+        "POST",
+        "/v1/chat/completions",
+        &request.to_string(),
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["choices"][0]["message"].clone()
+}
+
+/// Qwen3.5's template opens `<think>` in the generation prompt unless `enable_thinking` is
+/// false: the answer is then reasoning until `</think>` (which a random model never writes).
+#[test]
+fn thinking_follows_the_template_kwargs() {
+    // A tiny random checkpoint with Qwen3.5's real chat template.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["synth", "--preset", "tiny-qwen3.5-moe", "--bits", "4", "-o"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let server = start_server(&["--model", model.to_str().unwrap()]);
+    let ask = |kwargs: serde_json::Value| {
+        chat_message(
+            &server.base_url,
+            serde_json::json!({
+                "messages": [{"role": "user", "content": "Why?"}],
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": true,
+                "chat_template_kwargs": kwargs,
+            }),
+        )
+    };
+    let thinking = ask(serde_json::json!({}));
+    let reasoning = thinking["reasoning_content"].as_str().unwrap_or("");
+    assert!(!reasoning.is_empty(), "{thinking}");
+    let plain = ask(serde_json::json!({"enable_thinking": false}));
+    assert!(plain.get("reasoning_content").is_none(), "{plain}");
+    assert!(!plain["content"].as_str().unwrap().is_empty(), "{plain}");
+    // Qwen3.5's template raises an exception for a conversation without a user turn: a 400 with
+    // its message.
+    let (status, body) = http(
+        &server.base_url,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "system", "content": "only a system turn"}], "max_tokens": 2}"#,
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("chat template"), "{body}");
 }
