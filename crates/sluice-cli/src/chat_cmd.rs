@@ -153,8 +153,8 @@ fn answer(
     interrupted: &AtomicBool,
     tty: bool,
 ) -> Result<ChatMessage> {
-    let text = engine.chat_template.render(messages, None, true, extra)?;
-    let prompt = engine.tokenizer.encode(&text, false)?;
+    let prompt = engine.chat_prompt(messages, None, extra)?;
+    let text = &prompt.text;
     let mut parser = OutputParser::new(OutputOptions {
         starts_in_reasoning: text.rfind("<think>") > text.rfind("</think>"),
         parse_reasoning: true,
@@ -196,11 +196,12 @@ fn answer(
         let _ = out.flush();
     };
     let request = GenerateRequest {
-        prompt: &prompt,
+        prompt: &prompt.tokens,
         params,
         max_tokens: a.max_tokens,
         cancel: Some(interrupted),
         ignore_eos: false,
+        checkpoint: prompt.checkpoint,
     };
     let stats = engine.generate_cached(Some(cache), &request, |_, piece| {
         show(parser.push(piece), &mut out);

@@ -36,9 +36,10 @@ pub struct ServeArgs {
     /// Largest accepted request body.
     #[arg(long, default_value = "16MiB", value_name = "SIZE")]
     max_body: String,
-    /// Saved conversation states for prompt reuse (each holds a KV cache and recurrent state;
-    /// 0 turns prompt caching off).
-    #[arg(long, default_value_t = 4, value_name = "N")]
+    /// Saved conversation states for prompt reuse (each holds a KV cache and, for hybrid models,
+    /// recurrent states: tens of MB for a 35B model at short contexts; a request saves up to
+    /// three; 0 turns prompt caching off).
+    #[arg(long, default_value_t = 8, value_name = "N")]
     prompt_cache: usize,
 }
 

@@ -69,6 +69,16 @@ pub enum FinishReason {
     Cancelled,
 }
 
+/// A rendered chat prompt (see [`Engine::chat_prompt`]).
+#[derive(Debug, Clone)]
+pub struct ChatPrompt {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    /// Tokens of the conversation before the generation prompt, when they are a prefix of
+    /// `tokens`.
+    pub checkpoint: Option<usize>,
+}
+
 /// One generation: the prompt tokens and how to continue them.
 #[derive(Debug, Clone, Copy)]
 pub struct GenerateRequest<'a> {
@@ -81,6 +91,11 @@ pub struct GenerateRequest<'a> {
     pub cancel: Option<&'a AtomicBool>,
     /// Keep going past end-of-sequence tokens until `max_tokens` (benchmarks, tests).
     pub ignore_eos: bool,
+    /// A prompt position worth saving the state at for later requests (with a prompt cache, for
+    /// models whose state cannot be rewound): typically where the conversation's messages end and
+    /// the generation prompt begins, since the next turn re-renders the answer differently (e.g.
+    /// without its reasoning) but keeps everything before it.
+    pub checkpoint: Option<usize>,
 }
 
 /// Counts and timings of one generation.
@@ -220,6 +235,33 @@ impl<B: Backend + 'static> Engine<B> {
         Ok(self.chat_template.render(messages, tools, true, extra)?)
     }
 
+    /// Renders and tokenizes a conversation for generation, with the prompt-cache checkpoint
+    /// where its messages end and the generation prompt begins (see
+    /// [`GenerateRequest::checkpoint`]).
+    pub fn chat_prompt(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<ChatPrompt, EngineError> {
+        let text = self.chat_template.render(messages, tools, true, extra)?;
+        // A rendered template already holds its special tokens (transformers encodes it likewise).
+        let tokens = self.tokenizer.encode(&text, false)?;
+        let checkpoint = self
+            .chat_template
+            .render(messages, tools, false, extra)
+            .ok()
+            .filter(|head| text.starts_with(head.as_str()) && head.len() < text.len())
+            .and_then(|head| self.tokenizer.encode(&head, false).ok())
+            .filter(|head| tokens.starts_with(head))
+            .map(|head| head.len());
+        Ok(ChatPrompt {
+            text,
+            tokens,
+            checkpoint,
+        })
+    }
+
     /// Runs `tokens` through the model (in chunks) and returns the last token's logits.
     pub fn prefill(&self, state: &mut State<B>, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         self.prefill_cancellable(state, tokens, None)?
@@ -260,6 +302,7 @@ impl<B: Backend + 'static> Engine<B> {
             max_tokens,
             cancel: None,
             ignore_eos: false,
+            checkpoint: None,
         };
         self.generate_cached(None, &request, on_token)
     }
@@ -278,6 +321,7 @@ impl<B: Backend + 'static> Engine<B> {
             max_tokens,
             cancel,
             ignore_eos,
+            checkpoint,
         } = *request;
         params.validate().map_err(EngineError::Input)?;
         if prompt.is_empty() {
@@ -308,9 +352,25 @@ impl<B: Backend + 'static> Engine<B> {
             decode_secs: 0.0,
             finish: FinishReason::Cancelled,
         };
+        // A recurrent state cannot be rewound, so the prompt cache keeps copies of it at the
+        // points a later prompt is likely to share: the checkpoint and the end of this prompt.
+        let snapshots = cache.is_some() && !state.can_rewind();
+        let mut done = cached_tokens;
+        if let Some(at) = checkpoint.filter(|&c| snapshots && c > done && c < prompt.len()) {
+            if self
+                .prefill_cancellable(&mut state, &prompt[done..at], cancel)?
+                .is_none()
+            {
+                return Ok(stats);
+            }
+            if let Some(cache) = cache.as_mut() {
+                cache.insert(prompt[..at].to_vec(), state.clone(), None);
+            }
+            done = at;
+        }
         let mut logits = match saved_logits {
             Some(l) => l,
-            None => match self.prefill_cancellable(&mut state, &prompt[cached_tokens..], cancel)? {
+            None => match self.prefill_cancellable(&mut state, &prompt[done..], cancel)? {
                 Some(l) => l,
                 None => return Ok(stats),
             },
@@ -318,11 +378,8 @@ impl<B: Backend + 'static> Engine<B> {
         stats.prompt_secs = start.elapsed().as_secs_f64();
         // The tokens `state` has consumed, for the prompt cache.
         let mut consumed = prompt.to_vec();
-        if let Some(cache) = cache.as_mut() {
-            // A recurrent state cannot be rewound to the prompt later, so keep a copy of it now.
-            if !state.can_rewind() {
-                cache.insert(consumed.clone(), state.clone(), Some(logits.clone()));
-            }
+        if let (Some(cache), true) = (cache.as_mut(), snapshots) {
+            cache.insert(consumed.clone(), state.clone(), Some(logits.clone()));
         }
         let mut stream = StreamDecoder::new(&self.tokenizer, true);
         let decode_start = Instant::now();

@@ -69,9 +69,10 @@ impl<B: Backend> PromptCache<B> {
         self.entries.clear();
     }
 
-    /// Removes and returns the saved state that covers the longest prefix of `prompt`, rewound to
-    /// that prefix; `None` when no saved state helps. At least one prompt token is always left to
-    /// run unless the saved state also kept the logits of exactly this prompt.
+    /// The saved state that covers the longest prefix of `prompt`: moved out of the cache when
+    /// all of it is used (the caller saves its successor), a rewound copy otherwise. `None` when
+    /// no saved state helps. At least one prompt token is always left to run unless the saved
+    /// state also kept the logits of exactly this prompt.
     pub fn take(&mut self, backend: &B, prompt: &[u32]) -> Option<Resumed<B>> {
         let (index, usable) = self
             .entries
@@ -80,27 +81,32 @@ impl<B: Backend> PromptCache<B> {
             .map(|(i, e)| (i, usable_prefix(e, prompt)))
             .filter(|&(_, n)| n > 0)
             .max_by_key(|&(i, n)| (n, self.entries[i].last_used))?;
-        let mut entry = self.entries.swap_remove(index);
-        if usable == entry.tokens.len() {
-            let logits = if usable == prompt.len() {
-                entry.logits.take()
-            } else {
-                None
-            };
+        if usable < self.entries[index].tokens.len() {
+            // Rewinding: work on a copy, so the longer state stays for a request that shares
+            // more of it (a regenerated or edited turn often comes back to it).
+            self.clock += 1;
+            let entry = &mut self.entries[index];
+            entry.last_used = self.clock;
+            let mut state = entry.state.clone();
+            if !state.rewind(backend, usable) {
+                return None;
+            }
             return Some(Resumed {
-                state: entry.state,
+                state,
                 cached_tokens: usable,
-                logits,
+                logits: None,
             });
         }
-        // Only rewindable states get here (`usable_prefix` checked).
-        if !entry.state.rewind(backend, usable) {
-            return None;
-        }
+        let mut entry = self.entries.swap_remove(index);
+        let logits = if usable == prompt.len() {
+            entry.logits.take()
+        } else {
+            None
+        };
         Some(Resumed {
             state: entry.state,
             cached_tokens: usable,
-            logits: None,
+            logits,
         })
     }
 

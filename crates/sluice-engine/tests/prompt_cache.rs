@@ -41,6 +41,7 @@ fn run(
         max_tokens: n,
         cancel: None,
         ignore_eos: true,
+        checkpoint: Some(25),
     };
     let mut tokens = Vec::new();
     let stats = engine
@@ -56,7 +57,7 @@ fn run(
 
 fn check(name: &str, rewindable: bool) {
     let engine = load(name);
-    let mut cache = PromptCache::new(4);
+    let mut cache = PromptCache::new(8);
     let turn1: Vec<u32> = (1..40).map(|i| (i * 7) % 300 + 3).collect();
     let (answer1, stats1) = run(&engine, Some(&mut cache), &turn1, 6);
     assert_eq!(stats1.cached_tokens, 0);
@@ -73,7 +74,11 @@ fn check(name: &str, rewindable: bool) {
         turn1.len() + answer1.len() - 1,
         "{name}"
     );
-    assert_eq!(answer2, run(&engine, None, &turn2, 6).0, "{name}: resumed != fresh");
+    assert_eq!(
+        answer2,
+        run(&engine, None, &turn2, 6).0,
+        "{name}: resumed != fresh"
+    );
 
     // The same prompt again: at most its last token is recomputed (hybrid models kept the
     // logits of the prompt itself).
@@ -82,13 +87,25 @@ fn check(name: &str, rewindable: bool) {
     assert!(stats.cached_tokens >= turn2.len() - 1, "{name}: {stats:?}");
 
     // A prompt that leaves turn 1 halfway: attention caches rewind to the common prefix;
-    // recurrent states cannot, so nothing is reused.
+    // recurrent states cannot, so nothing is reused...
     let mut branch = turn1[..20].to_vec();
     branch.extend([50, 51, 52]);
     let (answer3, stats3) = run(&engine, Some(&mut cache), &branch, 6);
     let expected = if rewindable { 20 } else { 0 };
     assert_eq!(stats3.cached_tokens, expected, "{name}");
     assert_eq!(answer3, run(&engine, None, &branch, 6).0, "{name}: branch");
+
+    // ...except from the checkpoint (position 25) that turn 1 saved on its way.
+    let mut branch = turn1[..30].to_vec();
+    branch.extend([60, 61]);
+    let (answer4, stats4) = run(&engine, Some(&mut cache), &branch, 6);
+    let expected = if rewindable { 30 } else { 25 };
+    assert_eq!(stats4.cached_tokens, expected, "{name}");
+    assert_eq!(
+        answer4,
+        run(&engine, None, &branch, 6).0,
+        "{name}: checkpoint"
+    );
 }
 
 #[test]
@@ -114,6 +131,7 @@ fn a_cancelled_request_stops_before_computing() {
         max_tokens: 5,
         cancel: Some(&cancel),
         ignore_eos: false,
+        checkpoint: None,
     };
     let stats = engine
         .generate_cached(None, &request, |_, _| ControlFlow::Continue(()))

@@ -70,7 +70,7 @@ impl ServerConfig {
             model_name: model_name.into(),
             api_key: None,
             max_body_bytes: 16 << 20,
-            prompt_cache: 4,
+            prompt_cache: 8,
         }
     }
 }
@@ -228,6 +228,7 @@ struct Prepared {
     params: sluice_engine::sampler::SamplingParams,
     max_tokens: usize,
     output: OutputOptions,
+    checkpoint: Option<usize>,
 }
 
 impl<B: Backend + 'static> App<B> {
@@ -269,6 +270,7 @@ impl<B: Backend + 'static> App<B> {
             params,
             max_tokens,
             output,
+            checkpoint: None,
         })
     }
 
@@ -281,6 +283,7 @@ impl<B: Backend + 'static> App<B> {
             params: p.params.clone(),
             max_tokens: p.max_tokens,
             ignore_eos: p.sampling.ignore_eos.unwrap_or(false),
+            checkpoint: p.checkpoint,
             output: p.output.clone(),
             events,
             cancel: cancel.clone(),
@@ -378,24 +381,19 @@ async fn chat_inner<B: Backend + 'static>(
     let messages = request.messages()?;
     let tools = request.tools()?;
     let extra = request.chat_template_kwargs.clone().unwrap_or_default();
-    let text = app
-        .engine
-        .chat_template
-        .render(&messages, tools.as_ref(), true, &extra)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
     let prompt = app
         .engine
-        .tokenizer
-        .encode(&text, false)
+        .chat_prompt(&messages, tools.as_ref(), &extra)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
     let output = OutputOptions {
-        starts_in_reasoning: prompt_opens_thinking(&text),
+        starts_in_reasoning: prompt_opens_thinking(&prompt.text),
         parse_reasoning: true,
         parse_tool_calls: tools.is_some(),
         stop: Vec::new(),
         tools,
     };
-    let prepared = app.prepare(prompt, sampling, output, None)?;
+    let mut prepared = app.prepare(prompt.tokens, sampling, output, None)?;
+    prepared.checkpoint = prompt.checkpoint;
     let (rx, guard) = app.submit(&prepared)?;
     let reply = Reply {
         id: app.next_id("chatcmpl"),

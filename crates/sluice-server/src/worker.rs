@@ -24,6 +24,7 @@ pub struct Job {
     pub params: SamplingParams,
     pub max_tokens: usize,
     pub ignore_eos: bool,
+    pub checkpoint: Option<usize>,
     pub output: OutputOptions,
     pub events: UnboundedSender<Event>,
     pub cancel: Arc<AtomicBool>,
@@ -110,6 +111,7 @@ fn run_job<B: Backend + 'static>(
         max_tokens: job.max_tokens,
         cancel: Some(&job.cancel),
         ignore_eos: job.ignore_eos,
+        checkpoint: job.checkpoint,
     };
     let result = engine.generate_cached(Some(cache), &request, |token, text| {
         if token != u32::MAX {
