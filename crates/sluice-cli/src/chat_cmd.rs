@@ -59,7 +59,8 @@ pub fn run(a: ChatArgs) -> Result<()> {
     eprintln!("{HELP}");
     let mut system = a.system.clone();
     let mut history: Vec<ChatMessage> = Vec::new();
-    let mut cache = PromptCache::new(2);
+    // One conversation saves up to three states per turn (see GenerateRequest::checkpoint).
+    let mut cache = PromptCache::new(4);
     let mut extra = serde_json::Map::new();
     if a.no_think {
         extra.insert("enable_thinking".into(), false.into());
