@@ -401,12 +401,12 @@ async fn chat_inner<B: Backend + 'static>(
         model: app.config.model_name.clone(),
     };
     if prepared.sampling.stream() {
-        let stream = ChatStream {
+        let stream = ChunkStream {
+            format: ChatChunks { tool_calls: 0 },
             reply,
             include_usage: prepared.sampling.include_usage(),
             rx,
             _guard: guard,
-            tool_calls: 0,
             finished: false,
         };
         return Ok(sse(stream.events()));
@@ -528,12 +528,12 @@ async fn completion_inner<B: Backend + 'static>(
         model: app.config.model_name.clone(),
     };
     if prepared.sampling.stream() {
-        let stream = CompletionStream {
+        let stream = ChunkStream {
+            format: CompletionChunks { echo },
             reply,
             include_usage: prepared.sampling.include_usage(),
             rx,
             _guard: guard,
-            echo,
             finished: false,
         };
         return Ok(sse(stream.events()));
@@ -595,155 +595,69 @@ fn done_marker() -> SseEvent {
     SseEvent::default().data("[DONE]")
 }
 
-/// Turns the model thread's events into `chat.completion.chunk` SSE events.
-struct ChatStream {
+/// How one endpoint writes its streamed chunks.
+trait ChunkFormat: Send + 'static {
+    /// The `object` of every chunk.
+    const OBJECT: &'static str;
+    /// Chunks sent before the model's first output.
+    fn opening(&mut self) -> Vec<Value>;
+    /// The `choices[0]` of chunks for some model output.
+    fn choices(&mut self, events: Vec<OutputEvent>) -> Vec<Value>;
+    /// The `choices[0]` of the last chunk.
+    fn closing(&mut self, finish: &str) -> Value;
+}
+
+/// A streamed reply: the model thread's events as SSE chunks, then `finish_reason`, the usage
+/// chunk when asked for, and `[DONE]`.
+struct ChunkStream<F: ChunkFormat> {
+    format: F,
     reply: Reply,
     include_usage: bool,
     rx: UnboundedReceiver<Event>,
     /// Dropped with the stream when the client disconnects: cancels the generation.
     _guard: CancelOnDrop,
-    tool_calls: usize,
     finished: bool,
 }
 
-impl ChatStream {
-    fn chunk(&self, delta: Value, finish: Option<&str>) -> SseEvent {
+impl<F: ChunkFormat> ChunkStream<F> {
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
         let mut v = json!({
             "id": self.reply.id,
-            "object": "chat.completion.chunk",
+            "object": F::OBJECT,
             "created": self.reply.created,
             "model": self.reply.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            "choices": choices,
         });
         if self.include_usage {
-            v["usage"] = Value::Null;
-        }
-        data(&v)
-    }
-
-    fn events(self) -> impl Stream<Item = SseEvent> + Send + 'static {
-        let first = self.chunk(json!({"role": "assistant", "content": ""}), None);
-        let rest = stream::unfold(self, |mut s| async move {
-            if s.finished {
-                return None;
-            }
-            let out = match s.rx.recv().await {
-                Some(Event::Output(events)) => s.deltas(events),
-                Some(Event::Done(done)) => {
-                    s.finished = true;
-                    let finish = if s.tool_calls > 0 && done.finish == "stop" {
-                        "tool_calls"
-                    } else {
-                        done.finish
-                    };
-                    let mut out = vec![s.chunk(json!({}), Some(finish))];
-                    if s.include_usage {
-                        out.push(data(&json!({
-                            "id": s.reply.id,
-                            "object": "chat.completion.chunk",
-                            "created": s.reply.created,
-                            "model": s.reply.model,
-                            "choices": [],
-                            "usage": usage(&done.stats),
-                        })));
-                    }
-                    out.push(done_marker());
-                    out
-                }
-                Some(Event::Error(e)) => {
-                    s.finished = true;
-                    vec![data(&ApiError::internal(e).body()), done_marker()]
-                }
-                None => return None,
-            };
-            Some((stream::iter(out), s))
-        })
-        .flatten();
-        stream::iter([first]).chain(rest)
-    }
-
-    fn deltas(&mut self, events: Vec<OutputEvent>) -> Vec<SseEvent> {
-        let mut out = Vec::new();
-        for e in events {
-            let delta = match e {
-                OutputEvent::Content(t) => json!({"content": t}),
-                OutputEvent::Reasoning(t) => json!({"reasoning_content": t}),
-                OutputEvent::ToolCall(c) => {
-                    let index = self.tool_calls;
-                    self.tool_calls += 1;
-                    json!({"tool_calls": [{
-                        "index": index,
-                        "id": tool_call_id(),
-                        "type": "function",
-                        "function": {"name": c.name, "arguments": c.arguments},
-                    }]})
-                }
-            };
-            out.push(self.chunk(delta, None));
-        }
-        out
-    }
-}
-
-/// Turns the model thread's events into `text_completion` SSE events.
-struct CompletionStream {
-    reply: Reply,
-    include_usage: bool,
-    rx: UnboundedReceiver<Event>,
-    _guard: CancelOnDrop,
-    echo: Option<String>,
-    finished: bool,
-}
-
-impl CompletionStream {
-    fn chunk(&self, text: &str, finish: Option<&str>) -> SseEvent {
-        let mut v = json!({
-            "id": self.reply.id,
-            "object": "text_completion",
-            "created": self.reply.created,
-            "model": self.reply.model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-        });
-        if self.include_usage {
-            v["usage"] = Value::Null;
+            v["usage"] = usage.unwrap_or(Value::Null);
         }
         data(&v)
     }
 
     fn events(mut self) -> impl Stream<Item = SseEvent> + Send + 'static {
-        let first: Vec<SseEvent> = self
-            .echo
-            .take()
-            .filter(|t| !t.is_empty())
-            .map(|t| self.chunk(&t, None))
+        let opening: Vec<SseEvent> = self
+            .format
+            .opening()
             .into_iter()
+            .map(|c| self.chunk(json!([c]), None))
             .collect();
         let rest = stream::unfold(self, |mut s| async move {
             if s.finished {
                 return None;
             }
             let out = match s.rx.recv().await {
-                Some(Event::Output(events)) => events
+                Some(Event::Output(events)) => s
+                    .format
+                    .choices(events)
                     .into_iter()
-                    .filter_map(|e| match e {
-                        OutputEvent::Content(t) | OutputEvent::Reasoning(t) => {
-                            Some(s.chunk(&t, None))
-                        }
-                        OutputEvent::ToolCall(_) => None,
-                    })
+                    .map(|c| s.chunk(json!([c]), None))
                     .collect(),
                 Some(Event::Done(done)) => {
                     s.finished = true;
-                    let mut out = vec![s.chunk("", Some(done.finish))];
+                    let last = s.format.closing(done.finish);
+                    let mut out = vec![s.chunk(json!([last]), None)];
                     if s.include_usage {
-                        out.push(data(&json!({
-                            "id": s.reply.id,
-                            "object": "text_completion",
-                            "created": s.reply.created,
-                            "model": s.reply.model,
-                            "choices": [],
-                            "usage": usage(&done.stats),
-                        })));
+                        out.push(s.chunk(json!([]), Some(usage(&done.stats))));
                     }
                     out.push(done_marker());
                     out
@@ -757,8 +671,96 @@ impl CompletionStream {
             Some((stream::iter(out), s))
         })
         .flatten();
-        stream::iter(first).chain(rest)
+        stream::iter(opening).chain(rest)
     }
+}
+
+/// `chat.completion.chunk`s: content, reasoning and tool-call deltas.
+struct ChatChunks {
+    tool_calls: usize,
+}
+
+impl ChunkFormat for ChatChunks {
+    const OBJECT: &'static str = "chat.completion.chunk";
+
+    fn opening(&mut self) -> Vec<Value> {
+        vec![choice_delta(
+            json!({"role": "assistant", "content": ""}),
+            None,
+        )]
+    }
+
+    fn choices(&mut self, events: Vec<OutputEvent>) -> Vec<Value> {
+        events
+            .into_iter()
+            .map(|e| {
+                let delta = match e {
+                    OutputEvent::Content(t) => json!({"content": t}),
+                    OutputEvent::Reasoning(t) => json!({"reasoning_content": t}),
+                    OutputEvent::ToolCall(c) => {
+                        let index = self.tool_calls;
+                        self.tool_calls += 1;
+                        json!({"tool_calls": [{
+                            "index": index,
+                            "id": tool_call_id(),
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }]})
+                    }
+                };
+                choice_delta(delta, None)
+            })
+            .collect()
+    }
+
+    fn closing(&mut self, finish: &str) -> Value {
+        let finish = if self.tool_calls > 0 && finish == "stop" {
+            "tool_calls"
+        } else {
+            finish
+        };
+        choice_delta(json!({}), Some(finish))
+    }
+}
+
+fn choice_delta(delta: Value, finish: Option<&str>) -> Value {
+    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+}
+
+/// `text_completion` chunks: text pieces (after the prompt, with `echo`).
+struct CompletionChunks {
+    echo: Option<String>,
+}
+
+impl ChunkFormat for CompletionChunks {
+    const OBJECT: &'static str = "text_completion";
+
+    fn opening(&mut self) -> Vec<Value> {
+        self.echo
+            .take()
+            .filter(|t| !t.is_empty())
+            .map(|t| choice_text(&t, None))
+            .into_iter()
+            .collect()
+    }
+
+    fn choices(&mut self, events: Vec<OutputEvent>) -> Vec<Value> {
+        events
+            .into_iter()
+            .filter_map(|e| match e {
+                OutputEvent::Content(t) | OutputEvent::Reasoning(t) => Some(choice_text(&t, None)),
+                OutputEvent::ToolCall(_) => None,
+            })
+            .collect()
+    }
+
+    fn closing(&mut self, finish: &str) -> Value {
+        choice_text("", Some(finish))
+    }
+}
+
+fn choice_text(text: &str, finish: Option<&str>) -> Value {
+    json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
 }
 
 #[cfg(test)]
