@@ -21,16 +21,18 @@ import urllib.parse
 import openai
 from openai import OpenAI
 
+# The tools the demo model was trained with (scripts/train_demo/dialogues.py): a model this small
+# calls the tools it knows, described the way it learned them.
 WEATHER_TOOL = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "description": "Get the current weather in a city.",
+        "description": "Get the current weather for a location.",
         "parameters": {
             "type": "object",
             "properties": {
-                "location": {"type": "string", "description": "City name"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "location": {"type": "string", "description": "The city name, e.g. Paris"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "description": "The temperature unit"},
             },
             "required": ["location"],
         },
@@ -43,7 +45,9 @@ CALC_TOOL = {
         "description": "Evaluate an arithmetic expression.",
         "parameters": {
             "type": "object",
-            "properties": {"expression": {"type": "string"}},
+            "properties": {
+                "expression": {"type": "string", "description": "The expression to evaluate, e.g. 2 * (3 + 4)"}
+            },
             "required": ["expression"],
         },
     },
