@@ -22,7 +22,8 @@ Each row reports tok/s as mean ± sample sd over the repetitions (after one unti
 weight bytes each token reads, and tok/s x bytes/token as a fraction of the limit that bounds it: \
 DRAM read bandwidth (--memory) when the weights fit in available memory, else the disk (--disk).")]
 pub struct BenchArgs {
-    /// Model directories to benchmark (repeat or comma-separate).
+    /// Model directories to benchmark (repeat or comma-separate) [default: $SLUICE_MODEL, else
+    /// the bundled demo model, unless only --memory/--disk are asked for].
     #[arg(long, short = 'm', value_name = "DIR", value_delimiter = ',')]
     model: Vec<PathBuf>,
     /// Prompt lengths to process (comma-separated; 0 skips).
@@ -78,9 +79,9 @@ pub struct BenchArgs {
     seed: u64,
 }
 
-pub fn run(a: BenchArgs) -> Result<()> {
+pub fn run(mut a: BenchArgs) -> Result<()> {
     if a.model.is_empty() && !a.memory && !a.disk {
-        bail!("nothing to do: pass --model DIR, --memory or --disk");
+        a.model.push(crate::model_dir(None)?);
     }
     if a.threads.contains(&0) {
         bail!("--threads must be at least 1");

@@ -12,7 +12,7 @@ mod synth_cmd;
 
 use std::io::Write;
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -68,9 +68,10 @@ enum Command {
 
 #[derive(Args)]
 pub(crate) struct ModelArgs {
-    /// Model directory (config.json, tokenizer.json, *.safetensors).
+    /// Model directory (config.json, tokenizer.json, *.safetensors) [default: $SLUICE_MODEL,
+    /// else the demo model bundled in the repo, models/demo].
     #[arg(long, short = 'm', value_name = "DIR")]
-    pub(crate) model: PathBuf,
+    pub(crate) model: Option<PathBuf>,
     /// Worker threads (default: all cores).
     #[arg(long, short = 't')]
     threads: Option<usize>,
@@ -193,7 +194,36 @@ fn main() {
     }
 }
 
+/// The bundled demo model: `models/demo` of the source tree this binary was built from.
+pub(crate) fn demo_model() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo");
+    dir.canonicalize().unwrap_or(dir)
+}
+
+/// `--model`, else `$SLUICE_MODEL`, else the bundled demo model (said on stderr).
+pub(crate) fn model_dir(model: Option<&Path>) -> Result<PathBuf> {
+    if let Some(m) = model {
+        return Ok(m.to_path_buf());
+    }
+    if let Some(m) = std::env::var_os("SLUICE_MODEL").filter(|m| !m.is_empty()) {
+        return Ok(PathBuf::from(m));
+    }
+    let demo = demo_model();
+    if !demo.join("config.json").is_file() {
+        bail!(
+            "no --model given and the bundled demo model is missing ({}); pass --model DIR",
+            demo.display()
+        );
+    }
+    eprintln!(
+        "sluice: no --model given: using the bundled demo model ({})",
+        demo.display()
+    );
+    Ok(demo)
+}
+
 pub(crate) fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
+    let model = model_dir(args.model.as_deref())?;
     if let Some(n) = args.threads {
         if n == 0 {
             bail!("--threads must be at least 1");
@@ -207,11 +237,7 @@ pub(crate) fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
         experts_per_token: args.experts_per_token,
         streaming: args.stream.options(args.expert_cache.as_deref())?,
     };
-    Ok(Engine::load(
-        &args.model,
-        Arc::new(CpuBackend::new()),
-        &opts,
-    )?)
+    Ok(Engine::load(&model, Arc::new(CpuBackend::new()), &opts)?)
 }
 
 /// Prints what was loaded and how experts stream, to stderr.
