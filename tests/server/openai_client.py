@@ -393,6 +393,33 @@ class Checks:
         assert self.metric("requests_failed_total") >= 10
         assert chat(messages=q, max_tokens=1).choices[0].finish_reason in ("stop", "length")
 
+    def test_heldout_weather_prompts(self):
+        """Weather questions the model never saw (cities and phrasings held out of training): at
+        least 90% must come back as a get_weather call for the right city."""
+        if not self.args.heldout:
+            raise AssertionError("--heldout FILE is required (models/demo/eval/weather_prompts.jsonl)")
+        cases = [json.loads(line) for line in open(self.args.heldout, encoding="utf-8") if line.strip()]
+        assert len(cases) >= 20, f"only {len(cases)} held-out prompts"
+        good, misses = 0, []
+        for case in cases:
+            r = self.chat(messages=case["messages"], tools=case["tools"], max_tokens=60)
+            c = r.choices[0]
+            calls = c.message.tool_calls or []
+            ok = False
+            if c.finish_reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == case["expected"]["name"]:
+                try:
+                    ok = json.loads(calls[0].function.arguments).get("location") == case["expected"]["location"]
+                except json.JSONDecodeError:
+                    pass
+            good += ok
+            if not ok:
+                misses.append((case["messages"][-1]["content"], c.message.content, [(t.function.name, t.function.arguments) for t in calls]))
+        rate = good / len(cases)
+        print(f"    valid get_weather calls for the right city: {good}/{len(cases)} = {rate:.0%}")
+        for m in misses[:5]:
+            print(f"    miss: {m}")
+        assert rate >= 0.9, f"{rate:.0%} < 90%"
+
     def test_metrics(self):
         text = http_request(f"{self.root}/metrics").text
         for name in ("generated_tokens_total", "queue_depth", "decode_tokens_per_second", "prompt_tokens_cached_total"):
@@ -409,6 +436,7 @@ def main():
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--api-key", required=True)
     ap.add_argument("--expect-streaming", action="store_true", help="experts stream: expert-cache metrics must be there")
+    ap.add_argument("--heldout", help="held-out weather prompts (JSON lines) for the tool-call rate check")
     ap.add_argument("--only", help="run only the checks whose name contains this (debugging)")
     args = ap.parse_args()
     checks = Checks(args)
