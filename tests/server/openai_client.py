@@ -245,12 +245,16 @@ class Checks:
                 "content": None,
                 "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}],
             },
-            {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"location": "Paris", "temperature_c": 18, "condition": "sunny"})},
+            {"role": "tool", "tool_call_id": call_id, "content": json.dumps(
+                {"location": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny", "humidity": 40, "wind_kph": 12})},
         ]
         r = self.chat(messages=messages, tools=TOOLS, max_tokens=60)
         m = r.choices[0].message
         assert r.choices[0].finish_reason in ("stop", "length"), r
         assert m.tool_calls in (None, []) and m.content, m
+        # ... and a trained model uses it (the tool result's temperature shows up in the answer).
+        if self.args.expect_tool_use:
+            assert "18" in m.content, m.content
         # The tool result must have been in the prompt: it is longer than the question's.
         return r.usage.prompt_tokens, m.content
 
@@ -440,6 +444,7 @@ def main():
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--api-key", required=True)
     ap.add_argument("--expect-streaming", action="store_true", help="experts stream: expert-cache metrics must be there")
+    ap.add_argument("--expect-tool-use", action="store_true", help="the answer after a tool result must quote it")
     ap.add_argument("--heldout", help="held-out weather prompts (JSON lines) for the tool-call rate check")
     ap.add_argument("--only", help="run only the checks whose name contains this (debugging)")
     args = ap.parse_args()

@@ -117,6 +117,7 @@ fn openai_client_against_sluice_serve() {
         .arg(repo().join("tests/server/openai_client.py"))
         .args(["--base-url", &server.base_url, "--api-key", "test-key"])
         .arg("--expect-streaming")
+        .arg("--expect-tool-use")
         .arg("--heldout")
         .arg(model.join("eval/weather_prompts.jsonl"))
         .output()
