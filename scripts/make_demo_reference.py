@@ -18,7 +18,7 @@ from mlx.utils import tree_map
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-TEXT = "The old bear walked down to the river, and"
+TEXT = "The bear walked to the river"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather for a location.",
         "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
@@ -28,7 +28,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/demo")
     ap.add_argument("--out", default="tests/fixtures/demo-reference")
-    ap.add_argument("--chat-tail", type=int, default=12, help="last N tokens of the chat prompt to keep")
+    ap.add_argument("--chat-tail", type=int, default=8, help="last N tokens of the chat prompt to keep")
     a = ap.parse_args()
     model, tok = load(a.model)
     model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,

@@ -440,7 +440,18 @@ fn bench_measures_the_disk_and_rejects_bad_settings() {
         "{stdout}"
     );
 
-    sluice_fails(&["bench"]);
+    // With no model and no limit to measure, the bundled demo model is benchmarked.
+    let out = sluice(&["bench", "-p", "8", "-n", "8", "-r", "1"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("demo"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let small = tmp.path().join("small");
     std::fs::write(&small, b"tiny").unwrap();
     // Progress lines may precede the error; the error is still the last line.
@@ -639,4 +650,48 @@ fn chat_commands_reset_and_set_the_system_message() {
     // After /reset the prompt is turn 1's again; the system message makes it longer.
     assert_eq!(turns[1].0, turns[0].0, "{turns:?}");
     assert!(turns[2].0 > turns[0].0, "{turns:?}");
+}
+
+#[test]
+fn the_bundled_demo_model_is_the_default_and_streams() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["generate", "-p", "Once upon a time", "-n", "24"])
+        .args(["--expert-cache", "4MiB"])
+        .env("RAYON_NUM_THREADS", "2")
+        .env_remove("SLUICE_MODEL")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("bundled demo model"), "{stderr}");
+    // Experts were read from disk through the small cache.
+    let experts = stderr
+        .lines()
+        .find(|l| l.starts_with("experts: read"))
+        .unwrap_or_else(|| panic!("no streaming stats in:\n{stderr}"));
+    assert!(!experts.starts_with("experts: read 0 B"), "{experts}");
+    // A trained model writes words: mostly letters and spaces, several words.
+    let text = stdout.trim();
+    let letters = text
+        .chars()
+        .filter(|c| c.is_ascii_alphabetic() || *c == ' ')
+        .count();
+    assert!(
+        text.split_whitespace().count() >= 8 && letters * 10 >= text.chars().count() * 8,
+        "{text:?}"
+    );
+}
+
+#[test]
+fn sluice_model_names_the_default_model() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["generate", "-p", "x", "-n", "2"])
+        .env("SLUICE_MODEL", fixture("qwen3_moe-q4"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("qwen3_moe-q4"), "{stderr}");
+    assert!(!stderr.contains("bundled demo model"), "{stderr}");
 }

@@ -39,10 +39,19 @@ fn argmax(row: &[f32]) -> usize {
 }
 
 fn check(name: &str, mode: LogitsMode) {
-    let dir = fixture(name);
-    let engine = Engine::load(&dir, Arc::new(CpuBackend::new()), &LoadOptions::default())
-        .unwrap_or_else(|e| panic!("loading {name}: {e}"));
-    let tokens = reference_tokens(&dir);
+    check_model(name, &fixture(name), &fixture(name), mode);
+}
+
+/// Compares the model in `model_dir` with the reference logits in `reference_dir`.
+fn check_model(name: &str, model_dir: &Path, reference_dir: &Path, mode: LogitsMode) {
+    let dir = reference_dir;
+    let engine = Engine::load(
+        model_dir,
+        Arc::new(CpuBackend::new()),
+        &LoadOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("loading {name}: {e}"));
+    let tokens = reference_tokens(dir);
     let file = match mode {
         LogitsMode::Decode => "logits_decode.npy",
         LogitsMode::Prefill => "logits_prefill.npy",
@@ -95,6 +104,17 @@ reference_tests! {
     qwen3_5_moe_q4: "qwen3_5_moe-q4",
     qwen3_5_moe_q8: "qwen3_5_moe-q8",
     qwen3_next_bf16: "qwen3_next-bf16",
+}
+
+/// The bundled demo model (models/demo, trained, 4-bit) against mlx-lm
+/// (scripts/make_demo_reference.py): an English sentence and the end of a tool-offering chat
+/// prompt.
+#[test]
+fn demo_model_matches_mlx_lm() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo");
+    let reference = fixture("demo-reference");
+    check_model("demo", &model, &reference, LogitsMode::Decode);
+    check_model("demo", &model, &reference, LogitsMode::Prefill);
 }
 
 /// A tied model uses its embeddings as the output head even when a (different) `lm_head` tensor
