@@ -232,9 +232,14 @@ struct Prepared {
 }
 
 impl<B: Backend + 'static> App<B> {
-    fn next_id(&self, prefix: &str) -> String {
+    /// The id, timestamp and model name of a new reply; ids are `PREFIX-<random><counter>`.
+    fn reply(&self, prefix: &str) -> Reply {
         let n = self.ids.fetch_add(1, Relaxed);
-        format!("{prefix}-{:x}{n:x}", random_u64() >> 16)
+        Reply {
+            id: format!("{prefix}-{:x}{n:x}", random_u64() >> 16),
+            created: unix_now(),
+            model: self.config.model_name.clone(),
+        }
     }
 
     /// Checks lengths and settings shared by both endpoints.
@@ -395,21 +400,15 @@ async fn chat_inner<B: Backend + 'static>(
     let mut prepared = app.prepare(prompt.tokens, sampling, output, None)?;
     prepared.checkpoint = prompt.checkpoint;
     let (rx, guard) = app.submit(&prepared)?;
-    let reply = Reply {
-        id: app.next_id("chatcmpl"),
-        created: unix_now(),
-        model: app.config.model_name.clone(),
-    };
+    let reply = app.reply("chatcmpl");
     if prepared.sampling.stream() {
-        let stream = ChunkStream {
-            format: ChatChunks { tool_calls: 0 },
+        return Ok(stream_reply(
+            ChatChunks { tool_calls: 0 },
             reply,
-            include_usage: prepared.sampling.include_usage(),
+            &prepared,
             rx,
-            _guard: guard,
-            finished: false,
-        };
-        return Ok(sse(stream.events()));
+            guard,
+        ));
     }
     let (events, done) = collect(rx, guard).await?;
     let mut reasoning = String::new();
@@ -522,21 +521,15 @@ async fn completion_inner<B: Backend + 'static>(
     )?;
     let echo = request.echo.unwrap_or(false).then_some(prompt_text);
     let (rx, guard) = app.submit(&prepared)?;
-    let reply = Reply {
-        id: app.next_id("cmpl"),
-        created: unix_now(),
-        model: app.config.model_name.clone(),
-    };
+    let reply = app.reply("cmpl");
     if prepared.sampling.stream() {
-        let stream = ChunkStream {
-            format: CompletionChunks { echo },
+        return Ok(stream_reply(
+            CompletionChunks { echo },
             reply,
-            include_usage: prepared.sampling.include_usage(),
+            &prepared,
             rx,
-            _guard: guard,
-            finished: false,
-        };
-        return Ok(sse(stream.events()));
+            guard,
+        ));
     }
     let (events, done) = collect(rx, guard).await?;
     let mut text = echo.unwrap_or_default();
@@ -579,6 +572,25 @@ struct Reply {
     id: String,
     created: u64,
     model: String,
+}
+
+/// An SSE response streaming the generation behind `rx` in `format`'s chunks.
+fn stream_reply<F: ChunkFormat>(
+    format: F,
+    reply: Reply,
+    prepared: &Prepared,
+    rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+) -> Response {
+    let stream = ChunkStream {
+        format,
+        reply,
+        include_usage: prepared.sampling.include_usage(),
+        rx,
+        _guard: guard,
+        finished: false,
+    };
+    sse(stream.events())
 }
 
 fn sse(events: impl Stream<Item = SseEvent> + Send + 'static) -> Response {
