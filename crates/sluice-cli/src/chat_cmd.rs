@@ -14,7 +14,7 @@ use clap::Args;
 use rustyline::error::ReadlineError;
 use sluice_cpu::CpuBackend;
 use sluice_engine::chat::ChatMessage;
-use sluice_engine::output::{OutputEvent, OutputOptions, OutputParser};
+use sluice_engine::output::{prompt_opens_thinking, OutputEvent, OutputOptions, OutputParser};
 use sluice_engine::prompt_cache::PromptCache;
 use sluice_engine::{Engine, FinishReason, GenerateRequest};
 
@@ -155,9 +155,8 @@ fn answer(
     tty: bool,
 ) -> Result<ChatMessage> {
     let prompt = engine.chat_prompt(messages, None, extra)?;
-    let text = &prompt.text;
     let mut parser = OutputParser::new(OutputOptions {
-        starts_in_reasoning: text.rfind("<think>") > text.rfind("</think>"),
+        starts_in_reasoning: prompt_opens_thinking(&prompt.text),
         parse_reasoning: true,
         parse_tool_calls: false,
         stop: Vec::new(),

@@ -57,6 +57,17 @@ pub struct OutputOptions {
     pub tools: Option<Value>,
 }
 
+/// Whether the rendered prompt leaves a `<think>` block open (Qwen3.5 opens it in the
+/// generation prompt): the answer then starts with reasoning
+/// ([`OutputOptions::starts_in_reasoning`]).
+pub fn prompt_opens_thinking(prompt: &str) -> bool {
+    match (prompt.rfind("<think>"), prompt.rfind("</think>")) {
+        (Some(open), Some(close)) => open > close,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
 /// One piece of parsed output. Adjacent events of the same kind may or may not be merged: callers
 /// concatenate them. Texts are never empty.
 #[derive(Debug, Clone, PartialEq)]
@@ -563,6 +574,19 @@ fn matches_type(v: &Value, types: &[String]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn thinking_detection_follows_the_last_marker() {
+        assert!(prompt_opens_thinking("<|im_start|>assistant\n<think>\n"));
+        assert!(!prompt_opens_thinking(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        ));
+        assert!(!prompt_opens_thinking("<|im_start|>assistant\n"));
+        assert!(prompt_opens_thinking(
+            "<think>\nold\n</think>\n\nanswer<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        ));
+    }
+
     use serde_json::json;
 
     fn opts() -> OutputOptions {

@@ -40,7 +40,7 @@ use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Map, Value};
 use sluice_backend::Backend;
-use sluice_engine::output::{OutputEvent, OutputOptions};
+use sluice_engine::output::{prompt_opens_thinking, OutputEvent, OutputOptions};
 use sluice_engine::Engine;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -338,16 +338,6 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
         };
         ApiError::invalid(message).with_status(status)
     })
-}
-
-/// Whether the rendered prompt leaves a `<think>` block open (Qwen3.5 opens it in the
-/// generation prompt): the answer then starts with reasoning.
-fn prompt_opens_thinking(prompt: &str) -> bool {
-    match (prompt.rfind("<think>"), prompt.rfind("</think>")) {
-        (Some(open), Some(close)) => open > close,
-        (Some(_), None) => true,
-        _ => false,
-    }
 }
 
 fn usage(stats: &sluice_engine::GenerationStats) -> Value {
@@ -778,18 +768,6 @@ fn choice_text(text: &str, finish: Option<&str>) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn thinking_detection_follows_the_last_marker() {
-        assert!(prompt_opens_thinking("<|im_start|>assistant\n<think>\n"));
-        assert!(!prompt_opens_thinking(
-            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-        ));
-        assert!(!prompt_opens_thinking("<|im_start|>assistant\n"));
-        assert!(prompt_opens_thinking(
-            "<think>\nold\n</think>\n\nanswer<|im_end|>\n<|im_start|>assistant\n<think>\n"
-        ));
-    }
 
     #[test]
     fn tool_call_ids_look_like_openai_ones() {

@@ -99,8 +99,8 @@ fn run_job<B: Backend + 'static>(
     metrics: &Metrics,
     job: Job,
 ) {
-    let gone = |job: &Job| job.cancel.load(Relaxed) || job.events.is_closed();
-    if gone(&job) {
+    // Its client left while it waited.
+    if job.cancel.load(Relaxed) || job.events.is_closed() {
         metrics.requests_cancelled.fetch_add(1, Relaxed);
         return;
     }
