@@ -147,6 +147,7 @@ fn run_job<B: Backend + 'static>(
             let _ = job.events.send(Event::Done(Done { stats, finish }));
         }
         Err(e) => {
+            metrics.requests_failed.fetch_add(1, Relaxed);
             let _ = job.events.send(Event::Error(e.to_string()));
         }
     }
