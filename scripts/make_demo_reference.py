@@ -9,14 +9,16 @@ cache), float32 [tokens, vocab]. Needs mlx[cpu] and mlx-lm (scripts/requirements
 The weights are 4-bit; mlx-lm dequantizes them exactly and computes in f32 after the cast below,
 so sluice must agree to fp32 rounding.
 """
-import argparse, json
+import argparse, json, sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_fixtures import decode_logits, prefill_logits  # noqa: E402
 
 TEXT = "The bear walked to the river"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -36,14 +38,8 @@ def main():
     text = tok.encode(TEXT, add_special_tokens=False)
     chat = tok.apply_chat_template(CHAT, tools=[TOOL], add_generation_prompt=True, tokenize=True)
     tokens = [int(t) for t in text + list(chat)[-a.chat_tail:]]
-    prefill = np.array(model(mx.array([tokens], dtype=mx.int32))[0].astype(mx.float32))
-    cache = make_prompt_cache(model)
-    rows = []
-    for t in tokens:
-        out = model(mx.array([[t]], dtype=mx.int32), cache=cache)
-        mx.eval(out)
-        rows.append(np.array(out[0, -1].astype(mx.float32)))
-    decode = np.stack(rows)
+    prefill = prefill_logits(model, tokens)
+    decode = decode_logits(model, tokens)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "reference.json").write_text(json.dumps({
