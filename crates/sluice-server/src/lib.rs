@@ -428,16 +428,10 @@ async fn chat_inner<B: Backend + 'static>(
     if !reasoning.is_empty() {
         message.insert("reasoning_content".into(), Value::String(reasoning));
     }
-    let finish = if calls.is_empty() {
-        done.finish
-    } else {
+    let finish = chat_finish(done.finish, !calls.is_empty());
+    if !calls.is_empty() {
         message.insert("tool_calls".into(), Value::Array(calls));
-        if done.finish == "stop" {
-            "tool_calls"
-        } else {
-            done.finish
-        }
-    };
+    }
     Ok(Json(json!({
         "id": reply.id,
         "object": "chat.completion",
@@ -716,12 +710,16 @@ impl ChunkFormat for ChatChunks {
     }
 
     fn closing(&mut self, finish: &str) -> Value {
-        let finish = if self.tool_calls > 0 && finish == "stop" {
-            "tool_calls"
-        } else {
-            finish
-        };
-        choice_delta(json!({}), Some(finish))
+        choice_delta(json!({}), Some(chat_finish(finish, self.tool_calls > 0)))
+    }
+}
+
+/// A chat answer that ended naturally after tool calls finishes with `tool_calls`.
+fn chat_finish(finish: &str, tool_calls: bool) -> &str {
+    if tool_calls && finish == "stop" {
+        "tool_calls"
+    } else {
+        finish
     }
 }
 
