@@ -1,30 +1,67 @@
 //! The narrow interface between model code and the hardware that runs it.
 //!
 //! Model forward passes (in `sluice-models`) are written against [`Backend`] alone: they never see
-//! whether activations live in host memory or on a GPU. A backend owns three kinds of object:
-//! activations ([`Backend::Act`], always f32 `[rows, cols]`, one row per token), weights
-//! ([`Backend::Weight`], a matrix in any [`WeightFormat`], made from a [`HostMatrix`]) and
-//! per-request attention caches ([`Backend::KvCache`]).
+//! whether activations live in host memory or on a GPU. A backend owns the objects a forward pass
+//! touches: activations ([`Backend::Act`], always f32 `[rows, cols]`, one row per token), weights
+//! ([`Backend::Weight`], a matrix in any [`WeightFormat`], made from a [`HostMatrix`]), a layer's
+//! routed experts ([`Backend::Experts`]), the expert choice ([`Backend::Routing`]) and the
+//! per-request caches ([`Backend::KvCache`], [`Backend::LinearState`]).
 //!
-//! The only operations that bring data back to the host are [`Backend::to_host`] (logits) and
-//! [`Backend::route`] (the expert choice, which the host needs in order to fetch expert weights).
+//! Design points, each for a device that computes asynchronously in its own memory:
+//! * **Nothing comes back to the host unless asked**: [`Backend::to_host`] (logits) and
+//!   [`Backend::read_routing`] (needed only when experts stream from disk) are the only reads.
+//!   Routing stays on the backend: [`Backend::route`] feeds [`Backend::moe`] directly.
+//! * **Failure is sticky**: operations on activations return no `Result` (an asynchronous device
+//!   learns of a failure later); the backend records the first one and reports it from
+//!   [`Backend::synchronize`] and from every host read. Allocating calls return [`BackendError`].
+//! * **Memory**: [`Backend::memory`] says what is free where the backend allocates;
+//!   [`Backend::zeros`] makes activations without a host copy; KV caches are told their capacity.
+//! * **Experts**: resident ones are uploaded once, per layer, in the backend's own layout
+//!   ([`Backend::experts`]). Streamed ones come from an [`ExpertSource`] as host memory and are
+//!   made usable by [`Backend::stage_expert`] (zero-copy on the CPU; an asynchronous upload into
+//!   device memory on a GPU, which may keep them resident for later tokens:
+//!   [`Backend::staged_expert`]).
+//! * **Family-specific operations** (the Gated DeltaNet of Qwen3.5 / Qwen3-Next) have host
+//!   fallbacks built on [`reference`], so a new backend can start from the core operations.
+//!
+//! [`reference`] defines what every operation computes; [`conformance`] checks a backend against
+//! it on random inputs (the CPU backend runs it in its tests; a new backend must pass it too).
 
+mod error;
+mod experts;
 mod weight;
 
+pub mod conformance;
+pub mod reference;
+
+pub use error::BackendError;
+pub use experts::{
+    ExpertError, ExpertErrorKind, ExpertKey, ExpertLayer, ExpertSource, HostExpert, MatrixShape,
+};
+pub use reference::HostLinearState;
 pub use weight::{Dtype, HostBytes, HostMatrix, MatRef, WeightError, WeightFormat};
 
-/// The experts chosen for each token: `experts[t * k + j]` with weight `weights[t * k + j]`.
+/// The experts chosen for each token, in host memory: `experts[t * k + j]` with weight
+/// `weights[t * k + j]`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Routing {
+pub struct HostRouting {
     /// Experts per token.
     pub k: usize,
     pub experts: Vec<u32>,
     pub weights: Vec<f32>,
 }
 
-impl Routing {
+impl HostRouting {
     pub fn tokens(&self) -> usize {
         self.experts.len().checked_div(self.k).unwrap_or(0)
+    }
+
+    /// The routed experts of the batch, distinct and ascending.
+    pub fn distinct(&self) -> Vec<u32> {
+        let mut used = self.experts.clone();
+        used.sort_unstable();
+        used.dedup();
+        used
     }
 }
 
@@ -46,20 +83,37 @@ impl DeltaNetDims {
 }
 
 /// The three projections of one SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
 pub struct FfnWeights<W> {
     pub gate: W,
     pub up: W,
     pub down: W,
 }
 
+/// The memory a backend allocates from (host RAM for the CPU, device memory for a GPU), bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryInfo {
+    pub free: u64,
+    pub total: u64,
+}
+
 /// A compute backend. All activations are f32; weights keep their stored format.
+///
+/// Shapes are the caller's responsibility (model code checks configs and tensors at load); an
+/// operation given inconsistent shapes may panic.
 pub trait Backend: Send + Sync {
     /// Activations `[rows, cols]` in f32, row-major, one row per token.
     type Act: Send;
     /// A weight matrix `[out, in]`, resident where this backend computes.
     type Weight: Send + Sync;
-    /// A 1-D f32 parameter (norm weights, biases).
+    /// A 1-D f32 parameter (norm weights, biases, conv taps).
     type Vector: Send + Sync;
+    /// All routed experts of one MoE layer, resident, addressed by expert id.
+    type Experts: Send + Sync;
+    /// One streamed expert made usable (see [`Backend::stage_expert`]).
+    type StagedExpert: Send + Sync;
+    /// The expert choice of a batch, where this backend computed it.
+    type Routing: Send;
     /// Keys and values of one attention layer for one request. `Clone` so a request's state can
     /// be saved and resumed (the server's prompt cache).
     type KvCache: Send + Clone;
@@ -69,24 +123,66 @@ pub trait Backend: Send + Sync {
 
     /// Short human-readable description, e.g. `cpu (avx512, 2 threads)`.
     fn describe(&self) -> String;
+    /// Free and total bytes of the memory this backend allocates from.
+    fn memory(&self) -> MemoryInfo;
+    /// Waits until queued work has finished and reports the first failure since the last call.
+    fn synchronize(&self) -> Result<(), BackendError>;
 
-    fn weight(&self, m: HostMatrix) -> Result<Self::Weight, WeightError>;
-    fn vector(&self, v: &[f32]) -> Self::Vector;
-    fn kv_cache(&self, kv_heads: usize, head_dim: usize) -> Self::KvCache;
+    // ---- weights -------------------------------------------------------------------------
+
+    fn weight(&self, m: HostMatrix) -> Result<Self::Weight, BackendError>;
+    fn vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
+    fn vector_to_host(&self, v: &Self::Vector) -> Result<Vec<f32>, BackendError>;
+    /// The routed experts of one layer, `experts[e]` being expert `e`; all of the same shapes.
+    fn experts(&self, experts: Vec<HostExpert>) -> Result<Self::Experts, BackendError>;
+    /// Makes expert `key`, fetched from an [`ExpertSource`], usable by
+    /// [`Backend::moe_accumulate`]. The CPU uses the host memory in place (keeping the source's
+    /// lease alive); a GPU starts an upload that later operations wait for, and may keep the
+    /// copy for later calls.
+    fn stage_expert(
+        &self,
+        key: ExpertKey,
+        host: HostExpert,
+    ) -> Result<Self::StagedExpert, BackendError>;
+    /// Expert `key` as staged by an earlier [`Backend::stage_expert`], when this backend still
+    /// holds it (so it needs no fetch). The CPU holds none.
+    fn staged_expert(&self, key: ExpertKey) -> Option<Self::StagedExpert> {
+        let _ = key;
+        None
+    }
+
+    // ---- per-request caches ------------------------------------------------------------------
+
+    /// An empty attention cache that will hold at most `capacity` positions.
+    fn kv_cache(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+    ) -> Result<Self::KvCache, BackendError>;
     /// Number of positions held by a cache.
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
     /// Drops every position at or after `len` (to rewind a request).
     fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize);
-
     /// A zeroed linear-attention state: a window of `conv_kernel - 1` inputs of `conv_channels`,
     /// and a `[value_dim, key_dim]` matrix per value head.
-    fn linear_state(&self, dims: &DeltaNetDims) -> Self::LinearState;
+    fn linear_state(&self, dims: &DeltaNetDims) -> Result<Self::LinearState, BackendError> {
+        self.linear_state_from_host(HostLinearState::new(dims))
+    }
+    fn linear_state_to_host(&self, s: &Self::LinearState) -> Result<HostLinearState, BackendError>;
+    fn linear_state_from_host(&self, s: HostLinearState)
+        -> Result<Self::LinearState, BackendError>;
 
+    // ---- activations -------------------------------------------------------------------------
+
+    fn zeros(&self, rows: usize, cols: usize) -> Self::Act;
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::Act;
-    fn to_host(&self, a: &Self::Act) -> Vec<f32>;
+    fn to_host(&self, a: &Self::Act) -> Result<Vec<f32>, BackendError>;
     fn shape(&self, a: &Self::Act) -> (usize, usize);
     /// Rows `[start, start + len)` of `a` as a new activation.
     fn slice_rows(&self, a: &Self::Act, start: usize, len: usize) -> Self::Act;
+
+    // ---- operations ------------------------------------------------------------------------
 
     /// One row of `table` per token (dequantised).
     fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Self::Act;
@@ -96,6 +192,18 @@ pub trait Backend: Send + Sync {
     /// and scales it by `weight`.
     fn rms_norm(&self, x: &Self::Act, weight: &Self::Vector, eps: f32) -> Self::Act;
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act);
+    /// `h += y`, then the RMS norm of the new `h` (the residual step of a pre-norm decoder; one
+    /// pass on backends that fuse it).
+    fn add_rms_norm(
+        &self,
+        h: &mut Self::Act,
+        y: &Self::Act,
+        weight: &Self::Vector,
+        eps: f32,
+    ) -> Self::Act {
+        self.add_assign(h, y);
+        self.rms_norm(h, weight, eps)
+    }
     /// `silu(gate) * up`, elementwise.
     fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
     /// Rotary embedding, rotate-half (GPT-NeoX) form, on the first `rotary_dim` of each head of
@@ -125,8 +233,38 @@ pub trait Backend: Send + Sync {
     /// Views each row as consecutive chunks of `chunk` values and splits every chunk after its
     /// first `first` values: returns (all the first parts, all the rest), each concatenated.
     fn split_chunks(&self, x: &Self::Act, chunk: usize, first: usize) -> (Self::Act, Self::Act);
-    /// The columns of `parts` side by side (all with the same number of rows).
-    fn concat_cols(&self, parts: &[&Self::Act]) -> Self::Act;
+    /// Softmax over router logits `[rows, experts]`, top-`k` per row (the lower index wins a
+    /// tie), optionally renormalised to sum to one.
+    fn route(&self, logits: &Self::Act, k: usize, normalize: bool) -> Self::Routing;
+    /// The routing in host memory (a synchronisation point: needed only to fetch streamed
+    /// experts).
+    fn read_routing(&self, routing: &Self::Routing) -> Result<HostRouting, BackendError>;
+    /// `sum_j weight_j * ffn_{expert_j}(x)` per row over resident experts.
+    fn moe(&self, x: &Self::Act, routing: &Self::Routing, experts: &Self::Experts) -> Self::Act;
+    /// Adds `weight_j * ffn_{expert_j}(x)` to `out` for the routed (row, expert) pairs whose
+    /// expert is in `experts` (expert id and staged weights, ascending ids); pairs of other
+    /// experts are skipped. Each row accumulates in ascending expert id, so splitting the experts
+    /// of a call into ascending runs over several calls gives bit-identical results (a streamed
+    /// expert cache smaller than the experts a batch needs relies on this).
+    fn moe_accumulate(
+        &self,
+        x: &Self::Act,
+        routing: &Self::Routing,
+        experts: &[(u32, &Self::StagedExpert)],
+        out: &mut Self::Act,
+    );
+    /// A dense SwiGLU feed-forward block.
+    fn ffn(&self, x: &Self::Act, w: &FfnWeights<Self::Weight>) -> Self::Act {
+        let gate = self.matmul(x, &w.gate);
+        let up = self.matmul(x, &w.up);
+        self.matmul(&self.swiglu(&gate, &up), &w.down)
+    }
+
+    // ---- Gated DeltaNet (Qwen3.5, Qwen3-Next) ------------------------------------------------
+    //
+    // Host fallbacks over [`reference`]: correct everywhere, slow on a device (each call copies
+    // its inputs and the state to the host and back). Backends override them.
+
     /// Depthwise causal 1-D convolution over time, then SiLU. `weight` is `[channels, kernel]`
     /// (taps oldest first); the inputs before the first row come from the state's window, which
     /// is updated to the last `kernel - 1` inputs.
@@ -135,7 +273,21 @@ pub trait Backend: Send + Sync {
         x: &Self::Act,
         weight: &Self::Vector,
         state: &mut Self::LinearState,
-    ) -> Self::Act;
+    ) -> Self::Act {
+        let (rows, cols) = self.shape(x);
+        let (Ok(xh), Ok(w), Ok(mut s)) = (
+            self.to_host(x),
+            self.vector_to_host(weight),
+            self.linear_state_to_host(state),
+        ) else {
+            return self.zeros(rows, cols); // the failure is already recorded
+        };
+        let y = reference::causal_conv1d_silu(&xh, &w, &mut s);
+        if let Ok(s) = self.linear_state_from_host(s) {
+            *state = s;
+        }
+        self.act_from_host(&y, rows, cols)
+    }
     /// The gated delta rule over `qkv` (`[rows, 2 * key_heads * key_dim + value_heads *
     /// value_dim]`, the convolved projection): q and k are L2-normalised (q also scaled by
     /// `key_dim^-0.5`), value head `j` reads key head `j / (value_heads / key_heads)`, and per
@@ -151,7 +303,26 @@ pub trait Backend: Send + Sync {
         a_log: &Self::Vector,
         dt_bias: &Self::Vector,
         state: &mut Self::LinearState,
-    ) -> Self::Act;
+    ) -> Self::Act {
+        let (rows, _) = self.shape(qkv);
+        let (Ok(mut s), Ok(q), Ok(ah), Ok(bh), Ok(al), Ok(dt)) = (
+            self.linear_state_to_host(state),
+            self.to_host(qkv),
+            self.to_host(a),
+            self.to_host(b),
+            self.vector_to_host(a_log),
+            self.vector_to_host(dt_bias),
+        ) else {
+            let (_, hv) = self.shape(a);
+            return self.zeros(rows, hv); // the failure is already recorded
+        };
+        let cols = s.dims.value_heads * s.dims.value_dim;
+        let y = reference::gated_delta_rule(&q, &ah, &bh, &al, &dt, &mut s);
+        if let Ok(s) = self.linear_state_from_host(s) {
+            *state = s;
+        }
+        self.act_from_host(&y, rows, cols)
+    }
     /// `silu(z) * rms_norm(x) * weight`, normalising each chunk of `weight.len()` values.
     fn rms_norm_gated(
         &self,
@@ -159,43 +330,15 @@ pub trait Backend: Send + Sync {
         z: &Self::Act,
         weight: &Self::Vector,
         eps: f32,
-    ) -> Self::Act;
-    /// Softmax over router logits `[rows, experts]`, top-`k` per row, optionally renormalised
-    /// to sum to one. Brings the choice to the host.
-    fn route(&self, logits: &Self::Act, k: usize, normalize: bool) -> Routing;
-    /// `sum_j weight_j * ffn_{expert_j}(x)` per row, with `experts[e]` the weights of expert `e`.
-    fn moe(
-        &self,
-        x: &Self::Act,
-        routing: &Routing,
-        experts: &[FfnWeights<Self::Weight>],
     ) -> Self::Act {
         let (rows, cols) = self.shape(x);
-        let mut used: Vec<u32> = routing.experts.clone();
-        used.sort_unstable();
-        used.dedup();
-        let present: Vec<(u32, &FfnWeights<Self::Weight>)> =
-            used.iter().map(|&e| (e, &experts[e as usize])).collect();
-        let mut out = self.act_from_host(&vec![0.0; rows * cols], rows, cols);
-        self.moe_accumulate(x, routing, &present, &mut out);
-        out
-    }
-    /// Adds `weight_j * ffn_{expert_j}(x)` to `out` for the routed (row, expert) pairs whose
-    /// expert is in `experts` (expert id and weights, ascending ids); pairs of other experts are
-    /// skipped. Each row accumulates in ascending expert id, so splitting the experts of a call
-    /// into ascending runs over several calls gives bit-identical results (a streamed expert
-    /// cache smaller than the experts a batch needs relies on this).
-    fn moe_accumulate(
-        &self,
-        x: &Self::Act,
-        routing: &Routing,
-        experts: &[(u32, &FfnWeights<Self::Weight>)],
-        out: &mut Self::Act,
-    );
-    /// A dense SwiGLU feed-forward block.
-    fn ffn(&self, x: &Self::Act, w: &FfnWeights<Self::Weight>) -> Self::Act {
-        let gate = self.matmul(x, &w.gate);
-        let up = self.matmul(x, &w.up);
-        self.matmul(&self.swiglu(&gate, &up), &w.down)
+        let (Ok(xh), Ok(zh), Ok(w)) = (
+            self.to_host(x),
+            self.to_host(z),
+            self.vector_to_host(weight),
+        ) else {
+            return self.zeros(rows, cols); // the failure is already recorded
+        };
+        self.act_from_host(&reference::rms_norm_gated(&xh, &zh, &w, eps), rows, cols)
     }
 }

@@ -82,7 +82,7 @@ impl fmt::Display for WeightFormat {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum WeightError {
     #[error("{0}")]
     Invalid(String),
@@ -209,6 +209,37 @@ impl HostMatrix {
             data: self.data.slice(range.start * rb..range.end * rb),
             scales,
             biases,
+        }
+    }
+
+    /// The rows of `ranges`, in that order, copied into a matrix of their own (to de-interleave
+    /// a fused projection once at load).
+    pub fn gather_rows(&self, ranges: &[Range<usize>]) -> HostMatrix {
+        let rb = self.format.row_bytes(self.cols);
+        let sb = self.format.scale_row_bytes(self.cols);
+        let copy = |bytes: &HostBytes, width: usize| -> HostBytes {
+            if width == 0 {
+                return HostBytes::empty();
+            }
+            let src = bytes.as_slice();
+            HostBytes::from_vec(
+                ranges
+                    .iter()
+                    .flat_map(|r| {
+                        assert!(r.start <= r.end && r.end <= self.rows);
+                        &src[r.start * width..r.end * width]
+                    })
+                    .copied()
+                    .collect(),
+            )
+        };
+        HostMatrix {
+            format: self.format,
+            rows: ranges.iter().map(|r| r.len()).sum(),
+            cols: self.cols,
+            data: copy(&self.data, rb),
+            scales: copy(&self.scales, sb),
+            biases: copy(&self.biases, sb),
         }
     }
 

@@ -226,7 +226,7 @@ fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> 
         rng ^= rng << 17;
         (rng % range) as u32
     };
-    let mut state = engine.new_state();
+    let mut state = engine.new_state()?;
     match test {
         Test::Prompt(n) => {
             let tokens: Vec<u32> = (0..n).map(|_| next_token()).collect();
@@ -241,7 +241,7 @@ fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> 
             let start = Instant::now();
             for _ in 0..n {
                 let logits = engine.model.forward(&mut state, &[token], false)?;
-                token = argmax(&backend.to_host(&logits));
+                token = argmax(&backend.to_host(&logits)?);
             }
             Ok(start.elapsed().as_secs_f64())
         }

@@ -1,7 +1,10 @@
 //! [`Backend`] on the host CPU, threaded with rayon's global pool.
 
 use rayon::prelude::*;
-use sluice_backend::{Backend, DeltaNetDims, FfnWeights, HostMatrix, Routing, WeightError};
+use sluice_backend::{
+    Backend, BackendError, ExpertKey, FfnWeights, HostExpert, HostLinearState, HostMatrix,
+    HostRouting, MemoryInfo,
+};
 
 use crate::kernels::{self, MatmulJob};
 
@@ -46,15 +49,6 @@ impl CpuKvCache {
     }
 }
 
-/// One Gated DeltaNet layer's memory: the last `kernel - 1` conv inputs and, per value head, a
-/// `[value_dim, key_dim]` state matrix.
-#[derive(Debug, Clone)]
-pub struct CpuLinearState {
-    dims: DeltaNetDims,
-    conv: Vec<f32>,
-    recurrent: Vec<f32>,
-}
-
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
 
@@ -68,8 +62,11 @@ impl Backend for CpuBackend {
     type Act = CpuAct;
     type Weight = HostMatrix;
     type Vector = Vec<f32>;
+    type Experts = Vec<FfnWeights<HostMatrix>>;
+    type StagedExpert = FfnWeights<HostMatrix>;
+    type Routing = HostRouting;
     type KvCache = CpuKvCache;
-    type LinearState = CpuLinearState;
+    type LinearState = HostLinearState;
 
     fn describe(&self) -> String {
         format!(
@@ -79,22 +76,61 @@ impl Backend for CpuBackend {
         )
     }
 
-    fn weight(&self, m: HostMatrix) -> Result<HostMatrix, WeightError> {
+    fn memory(&self) -> MemoryInfo {
+        host_memory()
+    }
+
+    fn synchronize(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn weight(&self, m: HostMatrix) -> Result<HostMatrix, BackendError> {
         m.as_ref().validate()?;
         Ok(m)
     }
 
-    fn vector(&self, v: &[f32]) -> Vec<f32> {
-        v.to_vec()
+    fn vector(&self, v: &[f32]) -> Result<Vec<f32>, BackendError> {
+        Ok(v.to_vec())
     }
 
-    fn kv_cache(&self, kv_heads: usize, head_dim: usize) -> CpuKvCache {
-        CpuKvCache {
+    fn vector_to_host(&self, v: &Vec<f32>) -> Result<Vec<f32>, BackendError> {
+        Ok(v.clone())
+    }
+
+    fn experts(&self, experts: Vec<HostExpert>) -> Result<Self::Experts, BackendError> {
+        for e in &experts {
+            for m in [&e.gate, &e.up, &e.down] {
+                m.as_ref().validate()?;
+            }
+        }
+        Ok(experts)
+    }
+
+    fn stage_expert(
+        &self,
+        _key: ExpertKey,
+        host: HostExpert,
+    ) -> Result<FfnWeights<HostMatrix>, BackendError> {
+        for m in [&host.gate, &host.up, &host.down] {
+            m.as_ref().validate()?;
+        }
+        Ok(host)
+    }
+
+    fn kv_cache(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        _capacity: usize,
+    ) -> Result<CpuKvCache, BackendError> {
+        // Grown as tokens arrive: reserving the capacity up front would commit memory for the
+        // whole context on every request.
+        Ok(CpuKvCache {
             kv_heads,
             head_dim,
             keys: Vec::new(),
             values: Vec::new(),
-        }
+        })
     }
 
     fn kv_len(&self, cache: &CpuKvCache) -> usize {
@@ -107,12 +143,16 @@ impl Backend for CpuBackend {
         cache.values.truncate(len * w);
     }
 
-    fn linear_state(&self, dims: &DeltaNetDims) -> CpuLinearState {
-        CpuLinearState {
-            dims: *dims,
-            conv: vec![0.0; dims.conv_kernel.saturating_sub(1) * dims.conv_channels()],
-            recurrent: vec![0.0; dims.value_heads * dims.value_dim * dims.key_dim],
-        }
+    fn linear_state_to_host(&self, s: &HostLinearState) -> Result<HostLinearState, BackendError> {
+        Ok(s.clone())
+    }
+
+    fn linear_state_from_host(&self, s: HostLinearState) -> Result<HostLinearState, BackendError> {
+        Ok(s)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> CpuAct {
+        CpuAct::zeros(rows, cols)
     }
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> CpuAct {
@@ -124,8 +164,8 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn to_host(&self, a: &CpuAct) -> Vec<f32> {
-        a.data.clone()
+    fn to_host(&self, a: &CpuAct) -> Result<Vec<f32>, BackendError> {
+        Ok(a.data.clone())
     }
 
     fn shape(&self, a: &CpuAct) -> (usize, usize) {
@@ -304,26 +344,11 @@ impl Backend for CpuBackend {
         (a, b)
     }
 
-    fn concat_cols(&self, parts: &[&CpuAct]) -> CpuAct {
-        let rows = parts.first().map_or(0, |p| p.rows);
-        assert!(parts.iter().all(|p| p.rows == rows));
-        let cols = parts.iter().map(|p| p.cols).sum();
-        let mut out = CpuAct::zeros(rows, cols);
-        for r in 0..rows {
-            let mut at = r * cols;
-            for p in parts {
-                out.data[at..at + p.cols].copy_from_slice(p.row(r));
-                at += p.cols;
-            }
-        }
-        out
-    }
-
     fn causal_conv1d_silu(
         &self,
         x: &CpuAct,
         weight: &Vec<f32>,
-        state: &mut CpuLinearState,
+        state: &mut HostLinearState,
     ) -> CpuAct {
         let (c, k) = (state.dims.conv_channels(), state.dims.conv_kernel);
         assert_eq!(x.cols, c);
@@ -351,7 +376,7 @@ impl Backend for CpuBackend {
         b: &CpuAct,
         a_log: &Vec<f32>,
         dt_bias: &Vec<f32>,
-        state: &mut CpuLinearState,
+        state: &mut HostLinearState,
     ) -> CpuAct {
         let d = state.dims;
         let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_dim, d.value_dim);
@@ -412,7 +437,7 @@ impl Backend for CpuBackend {
         out
     }
 
-    fn route(&self, logits: &CpuAct, k: usize, normalize: bool) -> Routing {
+    fn route(&self, logits: &CpuAct, k: usize, normalize: bool) -> HostRouting {
         let e = logits.cols;
         assert!(k >= 1 && k <= e);
         let mut experts = Vec::with_capacity(logits.rows * k);
@@ -439,17 +464,37 @@ impl Backend for CpuBackend {
                 weights.push(if normalize { p / total } else { p });
             }
         }
-        Routing {
+        HostRouting {
             k,
             experts,
             weights,
         }
     }
 
+    fn read_routing(&self, routing: &HostRouting) -> Result<HostRouting, BackendError> {
+        Ok(routing.clone())
+    }
+
+    fn moe(
+        &self,
+        x: &CpuAct,
+        routing: &HostRouting,
+        experts: &Vec<FfnWeights<HostMatrix>>,
+    ) -> CpuAct {
+        let present: Vec<(u32, &FfnWeights<HostMatrix>)> = routing
+            .distinct()
+            .into_iter()
+            .map(|e| (e, &experts[e as usize]))
+            .collect();
+        let mut out = CpuAct::zeros(x.rows, x.cols);
+        self.moe_accumulate(x, routing, &present, &mut out);
+        out
+    }
+
     fn moe_accumulate(
         &self,
         x: &CpuAct,
-        routing: &Routing,
+        routing: &HostRouting,
         experts: &[(u32, &FfnWeights<HostMatrix>)],
         out: &mut CpuAct,
     ) {
@@ -568,5 +613,19 @@ fn l2_normalize(x: &[f32], scale: f32, out: &mut [f32]) {
 fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// MemAvailable and MemTotal from /proc/meminfo (Linux); elsewhere unknown, reported as zero free.
+fn host_memory() -> MemoryInfo {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+    };
+    let total = field("MemTotal:").unwrap_or(u64::MAX);
+    MemoryInfo {
+        free: field("MemAvailable:").unwrap_or(0).min(total),
+        total,
     }
 }

@@ -6,4 +6,4 @@
 mod backend;
 pub mod kernels;
 
-pub use backend::{CpuAct, CpuBackend, CpuKvCache, CpuLinearState};
+pub use backend::{CpuAct, CpuBackend, CpuKvCache};

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_backend::Backend;
+use sluice_backend::{Backend, BackendError, ExpertSource};
 use sluice_format::{FormatError, ModelDir};
 use sluice_models::{CausalLm, ModelError, State};
 
@@ -38,6 +38,8 @@ pub enum EngineError {
     Input(String),
     #[error(transparent)]
     Store(#[from] sluice_store::StoreError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
 }
 
 /// Choices made when a model is loaded.
@@ -166,7 +168,8 @@ impl<B: Backend + 'static> Engine<B> {
             }
             None => (None, None),
         };
-        let mut model = sluice_models::load_with_store(&dir, backend, store.clone())?;
+        let source = store.clone().map(|s| Arc::new(s) as Arc<dyn ExpertSource>);
+        let mut model = sluice_models::load_with_experts(&dir, backend, source)?;
         if let Some(k) = opts.experts_per_token {
             model.set_experts_per_token(k)?;
         }
@@ -221,8 +224,8 @@ impl<B: Backend + 'static> Engine<B> {
             .unwrap_or(0) as usize
     }
 
-    pub fn new_state(&self) -> State<B> {
-        self.model.new_state()
+    pub fn new_state(&self) -> Result<State<B>, EngineError> {
+        Ok(self.model.new_state()?)
     }
 
     /// Renders a conversation with the model's chat template, ready to continue as the assistant.
@@ -283,7 +286,9 @@ impl<B: Backend + 'static> Engine<B> {
             }
             last = Some(self.model.forward(state, chunk, false)?);
         }
-        Ok(last.map(|l| self.model.backend().to_host(&l)))
+        last.map(|l| self.model.backend().to_host(&l))
+            .transpose()
+            .map_err(EngineError::from)
     }
 
     /// Generates up to `max_tokens` after `prompt`, calling `on_token(id, text)` as each token is
@@ -342,7 +347,7 @@ impl<B: Backend + 'static> Engine<B> {
         let resumed = cache.as_mut().and_then(|c| c.take(backend, prompt));
         let (mut state, cached_tokens, saved_logits) = match resumed {
             Some(r) => (r.state, r.cached_tokens, r.logits),
-            None => (self.new_state(), 0, None),
+            None => (self.new_state()?, 0, None),
         };
         let mut stats = GenerationStats {
             prompt_tokens: prompt.len(),
@@ -405,7 +410,7 @@ impl<B: Backend + 'static> Engine<B> {
             }
             let out = self.model.forward(&mut state, &[token], false)?;
             consumed.push(token);
-            logits = backend.to_host(&out);
+            logits = backend.to_host(&out)?;
         }
         if let Some(rest) = stream.finish()? {
             let _ = on_token(u32::MAX, &rest);
@@ -420,20 +425,20 @@ impl<B: Backend + 'static> Engine<B> {
 
     /// Logits `[tokens.len(), vocab]` (row-major) at every position of `tokens`.
     pub fn logits(&self, tokens: &[u32], mode: LogitsMode) -> Result<Vec<f32>, EngineError> {
-        let mut state = self.new_state();
+        let mut state = self.new_state()?;
         let b = self.model.backend();
         match mode {
             LogitsMode::Prefill => {
                 let mut all = Vec::new();
                 for chunk in tokens.chunks(PREFILL_CHUNK) {
-                    all.extend(b.to_host(&self.model.forward(&mut state, chunk, true)?));
+                    all.extend(b.to_host(&self.model.forward(&mut state, chunk, true)?)?);
                 }
                 Ok(all)
             }
             LogitsMode::Decode => {
                 let mut all = Vec::new();
                 for &t in tokens {
-                    all.extend(b.to_host(&self.model.forward(&mut state, &[t], true)?));
+                    all.extend(b.to_host(&self.model.forward(&mut state, &[t], true)?)?);
                 }
                 Ok(all)
             }

@@ -1,93 +1,118 @@
-//! The routed experts of one MoE layer: resident in memory, or streamed from a packed expert
-//! store through its cache.
+//! The routed experts of one MoE layer: resident on the backend, or fetched from an
+//! [`ExpertSource`] as the layer is routed.
 
-use sluice_backend::{Backend, FfnWeights, Routing};
-use sluice_store::ExpertStore;
+use std::sync::Arc;
+
+use sluice_backend::{Backend, ExpertError, ExpertErrorKind, ExpertKey, ExpertSource};
 
 use crate::ModelError;
 
 /// Where a layer's experts live.
 pub enum Experts<B: Backend> {
-    /// All experts loaded (memory-mapped on the CPU).
-    Resident(Vec<FfnWeights<B::Weight>>),
-    /// Fetched per call from the store of a packed directory.
-    Streamed { store: ExpertStore, layer: usize },
-}
-
-/// Routed experts of a batch, distinct and ascending.
-pub fn distinct(routing: &Routing) -> Vec<u32> {
-    let mut used = routing.experts.clone();
-    used.sort_unstable();
-    used.dedup();
-    used
+    /// All experts uploaded once (memory-mapped in place on the CPU).
+    Resident(B::Experts),
+    /// Fetched per call from a source (the expert store of a packed directory).
+    Streamed {
+        source: Arc<dyn ExpertSource>,
+        layer: usize,
+    },
 }
 
 impl<B: Backend> Experts<B> {
-    /// `sum_j weight_j * expert_j(x)` per row. Streamed experts are fetched in ascending runs
-    /// that fit the cache; rows accumulate in ascending expert id either way, so both paths give
-    /// bit-identical results.
+    /// `sum_j weight_j * expert_j(x)` per row.
     ///
-    /// `then` runs once this layer's experts are in memory and before computing with them: the
-    /// place to start reading the next layer's experts, so those reads overlap this compute.
+    /// Streamed experts the backend still holds are used as they are; the others are fetched in
+    /// ascending runs that fit the source's cache and staged on the backend. Every row
+    /// accumulates in ascending expert id however the experts are split, so streamed and
+    /// resident experts give bit-identical results.
+    ///
+    /// `then` runs once this layer's (first run of) experts are in memory and before computing
+    /// with them: the place to start reading the next layer's experts, so those reads overlap
+    /// this compute without evicting what this layer needs.
     pub fn run(
         &self,
         b: &B,
         x: &B::Act,
-        routing: &Routing,
+        routing: &B::Routing,
         then: &mut dyn FnMut(),
     ) -> Result<B::Act, ModelError> {
-        match self {
+        let (source, layer) = match self {
             Experts::Resident(experts) => {
                 then();
-                Ok(b.moe(x, routing, experts))
+                return Ok(b.moe(x, routing, experts));
             }
-            Experts::Streamed { store, layer } => {
-                let used = distinct(routing);
-                let (rows, cols) = b.shape(x);
-                let mut out = b.act_from_host(&vec![0.0; rows * cols], rows, cols);
-                let mut then = Some(then);
-                for run in used.chunks(store.max_fetch().max(1)) {
-                    let fetched = store
-                        .fetch(*layer, run)
-                        .map_err(|e| ModelError::Input(e.to_string()))?;
-                    let weights = fetched
-                        .into_iter()
-                        .map(|f| {
-                            let up = |m| {
-                                b.weight(m).map_err(|source| ModelError::Weight {
-                                    tensor: format!("layer {layer} expert {}", f.expert),
-                                    source,
-                                })
-                            };
-                            Ok(FfnWeights {
-                                gate: up(f.gate)?,
-                                up: up(f.up)?,
-                                down: up(f.down)?,
-                            })
-                        })
-                        .collect::<Result<Vec<_>, ModelError>>()?;
-                    if let Some(f) = then.take() {
-                        f();
+            Experts::Streamed { source, layer } => (source, *layer),
+        };
+        let used = b.read_routing(routing)?.distinct();
+        let (rows, cols) = b.shape(x);
+        let mut out = b.zeros(rows, cols);
+        let mut then = Some(then);
+        let max_fetch = source.max_fetch().max(1);
+        let mut rest = used.as_slice();
+        while !rest.is_empty() {
+            // The next run: experts up to the `max_fetch`-th that needs fetching.
+            let mut run: Vec<(u32, Option<B::StagedExpert>)> = Vec::new();
+            let mut missing: Vec<u32> = Vec::new();
+            for &expert in rest {
+                let held = b.staged_expert(ExpertKey { layer, expert });
+                if held.is_none() {
+                    if missing.len() == max_fetch {
+                        break;
                     }
-                    let pairs: Vec<(u32, &FfnWeights<B::Weight>)> =
-                        run.iter().copied().zip(weights.iter()).collect();
-                    b.moe_accumulate(x, routing, &pairs, &mut out);
-                    // `weights` drops here, unpinning the run's cache slots.
+                    missing.push(expert);
                 }
-                Ok(out)
+                run.push((expert, held));
             }
+            rest = &rest[run.len()..];
+            let mut fetched = if missing.is_empty() {
+                Vec::new()
+            } else {
+                source.fetch(layer, &missing)?
+            }
+            .into_iter();
+            let staged = run
+                .into_iter()
+                .map(|(expert, held)| {
+                    let staged = match held {
+                        Some(s) => s,
+                        None => {
+                            let host = fetched.next().ok_or_else(|| {
+                                ExpertError::new(
+                                    ExpertErrorKind::NotFound,
+                                    format!(
+                                        "{} returned fewer experts than asked for",
+                                        source.name()
+                                    ),
+                                )
+                            })?;
+                            b.stage_expert(ExpertKey { layer, expert }, host)?
+                        }
+                    };
+                    Ok((expert, staged))
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            if let Some(f) = then.take() {
+                f();
+            }
+            let pairs: Vec<(u32, &B::StagedExpert)> = staged.iter().map(|(e, s)| (*e, s)).collect();
+            b.moe_accumulate(x, routing, &pairs, &mut out);
+            // `staged` drops here, releasing the run's hold on the source's cache.
         }
+        Ok(out)
     }
 
     /// Starts reading the experts the router `gate` picks for `x` (a guess at this layer's
     /// routing made one layer early); a no-op for resident experts and for large batches.
     pub fn prefetch(&self, b: &B, gate: &B::Weight, x: &B::Act, k: usize, normalize: bool) {
-        if let Experts::Streamed { store, layer } = self {
-            if b.shape(x).0 > PREFETCH_MAX_ROWS {
-                return;
-            }
-            let routing = b.route(&b.matmul(x, gate), k, normalize);
-            store.prefetch(*layer, &distinct(&routing));
+        let Experts::Streamed { source, layer } = self else {
+            return;
+        };
+        if b.shape(x).0 > PREFETCH_MAX_ROWS {
+            return;
+        }
+        // A failed read of the guess is not this token's failure: the fetch will report it.
+        if let Ok(routing) = b.read_routing(&b.route(&b.matmul(x, gate), k, normalize)) {
+            source.prefetch(*layer, &routing.distinct());
         }
     }
 

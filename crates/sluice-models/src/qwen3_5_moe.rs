@@ -2,6 +2,9 @@
 //! its forerunner Qwen3-Next (`qwen3_next`), the same network with a flat config and fused input
 //! projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key head).
 //!
+//! Qwen3-Next's fused projections are de-interleaved into Qwen3.5's separate ones at load, so
+//! both run the same forward pass.
+//!
 //! A hybrid pre-norm decoder. Most layers are Gated DeltaNet linear attention (a causal depthwise
 //! conv over the q/k/v projection, then the gated delta rule with a fixed-size recurrent state,
 //! then an RMSNorm gated by `silu(z)`); every `full_attention_interval`-th layer is gated softmax
@@ -15,14 +18,17 @@
 //! `1 + w`) and the official Hugging Face layout (`model.language_model.*`, conv `[C, 1, K]`,
 //! zero-centred norms applied as `1 + w`).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, DeltaNetDims, FfnWeights};
+use sluice_backend::{Backend, DeltaNetDims, ExpertSource};
 use sluice_format::ModelDir;
-use sluice_store::ExpertStore;
 
-use crate::{config_error, CausalLm, Experts, LayerState, Loader, ModelError, ModelInfo, State};
+use crate::decoder::{wrong_state, Decoder, Dims, Ends};
+use crate::loader::Loader;
+use crate::moe::{Mlp, MoeDims};
+use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, State};
 
 /// The fields of the text config this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -43,9 +49,9 @@ pub struct Qwen35MoeConfig {
     pub linear_value_head_dim: usize,
     #[serde(default = "default_conv_kernel")]
     pub linear_conv_kernel_dim: usize,
-    /// `"linear_attention"` or `"full_attention"` per layer; else from the interval.
+    /// Per layer; else every `full_attention_interval`-th layer is full attention.
     #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
+    pub layer_types: Option<Vec<LayerType>>,
     #[serde(default = "default_interval")]
     pub full_attention_interval: usize,
     #[serde(default)]
@@ -79,6 +85,16 @@ pub struct Qwen35MoeConfig {
     pub decoder_sparse_step: usize,
 }
 
+/// The token mixer of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerType {
+    /// Gated DeltaNet.
+    LinearAttention,
+    /// Gated softmax attention.
+    FullAttention,
+}
+
 fn one() -> usize {
     1
 }
@@ -102,10 +118,13 @@ impl Qwen35MoeConfig {
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    fn is_linear(&self, layer: usize) -> bool {
+    fn layer_type(&self, layer: usize) -> LayerType {
         match &self.layer_types {
-            Some(types) => types[layer] == "linear_attention",
-            None => !(layer + 1).is_multiple_of(self.full_attention_interval.max(1)),
+            Some(types) => types[layer],
+            None if (layer + 1).is_multiple_of(self.full_attention_interval.max(1)) => {
+                LayerType::FullAttention
+            }
+            None => LayerType::LinearAttention,
         }
     }
 
@@ -175,12 +194,6 @@ impl Qwen35MoeConfig {
                     self.num_hidden_layers
                 ));
             }
-            if let Some(t) = types
-                .iter()
-                .find(|t| *t != "linear_attention" && *t != "full_attention")
-            {
-                return err(format!("unknown layer type `{t}` in layer_types"));
-            }
         }
         if self.num_experts > 0
             && (self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts)
@@ -200,21 +213,14 @@ impl Qwen35MoeConfig {
     }
 }
 
-enum InProj<B: Backend> {
-    /// Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
-    Separate {
-        qkv: B::Weight,
-        z: B::Weight,
-        b: B::Weight,
-        a: B::Weight,
-    },
-    /// Qwen3-Next: per key head, `in_proj_qkvz` rows are `[q | k | v (r heads) | z (r heads)]`
-    /// and `in_proj_ba` rows `[b (r) | a (r)]`, with `r = value_heads / key_heads`.
-    Fused { qkvz: B::Weight, ba: B::Weight },
-}
-
+/// Gated DeltaNet: the q/k/v projection convolved over time, the gated delta rule, an RMSNorm
+/// gated by `silu(z)`.
 struct LinearAttention<B: Backend> {
-    in_proj: InProj<B>,
+    /// q, k and v (all key heads' q, then k, then v): `[conv_channels, hidden]`.
+    in_proj_qkv: B::Weight,
+    in_proj_z: B::Weight,
+    in_proj_b: B::Weight,
+    in_proj_a: B::Weight,
     /// `[channels, kernel]`.
     conv1d: B::Vector,
     dt_bias: B::Vector,
@@ -238,17 +244,6 @@ enum Mixer<B: Backend> {
     Full(FullAttention<B>),
 }
 
-enum Mlp<B: Backend> {
-    Sparse {
-        gate: B::Weight,
-        experts: Experts<B>,
-        shared_expert: FfnWeights<B::Weight>,
-        /// `[1, hidden]`.
-        shared_expert_gate: B::Weight,
-    },
-    Dense(FfnWeights<B::Weight>),
-}
-
 struct Layer<B: Backend> {
     input_layernorm: B::Vector,
     mixer: Mixer<B>,
@@ -257,38 +252,29 @@ struct Layer<B: Backend> {
 }
 
 pub struct Qwen35Moe<B: Backend> {
-    backend: Arc<B>,
     cfg: Qwen35MoeConfig,
-    info: ModelInfo,
     rope_theta: f32,
     rotary_dim: usize,
-    embed_tokens: B::Weight,
+    decoder: Decoder<B>,
     layers: Vec<Layer<B>>,
-    norm: B::Vector,
-    lm_head: Option<B::Weight>,
 }
 
 /// Where the text model's tensors live in each layout.
 const TEXT_PREFIXES: [&str; 3] = ["language_model.model", "model.language_model", "model"];
 
-impl<B: Backend> Qwen35Moe<B> {
-    pub fn load(
-        dir: &ModelDir,
-        backend: Arc<B>,
-        store: Option<ExpertStore>,
-    ) -> Result<Self, ModelError> {
-        let cfg: Qwen35MoeConfig = dir.parse_config()?;
-        cfg.check(dir)?;
-        let (rope_theta, rotary_dim) = cfg.rope(dir)?;
-        let (hidden, hd) = (cfg.hidden_size, cfg.head_dim());
-        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let dims = cfg.delta_dims();
-        let mut ld = Loader::new(dir, backend.as_ref());
-        ld.store = store;
+/// How the checkpoint stores what differs between layouts.
+struct Layout {
+    /// Prefix of the text model's tensors.
+    root: &'static str,
+    /// Added to RMSNorm weights: the official layout stores zero-centred norms (`w - 1`).
+    norm_shift: f32,
+}
 
+impl Layout {
+    fn find(dir: &ModelDir, cfg: &Qwen35MoeConfig) -> Result<Layout, ModelError> {
         let root = TEXT_PREFIXES
             .into_iter()
-            .find(|p| ld.has(&format!("{p}.embed_tokens.weight")))
+            .find(|p| dir.tensors.contains(&format!("{p}.embed_tokens.weight")))
             .ok_or_else(|| {
                 ModelError::Unsupported(format!(
                     "{}: no text-model embeddings found (looked for {})",
@@ -298,107 +284,38 @@ impl<B: Backend> Qwen35Moe<B> {
                         .join(", ")
                 ))
             })?;
-        // The official layout stores conv weights as [C, 1, K] and zero-centred norms.
+        // The official layout stores conv weights as [C, 1, K] (mlx: [C, K, 1]), and zero-centred
+        // norms.
         let official = (0..cfg.num_hidden_layers)
-            .filter(|&i| cfg.is_linear(i))
+            .filter(|&i| cfg.layer_type(i) == LayerType::LinearAttention)
             .map(|i| format!("{root}.layers.{i}.linear_attn.conv1d.weight"))
             .find_map(|n| dir.tensors.get(&n).ok())
             .is_some_and(|t| t.shape.last() != Some(&1));
-        let norm_shift = if official { 1.0 } else { 0.0 };
-        let norm =
-            |ld: &mut Loader<B>, name: &str, len: usize| ld.vector_plus(name, len, norm_shift);
+        Ok(Layout {
+            root,
+            norm_shift: if official { 1.0 } else { 0.0 },
+        })
+    }
+}
 
-        let embed_tokens = ld.matrix(&format!("{root}.embed_tokens"), cfg.vocab_size, hidden)?;
-        let embed_bytes = ld.bytes;
-        let mut expert_bytes = 0;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let p = format!("{root}.layers.{i}");
-            let input_layernorm = norm(&mut ld, &format!("{p}.input_layernorm.weight"), hidden)?;
-            let mixer = if cfg.is_linear(i) {
-                let a = format!("{p}.linear_attn");
-                let channels = dims.conv_channels();
-                let value_width = dims.value_heads * dims.value_dim;
-                let conv_name = format!("{a}.conv1d.weight");
-                let (conv, shape) = dir.tensors.to_f32(&conv_name)?;
-                if conv.len() != channels * dims.conv_kernel {
-                    return Err(ModelError::Unsupported(format!(
-                        "tensor `{conv_name}` has shape {shape:?}, expected {channels} channels x {} taps",
-                        dims.conv_kernel
-                    )));
-                }
-                let hv = dims.value_heads;
-                let in_proj = if ld.has(&format!("{a}.in_proj_qkvz.weight")) {
-                    InProj::Fused {
-                        qkvz: ld.matrix(
-                            &format!("{a}.in_proj_qkvz"),
-                            channels + value_width,
-                            hidden,
-                        )?,
-                        ba: ld.matrix(&format!("{a}.in_proj_ba"), 2 * hv, hidden)?,
-                    }
-                } else {
-                    InProj::Separate {
-                        qkv: ld.matrix(&format!("{a}.in_proj_qkv"), channels, hidden)?,
-                        z: ld.matrix(&format!("{a}.in_proj_z"), value_width, hidden)?,
-                        b: ld.matrix(&format!("{a}.in_proj_b"), hv, hidden)?,
-                        a: ld.matrix(&format!("{a}.in_proj_a"), hv, hidden)?,
-                    }
-                };
-                Mixer::Linear(LinearAttention {
-                    in_proj,
-                    conv1d: backend.vector(&conv),
-                    dt_bias: ld.vector(&format!("{a}.dt_bias"), dims.value_heads)?,
-                    a_log: ld.vector(&format!("{a}.A_log"), dims.value_heads)?,
-                    norm: ld.vector(&format!("{a}.norm.weight"), dims.value_dim)?,
-                    out_proj: ld.matrix(&format!("{a}.out_proj"), hidden, value_width)?,
-                })
-            } else {
-                let a = format!("{p}.self_attn");
-                Mixer::Full(FullAttention {
-                    q_proj: ld.matrix(&format!("{a}.q_proj"), heads * hd * 2, hidden)?,
-                    k_proj: ld.matrix(&format!("{a}.k_proj"), kv_heads * hd, hidden)?,
-                    v_proj: ld.matrix(&format!("{a}.v_proj"), kv_heads * hd, hidden)?,
-                    o_proj: ld.matrix(&format!("{a}.o_proj"), hidden, heads * hd)?,
-                    q_norm: norm(&mut ld, &format!("{a}.q_norm.weight"), hd)?,
-                    k_norm: norm(&mut ld, &format!("{a}.k_norm.weight"), hd)?,
-                })
-            };
-            let post_attention_layernorm = norm(
-                &mut ld,
-                &format!("{p}.post_attention_layernorm.weight"),
-                hidden,
-            )?;
-            let m = format!("{p}.mlp");
-            let mlp = if cfg.is_sparse(i) {
-                let gate = ld.matrix(&format!("{m}.gate"), cfg.num_experts, hidden)?;
-                let before = ld.bytes;
-                let experts =
-                    ld.experts(i, &m, cfg.num_experts, hidden, cfg.moe_intermediate_size)?;
-                expert_bytes += ld.bytes - before;
-                Mlp::Sparse {
-                    gate,
-                    experts,
-                    shared_expert: ld.ffn(
-                        &format!("{m}.shared_expert"),
-                        hidden,
-                        cfg.shared_expert_intermediate_size,
-                    )?,
-                    shared_expert_gate: ld.matrix(&format!("{m}.shared_expert_gate"), 1, hidden)?,
-                }
-            } else {
-                Mlp::Dense(ld.ffn(&m, hidden, cfg.intermediate_size)?)
-            };
-            layers.push(Layer {
-                input_layernorm,
-                mixer,
-                post_attention_layernorm,
-                mlp,
-            });
-        }
-        let final_norm = norm(&mut ld, &format!("{root}.norm.weight"), hidden)?;
-        // Tied models use the embeddings even if a stray `lm_head` is stored, as mlx-lm and
-        // transformers do.
+impl<B: Backend> Qwen35Moe<B> {
+    pub fn load(
+        dir: &ModelDir,
+        backend: Arc<B>,
+        experts: Option<Arc<dyn ExpertSource>>,
+    ) -> Result<Self, ModelError> {
+        let cfg: Qwen35MoeConfig = dir.parse_config()?;
+        cfg.check(dir)?;
+        let (rope_theta, rotary_dim) = cfg.rope(dir)?;
+        let layout = Layout::find(dir, &cfg)?;
+        let (root, hidden) = (layout.root, cfg.hidden_size);
+        let mut ld = Loader::new(dir, backend.as_ref(), experts);
+        let embed_tokens =
+            ld.embeddings(&format!("{root}.embed_tokens"), cfg.vocab_size, hidden)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| Layer::load(&mut ld, &cfg, &layout, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = ld.vector_plus(&format!("{root}.norm.weight"), hidden, layout.norm_shift)?;
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
@@ -408,7 +325,7 @@ impl<B: Backend> Qwen35Moe<B> {
                 .unwrap_or("lm_head");
             Some(ld.matrix(head, cfg.vocab_size, hidden)?)
         };
-        let info = ModelInfo {
+        let dims = Dims {
             model_type: dir.model_type()?.to_string(),
             vocab_size: cfg.vocab_size,
             hidden_size: hidden,
@@ -416,58 +333,169 @@ impl<B: Backend> Qwen35Moe<B> {
             max_context: cfg.max_position_embeddings,
             experts: cfg.num_experts,
             experts_per_token: cfg.num_experts_per_tok,
-            dense_bytes: ld.bytes - embed_bytes - expert_bytes,
-            expert_bytes,
-            weight_format: crate::describe_quant(dir),
+            rms_norm_eps: cfg.rms_norm_eps as f32,
         };
+        let ends = Ends {
+            embed_tokens,
+            norm,
+            lm_head,
+        };
+        let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
         Ok(Qwen35Moe {
-            backend,
             cfg,
-            info,
             rope_theta: rope_theta as f32,
             rotary_dim,
-            embed_tokens,
+            decoder,
             layers,
-            norm: final_norm,
-            lm_head,
         })
     }
+}
 
+impl<B: Backend> Layer<B> {
+    fn load(
+        ld: &mut Loader<B>,
+        cfg: &Qwen35MoeConfig,
+        layout: &Layout,
+        i: usize,
+    ) -> Result<Self, ModelError> {
+        let hidden = cfg.hidden_size;
+        let p = format!("{}.layers.{i}", layout.root);
+        let shift = layout.norm_shift;
+        let mixer = match cfg.layer_type(i) {
+            LayerType::LinearAttention => {
+                Mixer::Linear(LinearAttention::load(ld, cfg, &format!("{p}.linear_attn"))?)
+            }
+            LayerType::FullAttention => Mixer::Full(FullAttention::load(
+                ld,
+                cfg,
+                layout,
+                &format!("{p}.self_attn"),
+            )?),
+        };
+        let m = format!("{p}.mlp");
+        Ok(Layer {
+            input_layernorm: ld.vector_plus(
+                &format!("{p}.input_layernorm.weight"),
+                hidden,
+                shift,
+            )?,
+            mixer,
+            post_attention_layernorm: ld.vector_plus(
+                &format!("{p}.post_attention_layernorm.weight"),
+                hidden,
+                shift,
+            )?,
+            mlp: if cfg.is_sparse(i) {
+                let dims = MoeDims {
+                    experts: cfg.num_experts,
+                    hidden,
+                    inter: cfg.moe_intermediate_size,
+                    shared_inter: Some(cfg.shared_expert_intermediate_size),
+                    norm_topk_prob: cfg.norm_topk_prob,
+                };
+                Mlp::sparse(ld, i, &m, &dims)?
+            } else {
+                Mlp::dense(ld, &m, hidden, cfg.intermediate_size)?
+            },
+        })
+    }
+}
+
+impl<B: Backend> LinearAttention<B> {
+    fn load(ld: &mut Loader<B>, cfg: &Qwen35MoeConfig, a: &str) -> Result<Self, ModelError> {
+        let d = cfg.delta_dims();
+        let hidden = cfg.hidden_size;
+        let channels = d.conv_channels();
+        let (hv, value_width) = (d.value_heads, d.value_heads * d.value_dim);
+        let (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) =
+            if ld.has(&format!("{a}.in_proj_qkvz.weight")) {
+                // Qwen3-Next: per key head, `in_proj_qkvz` rows are `[q | k | v (r heads) | z
+                // (r heads)]` and `in_proj_ba` rows `[b (r) | a (r)]`, `r = value_heads /
+                // key_heads`. Gathered here into Qwen3.5's separate projections.
+                let (dk, hk) = (d.key_dim, d.key_heads);
+                let r = hv / hk;
+                let width = r * d.value_dim;
+                let per_head = 2 * dk + 2 * width;
+                let part = |start: usize, len: usize, stride: usize| -> Vec<Range<usize>> {
+                    (0..hk)
+                        .map(|h| h * stride + start..h * stride + start + len)
+                        .collect()
+                };
+                let qkv: Vec<Range<usize>> = [
+                    part(0, dk, per_head),
+                    part(dk, dk, per_head),
+                    part(2 * dk, width, per_head),
+                ]
+                .concat();
+                let qkvz = format!("{a}.in_proj_qkvz");
+                let ba = format!("{a}.in_proj_ba");
+                let rows = channels + value_width;
+                (
+                    ld.matrix_rows(&qkvz, rows, hidden, &qkv)?,
+                    ld.matrix_rows(&qkvz, rows, hidden, &part(2 * dk + width, width, per_head))?,
+                    ld.matrix_rows(&ba, 2 * hv, hidden, &part(0, r, 2 * r))?,
+                    ld.matrix_rows(&ba, 2 * hv, hidden, &part(r, r, 2 * r))?,
+                )
+            } else {
+                (
+                    ld.matrix(&format!("{a}.in_proj_qkv"), channels, hidden)?,
+                    ld.matrix(&format!("{a}.in_proj_z"), value_width, hidden)?,
+                    ld.matrix(&format!("{a}.in_proj_b"), hv, hidden)?,
+                    ld.matrix(&format!("{a}.in_proj_a"), hv, hidden)?,
+                )
+            };
+        Ok(LinearAttention {
+            in_proj_qkv,
+            in_proj_z,
+            in_proj_b,
+            in_proj_a,
+            conv1d: ld.flat(&format!("{a}.conv1d.weight"), channels * d.conv_kernel)?,
+            dt_bias: ld.vector(&format!("{a}.dt_bias"), hv)?,
+            a_log: ld.vector(&format!("{a}.A_log"), hv)?,
+            norm: ld.vector(&format!("{a}.norm.weight"), d.value_dim)?,
+            out_proj: ld.matrix(&format!("{a}.out_proj"), hidden, value_width)?,
+        })
+    }
+}
+
+impl<B: Backend> FullAttention<B> {
+    fn load(
+        ld: &mut Loader<B>,
+        cfg: &Qwen35MoeConfig,
+        layout: &Layout,
+        a: &str,
+    ) -> Result<Self, ModelError> {
+        let (hidden, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        Ok(FullAttention {
+            q_proj: ld.matrix(&format!("{a}.q_proj"), heads * hd * 2, hidden)?,
+            k_proj: ld.matrix(&format!("{a}.k_proj"), kv_heads * hd, hidden)?,
+            v_proj: ld.matrix(&format!("{a}.v_proj"), kv_heads * hd, hidden)?,
+            o_proj: ld.matrix(&format!("{a}.o_proj"), hidden, heads * hd)?,
+            q_norm: ld.vector_plus(&format!("{a}.q_norm.weight"), hd, layout.norm_shift)?,
+            k_norm: ld.vector_plus(&format!("{a}.k_norm.weight"), hd, layout.norm_shift)?,
+        })
+    }
+}
+
+impl<B: Backend> Qwen35Moe<B> {
     fn linear_attention(
         &self,
         l: &LinearAttention<B>,
         x: &B::Act,
         state: &mut B::LinearState,
     ) -> B::Act {
-        let b = self.backend.as_ref();
-        let (qkv, z, beta_logits, a) = match &l.in_proj {
-            InProj::Separate { qkv, z, b: wb, a } => (
-                b.matmul(x, qkv),
-                b.matmul(x, z),
-                b.matmul(x, wb),
-                b.matmul(x, a),
-            ),
-            InProj::Fused { qkvz, ba } => {
-                let d = self.cfg.delta_dims();
-                // Per key head: dk of q, dk of k, then `width` of v and of z.
-                let (dk, width) = (d.key_dim, d.value_heads / d.key_heads * d.value_dim);
-                let (qk, vz) = b.split_chunks(&b.matmul(x, qkvz), 2 * dk + 2 * width, 2 * dk);
-                let (q, k) = b.split_chunks(&qk, 2 * dk, dk);
-                let (v, z) = b.split_chunks(&vz, 2 * width, width);
-                let r = d.value_heads / d.key_heads;
-                let (beta_logits, a) = b.split_chunks(&b.matmul(x, ba), 2 * r, r);
-                (b.concat_cols(&[&q, &k, &v]), z, beta_logits, a)
-            }
-        };
-        let qkv = b.causal_conv1d_silu(&qkv, &l.conv1d, state);
+        let b = self.decoder.backend();
+        let qkv = b.causal_conv1d_silu(&b.matmul(x, &l.in_proj_qkv), &l.conv1d, state);
+        let (beta_logits, a) = (b.matmul(x, &l.in_proj_b), b.matmul(x, &l.in_proj_a));
         let y = b.gated_delta_rule(&qkv, &a, &beta_logits, &l.a_log, &l.dt_bias, state);
-        let y = b.rms_norm_gated(&y, &z, &l.norm, self.cfg.rms_norm_eps as f32);
+        let y = b.rms_norm_gated(&y, &b.matmul(x, &l.in_proj_z), &l.norm, self.decoder.eps());
         b.matmul(&y, &l.out_proj)
     }
 
     fn full_attention(&self, l: &FullAttention<B>, x: &B::Act, cache: &mut B::KvCache) -> B::Act {
-        let b = self.backend.as_ref();
-        let (hd, eps) = (self.cfg.head_dim(), self.cfg.rms_norm_eps as f32);
+        let b = self.decoder.backend();
+        let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let position = b.kv_len(cache);
         let (q, gate) = b.split_chunks(&b.matmul(x, &l.q_proj), 2 * hd, hd);
         let mut q = b.rms_norm(&q, &l.q_norm, eps);
@@ -480,103 +508,61 @@ impl<B: Backend> Qwen35Moe<B> {
         b.sigmoid_mul(&mut o, &gate);
         b.matmul(&o, &l.o_proj)
     }
-
-    fn mlp(&self, i: usize, x: &B::Act) -> Result<B::Act, ModelError> {
-        let b = self.backend.as_ref();
-        match &self.layers[i].mlp {
-            Mlp::Sparse {
-                gate,
-                experts,
-                shared_expert,
-                shared_expert_gate,
-            } => {
-                let routing = b.route(
-                    &b.matmul(x, gate),
-                    self.info.experts_per_token,
-                    self.cfg.norm_topk_prob,
-                );
-                let mut y = experts.run(b, x, &routing, &mut || self.prefetch_after(i, x))?;
-                let mut shared = b.ffn(x, shared_expert);
-                b.sigmoid_mul(&mut shared, &b.matmul(x, shared_expert_gate));
-                b.add_assign(&mut y, &shared);
-                Ok(y)
-            }
-            Mlp::Dense(ffn) => Ok(b.ffn(x, ffn)),
-        }
-    }
-
-    /// Starts reading the next layer's likely experts: its router applied to this layer's input.
-    fn prefetch_after(&self, i: usize, x: &B::Act) {
-        if let Some(Mlp::Sparse { gate, experts, .. }) = self.layers.get(i + 1).map(|l| &l.mlp) {
-            let k = self.info.experts_per_token;
-            experts.prefetch(self.backend.as_ref(), gate, x, k, self.cfg.norm_topk_prob);
-        }
-    }
 }
 
 impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-
-    fn new_state(&self) -> State<B> {
-        let b = self.backend.as_ref();
-        let dims = self.cfg.delta_dims();
-        State {
-            layers: self
-                .layers
-                .iter()
-                .map(|l| match l.mixer {
-                    Mixer::Linear(_) => LayerState::Linear(b.linear_state(&dims)),
-                    Mixer::Full(_) => LayerState::Attention(
-                        b.kv_cache(self.cfg.num_key_value_heads, self.cfg.head_dim()),
-                    ),
-                })
-                .collect(),
-            position: 0,
-        }
-    }
-
     fn forward(
         &self,
         state: &mut State<B>,
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<B::Act, ModelError> {
-        let b = self.backend.as_ref();
-        let eps = self.cfg.rms_norm_eps as f32;
-        crate::check_tokens(tokens, state.position, &self.info)?;
-
-        let mut h = b.embed(&self.embed_tokens, tokens);
+        let b = self.decoder.backend();
+        let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
+        let mut h = self.decoder.embed(state, tokens)?;
         for (i, (l, layer_state)) in self.layers.iter().zip(&mut state.layers).enumerate() {
             let x = b.rms_norm(&h, &l.input_layernorm, eps);
             let mixed = match (&l.mixer, layer_state) {
                 (Mixer::Linear(m), LayerState::Linear(s)) => self.linear_attention(m, &x, s),
                 (Mixer::Full(m), LayerState::Attention(c)) => self.full_attention(m, &x, c),
-                _ => {
-                    return Err(ModelError::Input(
-                        "state does not belong to this model".into(),
-                    ))
-                }
+                _ => return Err(wrong_state()),
             };
-            b.add_assign(&mut h, &mixed);
-            let x = b.rms_norm(&h, &l.post_attention_layernorm, eps);
-            let mlp = self.mlp(i, &x)?;
+            let x = b.add_rms_norm(&mut h, &mixed, &l.post_attention_layernorm, eps);
+            let mlp = l
+                .mlp
+                .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
             b.add_assign(&mut h, &mlp);
         }
         state.position += tokens.len();
+        Ok(self.decoder.logits(h, all_logits))
+    }
 
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(crate::output_logits(
-            b, h, all_logits, &self.norm, eps, head,
-        ))
+    fn new_state(&self) -> Result<State<B>, ModelError> {
+        let b = self.decoder.backend();
+        let dims = self.cfg.delta_dims();
+        let (kv_heads, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim());
+        Ok(State {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l.mixer {
+                    Mixer::Linear(_) => Ok(LayerState::Linear(b.linear_state(&dims)?)),
+                    Mixer::Full(_) => self.decoder.attention_state(kv_heads, hd),
+                })
+                .collect::<Result<_, ModelError>>()?,
+            position: 0,
+        })
+    }
+
+    fn info(&self) -> &ModelInfo {
+        self.decoder.info()
     }
 
     fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
-        crate::set_experts_per_token(&mut self.info, k)
+        self.decoder.set_experts_per_token(k)
     }
 
     fn backend(&self) -> &B {
-        &self.backend
+        self.decoder.backend()
     }
 }

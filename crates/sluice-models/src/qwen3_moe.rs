@@ -10,11 +10,13 @@
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, FfnWeights};
+use sluice_backend::{Backend, ExpertSource};
 use sluice_format::ModelDir;
-use sluice_store::ExpertStore;
 
-use crate::{config_error, CausalLm, Experts, LayerState, Loader, ModelError, ModelInfo, State};
+use crate::decoder::{wrong_state, Decoder, Dims, Ends};
+use crate::loader::Loader;
+use crate::moe::{Mlp, MoeDims};
+use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, State};
 
 /// The fields of config.json this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -142,105 +144,53 @@ impl Qwen3MoeConfig {
     }
 }
 
-enum Mlp<B: Backend> {
-    Sparse {
-        /// The router: `[num_experts, hidden]`.
-        gate: B::Weight,
-        experts: Experts<B>,
-    },
-    Dense(FfnWeights<B::Weight>),
-}
-
-struct Layer<B: Backend> {
-    input_layernorm: B::Vector,
+struct Attention<B: Backend> {
     q_proj: B::Weight,
     k_proj: B::Weight,
     v_proj: B::Weight,
     o_proj: B::Weight,
     q_norm: B::Vector,
     k_norm: B::Vector,
+}
+
+struct Layer<B: Backend> {
+    input_layernorm: B::Vector,
+    self_attn: Attention<B>,
     post_attention_layernorm: B::Vector,
     mlp: Mlp<B>,
 }
 
 pub struct Qwen3Moe<B: Backend> {
-    backend: Arc<B>,
     cfg: Qwen3MoeConfig,
-    info: ModelInfo,
     rope_theta: f32,
-    embed_tokens: B::Weight,
+    decoder: Decoder<B>,
     layers: Vec<Layer<B>>,
-    norm: B::Vector,
-    /// `None` when tied to `embed_tokens`.
-    lm_head: Option<B::Weight>,
 }
 
 impl<B: Backend> Qwen3Moe<B> {
     pub fn load(
         dir: &ModelDir,
         backend: Arc<B>,
-        store: Option<ExpertStore>,
+        experts: Option<Arc<dyn ExpertSource>>,
     ) -> Result<Self, ModelError> {
         let cfg: Qwen3MoeConfig = dir.parse_config()?;
         cfg.check(dir)?;
         let rope_theta = cfg.rope_theta(dir)? as f32;
-        let (hidden, hd) = (cfg.hidden_size, cfg.head_dim());
-        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let mut ld = Loader::new(dir, backend.as_ref());
-        ld.store = store;
-
-        let embed_tokens = ld.matrix("model.embed_tokens", cfg.vocab_size, hidden)?;
-        let embed_bytes = ld.bytes;
-        let mut expert_bytes = 0;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let attn = format!("{p}.self_attn");
-            let input_layernorm = ld.vector(&format!("{p}.input_layernorm.weight"), hidden)?;
-            let q_proj = ld.matrix(&format!("{attn}.q_proj"), heads * hd, hidden)?;
-            let k_proj = ld.matrix(&format!("{attn}.k_proj"), kv_heads * hd, hidden)?;
-            let v_proj = ld.matrix(&format!("{attn}.v_proj"), kv_heads * hd, hidden)?;
-            let o_proj = ld.matrix(&format!("{attn}.o_proj"), hidden, heads * hd)?;
-            let q_norm = ld.vector(&format!("{attn}.q_norm.weight"), hd)?;
-            let k_norm = ld.vector(&format!("{attn}.k_norm.weight"), hd)?;
-            let post_attention_layernorm =
-                ld.vector(&format!("{p}.post_attention_layernorm.weight"), hidden)?;
-            let mlp = if cfg.is_sparse(i) {
-                let gate = ld.matrix(&format!("{p}.mlp.gate"), cfg.num_experts, hidden)?;
-                let before = ld.bytes;
-                let experts = ld.experts(
-                    i,
-                    &format!("{p}.mlp"),
-                    cfg.num_experts,
-                    hidden,
-                    cfg.moe_intermediate_size,
-                )?;
-                expert_bytes += ld.bytes - before;
-                Mlp::Sparse { gate, experts }
-            } else {
-                Mlp::Dense(ld.ffn(&format!("{p}.mlp"), hidden, cfg.intermediate_size)?)
-            };
-            layers.push(Layer {
-                input_layernorm,
-                q_proj,
-                k_proj,
-                v_proj,
-                o_proj,
-                q_norm,
-                k_norm,
-                post_attention_layernorm,
-                mlp,
-            });
-        }
-        let norm = ld.vector("model.norm.weight", hidden)?;
-        // Tied models use the embeddings even if a stray `lm_head` is stored, as mlx-lm and
-        // transformers do.
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(ld.matrix("lm_head", cfg.vocab_size, hidden)?)
+        let hidden = cfg.hidden_size;
+        let mut ld = Loader::new(dir, backend.as_ref(), experts);
+        let embed_tokens = ld.embeddings("model.embed_tokens", cfg.vocab_size, hidden)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| Layer::load(&mut ld, &cfg, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ends = Ends {
+            embed_tokens,
+            norm: ld.vector("model.norm.weight", hidden)?,
+            lm_head: match cfg.tie_word_embeddings {
+                true => None,
+                false => Some(ld.matrix("lm_head", cfg.vocab_size, hidden)?),
+            },
         };
-        let info = ModelInfo {
+        let dims = Dims {
             model_type: "qwen3_moe".into(),
             vocab_size: cfg.vocab_size,
             hidden_size: hidden,
@@ -248,25 +198,57 @@ impl<B: Backend> Qwen3Moe<B> {
             max_context: cfg.max_position_embeddings,
             experts: cfg.num_experts,
             experts_per_token: cfg.num_experts_per_tok,
-            dense_bytes: ld.bytes - embed_bytes - expert_bytes,
-            expert_bytes,
-            weight_format: crate::describe_quant(dir),
+            rms_norm_eps: cfg.rms_norm_eps as f32,
         };
+        let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
         Ok(Qwen3Moe {
-            backend,
             cfg,
-            info,
             rope_theta,
-            embed_tokens,
+            decoder,
             layers,
-            norm,
-            lm_head,
         })
     }
+}
 
-    fn attention(&self, l: &Layer<B>, x: &B::Act, cache: &mut B::KvCache) -> B::Act {
-        let b = self.backend.as_ref();
-        let (hd, eps) = (self.cfg.head_dim(), self.cfg.rms_norm_eps as f32);
+impl<B: Backend> Layer<B> {
+    fn load(ld: &mut Loader<B>, cfg: &Qwen3MoeConfig, i: usize) -> Result<Self, ModelError> {
+        let (hidden, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let p = format!("model.layers.{i}");
+        let a = format!("{p}.self_attn");
+        Ok(Layer {
+            input_layernorm: ld.vector(&format!("{p}.input_layernorm.weight"), hidden)?,
+            self_attn: Attention {
+                q_proj: ld.matrix(&format!("{a}.q_proj"), heads * hd, hidden)?,
+                k_proj: ld.matrix(&format!("{a}.k_proj"), kv_heads * hd, hidden)?,
+                v_proj: ld.matrix(&format!("{a}.v_proj"), kv_heads * hd, hidden)?,
+                o_proj: ld.matrix(&format!("{a}.o_proj"), hidden, heads * hd)?,
+                q_norm: ld.vector(&format!("{a}.q_norm.weight"), hd)?,
+                k_norm: ld.vector(&format!("{a}.k_norm.weight"), hd)?,
+            },
+            post_attention_layernorm: ld
+                .vector(&format!("{p}.post_attention_layernorm.weight"), hidden)?,
+            mlp: if cfg.is_sparse(i) {
+                let dims = MoeDims {
+                    experts: cfg.num_experts,
+                    hidden,
+                    inter: cfg.moe_intermediate_size,
+                    shared_inter: None,
+                    norm_topk_prob: cfg.norm_topk_prob,
+                };
+                Mlp::sparse(ld, i, &format!("{p}.mlp"), &dims)?
+            } else {
+                Mlp::dense(ld, &format!("{p}.mlp"), hidden, cfg.intermediate_size)?
+            },
+        })
+    }
+}
+
+impl<B: Backend> Qwen3Moe<B> {
+    /// Grouped-query attention with RMS-normed q and k and full rotary embeddings.
+    fn attention(&self, l: &Attention<B>, x: &B::Act, cache: &mut B::KvCache) -> B::Act {
+        let b = self.decoder.backend();
+        let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let position = b.kv_len(cache);
         let mut q = b.rms_norm(&b.matmul(x, &l.q_proj), &l.q_norm, eps);
         let mut k = b.rms_norm(&b.matmul(x, &l.k_proj), &l.k_norm, eps);
@@ -277,87 +259,53 @@ impl<B: Backend> Qwen3Moe<B> {
         let o = b.attention(&q, &k, &v, cache, self.cfg.num_attention_heads, scale);
         b.matmul(&o, &l.o_proj)
     }
-
-    fn mlp(&self, i: usize, x: &B::Act) -> Result<B::Act, ModelError> {
-        let b = self.backend.as_ref();
-        match &self.layers[i].mlp {
-            Mlp::Sparse { gate, experts } => {
-                let routing = b.route(
-                    &b.matmul(x, gate),
-                    self.info.experts_per_token,
-                    self.cfg.norm_topk_prob,
-                );
-                experts.run(b, x, &routing, &mut || self.prefetch_after(i, x))
-            }
-            Mlp::Dense(ffn) => Ok(b.ffn(x, ffn)),
-        }
-    }
-
-    /// Starts reading the next layer's likely experts: its router applied to this layer's input.
-    fn prefetch_after(&self, i: usize, x: &B::Act) {
-        if let Some(Mlp::Sparse { gate, experts }) = self.layers.get(i + 1).map(|l| &l.mlp) {
-            let k = self.info.experts_per_token;
-            experts.prefetch(self.backend.as_ref(), gate, x, k, self.cfg.norm_topk_prob);
-        }
-    }
 }
 
 impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-
-    fn new_state(&self) -> State<B> {
-        let b = self.backend.as_ref();
-        State {
-            layers: (0..self.cfg.num_hidden_layers)
-                .map(|_| {
-                    LayerState::Attention(
-                        b.kv_cache(self.cfg.num_key_value_heads, self.cfg.head_dim()),
-                    )
-                })
-                .collect(),
-            position: 0,
-        }
-    }
-
     fn forward(
         &self,
         state: &mut State<B>,
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<B::Act, ModelError> {
-        let b = self.backend.as_ref();
-        let eps = self.cfg.rms_norm_eps as f32;
-        crate::check_tokens(tokens, state.position, &self.info)?;
-
-        let mut h = b.embed(&self.embed_tokens, tokens);
+        let b = self.decoder.backend();
+        let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
+        let mut h = self.decoder.embed(state, tokens)?;
         for (i, (l, layer_state)) in self.layers.iter().zip(&mut state.layers).enumerate() {
             let LayerState::Attention(cache) = layer_state else {
-                return Err(ModelError::Input(
-                    "state does not belong to this model".into(),
-                ));
+                return Err(wrong_state());
             };
             let x = b.rms_norm(&h, &l.input_layernorm, eps);
-            let attn = self.attention(l, &x, cache);
-            b.add_assign(&mut h, &attn);
-            let x = b.rms_norm(&h, &l.post_attention_layernorm, eps);
-            let mlp = self.mlp(i, &x)?;
+            let attn = self.attention(&l.self_attn, &x, cache);
+            let x = b.add_rms_norm(&mut h, &attn, &l.post_attention_layernorm, eps);
+            let mlp = l
+                .mlp
+                .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
             b.add_assign(&mut h, &mlp);
         }
         state.position += tokens.len();
+        Ok(self.decoder.logits(h, all_logits))
+    }
 
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(crate::output_logits(
-            b, h, all_logits, &self.norm, eps, head,
-        ))
+    fn new_state(&self) -> Result<State<B>, ModelError> {
+        let (kv_heads, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim());
+        Ok(State {
+            layers: (0..self.layers.len())
+                .map(|_| self.decoder.attention_state(kv_heads, hd))
+                .collect::<Result<_, _>>()?,
+            position: 0,
+        })
+    }
+
+    fn info(&self) -> &ModelInfo {
+        self.decoder.info()
     }
 
     fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
-        crate::set_experts_per_token(&mut self.info, k)
+        self.decoder.set_experts_per_token(k)
     }
 
     fn backend(&self) -> &B {
-        &self.backend
+        self.decoder.backend()
     }
 }

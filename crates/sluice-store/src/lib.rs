@@ -5,6 +5,7 @@
 //! `model.safetensors` and every routed expert as one contiguous, 4 KiB-aligned block of
 //! `experts.bin`, described by `experts.json` ([`manifest::Manifest`]).
 
+mod expert_source;
 pub mod io;
 pub mod manifest;
 pub mod pack;

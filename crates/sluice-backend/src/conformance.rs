@@ -1,0 +1,698 @@
+//! The contract every backend must meet: each operation against [`crate::reference`] on random
+//! inputs, edge shapes included (one row, odd row counts around kernel thresholds, partial
+//! rotary, grouped-query attention over a cache that is extended, rewound and cloned, routing
+//! ties, experts split over several calls, DeltaNet states carried between calls).
+//!
+//! A backend crate runs it with [`conformance_tests!`](crate::conformance_tests), which expands
+//! to one `#[test]` per check. Each check panics with the operation, the case and the error on
+//! failure. Tolerances are relative to the largest reference value: f32 arithmetic lands far
+//! under the default [`Tolerance`]; a backend that rounds activations (tensor cores in bf16) may
+//! pass a looser one for matrix products and says so in its tests.
+
+use crate::reference::{self, HostLinearState};
+use crate::{
+    Backend, DeltaNetDims, Dtype, ExpertKey, FfnWeights, HostBytes, HostMatrix, HostRouting,
+    MatRef, WeightFormat,
+};
+
+/// How far a backend may stray from the reference, relative to the largest reference value.
+#[derive(Debug, Clone, Copy)]
+pub struct Tolerance {
+    /// Matrix products, embeddings and everything built on them (MoE, feed-forward).
+    pub matmul: f32,
+    /// Everything else (norms, rotary, attention, DeltaNet, routing weights).
+    pub other: f32,
+}
+
+impl Default for Tolerance {
+    fn default() -> Self {
+        Tolerance {
+            matmul: 2e-5,
+            other: 2e-5,
+        }
+    }
+}
+
+/// A small deterministic generator (splitmix64), so a failure reproduces.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform(lo, hi)).collect()
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+fn encode(dt: Dtype, v: &[f32]) -> Vec<u8> {
+    match dt {
+        Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        Dtype::F16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        Dtype::Bf16 => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// A random `[rows, cols]` matrix in `format`: dense values in [-1, 1); affine codes uniform,
+/// scales of either sign and biases small, as trained checkpoints have.
+pub fn random_matrix(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) -> HostMatrix {
+    let data_len = rows * format.row_bytes(cols);
+    let (data, scales, biases) = match format {
+        WeightFormat::Dense(dt) => (encode(dt, &rng.vec(rows * cols, -1.0, 1.0)), vec![], vec![]),
+        WeightFormat::Affine {
+            group_size,
+            scale_dtype,
+            ..
+        } => {
+            let groups = rows * cols / group_size;
+            let data = (0..data_len).map(|_| rng.next_u64() as u8).collect();
+            let scales: Vec<f32> = (0..groups)
+                .map(|_| rng.uniform(0.01, 0.1) * if rng.below(2) == 0 { 1.0 } else { -1.0 })
+                .collect();
+            (
+                data,
+                encode(scale_dtype, &scales),
+                encode(scale_dtype, &rng.vec(groups, -0.1, 0.1)),
+            )
+        }
+    };
+    HostMatrix::new(
+        format,
+        rows,
+        cols,
+        HostBytes::from_vec(data),
+        HostBytes::from_vec(scales),
+        HostBytes::from_vec(biases),
+    )
+    .expect("a consistent random matrix")
+}
+
+/// Weight formats every backend must run: what the supported checkpoints ship (bf16/f16/f32;
+/// MLX affine 4- and 8-bit with groups of 32, 64 and 128 and bf16, f16 or f32 scales).
+pub fn required_formats() -> Vec<WeightFormat> {
+    let mut v = vec![
+        WeightFormat::Dense(Dtype::F32),
+        WeightFormat::Dense(Dtype::F16),
+        WeightFormat::Dense(Dtype::Bf16),
+    ];
+    for bits in [4, 8] {
+        for group_size in [32, 64, 128] {
+            for scale_dtype in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
+                v.push(WeightFormat::Affine {
+                    bits,
+                    group_size,
+                    scale_dtype,
+                });
+            }
+        }
+    }
+    v
+}
+
+/// Formats a backend may refuse with [`crate::BackendError::Unsupported`] (other affine widths).
+pub fn optional_formats() -> Vec<WeightFormat> {
+    [2, 3, 5, 6]
+        .into_iter()
+        .map(|bits| WeightFormat::Affine {
+            bits,
+            group_size: 64,
+            scale_dtype: Dtype::Bf16,
+        })
+        .collect()
+}
+
+/// Panics unless `got` is within `tol * max|want|` of `want` everywhere (and both are finite).
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    let mut worst = (0.0f32, 0usize);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: element {i} is {g} (reference {w})");
+        let d = (g - w).abs();
+        if d > worst.0 {
+            worst = (d, i);
+        }
+    }
+    assert!(
+        worst.0 <= tol * max_ref,
+        "{what}: max|diff| {} at element {} (got {}, want {}) > {tol} x max|ref| {max_ref}",
+        worst.0,
+        worst.1,
+        got[worst.1],
+        want[worst.1]
+    );
+}
+
+fn host<B: Backend>(b: &B, a: &B::Act) -> Vec<f32> {
+    b.to_host(a).expect("to_host")
+}
+
+/// Activations, memory facts and synchronisation.
+pub fn activations<B: Backend>(b: &B, _tol: Tolerance) {
+    let m = b.memory();
+    assert!(m.total > 0 && m.free <= m.total, "memory() = {m:?}");
+    let mut rng = Rng::new(1);
+    let data = rng.vec(7 * 13, -2.0, 2.0);
+    let a = b.act_from_host(&data, 7, 13);
+    assert_eq!(b.shape(&a), (7, 13));
+    assert_eq!(host(b, &a), data, "act_from_host/to_host round trip");
+    let z = b.zeros(5, 3);
+    assert_eq!((b.shape(&z), host(b, &z)), ((5, 3), vec![0.0; 15]), "zeros");
+    let s = b.slice_rows(&a, 2, 3);
+    assert_eq!(b.shape(&s), (3, 13));
+    assert_eq!(host(b, &s), data[2 * 13..5 * 13], "slice_rows");
+    let v = rng.vec(9, -1.0, 1.0);
+    assert_eq!(
+        b.vector_to_host(&b.vector(&v).expect("vector"))
+            .expect("vector_to_host"),
+        v,
+        "vector round trip"
+    );
+    b.synchronize().expect("synchronize");
+}
+
+/// `matmul` in every required format (and the optional ones the backend accepts) for row counts
+/// around the usual decode/prefill thresholds.
+pub fn matmul<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(2);
+    let required = required_formats();
+    for format in required.iter().chain(&optional_formats()) {
+        for (out, inp) in [(1, 256), (37, 128), (96, 512)] {
+            let m = random_matrix(&mut rng, *format, out, inp);
+            let w = match b.weight(m.clone()) {
+                Ok(w) => w,
+                Err(crate::BackendError::Unsupported(_)) if !required.contains(format) => {
+                    break;
+                }
+                Err(e) => panic!("weight({format}, [{out}, {inp}]): {e}"),
+            };
+            for rows in [1, 2, 3, 4, 5, 8, 9, 17, 33, 64] {
+                let x = rng.vec(rows * inp, -1.0, 1.0);
+                let got = host(b, &b.matmul(&b.act_from_host(&x, rows, inp), &w));
+                let want = reference::matmul(&x, rows, &m.as_ref());
+                assert_close(
+                    &format!("matmul {format} [{out}, {inp}] x {rows} rows"),
+                    &got,
+                    &want,
+                    tol.matmul,
+                );
+            }
+        }
+    }
+}
+
+/// `embed` gathers dequantised rows, repeats and the last id included.
+pub fn embed<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(3);
+    for format in required_formats() {
+        let m = random_matrix(&mut rng, format, 50, 128);
+        let t = b.weight(m.clone()).expect("weight");
+        let tokens = [0u32, 49, 7, 7, 23];
+        let got = host(b, &b.embed(&t, &tokens));
+        let want: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&r| reference::dequantize_row(&m.as_ref(), r as usize))
+            .collect();
+        assert_close(&format!("embed {format}"), &got, &want, tol.matmul);
+    }
+}
+
+/// The elementwise and normalising operations.
+pub fn elementwise<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(4);
+    for (rows, cols, norm) in [(1, 64, 64), (5, 256, 256), (3, 512, 128)] {
+        let x = rng.vec(rows * cols, -3.0, 3.0);
+        let y = rng.vec(rows * cols, -3.0, 3.0);
+        let w = rng.vec(norm, 0.5, 1.5);
+        let (xa, ya) = (
+            b.act_from_host(&x, rows, cols),
+            b.act_from_host(&y, rows, cols),
+        );
+        let wv = b.vector(&w).expect("vector");
+        let case = format!("[{rows}, {cols}], norm over {norm}");
+        assert_close(
+            &format!("rms_norm {case}"),
+            &host(b, &b.rms_norm(&xa, &wv, 1e-6)),
+            &reference::rms_norm(&x, &w, 1e-6),
+            tol.other,
+        );
+        let mut h = b.act_from_host(&x, rows, cols);
+        let normed = b.add_rms_norm(&mut h, &ya, &wv, 1e-5);
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, c)| a + c).collect();
+        assert_close(
+            &format!("add_rms_norm sum {case}"),
+            &host(b, &h),
+            &sum,
+            tol.other,
+        );
+        assert_close(
+            &format!("add_rms_norm {case}"),
+            &host(b, &normed),
+            &reference::rms_norm(&sum, &w, 1e-5),
+            tol.other,
+        );
+        let mut h = b.act_from_host(&x, rows, cols);
+        b.add_assign(&mut h, &ya);
+        assert_close(&format!("add_assign {case}"), &host(b, &h), &sum, tol.other);
+        assert_close(
+            &format!("swiglu {case}"),
+            &host(b, &b.swiglu(&xa, &ya)),
+            &reference::swiglu(&x, &y),
+            tol.other,
+        );
+        for gate_cols in [cols, 1] {
+            let g = rng.vec(rows * gate_cols, -4.0, 4.0);
+            let mut got = b.act_from_host(&x, rows, cols);
+            b.sigmoid_mul(&mut got, &b.act_from_host(&g, rows, gate_cols));
+            let mut want = x.clone();
+            reference::sigmoid_mul(&mut want, cols, &g, gate_cols);
+            assert_close(
+                &format!("sigmoid_mul {case}, gate of {gate_cols} columns"),
+                &host(b, &got),
+                &want,
+                tol.other,
+            );
+        }
+        let (first, rest) = b.split_chunks(&xa, norm, norm / 4);
+        let (wf, wr) = reference::split_chunks(&x, norm, norm / 4);
+        assert_eq!(b.shape(&first), (rows, cols / norm * (norm / 4)));
+        assert_eq!(
+            (host(b, &first), host(b, &rest)),
+            (wf, wr),
+            "split_chunks {case}"
+        );
+    }
+}
+
+/// Rotary embedding: whole and partial heads, two thetas, far positions.
+pub fn rope<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(5);
+    for (head_dim, rotary_dim) in [(64, 64), (128, 32), (256, 64)] {
+        for (theta, first) in [(1e4f32, 0usize), (1e7, 1000), (1e6, 40_000)] {
+            for rows in [1, 7] {
+                let cols = 4 * head_dim;
+                let x = rng.vec(rows * cols, -1.0, 1.0);
+                let mut got = b.act_from_host(&x, rows, cols);
+                b.rope(&mut got, head_dim, rotary_dim, theta, first);
+                let mut want = x.clone();
+                reference::rope(&mut want, cols, head_dim, rotary_dim, theta, first);
+                assert_close(
+                    &format!(
+                        "rope head {head_dim} rotary {rotary_dim} theta {theta} at {first}, {rows} rows"
+                    ),
+                    &host(b, &got),
+                    &want,
+                    tol.other,
+                );
+            }
+        }
+    }
+}
+
+/// Attention over a cache that grows by a prefill then single decode steps, is rewound, and is
+/// cloned (the clone must not share storage).
+pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(6);
+    for (heads, kv_heads, hd) in [(8, 2, 64), (4, 4, 128), (16, 1, 32), (32, 4, 256)] {
+        let (qw, kw) = (heads * hd, kv_heads * hd);
+        let mut cache = b.kv_cache(kv_heads, hd, 64).expect("kv_cache");
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut step = |cache: &mut B::KvCache,
+                        keys: &mut Vec<f32>,
+                        values: &mut Vec<f32>,
+                        rows: usize,
+                        what: &str| {
+            let q = rng.vec(rows * qw, -2.0, 2.0);
+            let k = rng.vec(rows * kw, -2.0, 2.0);
+            let v = rng.vec(rows * kw, -2.0, 2.0);
+            let got = b.attention(
+                &b.act_from_host(&q, rows, qw),
+                &b.act_from_host(&k, rows, kw),
+                &b.act_from_host(&v, rows, kw),
+                cache,
+                heads,
+                scale,
+            );
+            keys.extend_from_slice(&k);
+            values.extend_from_slice(&v);
+            let want = reference::attention(&q, keys, values, heads, kv_heads, hd, scale);
+            assert_close(
+                &format!("attention {heads}/{kv_heads} heads of {hd}, {what}"),
+                &host(b, &got),
+                &want,
+                tol.other,
+            );
+            assert_eq!(b.kv_len(cache), keys.len() / kw, "kv_len after {what}");
+        };
+        step(&mut cache, &mut keys, &mut values, 5, "prefill of 5");
+        for i in 0..3 {
+            step(
+                &mut cache,
+                &mut keys,
+                &mut values,
+                1,
+                &format!("decode step {i}"),
+            );
+        }
+        b.kv_truncate(&mut cache, 3);
+        keys.truncate(3 * kw);
+        values.truncate(3 * kw);
+        assert_eq!(b.kv_len(&cache), 3, "kv_len after truncate");
+        let saved = cache.clone();
+        let (saved_k, saved_v) = (keys.clone(), values.clone());
+        step(
+            &mut cache,
+            &mut keys,
+            &mut values,
+            2,
+            "2 rows after rewinding to 3",
+        );
+        let mut resumed = saved;
+        let (mut k2, mut v2) = (saved_k, saved_v);
+        assert_eq!(b.kv_len(&resumed), 3, "a clone keeps its own positions");
+        step(&mut resumed, &mut k2, &mut v2, 1, "1 row on a clone");
+    }
+}
+
+/// Routing: exact choices (ties go to the lower index) and weights, with and without
+/// renormalisation.
+pub fn route<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(7);
+    for (rows, experts, k) in [(1, 8, 1), (3, 32, 4), (9, 128, 8), (2, 512, 10)] {
+        // Multiples of 1/8 keep distinct logits distinct after any softmax rounding; each row
+        // gets a planted tie.
+        let mut logits: Vec<f32> = (0..rows * experts)
+            .map(|_| (rng.below(64) as f32 - 32.0) / 8.0)
+            .collect();
+        for r in 0..rows {
+            let (a, c) = (rng.below(experts), rng.below(experts));
+            logits[r * experts + c] = logits[r * experts + a];
+        }
+        for normalize in [false, true] {
+            let routing = b.route(&b.act_from_host(&logits, rows, experts), k, normalize);
+            let got = b.read_routing(&routing).expect("read_routing");
+            let want = reference::route(&logits, experts, k, normalize);
+            let case =
+                format!("route {rows} rows of {experts} experts, top {k}, normalize {normalize}");
+            assert_eq!(
+                (got.k, &got.experts),
+                (want.k, &want.experts),
+                "{case}: experts"
+            );
+            assert_close(&case, &got.weights, &want.weights, tol.other);
+        }
+    }
+}
+
+fn random_experts(
+    rng: &mut Rng,
+    format: WeightFormat,
+    n: usize,
+    h: usize,
+    i: usize,
+) -> Vec<FfnWeights<HostMatrix>> {
+    (0..n)
+        .map(|_| FfnWeights {
+            gate: random_matrix(rng, format, i, h),
+            up: random_matrix(rng, format, i, h),
+            down: random_matrix(rng, format, h, i),
+        })
+        .collect()
+}
+
+/// The MoE over resident experts, over staged experts in one call, and over staged experts split
+/// into ascending runs (which must be bit-identical to one call); the dense feed-forward block.
+pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(8);
+    let formats = [
+        WeightFormat::Affine {
+            bits: 4,
+            group_size: 64,
+            scale_dtype: Dtype::Bf16,
+        },
+        WeightFormat::Affine {
+            bits: 8,
+            group_size: 32,
+            scale_dtype: Dtype::F16,
+        },
+        WeightFormat::Dense(Dtype::Bf16),
+    ];
+    let (n, h, i) = (16, 128, 64);
+    for (layer, format) in formats.into_iter().enumerate() {
+        let host_experts = random_experts(&mut rng, format, n, h, i);
+        let resident = b.experts(host_experts.clone()).expect("experts");
+        for (rows, k) in [(1, 4), (3, 2), (11, 8)] {
+            let x = rng.vec(rows * h, -1.0, 1.0);
+            let xa = b.act_from_host(&x, rows, h);
+            let logits = rng.vec(rows * n, -3.0, 3.0);
+            let routing = b.route(&b.act_from_host(&logits, rows, n), k, true);
+            let host_routing = b.read_routing(&routing).expect("read_routing");
+            let refs: Vec<FfnWeights<MatRef>> = host_experts
+                .iter()
+                .map(|e| FfnWeights {
+                    gate: e.gate.as_ref(),
+                    up: e.up.as_ref(),
+                    down: e.down.as_ref(),
+                })
+                .collect();
+            let want = reference::moe(&x, rows, &host_routing, &refs);
+            let case = format!("{format}, {rows} rows, top {k}");
+            assert_close(
+                &format!("moe {case}"),
+                &host(b, &b.moe(&xa, &routing, &resident)),
+                &want,
+                tol.matmul,
+            );
+
+            let used = host_routing.distinct();
+            let staged: Vec<(u32, B::StagedExpert)> = used
+                .iter()
+                .map(|&e| {
+                    let key = ExpertKey { layer, expert: e };
+                    (
+                        e,
+                        b.stage_expert(key, host_experts[e as usize].clone())
+                            .expect("stage_expert"),
+                    )
+                })
+                .collect();
+            let pairs: Vec<(u32, &B::StagedExpert)> = staged.iter().map(|(e, s)| (*e, s)).collect();
+            let mut whole = b.zeros(rows, h);
+            b.moe_accumulate(&xa, &routing, &pairs, &mut whole);
+            let whole = host(b, &whole);
+            assert_close(&format!("moe_accumulate {case}"), &whole, &want, tol.matmul);
+            let mut split = b.zeros(rows, h);
+            for run in pairs.chunks(3) {
+                b.moe_accumulate(&xa, &routing, run, &mut split);
+            }
+            assert_eq!(
+                host(b, &split),
+                whole,
+                "moe_accumulate {case}: runs of 3 experts differ from one call"
+            );
+            // A backend that keeps staged experts must hand back the same ones.
+            let kept: Vec<(u32, B::StagedExpert)> = used
+                .iter()
+                .filter_map(|&e| {
+                    b.staged_expert(ExpertKey { layer, expert: e })
+                        .map(|s| (e, s))
+                })
+                .collect();
+            if kept.len() == used.len() {
+                let pairs: Vec<(u32, &B::StagedExpert)> =
+                    kept.iter().map(|(e, s)| (*e, s)).collect();
+                let mut again = b.zeros(rows, h);
+                b.moe_accumulate(&xa, &routing, &pairs, &mut again);
+                assert_eq!(
+                    host(b, &again),
+                    whole,
+                    "moe_accumulate {case}: kept staged experts"
+                );
+            }
+        }
+        let e = &host_experts[0];
+        let ffn = FfnWeights {
+            gate: b.weight(e.gate.clone()).expect("weight"),
+            up: b.weight(e.up.clone()).expect("weight"),
+            down: b.weight(e.down.clone()).expect("weight"),
+        };
+        let x = rng.vec(4 * h, -1.0, 1.0);
+        let hid = reference::swiglu(
+            &reference::matmul(&x, 4, &e.gate.as_ref()),
+            &reference::matmul(&x, 4, &e.up.as_ref()),
+        );
+        assert_close(
+            &format!("ffn {format}"),
+            &host(b, &b.ffn(&b.act_from_host(&x, 4, h), &ffn)),
+            &reference::matmul(&hid, 4, &e.down.as_ref()),
+            tol.matmul,
+        );
+    }
+}
+
+/// The Gated DeltaNet operations: a prefill, then decode steps continuing its state, compared
+/// with the reference output and state; the state survives a host round trip.
+pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(9);
+    for dims in [
+        DeltaNetDims {
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 32,
+            value_dim: 16,
+            conv_kernel: 4,
+        },
+        DeltaNetDims {
+            key_heads: 4,
+            value_heads: 4,
+            key_dim: 64,
+            value_dim: 64,
+            conv_kernel: 2,
+        },
+    ] {
+        let c = dims.conv_channels();
+        let hv = dims.value_heads;
+        let conv_w = rng.vec(c * dims.conv_kernel, -0.5, 0.5);
+        let a_log = rng.vec(hv, -1.0, 1.0);
+        let dt_bias = rng.vec(hv, -1.0, 1.0);
+        let norm_w = rng.vec(dims.value_dim, 0.5, 1.5);
+        let (conv_v, a_log_v, dt_v, norm_v) = (
+            b.vector(&conv_w).expect("vector"),
+            b.vector(&a_log).expect("vector"),
+            b.vector(&dt_bias).expect("vector"),
+            b.vector(&norm_w).expect("vector"),
+        );
+        let mut state = b.linear_state(&dims).expect("linear_state");
+        assert_eq!(
+            b.linear_state_to_host(&state).expect("to host"),
+            HostLinearState::new(&dims),
+            "a new linear state is zero"
+        );
+        let mut want_state = HostLinearState::new(&dims);
+        for (step, rows) in [6usize, 1, 1, 3].into_iter().enumerate() {
+            let case = format!("{dims:?}, step {step} of {rows} rows");
+            let x = rng.vec(rows * c, -2.0, 2.0);
+            let got = b.causal_conv1d_silu(&b.act_from_host(&x, rows, c), &conv_v, &mut state);
+            let want = reference::causal_conv1d_silu(&x, &conv_w, &mut want_state);
+            assert_close(
+                &format!("causal_conv1d_silu {case}"),
+                &host(b, &got),
+                &want,
+                tol.other,
+            );
+            let (a, bb) = (rng.vec(rows * hv, -2.0, 2.0), rng.vec(rows * hv, -2.0, 2.0));
+            let y = b.gated_delta_rule(
+                &b.act_from_host(&want, rows, c),
+                &b.act_from_host(&a, rows, hv),
+                &b.act_from_host(&bb, rows, hv),
+                &a_log_v,
+                &dt_v,
+                &mut state,
+            );
+            let want_y =
+                reference::gated_delta_rule(&want, &a, &bb, &a_log, &dt_bias, &mut want_state);
+            assert_close(
+                &format!("gated_delta_rule {case}"),
+                &host(b, &y),
+                &want_y,
+                tol.other,
+            );
+            let got_state = b.linear_state_to_host(&state).expect("to host");
+            assert_close(
+                &format!("conv window {case}"),
+                &got_state.conv,
+                &want_state.conv,
+                tol.other,
+            );
+            assert_close(
+                &format!("recurrent state {case}"),
+                &got_state.recurrent,
+                &want_state.recurrent,
+                tol.other,
+            );
+            let z = rng.vec(rows * hv * dims.value_dim, -2.0, 2.0);
+            let cols = hv * dims.value_dim;
+            assert_close(
+                &format!("rms_norm_gated {case}"),
+                &host(
+                    b,
+                    &b.rms_norm_gated(
+                        &b.act_from_host(&want_y, rows, cols),
+                        &b.act_from_host(&z, rows, cols),
+                        &norm_v,
+                        1e-6,
+                    ),
+                ),
+                &reference::rms_norm_gated(&want_y, &z, &norm_w, 1e-6),
+                tol.other,
+            );
+        }
+        let round = b
+            .linear_state_from_host(b.linear_state_to_host(&state).expect("to host"))
+            .expect("from host");
+        assert_eq!(
+            b.linear_state_to_host(&round).expect("to host"),
+            b.linear_state_to_host(&state).expect("to host"),
+            "linear state host round trip"
+        );
+    }
+}
+
+/// A routing in host form (for backends' own tests).
+pub fn host_routing(k: usize, experts: Vec<u32>, weights: Vec<f32>) -> HostRouting {
+    HostRouting {
+        k,
+        experts,
+        weights,
+    }
+}
+
+/// One `#[test]` per conformance check for the backend `$make` builds, e.g.
+/// `sluice_backend::conformance_tests!(sluice_cpu::CpuBackend::new());`. Attributes given first
+/// (such as `#[ignore = "needs a GPU"]`) go on every test; a second argument sets the
+/// [`Tolerance`].
+#[macro_export]
+macro_rules! conformance_tests {
+    ($(#[$attr:meta])* $make:expr) => {
+        $crate::conformance_tests!($(#[$attr])* $make, $crate::conformance::Tolerance::default());
+    };
+    ($(#[$attr:meta])* $make:expr, $tol:expr) => {
+        $crate::conformance_tests!(@each [$(#[$attr])*] $make, $tol;
+            activations matmul embed elementwise rope attention route moe delta_net);
+    };
+    (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {
+        $($attrs)*
+        #[test]
+        fn $check() {
+            let backend = $make;
+            $crate::conformance::$check(&backend, $tol);
+        }
+        $crate::conformance_tests!(@each [$($attrs)*] $make, $tol; $($rest)*);
+    };
+    (@each [$($attrs:tt)*] $make:expr, $tol:expr;) => {};
+}

@@ -1,0 +1,347 @@
+//! Plain reference implementations of the backend operations on host memory: written for
+//! clarity, accumulating in f64. They define what each [`crate::Backend`] operation computes;
+//! the conformance suite ([`crate::conformance`]) holds every backend to them, and the default
+//! (host fallback) implementations of the family-specific operations use them.
+//!
+//! Activations are f32 `[rows, cols]`, row-major, as in the trait.
+
+use crate::{DeltaNetDims, Dtype, FfnWeights, HostRouting, MatRef, WeightFormat};
+
+/// Element `i` of a little-endian array of `dt`.
+pub fn load(dt: Dtype, bytes: &[u8], i: usize) -> f32 {
+    let b = |n: usize| &bytes[i * n..(i + 1) * n];
+    match dt {
+        Dtype::F32 => f32::from_le_bytes(b(4).try_into().expect("4 bytes")),
+        Dtype::F16 => half::f16::from_le_bytes(b(2).try_into().expect("2 bytes")).to_f32(),
+        Dtype::Bf16 => half::bf16::from_le_bytes(b(2).try_into().expect("2 bytes")).to_f32(),
+    }
+}
+
+/// Row `r` of `w` as f32 (affine: `scale * q + bias` per group, in f32 as MLX computes it).
+pub fn dequantize_row(w: &MatRef, r: usize) -> Vec<f32> {
+    match w.format {
+        WeightFormat::Dense(dt) => (0..w.cols)
+            .map(|c| load(dt, w.data, r * w.cols + c))
+            .collect(),
+        WeightFormat::Affine {
+            bits,
+            group_size,
+            scale_dtype,
+        } => {
+            let row = &w.data[r * w.row_bytes()..(r + 1) * w.row_bytes()];
+            let groups = w.cols / group_size;
+            (0..w.cols)
+                .map(|c| {
+                    let bit = c * bits as usize;
+                    let word = u32::from_le_bytes(row[bit / 32 * 4..][..4].try_into().unwrap());
+                    // A value may straddle two words (3, 5, 6 bits).
+                    let mut q = (word as u64) >> (bit % 32);
+                    if bit % 32 + bits as usize > 32 {
+                        let next =
+                            u32::from_le_bytes(row[bit / 32 * 4 + 4..][..4].try_into().unwrap());
+                        q |= (next as u64) << (32 - bit % 32);
+                    }
+                    let q = (q & ((1u64 << bits) - 1)) as f32;
+                    let g = r * groups + c / group_size;
+                    load(scale_dtype, w.scales, g) * q + load(scale_dtype, w.biases, g)
+                })
+                .collect()
+        }
+    }
+}
+
+/// `x W^T`: `x` is `[rows, w.cols]`, the result `[rows, w.rows]`.
+pub fn matmul(x: &[f32], rows: usize, w: &MatRef) -> Vec<f32> {
+    assert_eq!(x.len(), rows * w.cols);
+    let mut out = vec![0.0; rows * w.rows];
+    for o in 0..w.rows {
+        let wr = dequantize_row(w, o);
+        for t in 0..rows {
+            let xr = &x[t * w.cols..(t + 1) * w.cols];
+            let acc: f64 = xr.iter().zip(&wr).map(|(&a, &b)| a as f64 * b as f64).sum();
+            out[t * w.rows + o] = acc as f32;
+        }
+    }
+    out
+}
+
+/// RMS normalisation of every chunk of `weight.len()` values, scaled by `weight`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let n = weight.len();
+    assert!(x.len().is_multiple_of(n));
+    x.chunks(n)
+        .flat_map(|v| {
+            let ms = v.iter().map(|&a| a as f64 * a as f64).sum::<f64>() / n as f64;
+            let inv = 1.0 / (ms + eps as f64).sqrt();
+            v.iter()
+                .zip(weight)
+                .map(move |(&a, &w)| (a as f64 * inv * w as f64) as f32)
+        })
+        .collect()
+}
+
+pub fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+pub fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `silu(gate) * up`.
+pub fn swiglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    assert_eq!(gate.len(), up.len());
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| (silu(g as f64) * u as f64) as f32)
+        .collect()
+}
+
+/// Rotate-half rotary embedding of the first `rotary_dim` values of each head; row `r` is at
+/// position `first_position + r`. Frequencies and angles in f32, as MLX and transformers compute
+/// them (the angle's rounding shows at long positions).
+pub fn rope(
+    x: &mut [f32],
+    cols: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    theta: f32,
+    first_position: usize,
+) {
+    let half = rotary_dim / 2;
+    for (r, row) in x.chunks_mut(cols).enumerate() {
+        let pos = (first_position + r) as f32;
+        for head in row.chunks_mut(head_dim) {
+            for i in 0..half {
+                let freq = 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32);
+                let (sin, cos) = ((pos * freq) as f64).sin_cos();
+                let (a, b) = (head[i] as f64, head[i + half] as f64);
+                head[i] = (a * cos - b * sin) as f32;
+                head[i + half] = (b * cos + a * sin) as f32;
+            }
+        }
+    }
+}
+
+/// Causal grouped-query attention: `q` `[rows, heads * head_dim]` at positions
+/// `past..past + rows` over `keys`/`values` `[past + rows, kv_heads * head_dim]`.
+pub fn attention(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let width = kv_heads * head_dim;
+    let rows = q.len() / (heads * head_dim);
+    let total = keys.len() / width;
+    let past = total - rows;
+    let group = heads / kv_heads;
+    let mut out = vec![0.0; rows * heads * head_dim];
+    for r in 0..rows {
+        for h in 0..heads {
+            let kv = h / group;
+            let qv = &q[(r * heads + h) * head_dim..][..head_dim];
+            let n = past + r + 1;
+            let scores: Vec<f64> = (0..n)
+                .map(|p| {
+                    let k = &keys[p * width + kv * head_dim..][..head_dim];
+                    qv.iter()
+                        .zip(k)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for d in 0..head_dim {
+                let acc: f64 = (0..n)
+                    .map(|p| e[p] / sum * values[p * width + kv * head_dim + d] as f64)
+                    .sum();
+                out[(r * heads + h) * head_dim + d] = acc as f32;
+            }
+        }
+    }
+    out
+}
+
+/// `x * sigmoid(gate)`; a one-column `gate` scales whole rows.
+pub fn sigmoid_mul(x: &mut [f32], cols: usize, gate: &[f32], gate_cols: usize) {
+    for (r, row) in x.chunks_mut(cols).enumerate() {
+        for (c, v) in row.iter_mut().enumerate() {
+            let g = if gate_cols == 1 {
+                gate[r]
+            } else {
+                gate[r * gate_cols + c]
+            };
+            *v = (*v as f64 * sigmoid(g as f64)) as f32;
+        }
+    }
+}
+
+/// Splits every chunk of `chunk` values after its first `first`: (all first parts, all rests).
+pub fn split_chunks(x: &[f32], chunk: usize, first: usize) -> (Vec<f32>, Vec<f32>) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for c in x.chunks(chunk) {
+        a.extend_from_slice(&c[..first]);
+        b.extend_from_slice(&c[first..]);
+    }
+    (a, b)
+}
+
+/// Softmax over each row of router logits, top `k` (the lower index wins a tie), optionally
+/// renormalised to sum to one.
+pub fn route(logits: &[f32], experts: usize, k: usize, normalize: bool) -> HostRouting {
+    let mut out = HostRouting {
+        k,
+        experts: Vec::new(),
+        weights: Vec::new(),
+    };
+    for row in logits.chunks(experts) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s)) as f64;
+        let e: Vec<f64> = row.iter().map(|&s| (s as f64 - max).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        let mut order: Vec<usize> = (0..experts).collect();
+        order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+        let chosen = &order[..k];
+        let total: f64 = chosen.iter().map(|&i| e[i] / sum).sum();
+        for &i in chosen {
+            out.experts.push(i as u32);
+            let p = e[i] / sum;
+            out.weights
+                .push((if normalize { p / total } else { p }) as f32);
+        }
+    }
+    out
+}
+
+/// `sum_j weight_j * ffn_{expert_j}(x)` per row, `experts[e]` the weights of expert `e`.
+pub fn moe(
+    x: &[f32],
+    rows: usize,
+    routing: &HostRouting,
+    experts: &[FfnWeights<MatRef>],
+) -> Vec<f32> {
+    let cols = x.len() / rows.max(1);
+    let mut out = vec![0.0f64; rows * cols];
+    for r in 0..rows {
+        let xr = &x[r * cols..(r + 1) * cols];
+        for j in 0..routing.k {
+            let e = &experts[routing.experts[r * routing.k + j] as usize];
+            let w = routing.weights[r * routing.k + j] as f64;
+            let h = swiglu(&matmul(xr, 1, &e.gate), &matmul(xr, 1, &e.up));
+            let y = matmul(&h, 1, &e.down);
+            for (o, v) in out[r * cols..(r + 1) * cols].iter_mut().zip(y) {
+                *o += w * v as f64;
+            }
+        }
+    }
+    out.into_iter().map(|v| v as f32).collect()
+}
+
+/// One Gated DeltaNet layer's memory in host memory: the last `conv_kernel - 1` inputs of the
+/// convolution (`[conv_kernel - 1, conv_channels]`) and per value head a `[value_dim, key_dim]`
+/// state matrix. Backends without their own DeltaNet kernels use it as their `LinearState`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostLinearState {
+    pub dims: DeltaNetDims,
+    pub conv: Vec<f32>,
+    pub recurrent: Vec<f32>,
+}
+
+impl HostLinearState {
+    /// The zero state.
+    pub fn new(dims: &DeltaNetDims) -> Self {
+        HostLinearState {
+            dims: *dims,
+            conv: vec![0.0; dims.conv_kernel.saturating_sub(1) * dims.conv_channels()],
+            recurrent: vec![0.0; dims.value_heads * dims.value_dim * dims.key_dim],
+        }
+    }
+}
+
+/// Depthwise causal convolution over time (taps oldest first, `weight` `[channels, kernel]`),
+/// then SiLU; the window continues from and is saved to `state`.
+pub fn causal_conv1d_silu(x: &[f32], weight: &[f32], state: &mut HostLinearState) -> Vec<f32> {
+    let (c, k) = (state.dims.conv_channels(), state.dims.conv_kernel);
+    let mut input = state.conv.clone();
+    input.extend_from_slice(x);
+    let rows = x.len() / c;
+    let mut out = vec![0.0; rows * c];
+    for t in 0..rows {
+        for ch in 0..c {
+            let acc: f64 = (0..k)
+                .map(|j| weight[ch * k + j] as f64 * input[(t + j) * c + ch] as f64)
+                .sum();
+            out[t * c + ch] = silu(acc) as f32;
+        }
+    }
+    state.conv = input[input.len() - (k - 1) * c..].to_vec();
+    out
+}
+
+fn softplus(x: f64) -> f64 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// The gated delta rule (see [`crate::Backend::gated_delta_rule`]).
+pub fn gated_delta_rule(
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    state: &mut HostLinearState,
+) -> Vec<f32> {
+    let d = state.dims;
+    let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_dim, d.value_dim);
+    let width = d.conv_channels();
+    let rows = qkv.len() / width;
+    let mut out = vec![0.0; rows * hv * dv];
+    let l2 = |v: &[f32], scale: f64| -> Vec<f64> {
+        let inv = scale / (v.iter().map(|&x| x as f64 * x as f64).sum::<f64>() + 1e-6).sqrt();
+        v.iter().map(|&x| x as f64 * inv).collect()
+    };
+    let mut s: Vec<f64> = state.recurrent.iter().map(|&v| v as f64).collect();
+    for t in 0..rows {
+        let row = &qkv[t * width..(t + 1) * width];
+        for h in 0..hv {
+            let kh = h / (hv / hk);
+            let q = l2(&row[kh * dk..][..dk], 1.0 / (dk as f64).sqrt());
+            let k = l2(&row[hk * dk + kh * dk..][..dk], 1.0);
+            let v = &row[2 * hk * dk + h * dv..][..dv];
+            let g = (-(a_log[h] as f64).exp() * softplus(a[t * hv + h] as f64 + dt_bias[h] as f64))
+                .exp();
+            let beta = sigmoid(b[t * hv + h] as f64);
+            let sh = &mut s[h * dv * dk..(h + 1) * dv * dk];
+            for i in 0..dv {
+                let si = &mut sh[i * dk..(i + 1) * dk];
+                si.iter_mut().for_each(|x| *x *= g);
+                let kv: f64 = si.iter().zip(&k).map(|(x, y)| x * y).sum();
+                let delta = (v[i] as f64 - kv) * beta;
+                si.iter_mut().zip(&k).for_each(|(x, y)| *x += delta * y);
+                out[t * hv * dv + h * dv + i] =
+                    si.iter().zip(&q).map(|(x, y)| x * y).sum::<f64>() as f32;
+            }
+        }
+    }
+    state.recurrent = s.into_iter().map(|v| v as f32).collect();
+    out
+}
+
+/// `silu(z) * rms_norm(x) * weight`, per chunk of `weight.len()` values.
+pub fn rms_norm_gated(x: &[f32], z: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    rms_norm(x, weight, eps)
+        .into_iter()
+        .zip(z)
+        .map(|(v, &g)| (v as f64 * silu(g as f64)) as f32)
+        .collect()
+}

@@ -1,0 +1,156 @@
+//! What every architecture here shares around its layers: the token embedding, the final norm
+//! and the output head (tied to the embedding or not), the checks on the input tokens, and the
+//! model's [`ModelInfo`].
+
+use std::sync::Arc;
+
+use sluice_backend::Backend;
+
+use crate::loader::Loader;
+use crate::{LayerState, ModelError, ModelInfo, State};
+
+/// The config facts a decoder is built with.
+pub(crate) struct Dims {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub max_context: usize,
+    pub experts: usize,
+    pub experts_per_token: usize,
+    pub rms_norm_eps: f32,
+}
+
+/// The weights before and after the layers.
+pub(crate) struct Ends<B: Backend> {
+    pub embed_tokens: B::Weight,
+    pub norm: B::Vector,
+    /// `None` when tied to `embed_tokens`.
+    pub lm_head: Option<B::Weight>,
+}
+
+pub(crate) struct Decoder<B: Backend> {
+    backend: Arc<B>,
+    info: ModelInfo,
+    eps: f32,
+    ends: Ends<B>,
+}
+
+impl<B: Backend> Decoder<B> {
+    /// Once every weight is loaded (the counts in `ld` are final).
+    pub fn new(ld: &Loader<B>, backend: Arc<B>, dims: Dims, ends: Ends<B>) -> Self {
+        let (dense_bytes, expert_bytes) = ld.counted();
+        let info = ModelInfo {
+            model_type: dims.model_type,
+            vocab_size: dims.vocab_size,
+            hidden_size: dims.hidden_size,
+            layers: dims.layers,
+            max_context: dims.max_context,
+            experts: dims.experts,
+            experts_per_token: dims.experts_per_token,
+            dense_bytes,
+            expert_bytes,
+            weight_format: match &ld.dir.quantization {
+                Some(q) => format!("{}-bit affine, group {}", q.bits, q.group_size),
+                None => "unquantised".into(),
+            },
+        };
+        Decoder {
+            backend,
+            info,
+            eps: dims.rms_norm_eps,
+            ends,
+        }
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    pub fn experts_per_token(&self) -> usize {
+        self.info.experts_per_token
+    }
+
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+
+    /// Sets the routed experts per token after checking it against the model's expert count.
+    pub fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
+        if k == 0 || k > self.info.experts {
+            return Err(ModelError::Input(format!(
+                "experts per token must be between 1 and {} for this model, not {k}",
+                self.info.experts
+            )));
+        }
+        self.info.experts_per_token = k;
+        Ok(())
+    }
+
+    /// An empty attention cache for one layer, sized for the model's context.
+    pub fn attention_state(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<LayerState<B>, ModelError> {
+        Ok(LayerState::Attention(self.backend.kv_cache(
+            kv_heads,
+            head_dim,
+            self.info.max_context,
+        )?))
+    }
+
+    /// The embeddings of `tokens`, after rejecting empty input, ids outside the vocabulary and
+    /// overlong contexts.
+    pub fn embed(&self, state: &State<B>, tokens: &[u32]) -> Result<B::Act, ModelError> {
+        let info = &self.info;
+        if tokens.is_empty() {
+            return Err(ModelError::Input("no tokens to run".into()));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(ModelError::Input(format!(
+                "token id {t} is outside the vocabulary (size {})",
+                info.vocab_size
+            )));
+        }
+        if state.position + tokens.len() > info.max_context {
+            return Err(ModelError::Input(format!(
+                "{} positions exceed the model's context of {}",
+                state.position + tokens.len(),
+                info.max_context
+            )));
+        }
+        if state.layers.len() != info.layers {
+            return Err(wrong_state());
+        }
+        Ok(self.backend.embed(&self.ends.embed_tokens, tokens))
+    }
+
+    /// The final norm and the output head: on the last row only unless `all_logits`.
+    pub fn logits(&self, h: B::Act, all_logits: bool) -> B::Act {
+        let b = self.backend.as_ref();
+        let (rows, _) = b.shape(&h);
+        let h = if !all_logits && rows > 1 {
+            b.slice_rows(&h, rows - 1, 1)
+        } else {
+            h
+        };
+        // Tied models use the embeddings even if a stray `lm_head` is stored, as mlx-lm and
+        // transformers do (the loaders only keep a head when untied).
+        let head = self
+            .ends
+            .lm_head
+            .as_ref()
+            .unwrap_or(&self.ends.embed_tokens);
+        b.matmul(&b.rms_norm(&h, &self.ends.norm, self.eps), head)
+    }
+}
+
+/// A state made by another model (or with another layer layout) was passed in.
+pub(crate) fn wrong_state() -> ModelError {
+    ModelError::Input("state does not belong to this model".into())
+}

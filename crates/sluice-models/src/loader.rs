@@ -1,0 +1,272 @@
+//! Reading a checkpoint's weights by name: shapes checked against the config, bytes counted for
+//! [`crate::ModelInfo`], handed to the backend.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use sluice_backend::{Backend, ExpertSource, FfnWeights, HostExpert, HostMatrix};
+use sluice_format::{ModelDir, QuantConfig};
+
+use crate::{Experts, ModelError};
+
+pub(crate) struct Loader<'a, B: Backend> {
+    pub dir: &'a ModelDir,
+    pub backend: &'a B,
+    quant: Option<&'a QuantConfig>,
+    /// Streams the routed experts when set.
+    expert_source: Option<Arc<dyn ExpertSource>>,
+    /// Running totals for [`ModelInfo`]: everything, the embedding table, the routed experts.
+    bytes: usize,
+    embed_bytes: usize,
+    expert_bytes: usize,
+}
+
+impl<'a, B: Backend> Loader<'a, B> {
+    pub fn new(
+        dir: &'a ModelDir,
+        backend: &'a B,
+        expert_source: Option<Arc<dyn ExpertSource>>,
+    ) -> Self {
+        Loader {
+            dir,
+            backend,
+            quant: dir.quantization.as_ref(),
+            expert_source,
+            bytes: 0,
+            embed_bytes: 0,
+            expert_bytes: 0,
+        }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.dir.tensors.contains(name)
+    }
+
+    fn upload(&mut self, tensor: &str, m: HostMatrix) -> Result<B::Weight, ModelError> {
+        self.bytes += m.nbytes();
+        self.backend.weight(m).map_err(|source| ModelError::Weight {
+            tensor: tensor.to_string(),
+            source,
+        })
+    }
+
+    /// The matrix of module `prefix` in host memory, `[out, in]`, before any upload.
+    pub fn host_matrix(
+        &self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<HostMatrix, ModelError> {
+        Ok(self
+            .dir
+            .tensors
+            .matrix(prefix, self.quant, Some((out, inp)))?)
+    }
+
+    /// The matrix of module `prefix`, `[out, in]`.
+    pub fn matrix(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<B::Weight, ModelError> {
+        let m = self.host_matrix(prefix, out, inp)?;
+        self.upload(prefix, m)
+    }
+
+    /// The rows `ranges` of module `prefix` (`[out, in]`), in that order, as a matrix of their
+    /// own: a fused projection de-interleaved once at load.
+    pub fn matrix_rows(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<B::Weight, ModelError> {
+        let m = self.host_matrix(prefix, out, inp)?.gather_rows(ranges);
+        self.upload(prefix, m)
+    }
+
+    /// The token embedding table (counted apart: a token reads one row of it).
+    pub fn embeddings(
+        &mut self,
+        prefix: &str,
+        vocab: usize,
+        hidden: usize,
+    ) -> Result<B::Weight, ModelError> {
+        let before = self.bytes;
+        let w = self.matrix(prefix, vocab, hidden)?;
+        self.embed_bytes += self.bytes - before;
+        Ok(w)
+    }
+
+    pub fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector, ModelError> {
+        self.vector_plus(name, len, 0.0)
+    }
+
+    /// A 1-D tensor with `offset` added to every element (zero-centred norms store `w - 1`).
+    pub fn vector_plus(
+        &mut self,
+        name: &str,
+        len: usize,
+        offset: f32,
+    ) -> Result<B::Vector, ModelError> {
+        let mut v = self.dir.tensors.vector_f32(name, Some(len))?;
+        if offset != 0.0 {
+            v.iter_mut().for_each(|w| *w += offset);
+        }
+        self.upload_vector(name, v)
+    }
+
+    /// A tensor of exactly `len` values whatever its shape (e.g. conv taps stored
+    /// `[channels, kernel, 1]` or `[channels, 1, kernel]`), flattened.
+    pub fn flat(&mut self, name: &str, len: usize) -> Result<B::Vector, ModelError> {
+        let (v, shape) = self.dir.tensors.to_f32(name)?;
+        if v.len() != len {
+            return Err(ModelError::Unsupported(format!(
+                "tensor `{name}` has shape {shape:?}, expected {len} values"
+            )));
+        }
+        self.upload_vector(name, v)
+    }
+
+    fn upload_vector(&mut self, name: &str, v: Vec<f32>) -> Result<B::Vector, ModelError> {
+        self.bytes += v.len() * 4;
+        self.backend
+            .vector(&v)
+            .map_err(|source| ModelError::Weight {
+                tensor: name.to_string(),
+                source,
+            })
+    }
+
+    /// A dense SwiGLU block `{prefix}.{gate,up,down}_proj`.
+    pub fn ffn(
+        &mut self,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<FfnWeights<B::Weight>, ModelError> {
+        Ok(FfnWeights {
+            gate: self.matrix(&format!("{prefix}.gate_proj"), inter, hidden)?,
+            up: self.matrix(&format!("{prefix}.up_proj"), inter, hidden)?,
+            down: self.matrix(&format!("{prefix}.down_proj"), hidden, inter)?,
+        })
+    }
+
+    /// The routed experts of decoder layer `layer` under `mlp` (e.g. `model.layers.0.mlp`),
+    /// `[hidden -> inter -> hidden]` each: from the expert source when there is one, else from
+    /// the checkpoint.
+    pub fn experts(
+        &mut self,
+        layer: usize,
+        mlp: &str,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Experts<B>, ModelError> {
+        let Some(source) = self.expert_source.clone() else {
+            let host = self.resident_experts(mlp, experts, hidden, inter)?;
+            let bytes: usize = host
+                .iter()
+                .map(|e| e.gate.nbytes() + e.up.nbytes() + e.down.nbytes())
+                .sum();
+            self.bytes += bytes;
+            self.expert_bytes += bytes;
+            let resident = self
+                .backend
+                .experts(host)
+                .map_err(|source| ModelError::Weight {
+                    tensor: format!("{mlp} experts"),
+                    source,
+                })?;
+            return Ok(Experts::Resident(resident));
+        };
+        let bad = |msg: String| ModelError::Config {
+            file: source.name(),
+            msg,
+        };
+        let l = source
+            .layer(layer)
+            .ok_or_else(|| bad(format!("no experts for layer {layer} (`{mlp}`)")))?;
+        let got = [l.gate, l.up, l.down].map(|m| (m.rows, m.cols));
+        let want = [(inter, hidden), (inter, hidden), (hidden, inter)];
+        if l.experts != experts || got != want {
+            return Err(bad(format!(
+                "layer {layer}: {} experts of shapes {got:?}, the config needs {experts} of {want:?}",
+                l.experts
+            )));
+        }
+        let bytes = (l.bytes_per_expert * l.experts as u64) as usize;
+        self.bytes += bytes;
+        self.expert_bytes += bytes;
+        Ok(Experts::Streamed { source, layer })
+    }
+
+    /// The routed experts under `mlp` from whichever layout the checkpoint uses: mlx-community's
+    /// stacked `switch_mlp.{gate,up,down}_proj`, the official per-expert `experts.{e}.*`, or
+    /// transformers 5's fused `experts.gate_up_proj` (`[E, 2 * inter, hidden]`, gate rows first)
+    /// and `experts.down_proj`.
+    fn resident_experts(
+        &self,
+        mlp: &str,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Vec<HostExpert>, ModelError> {
+        let (e, h, i) = (experts, hidden, inter);
+        let stack = |name: &str, out: usize, inp: usize| -> Result<Vec<HostMatrix>, ModelError> {
+            Ok(self
+                .dir
+                .tensors
+                .matrix_stack(name, self.quant, Some((e, out, inp)))?)
+        };
+        let zip = |gate: Vec<HostMatrix>, up: Vec<HostMatrix>, down: Vec<HostMatrix>| {
+            gate.into_iter()
+                .zip(up)
+                .zip(down)
+                .map(|((gate, up), down)| FfnWeights { gate, up, down })
+                .collect()
+        };
+        let stacked = format!("{mlp}.switch_mlp");
+        if self.has(&format!("{stacked}.gate_proj.weight")) {
+            return Ok(zip(
+                stack(&format!("{stacked}.gate_proj"), i, h)?,
+                stack(&format!("{stacked}.up_proj"), i, h)?,
+                stack(&format!("{stacked}.down_proj"), h, i)?,
+            ));
+        }
+        let fused = format!("{mlp}.experts.gate_up_proj");
+        if self.has(&fused) {
+            let gate_up = stack(&fused, 2 * i, h)?;
+            let (gate, up) = gate_up
+                .iter()
+                .map(|gu| (gu.rows(0..i), gu.rows(i..2 * i)))
+                .unzip();
+            return Ok(zip(
+                gate,
+                up,
+                stack(&format!("{mlp}.experts.down_proj"), h, i)?,
+            ));
+        }
+        (0..e)
+            .map(|x| {
+                let p = format!("{mlp}.experts.{x}");
+                Ok(FfnWeights {
+                    gate: self.host_matrix(&format!("{p}.gate_proj"), i, h)?,
+                    up: self.host_matrix(&format!("{p}.up_proj"), i, h)?,
+                    down: self.host_matrix(&format!("{p}.down_proj"), h, i)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Bytes read by every token (all counted weights but the embeddings and routed experts),
+    /// and bytes of routed experts.
+    pub fn counted(&self) -> (usize, usize) {
+        (
+            self.bytes - self.embed_bytes - self.expert_bytes,
+            self.expert_bytes,
+        )
+    }
+}
