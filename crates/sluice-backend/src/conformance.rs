@@ -673,16 +673,16 @@ pub fn host_routing(k: usize, experts: Vec<u32>, weights: Vec<f32>) -> HostRouti
 }
 
 /// One `#[test]` per conformance check for the backend `$make` builds, e.g.
-/// `sluice_backend::conformance_tests!(sluice_cpu::CpuBackend::new());`. Attributes given first
-/// (such as `#[ignore = "needs a GPU"]`) go on every test; a second argument sets the
-/// [`Tolerance`].
+/// `sluice_backend::conformance_tests!(sluice_cpu::CpuBackend::new());`. An optional second
+/// argument sets the [`Tolerance`]; attributes after a `;` (such as
+/// `#[ignore = "needs a GPU"]`) go on every test.
 #[macro_export]
 macro_rules! conformance_tests {
-    ($(#[$attr:meta])* $make:expr) => {
-        $crate::conformance_tests!($(#[$attr])* $make, $crate::conformance::Tolerance::default());
+    ($make:expr $(; $(#[$attr:meta])*)?) => {
+        $crate::conformance_tests!($make, $crate::conformance::Tolerance::default() $(; $(#[$attr])*)?);
     };
-    ($(#[$attr:meta])* $make:expr, $tol:expr) => {
-        $crate::conformance_tests!(@each [$(#[$attr])*] $make, $tol;
+    ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
+        $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
             activations matmul embed elementwise rope attention route moe delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {

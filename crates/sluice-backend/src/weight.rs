@@ -82,12 +82,11 @@ impl fmt::Display for WeightFormat {
     }
 }
 
+/// Host bytes that do not describe the matrix they claim to.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum WeightError {
     #[error("{0}")]
     Invalid(String),
-    #[error("backend: {0}")]
-    Backend(String),
 }
 
 /// A shared, immutable byte range in host memory (usually part of a memory-mapped file).

@@ -1,0 +1,630 @@
+// sluice's CUDA kernels. Compiled ahead to PTX (compute_80, PTX ISA 8.4) by
+// scripts/cuda/build_kernels.py; the PTX is committed and embedded in the binary, so building sluice
+// needs no CUDA toolkit and the driver JIT-compiles it for the GPU at hand.
+//
+// Conventions (those of sluice_backend::Backend): activations are f32 [rows, cols] row-major, one
+// row per token; weights keep their stored format (dense f32/f16/bf16, or MLX affine: `bits`-bit
+// codes packed little-endian in u32 words, per group of `group` columns `w = scale * q + bias`).
+// Everything accumulates in f32.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+// NVRTC has no libc headers; the fixed-width types it needs:
+typedef unsigned char uint8_t;
+typedef unsigned int uint32_t;
+#define INFINITY __int_as_float(0x7f800000)
+
+// ------------------------------------------------------------------------------------------------
+// Weights
+// ------------------------------------------------------------------------------------------------
+
+enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_AFFINE = 3 };
+enum { SDT_F32 = 0, SDT_F16 = 1, SDT_BF16 = 2 };
+
+// A weight matrix [rows, cols] in device memory (mirrors the Rust `Mat`). cols % 8 == 0 and, for
+// affine, group % 8 == 0, so 8 consecutive weights never straddle a group or a row.
+struct Mat {
+    const uint8_t* data;
+    const uint8_t* scales;
+    const uint8_t* biases;
+    int rows;
+    int cols;
+    int fmt;
+    int bits;
+    int group;
+    int sdt;
+};
+
+// The three projections of one routed expert.
+struct ExpertMats {
+    Mat gate;
+    Mat up;
+    Mat down;
+};
+
+__device__ __forceinline__ float load_scalar(const uint8_t* p, int dt, long i) {
+    if (dt == SDT_F32) return reinterpret_cast<const float*>(p)[i];
+    if (dt == SDT_F16) return __half2float(reinterpret_cast<const __half*>(p)[i]);
+    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
+}
+
+// Exact conversion of a small unsigned integer to float: OR it into the mantissa of 2^23.
+__device__ __forceinline__ float u2f(uint32_t q) {
+    return __uint_as_float(0x4B000000u | q) - 8388608.0f;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Weights [c, c + 8) of row r as f32 (c % 8 == 0).
+__device__ __forceinline__ void load8(const Mat& m, long r, int c, float w[8]) {
+    if (m.fmt == FMT_AFFINE) {
+        const long row_words = (long)m.cols * m.bits / 32;
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(m.data) + r * row_words;
+        const long g = r * (m.cols / m.group) + c / m.group;
+        const float s = load_scalar(m.scales, m.sdt, g);
+        const float b = load_scalar(m.biases, m.sdt, g);
+        if (m.bits == 4) {
+            const uint32_t v = words[c / 8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) w[j] = fmaf(s, u2f((v >> (4 * j)) & 15u), b);
+        } else if (m.bits == 8) {
+            const uint2 v = reinterpret_cast<const uint2*>(words)[c / 8];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                w[j] = fmaf(s, u2f((v.x >> (8 * j)) & 255u), b);
+                w[4 + j] = fmaf(s, u2f((v.y >> (8 * j)) & 255u), b);
+            }
+        } else {
+            const uint32_t mask = (1u << m.bits) - 1u;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const long bit = (long)(c + j) * m.bits;
+                const long wi = bit / 32;
+                const int sh = (int)(bit % 32);
+                uint32_t v = words[wi] >> sh;
+                if (sh + m.bits > 32) v |= words[wi + 1] << (32 - sh);
+                w[j] = fmaf(s, u2f(v & mask), b);
+            }
+        }
+    } else if (m.fmt == FMT_F32) {
+        const float4* p = reinterpret_cast<const float4*>(m.data) + (r * m.cols + c) / 4;
+        const float4 a = p[0], b = p[1];
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+        w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    } else {
+        const uint4 v = reinterpret_cast<const uint4*>(m.data)[(r * m.cols + c) / 8];
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+        if (m.fmt == FMT_BF16) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                w[2 * j] = bf16_lo(u[j]);
+                w[2 * j + 1] = bf16_hi(u[j]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const __half2 h = *reinterpret_cast<const __half2*>(&u[j]);
+                const float2 f = __half22float2(h);
+                w[2 * j] = f.x;
+                w[2 * j + 1] = f.y;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of up to 1024 threads (every thread gets the result).
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) / 32;
+    v = lane < warps ? partial[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+// The dot of row r of `m` with T vectors x[t * cols ..] (T <= 8), summed over a warp: every lane
+// takes chunks of 8 weights in turn.
+template <int T>
+__device__ __forceinline__ void warp_row_dot(const Mat& m, long r, const float* x, long x_stride,
+                                             float acc[T]) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int t = 0; t < T; t++) acc[t] = 0.0f;
+    for (int c = lane * 8; c < m.cols; c += 32 * 8) {
+        float w[8];
+        load8(m, r, c, w);
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + c);
+            const float4 a = xp[0], b = xp[1];
+            float s = acc[t];
+            s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
+            s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
+            s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
+            s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
+            acc[t] = s;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < T; t++) acc[t] = warp_sum(acc[t]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Matrix products
+// ------------------------------------------------------------------------------------------------
+
+// y[T, rows] = x[T, cols] W^T for T <= 8: one warp per output row, 8 rows per block of 256.
+template <int T>
+__device__ void gemv(const Mat& w, const float* x, float* y) {
+    const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
+    if (r >= w.rows) return;
+    float acc[T];
+    warp_row_dot<T>(w, r, x, w.cols, acc);
+    if (threadIdx.x % 32 == 0) {
+#pragma unroll
+        for (int t = 0; t < T; t++) y[t * (long)w.rows + r] = acc[t];
+    }
+}
+
+#define GEMV(T) \
+    extern "C" __global__ void __launch_bounds__(256) gemv_t##T(Mat w, const float* x, float* y) { \
+        gemv<T>(w, x, y); \
+    }
+GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
+
+// y[T, rows] = x[T, cols] W^T for many tokens: 64 x 64 output tiles, 32 columns at a time, each
+// of 256 threads computing 4 x 4. Weights are dequantised once per tile into shared memory.
+extern "C" __global__ void __launch_bounds__(256) gemm(Mat w, const float* x, float* y, int ntok) {
+    __shared__ float xs[32][64 + 1];
+    __shared__ float ws[32][64 + 1];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const long tok0 = (long)blockIdx.y * 64, row0 = (long)blockIdx.x * 64;
+    float acc[4][4] = {};
+    for (int k0 = 0; k0 < w.cols; k0 += 32) {
+        // x tile: 64 tokens x 32 columns, 8 values per thread.
+        for (int i = threadIdx.x; i < 64 * 32; i += 256) {
+            const int t = i / 32, k = i % 32;
+            const long tok = tok0 + t;
+            xs[k][t] = (tok < ntok && k0 + k < w.cols) ? x[tok * w.cols + k0 + k] : 0.0f;
+        }
+        // weight tile: 64 rows x 4 chunks of 8.
+        {
+            const int r = threadIdx.x / 4, ch = threadIdx.x % 4;
+            const long row = row0 + r;
+            float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (row < w.rows && k0 + ch * 8 < w.cols) load8(w, row, k0 + ch * 8, v);
+#pragma unroll
+            for (int j = 0; j < 8; j++) ws[ch * 8 + j][r] = v[j];
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < 32; k++) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[i] = xs[k][ty * 4 + i];
+#pragma unroll
+            for (int j = 0; j < 4; j++) b[j] = ws[k][tx * 4 + j];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const long tok = tok0 + ty * 4 + i;
+        if (tok >= ntok) continue;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const long row = row0 + tx * 4 + j;
+            if (row < w.rows) y[tok * w.rows + row] = acc[i][j];
+        }
+    }
+}
+
+// One dequantised row of `table` per token.
+extern "C" __global__ void embed(Mat table, const uint32_t* tokens, float* out) {
+    const long t = blockIdx.x;
+    const long r = tokens[t];
+    for (int c = threadIdx.x * 8; c < table.cols; c += blockDim.x * 8) {
+        float v[8];
+        load8(table, r, c, v);
+#pragma unroll
+        for (int j = 0; j < 8; j++) out[t * table.cols + c + j] = v[j];
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Elementwise and normalisation
+// ------------------------------------------------------------------------------------------------
+
+// RMS norm of each chunk of n values (one chunk per block).
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
+    const long base = (long)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[base + i] * x[base + i];
+    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[base + i] = x[base + i] * inv * w[i];
+}
+
+// h += y, then out = rms_norm(h) per chunk of n.
+extern "C" __global__ void add_rms_norm(float* h, const float* y, const float* w, float* out, int n,
+                                        float eps) {
+    const long base = (long)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = h[base + i] + y[base + i];
+        h[base + i] = v;
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[base + i] = h[base + i] * inv * w[i];
+}
+
+// silu(z) * rms_norm(x) * w per chunk of n.
+extern "C" __global__ void rms_norm_gated(const float* x, const float* z, const float* w, float* out,
+                                          int n, float eps) {
+    const long base = (long)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[base + i] * x[base + i];
+    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float g = z[base + i];
+        out[base + i] = x[base + i] * inv * w[i] * (g / (1.0f + expf(-g)));
+    }
+}
+
+extern "C" __global__ void add_assign(float* x, const float* y, long n) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+// x *= sigmoid(gate): elementwise, or per row when gate_cols == 1.
+extern "C" __global__ void sigmoid_mul(float* x, const float* gate, long n, int cols, int gate_cols) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = gate_cols == 1 ? gate[i / cols] : gate[i];
+    x[i] *= 1.0f / (1.0f + expf(-g));
+}
+
+// Each chunk of `chunk` values split after `first`: a gets the first parts, b the rests.
+extern "C" __global__ void split_chunks(const float* x, float* a, float* b, long n, int chunk,
+                                        int first) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long c = i / chunk;
+    const int j = (int)(i % chunk);
+    if (j < first) a[c * first + j] = x[i];
+    else b[c * (chunk - first) + j - first] = x[i];
+}
+
+// Rotate-half rotary embedding on the first rotary_dim values of each head; row r at position
+// first + r. Frequencies and angles in f32, as MLX and transformers compute them.
+extern "C" __global__ void rope(float* x, int rows, int cols, int head_dim, int rotary_dim,
+                                float theta, int first) {
+    const int half = rotary_dim / 2;
+    const int heads = cols / head_dim;
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)rows * heads * half) return;
+    const int k = (int)(i % half);
+    const long rh = i / half;
+    const int h = (int)(rh % heads);
+    const long r = rh / heads;
+    const float freq = 1.0f / powf(theta, (float)(2 * k) / (float)rotary_dim);
+    float s, c;
+    sincosf((float)(first + r) * freq, &s, &c);
+    float* head = x + r * cols + (long)h * head_dim;
+    const float a = head[k], b = head[k + half];
+    head[k] = a * c - b * s;
+    head[k + half] = b * c + a * s;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Attention
+// ------------------------------------------------------------------------------------------------
+
+// Causal grouped-query attention over a cache that already holds this call's keys and values:
+// q [T, heads * hd] at positions total - T .. total - 1; keys/values [total, kv_heads * hd].
+// One block of 4 warps per (head, token); each warp runs an online softmax over every 4th
+// position, then the warps combine. hd <= 256.
+extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* keys,
+                                                            const float* values, float* out,
+                                                            int heads, int kv_heads, int hd,
+                                                            int total, int ntok, float scale) {
+    const int h = blockIdx.x, t = blockIdx.y;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int kv = h / (heads / kv_heads);
+    const int width = kv_heads * hd;
+    const int per_lane = (hd + 31) / 32;  // <= 8
+    const int n = total - ntok + t + 1;
+    float qv[8], acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int d = lane + 32 * j;
+        qv[j] = (j < per_lane && d < hd) ? q[((long)t * heads + h) * hd + d] : 0.0f;
+        acc[j] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    for (int p = warp; p < n; p += 4) {
+        const float* k = keys + (long)p * width + (long)kv * hd;
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int d = lane + 32 * j;
+            if (j < per_lane && d < hd) dot = fmaf(qv[j], k[d], dot);
+        }
+        const float s = warp_sum(dot) * scale;
+        const float m_new = fmaxf(m, s);
+        const float correction = expf(m - m_new);
+        const float e = expf(s - m_new);
+        l = l * correction + e;
+        const float* v = values + (long)p * width + (long)kv * hd;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int d = lane + 32 * j;
+            if (j < per_lane && d < hd) acc[j] = acc[j] * correction + e * v[d];
+        }
+        m = m_new;
+    }
+    __shared__ float ms[4], ls[4];
+    __shared__ float accs[4][256];
+    if (lane == 0) {
+        ms[warp] = m;
+        ls[warp] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int d = lane + 32 * j;
+        if (j < per_lane && d < hd) accs[warp][d] = acc[j];
+    }
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int w = 0; w < 4; w++) mx = fmaxf(mx, ms[w]);
+    float total_l = 0.0f;
+    for (int w = 0; w < 4; w++) total_l += ms[w] == -INFINITY ? 0.0f : ls[w] * expf(ms[w] - mx);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < 4; w++)
+            if (ms[w] != -INFINITY) o += accs[w][d] * expf(ms[w] - mx);
+        out[((long)t * heads + h) * hd + d] = o / total_l;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Routing and experts
+// ------------------------------------------------------------------------------------------------
+
+// Softmax over each row of router logits [T, E] and its top k (ties to the lower index),
+// optionally renormalised. One warp per row; E <= 1024, k <= 32.
+extern "C" __global__ void __launch_bounds__(128) route(const float* logits, int ntok, int E, int k,
+                                                        int normalize, uint32_t* ids,
+                                                        float* weights) {
+    __shared__ float probs[4][1024];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const long t = (long)blockIdx.x * 4 + warp;
+    if (t >= ntok) return;
+    const float* row = logits + t * E;
+    float mx = -INFINITY;
+    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, row[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int i = lane; i < E; i += 32) {
+        const float p = expf(row[i] - mx);
+        probs[warp][i] = p;
+        sum += p;
+    }
+    sum = warp_sum(sum);
+    __syncwarp();
+    float chosen_total = 0.0f;
+    float my_p = 0.0f;  // lane j keeps the j-th choice
+    int my_id = 0;
+    for (int j = 0; j < k; j++) {
+        float best = -1.0f;
+        int best_i = 0x7fffffff;
+        for (int i = lane; i < E; i += 32) {
+            const float p = probs[warp][i];
+            if (p > best || (p == best && i < best_i)) {
+                best = p;
+                best_i = i;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+            if (ob > best || (ob == best && oi < best_i)) {
+                best = ob;
+                best_i = oi;
+            }
+        }
+        const float p = best / sum;
+        chosen_total += p;
+        if (lane == j) {
+            my_p = p;
+            my_id = best_i;
+        }
+        if (lane == 0) probs[warp][best_i] = -2.0f;
+        __syncwarp();
+    }
+    if (lane < k) {
+        ids[t * k + lane] = (uint32_t)my_id;
+        weights[t * k + lane] = normalize ? my_p / chosen_total : my_p;
+    }
+}
+
+// The slot of expert e among the experts a call has: `present` (ascending ids) or, when
+// n_present < 0, every expert (slot = e).
+__device__ __forceinline__ int expert_slot(uint32_t e, const uint32_t* present, int n_present) {
+    if (n_present < 0) return (int)e;
+    int lo = 0, hi = n_present;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (present[mid] < e) lo = mid + 1;
+        else hi = mid;
+    }
+    return (lo < n_present && present[lo] == e) ? lo : -1;
+}
+
+// h[t * K + j] = silu(gate_e(x_t)) * up_e(x_t) for e = ids[t * K + j], for every routed pair whose
+// expert is present. Grid (inter / 8, T * K): one warp per output row of one pair.
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up(const ExpertMats* experts,
+                                                              const uint32_t* present, int n_present,
+                                                              const uint32_t* ids, int K,
+                                                              const float* x, float* h) {
+    const int pair = blockIdx.y;
+    const int slot = expert_slot(ids[pair], present, n_present);
+    if (slot < 0) return;
+    const ExpertMats& e = experts[slot];
+    const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
+    if (r >= e.gate.rows) return;
+    const float* xt = x + (long)(pair / K) * e.gate.cols;
+    float g[1], u[1];
+    warp_row_dot<1>(e.gate, r, xt, 0, g);
+    warp_row_dot<1>(e.up, r, xt, 0, u);
+    if (threadIdx.x % 32 == 0) h[(long)pair * e.gate.rows + r] = g[0] / (1.0f + expf(-g[0])) * u[0];
+}
+
+// out[t] += sum_j weight_j * down_e(h[t * K + j]) over the present experts of token t, in
+// ascending expert id (so splitting the experts over several calls gives the same bits). Grid
+// (hidden / 8, T): one warp per output row of one token.
+extern "C" __global__ void __launch_bounds__(256) moe_down(const ExpertMats* experts,
+                                                           const uint32_t* present, int n_present,
+                                                           const uint32_t* ids,
+                                                           const float* weights, int K,
+                                                           const float* h, float* out, int hidden) {
+    const long t = blockIdx.y;
+    const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
+    if (r >= hidden) return;
+    // The token's pairs in ascending expert id (K <= 32).
+    int order[32];
+    for (int j = 0; j < K; j++) order[j] = j;
+    for (int a = 1; a < K; a++) {
+        const int v = order[a];
+        int b = a;
+        while (b > 0 && ids[t * K + order[b - 1]] > ids[t * K + v]) {
+            order[b] = order[b - 1];
+            b--;
+        }
+        order[b] = v;
+    }
+    float acc = out[t * hidden + r];
+    for (int a = 0; a < K; a++) {
+        const int j = order[a];
+        const int slot = expert_slot(ids[t * K + j], present, n_present);
+        if (slot < 0) continue;
+        const Mat& d = experts[slot].down;
+        float y[1];
+        warp_row_dot<1>(d, r, h + (t * K + j) * (long)d.cols, 0, y);
+        acc = fmaf(weights[t * K + j], y[0], acc);
+    }
+    if (threadIdx.x % 32 == 0) out[t * hidden + r] = acc;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Gated DeltaNet
+// ------------------------------------------------------------------------------------------------
+
+// Depthwise causal conv over time then SiLU, one thread per channel: the window (k - 1 earlier
+// inputs, [k - 1, C]) continues into x [T, C] and is then replaced by the last k - 1 inputs.
+extern "C" __global__ void causal_conv1d_silu(const float* x, const float* weight, float* window,
+                                              float* out, int ntok, int C, int K) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    float taps[8], hist[8];  // K <= 8
+    for (int j = 0; j < K; j++) taps[j] = weight[(long)ch * K + j];
+    for (int j = 0; j < K - 1; j++) hist[j] = window[(long)j * C + ch];
+    for (int t = 0; t < ntok; t++) {
+        const float v = x[(long)t * C + ch];
+        float acc = taps[K - 1] * v;
+        for (int j = 0; j < K - 1; j++) acc = fmaf(taps[j], hist[j], acc);
+        out[(long)t * C + ch] = acc / (1.0f + expf(-acc));
+        for (int j = 0; j + 1 < K - 1; j++) hist[j] = hist[j + 1];
+        if (K > 1) hist[K - 2] = v;
+    }
+    for (int j = 0; j < K - 1; j++) window[(long)j * C + ch] = hist[j];
+}
+
+// The gated delta rule for one value head per block. State S [dv, dk] (row i = value dim i),
+// held in registers: each row is split over dk / 32 consecutive threads of 32 values each.
+// Tokens run in order (the recurrence is sequential). dk % 32 == 0, dk <= 256.
+extern "C" __global__ void gated_delta_rule(const float* qkv, const float* a, const float* b,
+                                            const float* a_log, const float* dt_bias,
+                                            float* state, float* y, int ntok, int hk, int hv,
+                                            int dk, int dv) {
+    const int h = blockIdx.x;
+    const int parts = dk / 32;
+    const int i = threadIdx.x / parts;  // value row
+    const int part = threadIdx.x % parts;
+    const bool active = i < dv;
+    const int kh = h / (hv / hk);
+    const int width = 2 * hk * dk + hv * dv;
+    __shared__ float qs[256], ks[256];
+    float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
+    float S[32];
+#pragma unroll
+    for (int c = 0; c < 32; c++) S[c] = active ? s[c] : 0.0f;
+    const float q_scale = rsqrtf((float)dk);
+    for (int t = 0; t < ntok; t++) {
+        const float* row = qkv + (long)t * width;
+        // L2-normalise q (times dk^-0.5) and k of this head's key head.
+        float sq = 0.0f, sk = 0.0f;
+        for (int c = threadIdx.x; c < dk; c += blockDim.x) {
+            const float qv = row[kh * dk + c], kv = row[hk * dk + kh * dk + c];
+            qs[c] = qv;
+            ks[c] = kv;
+            sq += qv * qv;
+            sk += kv * kv;
+        }
+        const float inv_q = q_scale / sqrtf(block_sum(sq) + 1e-6f);
+        const float inv_k = 1.0f / sqrtf(block_sum(sk) + 1e-6f);
+        __syncthreads();
+        const float av = a[(long)t * hv + h] + dt_bias[h];
+        const float softplus = av > 20.0f ? av : log1pf(expf(av));
+        const float g = expf(-expf(a_log[h]) * softplus);
+        const float beta = 1.0f / (1.0f + expf(-b[(long)t * hv + h]));
+        float kv = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            S[c] *= g;
+            kv = fmaf(S[c], ks[part * 32 + c] * inv_k, kv);
+        }
+        for (int o = 1; o < parts; o <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, o);
+        const float v = active ? row[2 * hk * dk + h * dv + i] : 0.0f;
+        const float delta = (v - kv) * beta;
+        float acc = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            S[c] = fmaf(delta, ks[part * 32 + c] * inv_k, S[c]);
+            acc = fmaf(S[c], qs[part * 32 + c] * inv_q, acc);
+        }
+        for (int o = 1; o < parts; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (active && part == 0) y[((long)t * hv + h) * dv + i] = acc;
+        __syncthreads();
+    }
+    if (active) {
+#pragma unroll
+        for (int c = 0; c < 32; c++) s[c] = S[c];
+    }
+}

@@ -1,0 +1,80 @@
+//! Weights in device memory, in their stored format, described to the kernels by [`Mat`].
+
+use cudarc::driver::DeviceRepr;
+use sluice_backend::{BackendError, Dtype, HostMatrix, WeightFormat};
+
+/// A weight matrix as the kernels see it (`struct Mat` in `kernels/sluice.cu`): device pointers
+/// to the codes (or values), scales and biases, and the format.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Mat {
+    pub data: u64,
+    pub scales: u64,
+    pub biases: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub fmt: i32,
+    pub bits: i32,
+    pub group: i32,
+    pub sdt: i32,
+}
+
+// SAFETY: plain old data with the C layout the kernels declare (three pointers, six ints).
+unsafe impl DeviceRepr for Mat {}
+
+/// The three projections of one expert (`struct ExpertMats`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ExpertMats {
+    pub gate: Mat,
+    pub up: Mat,
+    pub down: Mat,
+}
+
+// SAFETY: three `Mat`s, as the kernels declare.
+unsafe impl DeviceRepr for ExpertMats {}
+
+fn dtype_code(d: Dtype) -> i32 {
+    match d {
+        Dtype::F32 => 0,
+        Dtype::F16 => 1,
+        Dtype::Bf16 => 2,
+    }
+}
+
+/// The kernel's description of `m`'s format, or why the kernels cannot run it.
+pub(crate) fn describe(m: &HostMatrix) -> Result<Mat, BackendError> {
+    let unsupported = |why: &str| {
+        Err(BackendError::Unsupported(format!(
+            "the CUDA backend cannot run a [{}, {}] {} matrix: {why}",
+            m.rows, m.cols, m.format
+        )))
+    };
+    if !m.cols.is_multiple_of(8) || m.rows > i32::MAX as usize || m.cols > i32::MAX as usize {
+        return unsupported("columns must be a multiple of 8");
+    }
+    let (fmt, bits, group, sdt) = match m.format {
+        WeightFormat::Dense(d) => (dtype_code(d), 0, 0, 0),
+        WeightFormat::Affine {
+            bits,
+            group_size,
+            scale_dtype,
+        } => {
+            if !group_size.is_multiple_of(8) {
+                return unsupported("the group size must be a multiple of 8");
+            }
+            (3, bits as i32, group_size as i32, dtype_code(scale_dtype))
+        }
+    };
+    Ok(Mat {
+        data: 0,
+        scales: 0,
+        biases: 0,
+        rows: m.rows as i32,
+        cols: m.cols as i32,
+        fmt,
+        bits,
+        group,
+        sdt,
+    })
+}
