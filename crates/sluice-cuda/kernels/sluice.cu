@@ -321,9 +321,10 @@ extern "C" __global__ void split_chunks(const float* x, float* a, float* b, long
 }
 
 // Rotate-half rotary embedding on the first rotary_dim values of each head; row r at position
-// first + r. Frequencies and angles in f32, as MLX and transformers compute them.
-extern "C" __global__ void rope(float* x, int rows, int cols, int head_dim, int rotary_dim,
-                                float theta, int first) {
+// first + r. `inv_freq` (rotary_dim / 2 values) comes from the host, computed as the CPU backend
+// and MLX do, so that long positions (where an ulp of frequency shows) agree; angles in f32.
+extern "C" __global__ void rope(float* x, const float* inv_freq, int rows, int cols, int head_dim,
+                                int rotary_dim, int first) {
     const int half = rotary_dim / 2;
     const int heads = cols / head_dim;
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -332,9 +333,8 @@ extern "C" __global__ void rope(float* x, int rows, int cols, int head_dim, int 
     const long rh = i / half;
     const int h = (int)(rh % heads);
     const long r = rh / heads;
-    const float freq = 1.0f / powf(theta, (float)(2 * k) / (float)rotary_dim);
     float s, c;
-    sincosf((float)(first + r) * freq, &s, &c);
+    sincosf((float)(first + r) * inv_freq[k], &s, &c);
     float* head = x + r * cols + (long)h * head_dim;
     const float a = head[k], b = head[k + half];
     head[k] = a * c - b * s;

@@ -1,6 +1,7 @@
 //! [`Backend`] on an NVIDIA GPU: one stream, every operation a kernel launch, nothing brought back
 //! to the host but logits (and routing when experts stream).
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -352,6 +353,8 @@ impl Clone for CudaLinearState {
 pub struct CudaBackend {
     d: Arc<Device>,
     description: String,
+    /// Rotary frequencies per (theta bits, rotary dims), computed on the host.
+    inv_freq: Mutex<HashMap<(u32, usize), Arc<DevBuf>>>,
 }
 
 /// Limits of the kernels (checked where the shapes are first known).
@@ -365,6 +368,7 @@ impl CudaBackend {
         CudaBackend {
             d: Arc::new(d),
             description,
+            inv_freq: Mutex::new(HashMap::new()),
         }
     }
 
@@ -402,6 +406,25 @@ impl CudaBackend {
         mat.scales = up(m.scales.as_slice())?;
         mat.biases = up(m.biases.as_slice())?;
         Ok(mat)
+    }
+
+    /// `theta^(-2i/d)` for `i < d/2`, in f32 exactly as the CPU backend computes it.
+    fn rotary_frequencies(&self, theta: f32, rotary_dim: usize) -> Option<Arc<DevBuf>> {
+        let mut cache = self.inv_freq.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = cache.get(&(theta.to_bits(), rotary_dim)) {
+            return Some(b.clone());
+        }
+        let freq: Vec<f32> = (0..rotary_dim / 2)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32))
+            .collect();
+        let buf = Arc::new(
+            self.d
+                .upload(&freq, "rotary frequencies")
+                .map_err(|e| self.d.record(e))
+                .ok()?,
+        );
+        cache.insert((theta.to_bits(), rotary_dim), buf.clone());
+        Some(buf)
     }
 
     fn vec_ptr(&self, v: &CudaVector) -> u64 {
@@ -834,17 +857,21 @@ impl Backend for CudaBackend {
         assert!(rotary_dim <= head_dim && rotary_dim.is_multiple_of(2));
         assert!(x.cols.is_multiple_of(head_dim));
         let n = x.rows * (x.cols / head_dim) * (rotary_dim / 2);
+        let Some(freq) = self.rotary_frequencies(theta, rotary_dim) else {
+            x.buf = None;
+            return;
+        };
         if let Some(xp) = x.ptr() {
             self.elementwise(
                 &self.d.k.rope,
                 n,
                 &[
                     Arg::Ptr(xp),
+                    Arg::Ptr(freq.ptr),
                     Arg::I32(x.rows as i32),
                     Arg::I32(x.cols as i32),
                     Arg::I32(head_dim as i32),
                     Arg::I32(rotary_dim as i32),
-                    Arg::F32(theta),
                     Arg::I32(first_position as i32),
                 ],
             );
