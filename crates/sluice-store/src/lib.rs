@@ -15,4 +15,4 @@ pub mod unpacked;
 pub use manifest::{Manifest, MANIFEST_FILE};
 pub use policy::Policy;
 pub use store::{ExpertStore, FetchedExpert, StoreError, StoreOptions, StoreStats};
-pub use unpacked::{PartRead, UnpackedLayout};
+pub use unpacked::UnpackedLayout;

@@ -41,6 +41,9 @@ pub struct StoreOptions {
 pub enum StoreError {
     #[error("{0}")]
     Manifest(#[from] crate::manifest::ManifestError),
+    /// The checkpoint's expert tensors could not be laid out (unpacked checkpoints).
+    #[error(transparent)]
+    Format(#[from] sluice_format::FormatError),
     #[error("opening {path}: {source}")]
     Open {
         path: PathBuf,
@@ -332,7 +335,7 @@ impl ExpertStore {
         opts: &StoreOptions,
     ) -> Result<ExpertStore, StoreError> {
         manifest.check_file_len(dir)?;
-        let blocks_path = dir.join(&manifest.file);
+        let blocks_path = manifest.blocks_path(dir)?;
         let reader = Reader::open(&blocks_path, &opts.io).map_err(|source| StoreError::Open {
             path: blocks_path.clone(),
             source,
