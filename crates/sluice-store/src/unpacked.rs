@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use sluice_format::experts::{self, FileSlice};
 use sluice_format::{QuantConfig, Tensors};
 
+use crate::error::StoreError;
 use crate::manifest::{plan_layers, Manifest, Part};
-use crate::store::StoreError;
 
 /// One read of an expert's block: `len` bytes at `offset` of source file `file` (an index into
 /// the source's files) into the slot at byte `at`.
