@@ -1,23 +1,47 @@
 //! The expert store: packed expert files, a budgeted expert cache, parallel reads, prefetch and
 //! stats.
 //!
-//! A packed model directory (written by [`pack`]) holds the resident tensors in
+//! A packed model directory (written by [`pack()`]) holds the resident tensors in
 //! `model.safetensors` and every routed expert as one contiguous, 4 KiB-aligned block of
-//! `experts.bin`, described by `experts.json` ([`manifest::Manifest`]).
+//! `experts.bin`, described by `experts.json` ([`Manifest`]). An unpacked checkpoint can stream
+//! its experts too ([`UnpackedLayout`]): each block is then gathered from the shards.
+//!
+//! The modules, each with one job (arrows are the only `use`s between them; there is no cycle):
+//! - `store`: [`ExpertStore`], which block goes in which cache slot and when (fetch, prefetch,
+//!   eviction, completion) → `slots`, `source`, `stats`, `policy`, `io`, `manifest`, `error`;
+//! - `slots`: the slots' memory and the state of each slot (empty, loading, ready, failed);
+//! - `source`: where blocks come from: `experts.bin` or the shards, which reads fill a slot and
+//!   which file and offset to name when one fails → `io`, `unpacked`, `manifest`;
+//! - `unpacked`: the block layout and reads of an unpacked checkpoint, from
+//!   [`sluice_format::experts`] → `manifest`;
+//! - `pack`: `sluice pack`, writing `experts.bin`/`experts.json` from the same scan →
+//!   `manifest`;
+//! - `manifest`: the `experts.json` format and the block layout;
+//! - `io`: the reader (io_uring or a pread pool) into caller-provided memory (crate-private:
+//!   its `submit` is `unsafe`);
+//! - `policy`: eviction policies; `stats`: [`StoreStats`]; `error`: [`StoreError`].
 
 mod error;
-pub mod io;
-pub mod manifest;
-pub mod pack;
-pub mod policy;
+mod io;
+mod manifest;
+mod pack;
+mod policy;
 mod slots;
 mod source;
 mod stats;
-pub mod store;
-pub mod unpacked;
+mod store;
+mod unpacked;
+
+#[doc(hidden)]
+pub mod bench;
 
 pub use error::StoreError;
-pub use manifest::{Manifest, MANIFEST_FILE};
+pub use io::{IoKind, ReaderOptions};
+pub use manifest::{
+    checksum, FormatSpec, LayerExperts, Manifest, ManifestError, Part, Projection, BLOCK_ALIGN,
+    EXPERTS_FILE, MANIFEST_FILE,
+};
+pub use pack::{pack, PackError, PackOptions, PackSummary};
 pub use policy::Policy;
 pub use stats::StoreStats;
 pub use store::{ExpertStore, FetchedExpert, StoreOptions};

@@ -18,11 +18,11 @@ pub const EXPERTS_FILE: &str = "experts.bin";
 /// Alignment of blocks in the file (and of their lengths): the O_DIRECT unit.
 pub const BLOCK_ALIGN: u64 = 4096;
 /// Alignment of parts inside a block (SIMD loads).
-pub const PART_ALIGN: u64 = 64;
+pub(crate) const PART_ALIGN: u64 = 64;
 /// The projections of an expert, in block order (the scanner's order).
-pub const PROJECTIONS: [&str; 3] = sluice_format::experts::PROJECTIONS;
-pub const FORMAT_NAME: &str = "sluice-experts";
-pub const FORMAT_VERSION: u32 = 1;
+pub(crate) const PROJECTIONS: [&str; 3] = sluice_format::experts::PROJECTIONS;
+pub(crate) const FORMAT_NAME: &str = "sluice-experts";
+pub(crate) const FORMAT_VERSION: u32 = 1;
 
 /// Errors reading or using a manifest, each naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -180,7 +180,7 @@ pub(crate) fn plan_layers(layers: &[MoeLayer]) -> Vec<LayerExperts> {
 }
 
 /// Rounds `x` up to a multiple of `a`.
-pub fn align_up(x: u64, a: u64) -> u64 {
+pub(crate) fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 

@@ -126,8 +126,7 @@ impl UnpackedLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io::{IoKind, ReaderOptions};
-    use crate::{ExpertStore, Policy, StoreOptions};
+    use crate::{ExpertStore, IoKind, Policy, ReaderOptions, StoreOptions};
     use sluice_format::{write_safetensors, StDtype};
 
     const E: usize = 4;
