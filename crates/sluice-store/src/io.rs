@@ -947,18 +947,20 @@ mod tests {
             let f = test_file(MIB);
             let r = Reader::open(f.path(), &opts(kind, 4)).unwrap();
             let buf = AlignedBuf::new(4 * ALIGN);
+            // Requests 0 and 1 write far from request 2's destination: the buffered reads
+            // below run concurrently, and the check reads what request 2 wrote.
             let reqs = [
                 ReadRequest {
                     tag: 0,
                     offset: 100,
                     len: ALIGN,
-                    dst: buf.at(0),
+                    dst: buf.at(2 * ALIGN),
                 },
                 ReadRequest {
                     tag: 1,
                     offset: 0,
                     len: ALIGN + 1,
-                    dst: buf.at(0),
+                    dst: buf.at(2 * ALIGN),
                 },
                 ReadRequest {
                     tag: 2,
@@ -990,7 +992,8 @@ mod tests {
             )
             .unwrap();
             assert!(!rb.direct());
-            // SAFETY: as above; request 2 writes `ALIGN` bytes at `buf + 8`, inside `buf`.
+            // SAFETY: as above; request 2 writes `ALIGN` bytes at `buf + 8`, requests 0 and 1 at
+            // most `ALIGN + 1` at `buf + 2 * ALIGN`, all inside `buf`.
             unsafe { rb.submit(&reqs[..3]) };
             for c in wait_all(&rb, 3) {
                 c.result.unwrap();
