@@ -535,7 +535,10 @@ impl ExpertStore {
             }
             st.stats.misses += 1;
             let Some(v) = self.victim(st) else {
-                // Cannot happen with max_fetch respected; undo the pins taken so far.
+                // Cannot happen with max_fetch respected (and no leases kept across calls).
+                // Read the misses assigned so far, which would otherwise stay Loading with no
+                // read in flight, and undo the pins taken.
+                self.submit(st, &reqs, blocks);
                 for &s in slots.iter().chain(hits[i..].iter().flatten()) {
                     st.slots[s].unpin();
                 }

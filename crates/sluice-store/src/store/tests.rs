@@ -120,3 +120,16 @@ fn a_corrupt_block_is_an_error_and_is_not_cached() {
     assert!(store.fetch(0, &[2]).is_err());
     assert_eq!(store.stats().errors, 2);
 }
+
+#[test]
+fn a_request_refused_for_lack_of_slots_leaves_its_misses_readable() {
+    let (dir, _) = tiny_store(8);
+    let store = open(dir.path(), 2, Policy::Lru);
+    let held = store.fetch(0, &[0]).unwrap();
+    // Expert 1 gets the free slot, expert 2 none: the request is refused.
+    assert!(store.fetch(0, &[1, 2]).is_err());
+    drop(held);
+    let got = store.fetch(0, &[1]).expect("expert 1 was read, not lost");
+    assert_eq!(got[0].gate.data.as_slice()[0], 1);
+    assert_eq!(store.stats().errors, 0);
+}
