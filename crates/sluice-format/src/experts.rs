@@ -120,7 +120,7 @@ pub fn scan(t: &Tensors, quant: Option<&QuantConfig>) -> Result<ExpertScan, Form
 /// The gate, up and down matrices of every routed expert of the MoE block at `prefix` (e.g.
 /// `model.layers.0.mlp`), for a model loader that keeps experts resident. Accepts exactly what
 /// [`scan`] (and so `sluice pack`) accepts for one layer, with the same errors; a prefix with
-/// no experts is an error (`tensor `{prefix}.experts`: holds no experts`). Shapes are not
+/// no experts is an error too ("holds no experts", naming `{prefix}.experts`). Shapes are not
 /// checked against a config: compare `rows`/`cols` of expert 0 (all experts are alike).
 pub fn layer_experts(
     t: &Tensors,

@@ -6,20 +6,24 @@
 //! `experts.bin`, described by `experts.json` ([`Manifest`]). An unpacked checkpoint can stream
 //! its experts too ([`UnpackedLayout`]): each block is then gathered from the shards.
 //!
-//! The modules, each with one job (arrows are the only `use`s between them; there is no cycle):
+//! The modules, each with one job (→ lists the others it uses besides `error`; there is no
+//! cycle):
 //! - `store`: [`ExpertStore`], which block goes in which cache slot and when (fetch, prefetch,
-//!   eviction, completion) → `slots`, `source`, `stats`, `policy`, `io`, `manifest`, `error`;
-//! - `slots`: the slots' memory and the state of each slot (empty, loading, ready, failed);
-//! - `source`: where blocks come from: `experts.bin` or the shards, which reads fill a slot and
+//!   eviction, completion) → `slots`, `source`, `stats`, `policy`, `io`, `manifest`, `unpacked`;
+//! - `slots`: the slots' memory and the state of each slot (empty, loading, ready, failed) →
+//!   `manifest`;
+//! - `source`: where blocks come from, `experts.bin` or the shards: which reads fill a slot, and
 //!   which file and offset to name when one fails → `io`, `unpacked`, `manifest`;
 //! - `unpacked`: the block layout and reads of an unpacked checkpoint, from
 //!   [`sluice_format::experts`] → `manifest`;
 //! - `pack`: `sluice pack`, writing `experts.bin`/`experts.json` from the same scan →
 //!   `manifest`;
 //! - `manifest`: the `experts.json` format and the block layout;
-//! - `io`: the reader (io_uring or a pread pool) into caller-provided memory (crate-private:
-//!   its `submit` is `unsafe`);
-//! - `policy`: eviction policies; `stats`: [`StoreStats`]; `error`: [`StoreError`].
+//! - `io`: the reader (io_uring or a pread pool) into caller-provided memory; crate-private
+//!   but for its options, since its `submit` is `unsafe` (`bench` is a safe way in for
+//!   `examples/read_bench.rs`);
+//! - `policy`: eviction policies; `stats`: [`StoreStats`]; `error`: [`StoreError`] (→
+//!   `manifest`).
 
 mod error;
 mod io;
