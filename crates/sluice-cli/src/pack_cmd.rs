@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_store::pack::{pack, PackOptions};
+use sluice_store::{pack, PackOptions};
 
 #[derive(Args)]
 #[command(

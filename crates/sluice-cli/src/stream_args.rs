@@ -4,8 +4,7 @@ use anyhow::{anyhow, Result};
 use clap::{Args, ValueEnum};
 use sluice_bench::sys::parse_bytes;
 use sluice_engine::streaming::StreamingOptions;
-use sluice_store::io::IoKind;
-use sluice_store::Policy;
+use sluice_store::{IoKind, Policy};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum PolicyArg {

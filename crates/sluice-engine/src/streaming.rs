@@ -3,8 +3,9 @@
 
 use std::path::Path;
 
-use sluice_store::io::{IoKind, ReaderOptions};
-use sluice_store::{ExpertStore, Manifest, Policy, StoreError, StoreOptions, UnpackedLayout};
+use sluice_store::{
+    ExpertStore, IoKind, Manifest, Policy, ReaderOptions, StoreError, StoreOptions, UnpackedLayout,
+};
 
 /// Memory kept free for everything but weights and the expert cache (KV caches, activations,
 /// the OS) when the cache size is derived.

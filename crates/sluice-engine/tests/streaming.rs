@@ -8,9 +8,7 @@ use std::sync::Arc;
 use sluice_cpu::CpuBackend;
 use sluice_engine::streaming::StreamingOptions;
 use sluice_engine::{Engine, LoadOptions, LogitsMode};
-use sluice_store::io::IoKind;
-use sluice_store::pack::{pack, PackOptions};
-use sluice_store::Policy;
+use sluice_store::{pack, IoKind, PackOptions, Policy};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -83,4 +83,9 @@ pub enum FormatError {
         file: PathBuf,
         msg: String,
     },
+
+    /// Routed-expert tensors that are not in a layout sluice reads, or do not fit together
+    /// (see [`crate::experts`]).
+    #[error("tensor `{tensor}`: {msg}")]
+    ExpertLayout { tensor: String, msg: String },
 }

@@ -9,7 +9,9 @@
 //! or MLX affine-quantised), and turns every defect of the directory (missing or truncated
 //! files, malformed JSON, tensors of the wrong dtype or shape, quantisation settings that do not
 //! fit the tensors) into a one-line [`FormatError`] naming the file and tensor. It never panics
-//! on bad input. It also writes safetensors files ([`safetensors_writer`]), for tools and tests.
+//! on bad input. It also knows where a checkpoint keeps its routed experts, in each of the
+//! layouts sluice reads ([`experts`]: the one scanner that packing, unpacked streaming and model
+//! loading share), and writes safetensors files ([`safetensors_writer`]), for tools and tests.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), sluice_format::FormatError> {
@@ -28,6 +30,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 mod error;
+pub mod experts;
 pub mod fs_util;
 mod quant;
 pub mod safetensors;

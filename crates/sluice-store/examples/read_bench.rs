@@ -1,4 +1,4 @@
-//! Random aligned block reads through `sluice_store::io::Reader` (O_DIRECT), GB/s per queue depth.
+//! Random aligned block reads through the store's reader (O_DIRECT), GB/s per queue depth.
 //!
 //! ```sh
 //! cargo run --release -p sluice-store --example read_bench -- FILE [--block 2MiB] \
@@ -11,9 +11,9 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
 
-use sluice_store::io::{IoKind, ReadRequest, Reader, ReaderOptions, ALIGN};
+use sluice_store::bench::{read_blocks, ALIGN};
+use sluice_store::{IoKind, ReaderOptions};
 
 fn parse_bytes(s: &str) -> Option<usize> {
     let s = s.trim();
@@ -95,32 +95,6 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
-/// Heap memory aligned for O_DIRECT.
-struct AlignedBuf {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl AlignedBuf {
-    fn new(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len, ALIGN).expect("layout");
-        // SAFETY: `len` is non-zero (checked at argument parsing).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        AlignedBuf { ptr, layout }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout; no read targets it any more (the reader
-        // is dropped, which waits for its reads, before the buffers).
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
-    }
-}
-
 fn main() -> ExitCode {
     let a = match parse_args() {
         Ok(a) => a,
@@ -157,7 +131,7 @@ fn main() -> ExitCode {
         s ^= s << 17;
         blocks.swap(i, (s % (i as u64 + 1)) as usize);
     }
-    let mut next_block = 0usize;
+    let mut offsets = blocks.iter().map(|&b| (b * a.block) as u64).peekable();
 
     println!(
         "file {} ({:.2} GB), {} blocks of {} KiB available",
@@ -174,80 +148,32 @@ fn main() -> ExitCode {
             direct: true,
             queue_depth: qd,
         };
-        let bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(a.block)).collect();
-        let reader = match Reader::open(&a.file, &opts) {
+        let run = match read_blocks(&a.file, &opts, a.block, &mut offsets, a.seconds) {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("error: opening {}: {e}", a.file.display());
                 return ExitCode::FAILURE;
             }
         };
-        let mut started = vec![Instant::now(); qd];
-        let mut latency = Duration::ZERO;
-        let mut reads = 0u64;
-        let mut take = |slot: usize| -> Option<ReadRequest> {
-            let b = *blocks.get(next_block)?;
-            next_block += 1;
-            Some(ReadRequest {
-                tag: slot as u64,
-                offset: (b * a.block) as u64,
-                len: a.block,
-                dst: bufs[slot].ptr,
-            })
-        };
-        let t0 = Instant::now();
-        let deadline = t0 + Duration::from_secs_f64(a.seconds);
-        let first: Vec<ReadRequest> = (0..qd).filter_map(&mut take).collect();
-        for r in &first {
-            started[r.tag as usize] = Instant::now();
+        for e in &run.errors {
+            eprintln!("error: {e}");
         }
-        // SAFETY: each request targets its own buffer of `block` bytes, which stays alive
-        // until the reader is dropped and is not touched until its completion comes back.
-        unsafe { reader.submit(&first) };
-        let mut failed = false;
-        loop {
-            let done = reader.wait();
-            if done.is_empty() {
-                break;
-            }
-            let mut more = Vec::new();
-            for c in done {
-                let slot = c.tag as usize;
-                if let Err(e) = c.result {
-                    eprintln!("error: {e}");
-                    failed = true;
-                    continue;
-                }
-                latency += started[slot].elapsed();
-                reads += 1;
-                if Instant::now() < deadline && !failed {
-                    if let Some(r) = take(slot) {
-                        started[slot] = Instant::now();
-                        more.push(r);
-                    }
-                }
-            }
-            // SAFETY: as above; a slot is reused only after its completion came back.
-            unsafe { reader.submit(&more) };
-        }
-        let secs = t0.elapsed().as_secs_f64();
-        let st = reader.stats();
-        let kind = match reader.kind() {
+        let kind = match run.kind {
             IoKind::Uring => "uring",
             _ => "threads",
         };
         println!(
-            "| {kind} | {} | {qd} | {:.3} | {reads} | {:.2} | {:.0} |",
-            reader.direct(),
-            st.bytes_read as f64 / secs / 1e9,
-            latency.as_secs_f64() * 1e3 / reads.max(1) as f64,
-            100.0 * st.busy_secs / secs,
+            "| {kind} | {} | {qd} | {:.3} | {} | {:.2} | {:.0} |",
+            run.direct,
+            run.bytes_read as f64 / run.secs / 1e9,
+            run.reads,
+            run.latency.as_secs_f64() * 1e3 / run.reads.max(1) as f64,
+            100.0 * run.busy_secs / run.secs,
         );
-        drop(reader);
-        if failed {
+        if !run.errors.is_empty() {
             return ExitCode::FAILURE;
         }
-        if next_block >= blocks.len() {
+        if offsets.peek().is_none() {
             eprintln!("note: every block in the region has been read; stopping");
             break;
         }

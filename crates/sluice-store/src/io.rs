@@ -1,5 +1,6 @@
-//! The block reader: whole expert blocks from `experts.bin` into caller-provided memory, many
-//! reads in flight.
+//! The block reader: whole expert blocks from `experts.bin` (or slices of checkpoint shards)
+//! into caller-provided memory, many reads in flight. Crate-private but for the options
+//! ([`IoKind`], [`ReaderOptions`]): callers hand raw destinations to [`Reader::submit`].
 //!
 //! Two engines sit behind one [`Reader`]:
 //! - **io_uring** (Linux, where the kernel and any seccomp policy allow it): reads go into a ring
@@ -27,7 +28,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Alignment required of offsets, lengths and destinations when `direct` is requested.
-pub const ALIGN: usize = 4096;
+pub(crate) const ALIGN: usize = 4096;
 /// Largest single read handed to the kernel; longer requests are read in pieces.
 const MAX_CHUNK: usize = 1 << 30;
 /// How many times one request retries EINTR/EAGAIN before failing.
@@ -46,7 +47,7 @@ pub enum IoKind {
     Threads,
 }
 
-/// How to open a [`Reader`].
+/// How to open the block reader.
 #[derive(Debug, Clone)]
 pub struct ReaderOptions {
     pub kind: IoKind,
@@ -69,11 +70,11 @@ impl Default for ReaderOptions {
 /// One read: `len` bytes at file `offset` into `dst` (valid for writes of `len` bytes until the
 /// completion for `tag` is returned; the caller guarantees that).
 #[derive(Debug, Clone, Copy)]
-pub struct ReadRequest {
-    pub tag: u64,
-    pub offset: u64,
-    pub len: usize,
-    pub dst: *mut u8,
+pub(crate) struct ReadRequest {
+    pub(crate) tag: u64,
+    pub(crate) offset: u64,
+    pub(crate) len: usize,
+    pub(crate) dst: *mut u8,
 }
 
 // SAFETY: a `ReadRequest` is plain data; the pointer is only written through by the reader under
@@ -83,24 +84,24 @@ unsafe impl Send for ReadRequest {}
 /// The outcome of one [`ReadRequest`]. A short read (end of file) is an `UnexpectedEof` error
 /// naming the offset and length.
 #[derive(Debug)]
-pub struct Completion {
-    pub tag: u64,
-    pub result: io::Result<()>,
+pub(crate) struct Completion {
+    pub(crate) tag: u64,
+    pub(crate) result: io::Result<()>,
 }
 
 /// Counters since the reader was opened.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct IoStats {
+pub(crate) struct IoStats {
     /// Bytes transferred into destinations (by successful and failed requests).
-    pub bytes_read: u64,
+    pub(crate) bytes_read: u64,
     /// Requests completed successfully.
-    pub reads: u64,
+    pub(crate) reads: u64,
     /// Requests completed with an error.
-    pub errors: u64,
+    pub(crate) errors: u64,
     /// Wall time with at least one request submitted and not yet completed.
-    pub busy_secs: f64,
+    pub(crate) busy_secs: f64,
     /// Most requests submitted and not yet completed at once.
-    pub max_in_flight: usize,
+    pub(crate) max_in_flight: usize,
 }
 
 /// A request being worked on: how far it got and how often it retried.
@@ -151,7 +152,7 @@ struct Shared {
 ///
 /// Dropping a reader waits for every submitted read to finish (the kernel must not write into
 /// memory after the caller is told it may free it); completions not yet returned are discarded.
-pub struct Reader {
+pub(crate) struct Reader {
     shared: Arc<Shared>,
     kind: IoKind,
     workers: Vec<JoinHandle<()>>,
@@ -467,7 +468,7 @@ fn open_file(path: &Path, direct: bool) -> io::Result<(File, bool)> {
 
 impl Reader {
     /// Opens `path` with the engine and flags of `opts`.
-    pub fn open(path: &Path, opts: &ReaderOptions) -> io::Result<Reader> {
+    pub(crate) fn open(path: &Path, opts: &ReaderOptions) -> io::Result<Reader> {
         let queue_depth = opts.queue_depth.clamp(1, MAX_QUEUE_DEPTH);
         let (file, direct) = open_file(path, opts.direct)?;
 
@@ -555,12 +556,12 @@ impl Reader {
     }
 
     /// The engine in use: [`IoKind::Uring`] or [`IoKind::Threads`].
-    pub fn kind(&self) -> IoKind {
+    pub(crate) fn kind(&self) -> IoKind {
         self.kind
     }
 
     /// Whether the file is open with O_DIRECT.
-    pub fn direct(&self) -> bool {
+    pub(crate) fn direct(&self) -> bool {
         self.shared.direct
     }
 
@@ -573,7 +574,7 @@ impl Reader {
     /// be read, written or freed by anyone else until the completion for the request's `tag` has
     /// been returned by [`Reader::wait`] or [`Reader::poll`] (or the reader has been dropped,
     /// which waits for all reads to finish).
-    pub unsafe fn submit(&self, reqs: &[ReadRequest]) {
+    pub(crate) unsafe fn submit(&self, reqs: &[ReadRequest]) {
         if reqs.is_empty() {
             return;
         }
@@ -638,7 +639,7 @@ impl Reader {
 
     /// Blocks until at least one completion is available and returns all available ones;
     /// returns an empty vector at once if nothing is in flight.
-    pub fn wait(&self) -> Vec<Completion> {
+    pub(crate) fn wait(&self) -> Vec<Completion> {
         let mut st = lock(&self.shared.state);
         loop {
             if !st.done.is_empty() {
@@ -656,18 +657,18 @@ impl Reader {
     }
 
     /// Completions available now, without blocking.
-    pub fn poll(&self) -> Vec<Completion> {
+    pub(crate) fn poll(&self) -> Vec<Completion> {
         let mut st = lock(&self.shared.state);
         self.take(&mut st)
     }
 
     /// Requests submitted whose completion has not yet been returned by `wait`/`poll`.
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         lock(&self.shared.state).unreturned
     }
 
     /// Counters since the reader was opened.
-    pub fn stats(&self) -> IoStats {
+    pub(crate) fn stats(&self) -> IoStats {
         let st = lock(&self.shared.state);
         let mut s = st.stats.clone();
         let busy = st.busy + st.busy_since.map_or(Duration::ZERO, |t| t.elapsed());
@@ -946,18 +947,20 @@ mod tests {
             let f = test_file(MIB);
             let r = Reader::open(f.path(), &opts(kind, 4)).unwrap();
             let buf = AlignedBuf::new(4 * ALIGN);
+            // Requests 0 and 1 write far from request 2's destination: the buffered reads
+            // below run concurrently, and the check reads what request 2 wrote.
             let reqs = [
                 ReadRequest {
                     tag: 0,
                     offset: 100,
                     len: ALIGN,
-                    dst: buf.at(0),
+                    dst: buf.at(2 * ALIGN),
                 },
                 ReadRequest {
                     tag: 1,
                     offset: 0,
                     len: ALIGN + 1,
-                    dst: buf.at(0),
+                    dst: buf.at(2 * ALIGN),
                 },
                 ReadRequest {
                     tag: 2,
@@ -989,7 +992,8 @@ mod tests {
             )
             .unwrap();
             assert!(!rb.direct());
-            // SAFETY: as above; request 2 writes `ALIGN` bytes at `buf + 8`, inside `buf`.
+            // SAFETY: as above; request 2 writes `ALIGN` bytes at `buf + 8`, requests 0 and 1 at
+            // most `ALIGN + 1` at `buf + 2 * ALIGN`, all inside `buf`.
             unsafe { rb.submit(&reqs[..3]) };
             for c in wait_all(&rb, 3) {
                 c.result.unwrap();

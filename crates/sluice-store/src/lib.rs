@@ -1,19 +1,55 @@
 //! The expert store: packed expert files, a budgeted expert cache, parallel reads, prefetch and
 //! stats.
 //!
-//! A packed model directory (written by [`pack`]) holds the resident tensors in
+//! A packed model directory (written by [`pack()`]) holds the resident tensors in
 //! `model.safetensors` and every routed expert as one contiguous, 4 KiB-aligned block of
-//! `experts.bin`, described by `experts.json` ([`manifest::Manifest`]).
+//! `experts.bin`, described by `experts.json` ([`Manifest`]). An unpacked checkpoint can stream
+//! its experts too ([`UnpackedLayout`]): each block is then gathered from the shards.
+//!
+//! The modules, each with one job (→ lists the others it uses besides `error`; there is no
+//! cycle):
+//! - `store`: [`ExpertStore`], which block goes in which cache slot and when (fetch, prefetch,
+//!   eviction, completion) → `slots`, `source`, `stats`, `policy`, `io`, `manifest`, `unpacked`;
+//! - `slots`: the slots' memory and the state of each slot (empty, loading, ready, failed) →
+//!   `manifest`;
+//! - `source`: where blocks come from, `experts.bin` or the shards: which reads fill a slot, and
+//!   which file and offset to name when one fails → `io`, `unpacked`, `manifest`;
+//! - `unpacked`: the block layout and reads of an unpacked checkpoint, from
+//!   [`sluice_format::experts`] → `manifest`;
+//! - `pack`: `sluice pack`, writing `experts.bin`/`experts.json` from the same scan →
+//!   `manifest`;
+//! - `manifest`: the `experts.json` format and the block layout;
+//! - `io`: the reader (io_uring or a pread pool) into caller-provided memory; crate-private
+//!   but for its options, since its `submit` is `unsafe` (`bench` is a safe way in for
+//!   `examples/read_bench.rs`);
+//! - `expert_source`: [`ExpertStore`] as the models see it, a
+//!   [`sluice_backend::ExpertSource`] → `store`, `manifest`;
+//! - `policy`: eviction policies; `stats`: [`StoreStats`]; `error`: [`StoreError`] (→
+//!   `manifest`).
 
+mod error;
 mod expert_source;
-pub mod io;
-pub mod manifest;
-pub mod pack;
-pub mod policy;
-pub mod store;
-pub mod unpacked;
+mod io;
+mod manifest;
+mod pack;
+mod policy;
+mod slots;
+mod source;
+mod stats;
+mod store;
+mod unpacked;
 
-pub use manifest::{Manifest, MANIFEST_FILE};
+#[doc(hidden)]
+pub mod bench;
+
+pub use error::StoreError;
+pub use io::{IoKind, ReaderOptions};
+pub use manifest::{
+    checksum, FormatSpec, LayerExperts, Manifest, ManifestError, Part, Projection, BLOCK_ALIGN,
+    EXPERTS_FILE, MANIFEST_FILE,
+};
+pub use pack::{pack, PackError, PackOptions, PackSummary};
 pub use policy::Policy;
-pub use store::{ExpertStore, FetchedExpert, StoreError, StoreOptions, StoreStats};
-pub use unpacked::{PartRead, UnpackedLayout};
+pub use stats::StoreStats;
+pub use store::{ExpertStore, FetchedExpert, StoreOptions};
+pub use unpacked::UnpackedLayout;

@@ -5,10 +5,11 @@
 //! [`PART_ALIGN`] inside the block, and every block at a multiple of [`BLOCK_ALIGN`] in the file,
 //! so one aligned read (O_DIRECT) fetches an expert whole.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use sluice_backend::{Dtype, HostBytes, HostMatrix, WeightFormat};
+use sluice_format::experts::MoeLayer;
 
 /// File name of the manifest inside a packed model directory.
 pub const MANIFEST_FILE: &str = "experts.json";
@@ -17,11 +18,11 @@ pub const EXPERTS_FILE: &str = "experts.bin";
 /// Alignment of blocks in the file (and of their lengths): the O_DIRECT unit.
 pub const BLOCK_ALIGN: u64 = 4096;
 /// Alignment of parts inside a block (SIMD loads).
-pub const PART_ALIGN: u64 = 64;
-/// The projections of an expert, in block order.
-pub const PROJECTIONS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
-pub const FORMAT_NAME: &str = "sluice-experts";
-pub const FORMAT_VERSION: u32 = 1;
+pub(crate) const PART_ALIGN: u64 = 64;
+/// The projections of an expert, in block order (the scanner's order).
+pub(crate) const PROJECTIONS: [&str; 3] = sluice_format::experts::PROJECTIONS;
+pub(crate) const FORMAT_NAME: &str = "sluice-experts";
+pub(crate) const FORMAT_VERSION: u32 = 1;
 
 /// Errors reading or using a manifest, each naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -144,8 +145,10 @@ pub struct LayerExperts {
 pub struct Manifest {
     pub format: String,
     pub version: u32,
-    /// Name of the blocks file, relative to the manifest.
-    pub file: String,
+    /// Name of the blocks file, relative to the manifest. Always set in `experts.json`; `None`
+    /// only for the in-memory layout of an unpacked checkpoint, whose blocks are gathered from
+    /// its shards.
+    pub file: Option<String>,
     pub block_align: u64,
     /// `xxh3-64`.
     pub checksum: String,
@@ -157,8 +160,27 @@ pub fn checksum(block: &[u8]) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(block))
 }
 
+/// The block layout of every MoE layer found in a checkpoint, one after another from offset 0
+/// (checksums left empty): what `sluice pack` writes, and the slots of an unpacked store.
+pub(crate) fn plan_layers(layers: &[MoeLayer]) -> Vec<LayerExperts> {
+    let mut plans = Vec::with_capacity(layers.len());
+    let mut offset = 0u64;
+    for l in layers {
+        let projs: Vec<(String, usize, usize, WeightFormat)> = l.experts[0]
+            .matrices
+            .iter()
+            .zip(PROJECTIONS)
+            .map(|(m, name)| (name.to_string(), m.rows, m.cols, m.format))
+            .collect();
+        let plan = LayerExperts::plan(l.layer, l.prefix.clone(), l.experts.len(), offset, &projs);
+        offset = plan.offset + plan.stride * plan.experts as u64;
+        plans.push(plan);
+    }
+    plans
+}
+
 /// Rounds `x` up to a multiple of `a`.
-pub fn align_up(x: u64, a: u64) -> u64 {
+pub(crate) fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
@@ -249,7 +271,7 @@ impl Manifest {
         Manifest {
             format: FORMAT_NAME.into(),
             version: FORMAT_VERSION,
-            file: EXPERTS_FILE.into(),
+            file: Some(EXPERTS_FILE.into()),
             block_align: BLOCK_ALIGN,
             checksum: "xxh3-64".into(),
             layers,
@@ -290,8 +312,12 @@ impl Manifest {
                 self.block_align
             ));
         }
-        if self.file.contains('/') || self.file.contains("..") {
-            return Err(format!("file `{}` must be a plain file name", self.file));
+        match &self.file {
+            None => return Err("no blocks `file`".into()),
+            Some(f) if f.contains('/') || f.contains("..") => {
+                return Err(format!("file `{f}` must be a plain file name"))
+            }
+            Some(_) => {}
         }
         let mut end_prev = 0u64;
         for l in &self.layers {
@@ -360,9 +386,20 @@ impl Manifest {
             .unwrap_or(0)
     }
 
+    /// The blocks file of the packed directory `dir`.
+    pub fn blocks_path(&self, dir: &Path) -> Result<PathBuf, ManifestError> {
+        match &self.file {
+            Some(f) => Ok(dir.join(f)),
+            None => Err(ManifestError::Invalid {
+                path: dir.join(MANIFEST_FILE).display().to_string(),
+                msg: "no blocks `file`".into(),
+            }),
+        }
+    }
+
     /// Errors when the blocks file is shorter than the manifest says (a truncated copy).
     pub fn check_file_len(&self, dir: &Path) -> Result<(), ManifestError> {
-        let path = dir.join(&self.file);
+        let path = self.blocks_path(dir)?;
         let p = path.display().to_string();
         let len = std::fs::metadata(&path)
             .map_err(|source| ManifestError::Io {
@@ -468,5 +505,21 @@ mod tests {
         let mut m = Manifest::new(vec![layer(), layer()]);
         m.layers[1].layer = 1;
         assert!(m.validate().unwrap_err().contains("overlap"));
+    }
+
+    #[test]
+    fn only_a_packed_manifest_names_a_blocks_file() {
+        let mut m = Manifest::new(vec![layer()]);
+        let dir = Path::new("/models/packed");
+        assert_eq!(m.blocks_path(dir).unwrap(), dir.join(EXPERTS_FILE));
+        let text = serde_json::to_string(&m).unwrap();
+        assert!(text.contains(r#""file":"experts.bin""#), "{text}");
+        // An unpacked layout's manifest has none: not valid on disk, and no file to open.
+        m.file = None;
+        assert!(m.validate().unwrap_err().contains("file"));
+        assert!(m.blocks_path(dir).is_err());
+        let text = text.replace(r#""file":"experts.bin","#, "");
+        let back: Manifest = serde_json::from_str(&text).unwrap();
+        assert!(back.validate().is_err());
     }
 }

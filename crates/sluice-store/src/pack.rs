@@ -3,23 +3,24 @@
 //! The output directory holds `model.safetensors` (every tensor except the routed experts,
 //! unchanged), `experts.bin` (one [`BLOCK_ALIGN`]-aligned block per layer x expert, laid out by
 //! [`LayerExperts::plan`]), `experts.json` ([`Manifest`]) and copies of the source's other files
-//! (config.json, tokenizer files, ...), so it is still a normal model directory.
+//! (config.json, tokenizer files, ...), so it is still a normal model directory. The routed
+//! experts are those [`sluice_format::experts::scan`] finds (scan errors pass through as
+//! [`PackError::Format`]).
 //!
 //! The directory is written as `OUT.partial`, synced, and renamed into place when complete: an
 //! interrupted pack never leaves a directory that loads.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
-use sluice_backend::{HostMatrix, WeightFormat};
-use sluice_format::{
-    safetensors_header_for, FormatError, ModelDir, QuantConfig, Tensors, INDEX_FILE, SINGLE_FILE,
-};
+use sluice_backend::HostMatrix;
+use sluice_format::experts::{self, ExpertScan, MoeLayer};
+use sluice_format::{safetensors_header_for, FormatError, ModelDir, INDEX_FILE, SINGLE_FILE};
 
-use crate::manifest::{checksum, LayerExperts, Manifest, EXPERTS_FILE, MANIFEST_FILE, PROJECTIONS};
+use crate::manifest::{checksum, plan_layers, LayerExperts, Manifest, EXPERTS_FILE, MANIFEST_FILE};
 
 /// Bytes of whole blocks handed to the writer at once (large sequential writes).
 const BATCH_BYTES: u64 = 32 << 20;
@@ -68,6 +69,7 @@ pub enum PackError {
         free: u64,
         replacing: bool,
     },
+    /// The planned layout is inconsistent (an internal error).
     #[error("tensor `{tensor}`: {msg}")]
     Layout { tensor: String, msg: String },
 }
@@ -113,230 +115,6 @@ fn resolve(p: &Path) -> io::Result<PathBuf> {
             }
         }
     }
-}
-
-/// The experts of one MoE layer, as found in the source.
-pub(crate) struct SourceLayer {
-    pub(crate) layer: usize,
-    pub(crate) prefix: String,
-    /// Per expert: gate, up, down.
-    pub(crate) experts: Vec<[HostMatrix; 3]>,
-}
-
-/// `Some((prefix, stack, layer))` when `name` is under `*.layers.N.mlp.{switch_mlp,experts}.`,
-/// where `prefix` is `*.layers.N.mlp` and `stack` the part before `.layers.`.
-fn expert_prefix(name: &str) -> Option<(String, String, usize)> {
-    let segs: Vec<&str> = name.split('.').collect();
-    (0..segs.len().saturating_sub(4)).find_map(|i| {
-        if segs[i] != "layers"
-            || segs[i + 2] != "mlp"
-            || !matches!(segs[i + 3], "switch_mlp" | "experts")
-            || !segs[i + 1].bytes().all(|b| b.is_ascii_digit())
-        {
-            return None;
-        }
-        let layer = segs[i + 1].parse().ok()?;
-        Some((segs[..i + 3].join("."), segs[..i].join("."), layer))
-    })
-}
-
-/// Finds the routed experts of every MoE layer, in layer order, and the names of the tensors
-/// they use. Only the decoder stack with the most MoE layers is packed (e.g. the experts of a
-/// multi-token-prediction head stay resident). Shared with [`crate::unpacked`], which streams
-/// the same experts straight from the checkpoint.
-pub(crate) fn find_experts(
-    t: &Tensors,
-    quant: Option<&QuantConfig>,
-) -> Result<(Vec<SourceLayer>, BTreeSet<String>), PackError> {
-    // stack -> prefix -> layer.
-    let mut stacks: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
-    for name in t.names() {
-        if let Some((prefix, stack, layer)) = expert_prefix(name) {
-            stacks.entry(stack).or_default().insert(prefix, layer);
-        }
-    }
-    let Some((_, prefixes)) = stacks.into_iter().max_by_key(|(_, p)| p.len()) else {
-        return Ok((Vec::new(), BTreeSet::new()));
-    };
-    let mut used = BTreeSet::new();
-    let mut layers = Vec::new();
-    for (prefix, layer) in prefixes {
-        let experts = layer_experts(t, quant, &prefix, &mut used)?;
-        check_uniform(&prefix, &experts)?;
-        // Every tensor under the expert modules must have been placed in a block.
-        for under in [
-            format!("{prefix}.switch_mlp."),
-            format!("{prefix}.experts."),
-        ] {
-            if let Some(extra) = t
-                .names()
-                .find(|n| n.starts_with(&under) && !used.contains(*n))
-            {
-                return Err(PackError::Layout {
-                    tensor: extra.to_string(),
-                    msg: "is under the routed experts but is not a gate/up/down projection's weight, scales or biases; sluice pack cannot place it (is this architecture supported?)".into(),
-                });
-            }
-        }
-        layers.push(SourceLayer {
-            layer,
-            prefix,
-            experts,
-        });
-    }
-    layers.sort_by_key(|l| l.layer);
-    if let Some(w) = layers.windows(2).find(|w| w[0].layer == w[1].layer) {
-        return Err(PackError::Layout {
-            tensor: format!("{}.*", w[1].prefix),
-            msg: format!(
-                "layer {} has experts under two prefixes ({} and {})",
-                w[1].layer, w[0].prefix, w[1].prefix
-            ),
-        });
-    }
-    Ok((layers, used))
-}
-
-/// Marks `{prefix}.weight` (or `prefix`), `.scales`, `.biases` as used.
-fn mark(t: &Tensors, prefix: &str, used: &mut BTreeSet<String>) {
-    for n in [
-        prefix.to_string(),
-        format!("{prefix}.weight"),
-        format!("{prefix}.scales"),
-        format!("{prefix}.biases"),
-    ] {
-        if t.contains(&n) {
-            used.insert(n);
-        }
-    }
-}
-
-/// The gate, up and down matrices of every expert of the MoE block at `prefix`, from any of
-/// the three layouts (mlx `switch_mlp` stacks, transformers' fused `gate_up_proj`, official
-/// per-expert modules).
-fn layer_experts(
-    t: &Tensors,
-    quant: Option<&QuantConfig>,
-    prefix: &str,
-    used: &mut BTreeSet<String>,
-) -> Result<Vec<[HostMatrix; 3]>, PackError> {
-    let mut stack = |name: String| -> Result<Vec<HostMatrix>, PackError> {
-        let m = t.matrix_stack(&name, quant, None)?;
-        mark(t, &name, used);
-        Ok(m)
-    };
-    let switch = format!("{prefix}.switch_mlp");
-    if t.contains(&format!("{switch}.gate_proj.weight")) {
-        let gate = stack(format!("{switch}.gate_proj"))?;
-        let up = stack(format!("{switch}.up_proj"))?;
-        let down = stack(format!("{switch}.down_proj"))?;
-        return zip3(&switch, gate, up, down);
-    }
-    let fused = format!("{prefix}.experts.gate_up_proj");
-    if t.contains(&fused) || t.contains(&format!("{fused}.weight")) {
-        let gate_up = stack(fused.clone())?;
-        let down = stack(format!("{prefix}.experts.down_proj"))?;
-        let rows = gate_up[0].rows;
-        if !rows.is_multiple_of(2) {
-            return Err(PackError::Layout {
-                tensor: fused,
-                msg: format!("has {rows} rows per expert, expected an even number (gate then up)"),
-            });
-        }
-        let i = rows / 2;
-        let (gate, up) = gate_up
-            .iter()
-            .map(|gu| (gu.rows(0..i), gu.rows(i..rows)))
-            .unzip();
-        return zip3(&fused, gate, up, down);
-    }
-    // Official per-expert modules: `{prefix}.experts.{e}.{gate,up,down}_proj`.
-    let under = format!("{prefix}.experts.");
-    let mut ids = BTreeSet::new();
-    for n in t.names().filter(|n| n.starts_with(&under)) {
-        let id = n[under.len()..].split('.').next().unwrap_or("");
-        match id.parse::<usize>() {
-            Ok(e) => {
-                ids.insert(e);
-            }
-            Err(_) => {
-                return Err(PackError::Layout {
-                    tensor: n.to_string(),
-                    msg: "is not in a known expert layout (`experts.N.*_proj`, `experts.gate_up_proj` + `experts.down_proj`, or `switch_mlp.*_proj`)".into(),
-                })
-            }
-        }
-    }
-    let n = ids.len();
-    if let Some(missing) = (0..n).find(|e| !ids.contains(e)) {
-        return Err(PackError::Layout {
-            tensor: format!("{under}{missing}.gate_proj.weight"),
-            msg: format!(
-                "is missing although experts up to {} exist (incomplete checkpoint?)",
-                ids.last().copied().unwrap_or(0)
-            ),
-        });
-    }
-    (0..n)
-        .map(|e| {
-            let mut get = |p: &str| -> Result<HostMatrix, PackError> {
-                let name = format!("{under}{e}.{p}");
-                let m = t.matrix(&name, quant, None)?;
-                mark(t, &name, used);
-                Ok(m)
-            };
-            Ok([get("gate_proj")?, get("up_proj")?, get("down_proj")?])
-        })
-        .collect()
-}
-
-fn zip3(
-    what: &str,
-    gate: Vec<HostMatrix>,
-    up: Vec<HostMatrix>,
-    down: Vec<HostMatrix>,
-) -> Result<Vec<[HostMatrix; 3]>, PackError> {
-    if gate.len() != up.len() || gate.len() != down.len() {
-        return Err(PackError::Layout {
-            tensor: what.to_string(),
-            msg: format!(
-                "gate, up and down hold {}, {} and {} experts; they must match",
-                gate.len(),
-                up.len(),
-                down.len()
-            ),
-        });
-    }
-    Ok(gate
-        .into_iter()
-        .zip(up)
-        .zip(down)
-        .map(|((g, u), d)| [g, u, d])
-        .collect())
-}
-
-/// Every expert of a layer must have the shapes and formats of expert 0.
-fn check_uniform(prefix: &str, experts: &[[HostMatrix; 3]]) -> Result<(), PackError> {
-    let Some(first) = experts.first() else {
-        return Err(PackError::Layout {
-            tensor: format!("{prefix}.experts"),
-            msg: "holds no experts".into(),
-        });
-    };
-    for (e, ms) in experts.iter().enumerate() {
-        for (j, (m, f)) in ms.iter().zip(first).enumerate() {
-            if (m.rows, m.cols, m.format) != (f.rows, f.cols, f.format) {
-                return Err(PackError::Layout {
-                    tensor: format!("{prefix} expert {e} {}", PROJECTIONS[j]),
-                    msg: format!(
-                        "is [{}, {}] {}, but expert 0's is [{}, {}] {}: every expert of a layer must have the same shape and format",
-                        m.rows, m.cols, m.format, f.rows, f.cols, f.format
-                    ),
-                });
-            }
-        }
-    }
-    Ok(())
 }
 
 /// `__metadata__` of the first source file that has one (e.g. `{"format": "mlx"}`).
@@ -432,7 +210,10 @@ pub fn pack(
 
     let quant = dir.quantization.as_ref();
     let t = &dir.tensors;
-    let (layers, used) = find_experts(t, quant)?;
+    let ExpertScan {
+        layers,
+        tensors: used,
+    } = experts::scan(t, quant)?;
     if layers.is_empty() {
         return Err(PackError::NoExperts(model_dir.to_path_buf()));
     }
@@ -552,23 +333,6 @@ pub fn pack(
     })
 }
 
-/// The block layout of every layer, one after another from offset 0 (checksums left empty).
-pub(crate) fn plan_layers(layers: &[SourceLayer]) -> Vec<LayerExperts> {
-    let mut plans = Vec::with_capacity(layers.len());
-    let mut offset = 0u64;
-    for l in layers {
-        let projs: Vec<(String, usize, usize, WeightFormat)> = l.experts[0]
-            .iter()
-            .zip(PROJECTIONS)
-            .map(|(m, name)| (name.to_string(), m.rows, m.cols, m.format))
-            .collect();
-        let plan = LayerExperts::plan(l.layer, l.prefix.clone(), l.experts.len(), offset, &projs);
-        offset = plan.offset + plan.stride * plan.experts as u64;
-        plans.push(plan);
-    }
-    plans
-}
-
 fn remove_any(p: &Path) -> Result<(), PackError> {
     let meta = p.symlink_metadata().map_err(io_at(p))?;
     if meta.is_dir() {
@@ -606,7 +370,7 @@ fn fill_block(plan: &LayerExperts, ms: &[HostMatrix; 3], block: &mut [u8]) {
 fn write_blocks(
     path: &Path,
     mut f: File,
-    layers: &[SourceLayer],
+    layers: &[MoeLayer],
     plans: &mut [LayerExperts],
     progress: &mut (dyn FnMut(u64) + Send),
 ) -> Result<(), PackError> {
@@ -642,8 +406,8 @@ fn write_blocks(
                 };
                 buf.clear();
                 buf.resize(batch.len() * stride, 0);
-                for (ms, block) in batch.iter().zip(buf.chunks_exact_mut(stride)) {
-                    fill_block(plan, ms, block);
+                for (x, block) in batch.iter().zip(buf.chunks_exact_mut(stride)) {
+                    fill_block(plan, &x.matrices, block);
                     sums.push(checksum(block));
                 }
                 if full_tx.send(buf).is_err() {
@@ -660,32 +424,6 @@ fn write_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn expert_prefixes() {
-        assert_eq!(
-            expert_prefix("model.layers.12.mlp.switch_mlp.up_proj.scales"),
-            Some(("model.layers.12.mlp".into(), "model".into(), 12))
-        );
-        assert_eq!(
-            expert_prefix("language_model.model.layers.0.mlp.experts.3.down_proj.weight"),
-            Some((
-                "language_model.model.layers.0.mlp".into(),
-                "language_model.model".into(),
-                0
-            ))
-        );
-        assert_eq!(
-            expert_prefix("model.layers.0.mlp.experts.gate_up_proj"),
-            Some(("model.layers.0.mlp".into(), "model".into(), 0))
-        );
-        assert_eq!(
-            expert_prefix("model.layers.0.mlp.shared_expert.up_proj.weight"),
-            None
-        );
-        assert_eq!(expert_prefix("model.layers.0.mlp.gate.weight"), None);
-        assert_eq!(expert_prefix("model.layers.x.mlp.experts.0.w"), None);
-    }
 
     #[test]
     fn resolve_handles_missing_paths() {

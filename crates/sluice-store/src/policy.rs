@@ -28,13 +28,13 @@ impl std::str::FromStr for Policy {
 }
 
 /// Use counts of every (layer, expert), decayed over time.
-pub struct Frequencies {
+pub(crate) struct Frequencies {
     /// Decayed counts, expressed at `scale_at` (to decay lazily).
     counts: Vec<f64>,
     experts_per_layer: Vec<usize>,
     layer_base: Vec<usize>,
     /// Accesses so far: the clock.
-    pub now: u64,
+    pub(crate) now: u64,
     /// Multiplier applied per access (0.5 per `half_life` accesses).
     decay: f64,
     /// The unit of stored counts is `growth^now` (counts are stored undecayed, scaled up over time
@@ -44,7 +44,7 @@ pub struct Frequencies {
 
 impl Frequencies {
     /// `half_life`: accesses after which a count has halved.
-    pub fn new(experts_per_layer: &[usize], half_life: f64) -> Self {
+    pub(crate) fn new(experts_per_layer: &[usize], half_life: f64) -> Self {
         let mut layer_base = Vec::with_capacity(experts_per_layer.len());
         let mut n = 0;
         for &e in experts_per_layer {
@@ -67,7 +67,7 @@ impl Frequencies {
     }
 
     /// Records one use.
-    pub fn touch(&mut self, layer_slot: usize, expert: usize) {
+    pub(crate) fn touch(&mut self, layer_slot: usize, expert: usize) {
         self.now += 1;
         // Instead of decaying every count, grow the weight of new uses.
         self.scale /= self.decay;
@@ -82,7 +82,7 @@ impl Frequencies {
     }
 
     /// The decayed count now (in units of one fresh use).
-    pub fn count(&self, layer_slot: usize, expert: usize) -> f64 {
+    pub(crate) fn count(&self, layer_slot: usize, expert: usize) -> f64 {
         self.counts[self.index(layer_slot, expert)] / self.scale
     }
 }

@@ -3,119 +3,96 @@
 //! (layer, expert) the plain buffered reads that gather its slices from the safetensors shards
 //! into a cache slot.
 //!
-//! The experts are found by the same scan as `sluice pack` (mlx `switch_mlp` stacks,
-//! per-expert modules, fused `gate_up_proj`), so whatever packs also streams unpacked. Packing
-//! remains the faster layout: one aligned O_DIRECT read per expert instead of up to nine
-//! buffered ones, and checksums.
+//! The experts and where their slices lie on disk come from the same scan as `sluice pack`'s
+//! ([`sluice_format::experts`]), so whatever packs also streams unpacked. Packing remains the
+//! faster layout: one aligned O_DIRECT read per expert instead of up to nine buffered ones, and
+//! checksums.
 
-use std::collections::HashMap;
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use sluice_backend::HostBytes;
+use sluice_format::experts::{self, FileSlice};
 use sluice_format::{QuantConfig, Tensors};
 
-use crate::manifest::Manifest;
-use crate::pack::{find_experts, plan_layers};
-use crate::store::StoreError;
+use crate::error::StoreError;
+use crate::manifest::{plan_layers, Manifest, Part};
 
 /// One read of an expert's block: `len` bytes at `offset` of source file `file` (an index into
-/// [`UnpackedLayout::files`]) into the slot at byte `at`.
+/// the source's files) into the slot at byte `at`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PartRead {
-    pub file: usize,
-    pub offset: u64,
-    pub len: u64,
-    pub at: u64,
+pub(crate) struct PartRead {
+    pub(crate) file: usize,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    pub(crate) at: u64,
 }
 
 /// Where the experts of an unpacked checkpoint live.
 #[derive(Debug, Clone)]
 pub struct UnpackedLayout {
-    /// The shards that hold routed experts.
-    pub files: Vec<PathBuf>,
-    /// The slot layout (as a packed manifest, without checksums: never written to disk and not
-    /// valid for [`Manifest::validate`]).
+    /// The slot layout (as a packed manifest, without checksums or blocks file: never written
+    /// to disk and not valid for [`Manifest::validate`]).
     pub manifest: Manifest,
+    /// The shards that hold routed experts, in the checkpoint's order.
+    pub(crate) files: Vec<PathBuf>,
     /// Per manifest layer index, per expert: the reads that fill its slot (up to 9: gate, up and
     /// down x weight, scales, biases).
-    pub reads: Vec<Vec<Vec<PartRead>>>,
+    pub(crate) reads: Vec<Vec<Vec<PartRead>>>,
 }
-
-/// Name of the (non-existent) blocks file of an unpacked layout's manifest.
-pub const UNPACKED_FILE: &str = "(unpacked safetensors)";
 
 impl UnpackedLayout {
     /// Finds the routed experts of `t` and where each slice of each expert lies on disk. An
     /// empty layout (no layers) when the checkpoint has no routed experts. Touches no tensor
-    /// data (only the addresses of the memory maps).
+    /// data.
     pub fn plan(t: &Tensors, quant: Option<&QuantConfig>) -> Result<UnpackedLayout, StoreError> {
-        let layout_err = |e: crate::pack::PackError| StoreError::Layout(e.to_string());
-        let (layers, used) = find_experts(t, quant).map_err(layout_err)?;
-        let plans = plan_layers(&layers);
+        let scan = experts::scan(t, quant)?;
+        let plans = plan_layers(&scan.layers);
 
-        // The address range of every expert tensor in its memory map, with its file position:
-        // each slice of an expert is found in the tensor that contains it.
-        let mut files: Vec<PathBuf> = Vec::new();
-        let mut file_index: HashMap<PathBuf, usize> = HashMap::new();
-        // (start address, end address, file index, file offset of start)
-        let mut spans: Vec<(usize, usize, usize, u64)> = Vec::with_capacity(used.len());
-        for name in &used {
-            let info = t.get(name).map_err(|e| StoreError::Layout(e.to_string()))?;
-            if info.bytes.is_empty() {
-                continue;
-            }
-            let (path, offset, len) = t
-                .location(name)
-                .map_err(|e| StoreError::Layout(e.to_string()))?;
-            let fi = *file_index.entry(path.to_path_buf()).or_insert_with(|| {
-                files.push(path.to_path_buf());
-                files.len() - 1
-            });
-            let start = info.bytes.as_slice().as_ptr() as usize;
-            spans.push((start, start + len as usize, fi, offset));
-        }
-        spans.sort_unstable();
-        let locate = |b: &HostBytes, what: &str| -> Result<(usize, u64), StoreError> {
-            let p = b.as_slice().as_ptr() as usize;
-            let i = spans.partition_point(|s| s.0 <= p);
-            match i.checked_sub(1).map(|i| spans[i]) {
-                Some((start, end, fi, offset)) if p + b.len() <= end => {
-                    Ok((fi, offset + (p - start) as u64))
-                }
-                _ => Err(StoreError::Layout(format!(
-                    "{what}: an expert slice lies outside the checkpoint's expert tensors (internal error)"
-                ))),
-            }
-        };
+        // Readers are opened only for the shards that hold experts; a read's `file` indexes
+        // those.
+        let shards: BTreeSet<usize> = scan
+            .layers
+            .iter()
+            .flat_map(|l| &l.experts)
+            .flat_map(|x| &x.slices)
+            .flat_map(|s| [Some(s.data), s.scales, s.biases])
+            .flatten()
+            .map(|f| f.file)
+            .collect();
+        let files = shards.iter().map(|&i| t.files()[i].clone()).collect();
+        let reader_of = |f: FileSlice| shards.range(..f.file).count();
 
-        let mut reads = Vec::with_capacity(layers.len());
-        for (l, plan) in layers.iter().zip(&plans) {
+        let mut reads = Vec::with_capacity(scan.layers.len());
+        for (l, plan) in scan.layers.iter().zip(&plans) {
             let mut per_expert = Vec::with_capacity(l.experts.len());
-            for (e, ms) in l.experts.iter().enumerate() {
-                let what = format!("{} expert {e}", l.prefix);
+            for (e, x) in l.experts.iter().enumerate() {
                 let mut parts = Vec::with_capacity(9);
-                for (p, m) in plan.projections.iter().zip(ms) {
-                    for (part, bytes) in [
-                        (Some(p.weight), &m.data),
-                        (p.scales, &m.scales),
-                        (p.biases, &m.biases),
-                    ] {
-                        let Some(part) = part else { continue };
-                        if part.bytes != bytes.len() as u64 {
-                            return Err(StoreError::Layout(format!(
-                                "{what} {}: {} bytes, the layout planned {} (internal error)",
-                                p.name,
-                                bytes.len(),
-                                part.bytes
-                            )));
-                        }
+                for (p, s) in plan.projections.iter().zip(&x.slices) {
+                    let pairs: [(Option<Part>, Option<FileSlice>); 3] = [
+                        (Some(p.weight), Some(s.data)),
+                        (p.scales, s.scales),
+                        (p.biases, s.biases),
+                    ];
+                    for pair in pairs {
+                        let (part, f) = match pair {
+                            (None, None) => continue,
+                            (Some(part), Some(f)) if part.bytes == f.len => (part, f),
+                            (part, f) => {
+                                return Err(StoreError::Layout(format!(
+                                    "{} expert {e} {}: {} bytes on disk, the layout planned {} (internal error)",
+                                    l.prefix,
+                                    p.name,
+                                    f.map_or(0, |f| f.len),
+                                    part.map_or(0, |p| p.bytes)
+                                )))
+                            }
+                        };
                         if part.bytes == 0 {
                             continue;
                         }
-                        let (file, offset) = locate(bytes, &what)?;
                         parts.push(PartRead {
-                            file,
-                            offset,
+                            file: reader_of(f),
+                            offset: f.offset,
                             len: part.bytes,
                             at: part.offset,
                         });
@@ -126,10 +103,11 @@ impl UnpackedLayout {
             reads.push(per_expert);
         }
         let mut manifest = Manifest::new(plans);
-        manifest.file = UNPACKED_FILE.into();
+        // No blocks file: the slots are filled from `files`.
+        manifest.file = None;
         Ok(UnpackedLayout {
-            files,
             manifest,
+            files,
             reads,
         })
     }
@@ -148,8 +126,7 @@ impl UnpackedLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io::{IoKind, ReaderOptions};
-    use crate::{ExpertStore, Policy, StoreOptions};
+    use crate::{ExpertStore, IoKind, Policy, ReaderOptions, StoreOptions};
     use sluice_format::{write_safetensors, StDtype};
 
     const E: usize = 4;

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use sluice_format::{write_safetensors, HostBytes, HostMatrix, ModelDir, StDtype, Tensors};
-use sluice_store::manifest::{checksum, Manifest, EXPERTS_FILE, MANIFEST_FILE};
-use sluice_store::pack::{pack, PackError, PackOptions, PackSummary};
+use sluice_store::{
+    checksum, pack, Manifest, PackError, PackOptions, PackSummary, EXPERTS_FILE, MANIFEST_FILE,
+};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,0 +1,135 @@
+use super::*;
+use crate::io::IoKind;
+use crate::manifest::{LayerExperts, Manifest, EXPERTS_FILE, MANIFEST_FILE};
+use sluice_backend::{Dtype, WeightFormat};
+
+/// A packed directory with one layer of `experts` tiny bf16 experts; block `e` is filled
+/// with byte `e`.
+fn tiny_store(experts: usize) -> (tempfile::TempDir, Manifest) {
+    let dir = tempfile::tempdir().unwrap();
+    let f = WeightFormat::Dense(Dtype::Bf16);
+    let projs = vec![
+        ("gate_proj".to_string(), 4, 64, f),
+        ("up_proj".to_string(), 4, 64, f),
+        ("down_proj".to_string(), 64, 4, f),
+    ];
+    let mut l = LayerExperts::plan(0, "model.layers.0.mlp".into(), experts, 0, &projs);
+    let mut bytes = Vec::new();
+    for e in 0..experts {
+        let block = vec![e as u8; l.stride as usize];
+        l.checksums.push(checksum(&block));
+        bytes.extend(block);
+    }
+    std::fs::write(dir.path().join(EXPERTS_FILE), bytes).unwrap();
+    let m = Manifest::new(vec![l]);
+    std::fs::write(
+        dir.path().join(MANIFEST_FILE),
+        serde_json::to_string(&m).unwrap(),
+    )
+    .unwrap();
+    (dir, m)
+}
+
+fn open(dir: &Path, slots: usize, policy: Policy) -> ExpertStore {
+    let m = Manifest::open(dir).unwrap().unwrap();
+    let opts = StoreOptions {
+        cache_bytes: slots as u64 * m.max_stride(),
+        policy,
+        io: ReaderOptions {
+            kind: IoKind::Auto,
+            direct: true,
+            queue_depth: 4,
+        },
+        verify: true,
+        min_slots: 1,
+    };
+    ExpertStore::open(dir, &opts).unwrap()
+}
+
+#[test]
+fn fetched_blocks_hold_their_expert_and_stay_pinned() {
+    let (dir, _) = tiny_store(8);
+    let store = open(dir.path(), 2, Policy::Lru);
+    let got = store.fetch(0, &[3, 5]).unwrap();
+    assert_eq!(got[0].gate.data.as_slice()[0], 3);
+    assert_eq!(got[1].down.data.as_slice()[7], 5);
+    // Both slots are pinned by `got`: a third expert cannot be placed.
+    let err = store.fetch(0, &[6]).err().expect("no free slot");
+    assert!(err.to_string().contains("slots"), "{err}");
+    drop(got);
+    let again = store.fetch(0, &[6]).unwrap();
+    assert_eq!(again[0].up.data.as_slice()[0], 6);
+    let s = store.stats();
+    // The refused request counts as asked for and missed, but read nothing.
+    assert_eq!((s.requests, s.misses, s.blocks_read), (4, 4, 3));
+    assert!(store.fetch(0, &[8]).is_err(), "expert out of range");
+    assert!(store.fetch(1, &[0]).is_err(), "layer without experts");
+}
+
+#[test]
+fn frequency_policy_keeps_a_hot_expert_through_scans_that_flush_lru() {
+    // Expert 0 is used between scans of 4 distinct cold experts; the cache has 4 slots.
+    let (dir, _) = tiny_store(16);
+    let mut hits = Vec::new();
+    for policy in [Policy::Lru, Policy::Frequency] {
+        let store = open(dir.path(), 4, policy);
+        let mut cold = 1u32;
+        for _ in 0..40 {
+            drop(store.fetch(0, &[0]).unwrap());
+            for _ in 0..4 {
+                drop(store.fetch(0, &[cold]).unwrap());
+                cold = cold % 15 + 1;
+            }
+        }
+        hits.push(store.stats().hits);
+    }
+    let (lru, freq) = (hits[0], hits[1]);
+    assert!(lru <= 2, "LRU hits {lru}");
+    assert!(freq >= 35, "frequency hits {freq}");
+}
+
+#[test]
+fn prefetched_blocks_are_used_by_the_next_fetch() {
+    let (dir, _) = tiny_store(8);
+    let store = open(dir.path(), 4, Policy::Frequency);
+    store.prefetch(0, &[1, 2]);
+    let got = store.fetch(0, &[1, 2, 3]).unwrap();
+    assert_eq!(got[2].gate.data.as_slice()[0], 3);
+    let s = store.stats();
+    assert_eq!(s.prefetch_issued, 2);
+    assert_eq!(s.prefetch_useful, 2);
+    assert_eq!(s.misses, 1);
+    assert_eq!(s.blocks_read, 3, "no block read twice");
+}
+
+#[test]
+fn a_corrupt_block_is_an_error_and_is_not_cached() {
+    let (dir, m) = tiny_store(4);
+    let path = dir.path().join(EXPERTS_FILE);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[m.layers[0].block_offset(2) as usize + 100] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+    let store = open(dir.path(), 2, Policy::Lru);
+    let err = store.fetch(0, &[1, 2]).err().expect("corrupt").to_string();
+    assert!(
+        err.contains("expert 2") && err.contains("checksum mismatch"),
+        "{err}"
+    );
+    // The good block still works, and the bad one fails again rather than being served.
+    assert!(store.fetch(0, &[1]).is_ok());
+    assert!(store.fetch(0, &[2]).is_err());
+    assert_eq!(store.stats().errors, 2);
+}
+
+#[test]
+fn a_request_refused_for_lack_of_slots_leaves_its_misses_readable() {
+    let (dir, _) = tiny_store(8);
+    let store = open(dir.path(), 2, Policy::Lru);
+    let held = store.fetch(0, &[0]).unwrap();
+    // Expert 1 gets the free slot, expert 2 none: the request is refused.
+    assert!(store.fetch(0, &[1, 2]).is_err());
+    drop(held);
+    let got = store.fetch(0, &[1]).expect("expert 1 was read, not lost");
+    assert_eq!(got[0].gate.data.as_slice()[0], 1);
+    assert_eq!(store.stats().errors, 0);
+}
