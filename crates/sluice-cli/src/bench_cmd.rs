@@ -8,9 +8,9 @@ use clap::Args;
 use serde_json::json;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_bench::model::{markdown_table, run_model, LimitRates, RunSettings, Test};
-use sluice_bench::sys;
 use sluice_cpu::CpuBackend;
 use sluice_engine::{Engine, LoadOptions};
+use sluice_sys::{format_bytes, format_bytes_binary, parse_bytes};
 
 #[derive(Args)]
 #[command(after_help = "Examples:\n  \
@@ -110,7 +110,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                 None => bail!("--disk needs --file FILE or --model DIR to read from"),
             },
         };
-        let block = sys::parse_bytes(&a.block).map_err(|e| anyhow::anyhow!("--block: {e}"))?;
+        let block = parse_bytes(&a.block).map_err(|e| anyhow::anyhow!("--block: {e}"))?;
         let opts = DiskOptions {
             block: block as usize,
             queue_depth: a.disk_queue_depth,
@@ -172,11 +172,11 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                 info.experts,
                 info.experts_per_token,
                 info.weight_format,
-                sys::format_bytes(info.dense_bytes as u64),
-                sys::format_bytes(info.expert_bytes as u64),
+                format_bytes(info.dense_bytes as u64),
+                format_bytes(info.expert_bytes as u64),
                 engine.store.as_ref().map_or(String::new(), |s| format!(
                     "; streaming, cache {} ({} slots, {})",
-                    sys::format_bytes(s.cache_bytes()),
+                    format_bytes(s.cache_bytes()),
                     s.slots(),
                     s.io_description()
                 )),
@@ -229,7 +229,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
             println!(
                 "| {} | {} | {} | {:.2} | {:.2} ms |",
                 p["name"].as_str().unwrap_or("?"),
-                sys::format_bytes_binary(p["request_bytes"].as_u64().unwrap_or(0)),
+                format_bytes_binary(p["request_bytes"].as_u64().unwrap_or(0)),
                 p["queue_depth"],
                 p["gbps"].as_f64().unwrap_or(0.0),
                 p["mean_latency_ms"].as_f64().unwrap_or(0.0)

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use sluice_bench::limits::{self, DiskOptions};
-use sluice_bench::sys::{self, format_bytes};
 use sluice_cpu::CpuBackend;
 use sluice_engine::streaming::{plan_cache_for, safetensors_bytes, StreamingOptions};
 use sluice_engine::{Engine, LoadOptions};
+use sluice_sys::{format_bytes, parse_bytes};
 
 #[derive(Args)]
 #[command(
@@ -40,7 +40,7 @@ pub struct InfoArgs {
 pub fn run(a: InfoArgs) -> Result<()> {
     let size = |flag: &str, v: &Option<String>| -> Result<Option<u64>> {
         v.as_deref()
-            .map(|s| sys::parse_bytes(s).map_err(|e| anyhow::anyhow!("{flag}: {e}")))
+            .map(|s| parse_bytes(s).map_err(|e| anyhow::anyhow!("{flag}: {e}")))
             .transpose()
     };
     let streaming = StreamingOptions {

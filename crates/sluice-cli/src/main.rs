@@ -18,11 +18,11 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use sluice_backend::Backend;
-use sluice_bench::sys;
 use sluice_cpu::CpuBackend;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::sampler::SamplingParams;
 use sluice_engine::{Engine, LoadOptions, LogitsMode};
+use sluice_sys::format_bytes;
 
 #[derive(Parser)]
 #[command(
@@ -257,12 +257,12 @@ pub(crate) fn print_banner(engine: &Engine<CpuBackend>) {
             "streaming experts from {} ({}): cache {} in {} slots ({}), {:.0}% of {} expert bytes; resident {}",
             store.dir().display(),
             store.io_description(),
-            sys::format_bytes(store.cache_bytes()),
+            format_bytes(store.cache_bytes()),
             store.slots(),
             plan.reason,
             store.cache_bytes() as f64 / plan.expert_bytes.max(1) as f64 * 100.0,
-            sys::format_bytes(plan.expert_bytes),
-            sys::format_bytes(plan.resident_bytes),
+            format_bytes(plan.expert_bytes),
+            format_bytes(plan.resident_bytes),
         );
     }
 }
@@ -302,7 +302,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
                     "[stats] {} {index}: {:.0} ms, read {} ({:.2} GB/s while reading), hit {:.0}% of {}, io wait {:.0} ms, prefetch {}/{} useful",
                     if index == 0 { "prompt+token" } else { "token" },
                     secs * 1e3,
-                    sys::format_bytes(d.bytes_read),
+                    format_bytes(d.bytes_read),
                     d.read_gbps(),
                     d.hit_rate() * 100.0,
                     d.requests,
@@ -340,7 +340,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         eprintln!(
             "experts: read {} in {} blocks, {:.2} GB/s while reading; hit rate {:.1}% ({} cached + {} read ahead, of {}), \
              prefetch {:.0}% useful ({} of {} blocks, {} prefetched); io wait {:.2} s = {:.0}% of {:.2} s",
-            sys::format_bytes(d.bytes_read),
+            format_bytes(d.bytes_read),
             d.blocks_read,
             d.read_gbps(),
             d.hit_rate() * 100.0,
@@ -350,7 +350,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             d.prefetch_accuracy() * 100.0,
             d.prefetch_useful,
             d.prefetch_useful + d.prefetch_wasted,
-            sys::format_bytes(d.prefetch_bytes),
+            format_bytes(d.prefetch_bytes),
             d.io_wait_secs,
             d.io_wait_secs / total.max(1e-9) * 100.0,
             total,

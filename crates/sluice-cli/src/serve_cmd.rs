@@ -4,8 +4,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{bail, Result};
 use clap::Args;
-use sluice_bench::sys::parse_bytes;
 use sluice_server::ServerConfig;
+use sluice_sys::parse_bytes;
 
 use crate::ModelArgs;
 

@@ -2,10 +2,10 @@
 
 use anyhow::{anyhow, Result};
 use clap::{Args, ValueEnum};
-use sluice_bench::sys::parse_bytes;
 use sluice_engine::streaming::StreamingOptions;
 use sluice_store::io::IoKind;
 use sluice_store::Policy;
+use sluice_sys::parse_bytes;
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum PolicyArg {
