@@ -22,7 +22,7 @@ use sluice_cpu::CpuBackend;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::sampler::SamplingParams;
 use sluice_engine::{Engine, LoadOptions, LogitsMode};
-use sluice_sys::format_bytes;
+use sluice_sys::{format_bytes, ByteSize};
 
 #[derive(Parser)]
 #[command(
@@ -82,7 +82,7 @@ pub(crate) struct ModelArgs {
     /// resident weights and 1 GiB; unpacked models stream their experts only when this or
     /// --memory-budget is given).
     #[arg(long, value_name = "SIZE")]
-    expert_cache: Option<String>,
+    expert_cache: Option<ByteSize>,
     #[command(flatten)]
     stream: stream_args::StreamArgs,
 }
@@ -235,7 +235,7 @@ pub(crate) fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
     }
     let opts = LoadOptions {
         experts_per_token: args.experts_per_token,
-        streaming: args.stream.options(args.expert_cache.as_deref())?,
+        streaming: args.stream.options(args.expert_cache)?,
     };
     Ok(Engine::load(&model, Arc::new(CpuBackend::new()), &opts)?)
 }

@@ -58,23 +58,26 @@ impl fmt::Display for ByteSize {
     }
 }
 
-/// Why a byte count could not be read.
+/// Why a byte count could not be read. The messages of malformed ones list the units, since they
+/// reach people through command-line errors.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ByteSizeError {
-    #[error("empty byte count: expected a number such as 1024, 512MiB or 1.5GB")]
+    #[error("empty byte count: expected a number such as 1024, 512MiB or 1.5GB ({UNITS})")]
     Empty,
-    #[error("invalid byte count {0:?}: expected a non-negative number first, such as 512MiB")]
-    NoNumber(String),
     #[error(
-        "invalid byte count {text:?}: unknown unit {unit:?} (use B, kB, MB, GB, TB, KiB, MiB, \
-         GiB or TiB)"
+        "invalid byte count {0:?}: expected a non-negative number first, such as 512MiB ({UNITS})"
     )]
+    NoNumber(String),
+    #[error("invalid byte count {text:?}: unknown unit {unit:?} ({UNITS})")]
     UnknownUnit { text: String, unit: String },
-    #[error("invalid byte count {text:?}: {number:?} is not a number")]
+    #[error("invalid byte count {text:?}: {number:?} is not a number ({UNITS})")]
     NotANumber { text: String, number: String },
     #[error("byte count {0:?} is too large")]
     TooLarge(String),
 }
+
+/// What [`parse_bytes`] accepts after the number, for error messages.
+const UNITS: &str = "units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; k, m, g, t are binary";
 
 /// Parses a byte count: a number, optionally fractional, then optionally a unit, with or without
 /// a space between: `1024`, `512MiB`, `6 GiB`, `1.5GB`, `4k`. Units (case-insensitive): `B`;
