@@ -21,7 +21,7 @@ use sluice_backend::Backend;
 use sluice_cpu::CpuBackend;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::sampler::SamplingParams;
-use sluice_engine::{Engine, LoadOptions, LogitsMode};
+use sluice_engine::{Engine, Halt, LoadOptions, LogitsMode, TokenEvent};
 use sluice_sys::{format_bytes, ByteSize};
 
 #[derive(Parser)]
@@ -292,7 +292,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut last_time = std::time::Instant::now();
     let mut index = 0usize;
     let mut out = std::io::stdout().lock();
-    let stats = engine.generate(&prompt, &params, a.max_tokens, |_, piece| {
+    // `Flush` (text held back at the end, not a token) is printed, and gets a `--stats` line,
+    // like a token: unchanged from when it came as a fake token id.
+    let stats = engine.generate(&prompt, &params, a.max_tokens, |event| {
+        let (TokenEvent::Token { text: piece, .. } | TokenEvent::Flush { text: piece }) = event;
         if a.stats {
             if let (Some(store), Some(last)) = (&engine.store, &mut last_stats) {
                 let now = store.stats();
@@ -321,7 +324,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             .and_then(|_| out.flush())
             .is_err()
         {
-            return ControlFlow::Break(());
+            return ControlFlow::Break(Halt::Cancel);
         }
         ControlFlow::Continue(())
     })?;
