@@ -171,7 +171,7 @@ fn answer(
     let mut reasoning = String::new();
     let mut content = String::new();
     let mut in_reasoning = false;
-    let mut show = |events: Vec<OutputEvent>, out: &mut std::io::StdoutLock| {
+    let mut show = |events: Vec<OutputEvent>, out: &mut std::io::StdoutLock<'_>| {
         for e in events {
             match e {
                 OutputEvent::Reasoning(t) => {

@@ -2,6 +2,8 @@
 //!
 //! The binary only parses arguments and prints; the work is done by `sluice-engine`.
 
+#![forbid(unsafe_code)]
+
 mod bench_cmd;
 mod chat_cmd;
 mod info_cmd;

@@ -1,6 +1,8 @@
 //! Everything between a model and a user: tokenizer, chat templates, sampling and the generation
 //! loop. [`Engine`] loads a model directory once and then serves any number of requests.
 
+#![forbid(unsafe_code)]
+
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};

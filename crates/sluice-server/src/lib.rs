@@ -17,6 +17,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod api;
 pub mod error;
 pub mod metrics;
@@ -340,7 +342,7 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
-fn usage(stats: &sluice_engine::GenerationStats) -> Value {
+fn usage(stats: &GenerationStats) -> Value {
     json!({
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generated_tokens,

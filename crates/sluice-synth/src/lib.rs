@@ -17,6 +17,8 @@
 //! Generation is parallel (rayon) and deterministic: the same preset, bits and seed give the same
 //! bytes whatever the thread count.
 
+#![forbid(unsafe_code)]
+
 mod fill;
 pub mod plan;
 pub mod presets;

@@ -36,7 +36,8 @@ fn statvfs_free(path: &Path) -> Option<u64> {
     }
     // SAFETY: statvfs returned 0, so it initialised `st`.
     let st = unsafe { st.assume_init() };
-    #[allow(clippy::unnecessary_cast)] // the field types differ between platforms
+    // The field types differ between platforms (u64 here, u32 on some).
+    #[allow(clippy::unnecessary_cast, trivial_numeric_casts)]
     let free = (st.f_bavail as u64).checked_mul(st.f_frsize as u64)?;
     Some(free)
 }

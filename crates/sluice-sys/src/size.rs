@@ -51,7 +51,10 @@ impl fmt::Display for ByteSize {
             (1_000, "kB"),
         ];
         let b = self.0;
-        match UNITS.iter().find(|&&(unit, _)| b != 0 && b % unit == 0) {
+        let unit = UNITS
+            .iter()
+            .find(|&&(unit, _)| b != 0 && b.is_multiple_of(unit));
+        match unit {
             Some(&(unit, name)) => write!(f, "{}{name}", b / unit),
             None => write!(f, "{b}B"),
         }

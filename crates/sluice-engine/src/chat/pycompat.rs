@@ -46,8 +46,8 @@ fn py_scalar_str(v: &Value) -> Option<String> {
 }
 
 pub(super) fn py_formatter(
-    out: &mut minijinja::Output,
-    state: &State,
+    out: &mut minijinja::Output<'_>,
+    state: &State<'_, '_>,
     value: &Value,
 ) -> Result<(), Error> {
     match py_scalar_str(value) {
