@@ -42,7 +42,7 @@ const TOOL_CLOSE: &str = "</tool_call>";
 #[derive(Debug, Clone, Default)]
 pub struct OutputOptions {
     /// The prompt ended inside an open `<think>` (e.g. Qwen3.5's generation prompt ends with
-    /// "<think>\n"): text is reasoning until `</think>`.
+    /// `"<think>\n"`): text is reasoning until `</think>`.
     pub starts_in_reasoning: bool,
     /// Split `<think>...</think>` into reasoning at all (false: everything is content).
     pub parse_reasoning: bool,
