@@ -27,6 +27,8 @@
 //! [`reference`] defines what every operation computes; [`conformance`] checks a backend against
 //! it on random inputs (the CPU backend runs it in its tests; a new backend must pass it too).
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod experts;
 mod weight;

@@ -155,7 +155,7 @@ pub fn attention(
                         * scale as f64
                 })
                 .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f64 = e.iter().sum();
             for d in 0..head_dim {

@@ -4,7 +4,7 @@
 //! disk to measure, such as a model's largest safetensors shard; without it only memory runs).
 
 use sluice_bench::limits::{disk, memory_read, DiskOptions, DEFAULT_MEMORY_BYTES};
-use sluice_bench::sys::{format_bytes, format_bytes_binary};
+use sluice_sys::{format_bytes, format_bytes_binary};
 
 fn main() -> anyhow::Result<()> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

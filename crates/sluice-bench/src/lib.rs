@@ -2,4 +2,3 @@
 
 pub mod limits;
 pub mod model;
-pub mod sys;

@@ -215,8 +215,8 @@ pub fn disk(opts: &DiskOptions) -> Result<DiskReport> {
         bail!(
             "{} is {}: too small to measure, pass a larger --file (at least {})",
             path.display(),
-            crate::sys::format_bytes_binary(file_bytes),
-            crate::sys::format_bytes_binary(MIN_DISK_FILE)
+            sluice_sys::format_bytes_binary(file_bytes),
+            sluice_sys::format_bytes_binary(MIN_DISK_FILE)
         );
     }
     if !(opts.seconds.is_finite() && opts.seconds > 0.0) {
@@ -245,7 +245,7 @@ pub fn disk(opts: &DiskOptions) -> Result<DiskReport> {
         notes.push(format!(
             "file too small for a separate region per pattern at {} blocks: patterns overlap, \
              so later ones may read from caches",
-            crate::sys::format_bytes_binary(block as u64)
+            sluice_sys::format_bytes_binary(block as u64)
         ));
         [(0, file_bytes); 3]
     };

@@ -10,8 +10,6 @@ use serde::Serialize;
 use sluice_backend::Backend;
 use sluice_engine::Engine;
 
-use crate::sys;
-
 /// One benchmark test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Test {
@@ -128,7 +126,7 @@ pub fn run_model<B: Backend + 'static>(
     let dir = engine.dir.path.clone();
     let file_bytes = sluice_format::safetensors_bytes(&dir);
     // MemAvailable counts the reclaimable page cache, so a model already cached still "fits".
-    let limit = match sys::mem_available_bytes() {
+    let limit = match sluice_sys::mem_available_bytes() {
         _ if engine.store.is_some() => Limit::Disk,
         Some(avail) if file_bytes > avail => Limit::Disk,
         _ => Limit::Memory,
@@ -156,7 +154,7 @@ pub fn run_model<B: Backend + 'static>(
                     if settings.warmup {
                         run_once(engine, test, settings.seed)?;
                     }
-                    sys::reset_peak_rss();
+                    sluice_sys::reset_peak_rss();
                     let before = engine.store.as_ref().map(|s| s.stats());
                     let mut samples = Vec::new();
                     let mut ttft = Vec::new();
@@ -201,7 +199,7 @@ pub fn run_model<B: Backend + 'static>(
                             Some(st) => st.read_gbps_wall / g,
                             None => mean * bytes_per_token / 1e9 / g,
                         }),
-                        peak_rss_bytes: sys::peak_rss_bytes(),
+                        peak_rss_bytes: sluice_sys::peak_rss_bytes(),
                         streaming,
                     })
                 })?;
@@ -319,16 +317,16 @@ pub fn markdown_table(results: &[RunResult]) -> String {
             } else {
                 format!("{t:.2} s")
             }),
-            sys::format_bytes(r.bytes_per_token as u64),
+            sluice_sys::format_bytes(r.bytes_per_token as u64),
             r.fraction_of_limit
                 .map_or("-".into(), |f| format!("{:.0}%", f * 100.0)),
-            r.peak_rss_bytes.map_or("-".into(), sys::format_bytes),
+            r.peak_rss_bytes.map_or("-".into(), sluice_sys::format_bytes),
             r.streaming.as_ref().map_or("-".into(), |st| format!(
                 "cache {} ({}), hit {:.0}%, read {}/token at {:.2} GB/s ({:.2} in flight), io wait {:.0}%, prefetch {:.0}% useful",
-                sys::format_bytes(st.cache_bytes),
+                sluice_sys::format_bytes(st.cache_bytes),
                 st.io,
                 st.hit_rate * 100.0,
-                sys::format_bytes(st.read_bytes_per_token as u64),
+                sluice_sys::format_bytes(st.read_bytes_per_token as u64),
                 st.read_gbps_wall,
                 st.read_gbps,
                 st.io_wait_share * 100.0,

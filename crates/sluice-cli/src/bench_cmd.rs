@@ -1,6 +1,7 @@
 //! `sluice bench`: speed next to the machine's limits, in one run.
 
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -8,9 +9,9 @@ use clap::Args;
 use serde_json::json;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_bench::model::{markdown_table, run_model, LimitRates, RunSettings, Test};
-use sluice_bench::sys;
 use sluice_cpu::CpuBackend;
 use sluice_engine::{Engine, LoadOptions};
+use sluice_sys::{format_bytes, format_bytes_binary, ByteSize};
 
 #[derive(Args)]
 #[command(after_help = "Examples:\n  \
@@ -57,7 +58,7 @@ pub struct BenchArgs {
     file: Option<PathBuf>,
     /// Random-read size for --disk (default: 2MiB, about one expert block).
     #[arg(long, value_name = "BYTES", default_value = "2MiB")]
-    block: String,
+    block: ByteSize,
     /// Reads in flight for the parallel --disk pattern.
     #[arg(long, default_value_t = 8, value_name = "N")]
     disk_queue_depth: usize,
@@ -68,7 +69,7 @@ pub struct BenchArgs {
     /// through a cache of that size too; `off` runs them memory-mapped (packed ones then get the
     /// default cache), so `off,4GiB` compares the two in one run.
     #[arg(long, value_delimiter = ',', value_name = "SIZE")]
-    expert_cache: Vec<String>,
+    expert_cache: Vec<CacheArg>,
     #[command(flatten)]
     stream: crate::stream_args::StreamArgs,
     /// Print JSON instead of markdown.
@@ -77,6 +78,26 @@ pub struct BenchArgs {
     /// Random seed for the prompt tokens.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+/// One `--expert-cache` value: a size, or `off` (the model as it loads without the flag).
+#[derive(Clone, Copy)]
+enum CacheArg {
+    Off,
+    Size(ByteSize),
+}
+
+impl FromStr for CacheArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "off" {
+            return Ok(CacheArg::Off);
+        }
+        s.parse()
+            .map(CacheArg::Size)
+            .map_err(|e| format!("{e}; or `off`"))
+    }
 }
 
 pub fn run(mut a: BenchArgs) -> Result<()> {
@@ -110,9 +131,8 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                 None => bail!("--disk needs --file FILE or --model DIR to read from"),
             },
         };
-        let block = sys::parse_bytes(&a.block).map_err(|e| anyhow::anyhow!("--block: {e}"))?;
         let opts = DiskOptions {
-            block: block as usize,
+            block: a.block.bytes() as usize,
             queue_depth: a.disk_queue_depth,
             seconds: a.disk_seconds,
             ..DiskOptions::new(file.clone())
@@ -148,12 +168,15 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         seed: a.seed,
     };
     let mut results = Vec::new();
-    let caches: Vec<Option<&str>> = if a.expert_cache.is_empty() {
+    let caches: Vec<Option<ByteSize>> = if a.expert_cache.is_empty() {
         vec![None]
     } else {
         a.expert_cache
             .iter()
-            .map(|c| (c != "off").then_some(c.as_str()))
+            .map(|c| match c {
+                CacheArg::Off => None,
+                CacheArg::Size(s) => Some(*s),
+            })
             .collect()
     };
     for dir in &a.model {
@@ -172,11 +195,11 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                 info.experts,
                 info.experts_per_token,
                 info.weight_format,
-                sys::format_bytes(info.dense_bytes as u64),
-                sys::format_bytes(info.expert_bytes as u64),
+                format_bytes(info.dense_bytes as u64),
+                format_bytes(info.expert_bytes as u64),
                 engine.store.as_ref().map_or(String::new(), |s| format!(
                     "; streaming, cache {} ({} slots, {})",
-                    sys::format_bytes(s.cache_bytes()),
+                    format_bytes(s.cache_bytes()),
                     s.slots(),
                     s.io_description()
                 )),
@@ -229,7 +252,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
             println!(
                 "| {} | {} | {} | {:.2} | {:.2} ms |",
                 p["name"].as_str().unwrap_or("?"),
-                sys::format_bytes_binary(p["request_bytes"].as_u64().unwrap_or(0)),
+                format_bytes_binary(p["request_bytes"].as_u64().unwrap_or(0)),
                 p["queue_depth"],
                 p["gbps"].as_f64().unwrap_or(0.0),
                 p["mean_latency_ms"].as_f64().unwrap_or(0.0)

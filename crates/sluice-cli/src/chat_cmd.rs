@@ -14,7 +14,7 @@ use clap::Args;
 use rustyline::error::ReadlineError;
 use sluice_cpu::CpuBackend;
 use sluice_engine::chat::ChatMessage;
-use sluice_engine::output::{prompt_opens_thinking, OutputEvent, OutputOptions, OutputParser};
+use sluice_engine::output::{prompt_opens_thinking, OutputEvent, OutputOptions};
 use sluice_engine::prompt_cache::PromptCache;
 use sluice_engine::{Engine, FinishReason, GenerateRequest};
 
@@ -155,13 +155,13 @@ fn answer(
     tty: bool,
 ) -> Result<ChatMessage> {
     let prompt = engine.chat_prompt(messages, None, extra)?;
-    let mut parser = OutputParser::new(OutputOptions {
+    let output = OutputOptions {
         starts_in_reasoning: prompt_opens_thinking(&prompt.text),
         parse_reasoning: true,
         parse_tool_calls: false,
         stop: Vec::new(),
         tools: None,
-    });
+    };
     let (dim, reset) = if tty {
         ("\x1b[2m", "\x1b[0m")
     } else {
@@ -171,7 +171,7 @@ fn answer(
     let mut reasoning = String::new();
     let mut content = String::new();
     let mut in_reasoning = false;
-    let mut show = |events: Vec<OutputEvent>, out: &mut std::io::StdoutLock| {
+    let mut show = |events: Vec<OutputEvent>, out: &mut std::io::StdoutLock<'_>| {
         for e in events {
             match e {
                 OutputEvent::Reasoning(t) => {
@@ -203,18 +203,18 @@ fn answer(
         ignore_eos: false,
         checkpoint: prompt.checkpoint,
     };
-    let stats = engine.generate_cached(Some(cache), &request, |_, piece| {
-        show(parser.push(piece), &mut out);
+    // Ctrl-C stops an answer through `interrupted`, never from here.
+    let stats = engine.chat_turn(Some(cache), &request, output, |event| {
+        show(event.into_output(), &mut out);
         ControlFlow::Continue(())
     })?;
-    show(parser.finish(), &mut out);
     if in_reasoning {
         let _ = write!(out, "{reset}");
     }
     let _ = writeln!(out);
     drop(out);
     let why = match stats.finish {
-        FinishReason::Stop => "",
+        FinishReason::Stop | FinishReason::StopSequence => "",
         FinishReason::Length => ", stopped at --max-tokens",
         FinishReason::Cancelled => ", interrupted",
     };

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use sluice_bench::limits::{self, DiskOptions};
-use sluice_bench::sys::{self, format_bytes};
 use sluice_cpu::CpuBackend;
 use sluice_engine::streaming::{plan_cache_for, safetensors_bytes, StreamingOptions};
 use sluice_engine::{Engine, LoadOptions};
+use sluice_sys::{format_bytes, ByteSize};
 
 #[derive(Args)]
 #[command(
@@ -25,10 +25,10 @@ pub struct InfoArgs {
     model: PathBuf,
     /// Total memory for the model (resident weights + expert cache + working memory).
     #[arg(long, value_name = "SIZE")]
-    memory_budget: Option<String>,
+    memory_budget: Option<ByteSize>,
     /// Expert cache size (overrides --memory-budget).
     #[arg(long, value_name = "SIZE")]
-    expert_cache: Option<String>,
+    expert_cache: Option<ByteSize>,
     /// DRAM read bandwidth in GB/s (default: measured now, ~1 s).
     #[arg(long, value_name = "GB/S")]
     memory_gbps: Option<f64>,
@@ -38,14 +38,9 @@ pub struct InfoArgs {
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
-    let size = |flag: &str, v: &Option<String>| -> Result<Option<u64>> {
-        v.as_deref()
-            .map(|s| sys::parse_bytes(s).map_err(|e| anyhow::anyhow!("{flag}: {e}")))
-            .transpose()
-    };
     let streaming = StreamingOptions {
-        expert_cache: size("--expert-cache", &a.expert_cache)?,
-        memory_budget: size("--memory-budget", &a.memory_budget)?,
+        expert_cache: a.expert_cache.map(ByteSize::bytes),
+        memory_budget: a.memory_budget.map(ByteSize::bytes),
         ..StreamingOptions::default()
     };
     // A tiny cache: loading only to read the shapes.

@@ -2,6 +2,8 @@
 //!
 //! The binary only parses arguments and prints; the work is done by `sluice-engine`.
 
+#![forbid(unsafe_code)]
+
 mod bench_cmd;
 mod chat_cmd;
 mod info_cmd;
@@ -18,11 +20,11 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use sluice_backend::Backend;
-use sluice_bench::sys;
 use sluice_cpu::CpuBackend;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::sampler::SamplingParams;
-use sluice_engine::{Engine, LoadOptions, LogitsMode};
+use sluice_engine::{Engine, Halt, LoadOptions, LogitsMode, TokenEvent};
+use sluice_sys::{format_bytes, ByteSize};
 
 #[derive(Parser)]
 #[command(
@@ -82,7 +84,7 @@ pub(crate) struct ModelArgs {
     /// resident weights and 1 GiB; unpacked models stream their experts only when this or
     /// --memory-budget is given).
     #[arg(long, value_name = "SIZE")]
-    expert_cache: Option<String>,
+    expert_cache: Option<ByteSize>,
     #[command(flatten)]
     stream: stream_args::StreamArgs,
 }
@@ -235,7 +237,7 @@ pub(crate) fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
     }
     let opts = LoadOptions {
         experts_per_token: args.experts_per_token,
-        streaming: args.stream.options(args.expert_cache.as_deref())?,
+        streaming: args.stream.options(args.expert_cache)?,
     };
     Ok(Engine::load(&model, Arc::new(CpuBackend::new()), &opts)?)
 }
@@ -257,12 +259,12 @@ pub(crate) fn print_banner(engine: &Engine<CpuBackend>) {
             "streaming experts from {} ({}): cache {} in {} slots ({}), {:.0}% of {} expert bytes; resident {}",
             store.dir().display(),
             store.io_description(),
-            sys::format_bytes(store.cache_bytes()),
+            format_bytes(store.cache_bytes()),
             store.slots(),
             plan.reason,
             store.cache_bytes() as f64 / plan.expert_bytes.max(1) as f64 * 100.0,
-            sys::format_bytes(plan.expert_bytes),
-            sys::format_bytes(plan.resident_bytes),
+            format_bytes(plan.expert_bytes),
+            format_bytes(plan.resident_bytes),
         );
     }
 }
@@ -292,7 +294,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut last_time = std::time::Instant::now();
     let mut index = 0usize;
     let mut out = std::io::stdout().lock();
-    let stats = engine.generate(&prompt, &params, a.max_tokens, |_, piece| {
+    // `Flush` (text held back at the end, not a token) is printed, and gets a `--stats` line,
+    // like a token: unchanged from when it came as a fake token id.
+    let stats = engine.generate(&prompt, &params, a.max_tokens, |event| {
+        let (TokenEvent::Token { text: piece, .. } | TokenEvent::Flush { text: piece }) = event;
         if a.stats {
             if let (Some(store), Some(last)) = (&engine.store, &mut last_stats) {
                 let now = store.stats();
@@ -302,7 +307,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
                     "[stats] {} {index}: {:.0} ms, read {} ({:.2} GB/s while reading), hit {:.0}% of {}, io wait {:.0} ms, prefetch {}/{} useful",
                     if index == 0 { "prompt+token" } else { "token" },
                     secs * 1e3,
-                    sys::format_bytes(d.bytes_read),
+                    format_bytes(d.bytes_read),
                     d.read_gbps(),
                     d.hit_rate() * 100.0,
                     d.requests,
@@ -321,7 +326,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             .and_then(|_| out.flush())
             .is_err()
         {
-            return ControlFlow::Break(());
+            return ControlFlow::Break(Halt::Cancel);
         }
         ControlFlow::Continue(())
     })?;
@@ -340,7 +345,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         eprintln!(
             "experts: read {} in {} blocks, {:.2} GB/s while reading; hit rate {:.1}% ({} cached + {} read ahead, of {}), \
              prefetch {:.0}% useful ({} of {} blocks, {} prefetched); io wait {:.2} s = {:.0}% of {:.2} s",
-            sys::format_bytes(d.bytes_read),
+            format_bytes(d.bytes_read),
             d.blocks_read,
             d.read_gbps(),
             d.hit_rate() * 100.0,
@@ -350,7 +355,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             d.prefetch_accuracy() * 100.0,
             d.prefetch_useful,
             d.prefetch_useful + d.prefetch_wasted,
-            sys::format_bytes(d.prefetch_bytes),
+            format_bytes(d.prefetch_bytes),
             d.io_wait_secs,
             d.io_wait_secs / total.max(1e-9) * 100.0,
             total,

@@ -4,8 +4,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{bail, Result};
 use clap::Args;
-use sluice_bench::sys::parse_bytes;
 use sluice_server::ServerConfig;
+use sluice_sys::ByteSize;
 
 use crate::ModelArgs;
 
@@ -35,7 +35,7 @@ pub struct ServeArgs {
     served_model_name: Option<String>,
     /// Largest accepted request body.
     #[arg(long, default_value = "16MiB", value_name = "SIZE")]
-    max_body: String,
+    max_body: ByteSize,
     /// Saved conversation states for prompt reuse (each holds a KV cache and, for hybrid models,
     /// recurrent states: tens of MB for a 35B model at short contexts; a request saves up to
     /// three; 0 turns prompt caching off).
@@ -44,7 +44,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
-    let max_body = parse_bytes(&a.max_body).map_err(|e| anyhow::anyhow!("--max-body: {e}"))?;
+    let max_body = a.max_body.bytes();
     if max_body == 0 {
         bail!("--max-body must be more than 0 bytes");
     }

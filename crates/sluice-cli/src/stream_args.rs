@@ -2,9 +2,9 @@
 
 use anyhow::{anyhow, Result};
 use clap::{Args, ValueEnum};
-use sluice_bench::sys::parse_bytes;
 use sluice_engine::streaming::StreamingOptions;
 use sluice_store::{IoKind, Policy};
+use sluice_sys::ByteSize;
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum PolicyArg {
@@ -28,7 +28,7 @@ pub struct StreamArgs {
     /// 10GiB); the expert cache gets what is left. Unpacked models then stream their experts
     /// too (buffered reads; `sluice pack` makes streaming faster).
     #[arg(long, value_name = "SIZE")]
-    pub memory_budget: Option<String>,
+    pub memory_budget: Option<ByteSize>,
     /// Expert cache eviction policy.
     #[arg(long, value_enum, default_value = "frequency")]
     pub cache_policy: PolicyArg,
@@ -47,21 +47,14 @@ pub struct StreamArgs {
 }
 
 impl StreamArgs {
-    /// The engine's options, with `expert_cache` (a size like `6GiB`) if given.
-    pub fn options(&self, expert_cache: Option<&str>) -> Result<StreamingOptions> {
-        let size = |flag: &str, v: &str| parse_bytes(v).map_err(|e| anyhow!("{flag}: {e}"));
+    /// The engine's options, with `expert_cache` if given.
+    pub fn options(&self, expert_cache: Option<ByteSize>) -> Result<StreamingOptions> {
         if self.queue_depth == 0 {
             return Err(anyhow!("--queue-depth must be at least 1"));
         }
         Ok(StreamingOptions {
-            expert_cache: expert_cache
-                .map(|v| size("--expert-cache", v))
-                .transpose()?,
-            memory_budget: self
-                .memory_budget
-                .as_deref()
-                .map(|v| size("--memory-budget", v))
-                .transpose()?,
+            expert_cache: expert_cache.map(ByteSize::bytes),
+            memory_budget: self.memory_budget.map(ByteSize::bytes),
             policy: match self.cache_policy {
                 PolicyArg::Frequency => Policy::Frequency,
                 PolicyArg::Lru => Policy::Lru,

@@ -423,6 +423,45 @@ fn bench_fails(args: &[&str]) -> String {
 }
 
 #[test]
+fn bad_sizes_are_rejected_naming_the_flag_and_the_units() {
+    for (args, flag) in [
+        (
+            &["generate", "-p", "x", "--expert-cache", "5 furlongs"][..],
+            "--expert-cache",
+        ),
+        (
+            &["generate", "-p", "x", "--memory-budget", "lots"],
+            "--memory-budget",
+        ),
+        (
+            &["info", "-m", "x", "--expert-cache", "1.2.3GB"],
+            "--expert-cache",
+        ),
+        (&["serve", "--max-body", "16 MeB"], "--max-body"),
+        (
+            &["bench", "--expert-cache", "off,4 parsecs"],
+            "--expert-cache",
+        ),
+        (&["bench", "--disk", "--block", "2 blocks"], "--block"),
+    ] {
+        let out = sluice(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // Rejected while parsing the command line (clap's usage error), before any work.
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        let line = stderr.lines().next().unwrap_or("");
+        assert!(
+            line.starts_with("error: ") && line.contains(flag),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            line.contains("kB, MB, GB, TB, KiB, MiB, GiB, TiB"),
+            "{args:?}: the accepted units: {stderr}"
+        );
+    }
+}
+
+#[test]
 fn bench_measures_the_disk_and_rejects_bad_settings() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("blob");

@@ -39,7 +39,12 @@ fn main() {
         scale_dtype: Dtype::Bf16,
     };
     let mut rng = Rng::new(1);
-    for (out, inp, tokens) in [(16384, 2048, 1), (2048, 6144, 1), (16384, 2048, 4), (16384, 2048, 64)] {
+    for (out, inp, tokens) in [
+        (16384, 2048, 1),
+        (2048, 6144, 1),
+        (16384, 2048, 4),
+        (16384, 2048, 64),
+    ] {
         let m = random_matrix(&mut rng, q4, out, inp);
         let bytes = m.nbytes();
         let w = b.weight(m).unwrap();
@@ -75,7 +80,7 @@ fn main() {
     };
     for _ in 0..2 {
         let stats = engine
-            .generate(&prompt, &params, 128, |_, _| ControlFlow::Continue(()))
+            .generate(&prompt, &params, 128, |_| ControlFlow::Continue(()))
             .unwrap();
         println!(
             "demo model: prompt {} tokens, decode {} tokens at {:.1} tok/s",

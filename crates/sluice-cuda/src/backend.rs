@@ -143,7 +143,7 @@ impl Device {
     }
 
     pub fn upload<T: Copy>(&self, data: &[T], what: &str) -> Result<DevBuf, BackendError> {
-        let buf = self.alloc(std::mem::size_of_val(data), what)?;
+        let buf = self.alloc(size_of_val(data), what)?;
         if !data.is_empty() {
             // SAFETY: `buf` holds `size_of_val(data)` bytes; a copy from pageable memory returns
             // once the source has been read, so `data` may go away after the call.
@@ -161,7 +161,7 @@ impl Device {
         if let Some(e) = self.peek_error() {
             return Err(e);
         }
-        assert!(len * std::mem::size_of::<T>() <= buf.bytes);
+        assert!(len * size_of::<T>() <= buf.bytes);
         self.bind()?;
         let mut out = vec![T::default(); len];
         // SAFETY: `out` has room for `len` values, `buf` holds at least as many bytes; the stream is

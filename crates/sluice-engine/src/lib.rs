@@ -1,6 +1,8 @@
 //! Everything between a model and a user: tokenizer, chat templates, sampling and the generation
 //! loop. [`Engine`] loads a model directory once and then serves any number of requests.
 
+#![forbid(unsafe_code)]
+
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,6 +20,7 @@ pub mod prompt_cache;
 pub mod sampler;
 pub mod streaming;
 pub mod tokenizer;
+pub mod turn;
 
 use chat::{ChatError, ChatMessage, ChatTemplate};
 use prompt_cache::PromptCache;
@@ -61,14 +64,52 @@ pub enum LogitsMode {
     Prefill,
 }
 
+/// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     /// An end-of-sequence token was produced.
     Stop,
+    /// The output reached one of the caller's stop sequences (the callback broke with
+    /// [`Halt::StopSequence`]).
+    StopSequence,
     /// `max_tokens` were produced.
     Length,
-    /// The caller asked to stop (`on_token` broke, or the cancel flag was set).
+    /// The caller asked to stop: the cancel flag was set, or the callback broke with
+    /// [`Halt::Cancel`].
     Cancelled,
+}
+
+/// What [`Engine::generate`] hands its callback, in order: one `Token` per generated token, then
+/// at most one `Flush`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenEvent<'a> {
+    /// A generated token (never an end-of-sequence token) and the text it completed, possibly
+    /// empty: a token may end inside a character, whose text then comes with a later token.
+    Token { id: u32, text: &'a str },
+    /// After the last token, the text still held back (never empty; an incomplete character at
+    /// the very end, decoded as U+FFFD). Not a token. The generation is over: breaking here
+    /// changes nothing.
+    Flush { text: &'a str },
+}
+
+/// Why a callback stops a generation ([`ControlFlow::Break`]); it becomes the
+/// [`FinishReason`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Halt {
+    /// The output reached a stop sequence: [`FinishReason::StopSequence`].
+    StopSequence,
+    /// The output is no longer wanted (a closed pipe, a client gone):
+    /// [`FinishReason::Cancelled`].
+    Cancel,
+}
+
+impl From<Halt> for FinishReason {
+    fn from(halt: Halt) -> Self {
+        match halt {
+            Halt::StopSequence => FinishReason::StopSequence,
+            Halt::Cancel => FinishReason::Cancelled,
+        }
+    }
 }
 
 /// A rendered chat prompt (see [`Engine::chat_prompt`]).
@@ -291,15 +332,16 @@ impl<B: Backend + 'static> Engine<B> {
             .map_err(EngineError::from)
     }
 
-    /// Generates up to `max_tokens` after `prompt`, calling `on_token(id, text)` as each token is
-    /// produced (`text` is the newly complete text, possibly empty). Stops at an end-of-sequence
-    /// token (not passed to `on_token`), at `max_tokens`, or when `on_token` breaks.
+    /// Generates up to `max_tokens` after `prompt`, calling `on_event` with each token as it is
+    /// produced and then with the text held back at the end (see [`TokenEvent`]). Stops at an
+    /// end-of-sequence token (not passed on), at `max_tokens`, or when `on_event` breaks with a
+    /// [`Halt`], which sets the [`FinishReason`].
     pub fn generate(
         &self,
         prompt: &[u32],
         params: &SamplingParams,
         max_tokens: usize,
-        on_token: impl FnMut(u32, &str) -> ControlFlow<()>,
+        on_event: impl FnMut(TokenEvent<'_>) -> ControlFlow<Halt>,
     ) -> Result<GenerationStats, EngineError> {
         let request = GenerateRequest {
             prompt,
@@ -309,7 +351,7 @@ impl<B: Backend + 'static> Engine<B> {
             ignore_eos: false,
             checkpoint: None,
         };
-        self.generate_cached(None, &request, on_token)
+        self.generate_cached(None, &request, on_event)
     }
 
     /// [`Engine::generate`] that resumes from the longest usable state saved in `cache` (see
@@ -317,8 +359,8 @@ impl<B: Backend + 'static> Engine<B> {
     pub fn generate_cached(
         &self,
         mut cache: Option<&mut PromptCache<B>>,
-        request: &GenerateRequest,
-        mut on_token: impl FnMut(u32, &str) -> ControlFlow<()>,
+        request: &GenerateRequest<'_>,
+        mut on_event: impl FnMut(TokenEvent<'_>) -> ControlFlow<Halt>,
     ) -> Result<GenerationStats, EngineError> {
         let GenerateRequest {
             prompt,
@@ -401,8 +443,11 @@ impl<B: Backend + 'static> Engine<B> {
             }
             stats.generated_tokens += 1;
             let text = stream.push(token)?.unwrap_or_default();
-            if on_token(token, &text).is_break() {
-                finish = FinishReason::Cancelled;
+            if let ControlFlow::Break(halt) = on_event(TokenEvent::Token {
+                id: token,
+                text: &text,
+            }) {
+                finish = halt.into();
                 break;
             }
             if stats.generated_tokens == max_tokens {
@@ -413,7 +458,7 @@ impl<B: Backend + 'static> Engine<B> {
             logits = backend.to_host(&out)?;
         }
         if let Some(rest) = stream.finish()? {
-            let _ = on_token(u32::MAX, &rest);
+            let _ = on_event(TokenEvent::Flush { text: &rest });
         }
         stats.decode_secs = decode_start.elapsed().as_secs_f64();
         stats.finish = finish;

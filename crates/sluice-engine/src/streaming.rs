@@ -60,14 +60,6 @@ pub struct CachePlan {
 
 pub use sluice_format::safetensors_bytes;
 
-/// MemAvailable from /proc/meminfo (Linux), in bytes.
-pub fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// Sizes the cache: `--expert-cache` if given, else `--memory-budget` minus the resident
 /// weights and a reserve, else the available memory minus the same; never more than all experts.
 pub fn plan_cache(dir: &Path, manifest: &Manifest, opts: &StreamingOptions) -> CachePlan {
@@ -88,7 +80,7 @@ pub fn plan_cache_for(resident: u64, experts: u64, opts: &StreamingOptions) -> C
             ),
         )
     } else {
-        match mem_available() {
+        match sluice_sys::mem_available_bytes() {
             Some(avail) => (
                 avail.saturating_sub(resident + RESERVE_BYTES),
                 format!(

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use sluice_cpu::CpuBackend;
 use sluice_engine::prompt_cache::PromptCache;
 use sluice_engine::sampler::SamplingParams;
-use sluice_engine::{Engine, FinishReason, GenerateRequest, GenerationStats, LoadOptions};
+use sluice_engine::{
+    Engine, FinishReason, GenerateRequest, GenerationStats, LoadOptions, TokenEvent,
+};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -45,9 +47,9 @@ fn run(
     };
     let mut tokens = Vec::new();
     let stats = engine
-        .generate_cached(cache, &request, |t, _| {
-            if t != u32::MAX {
-                tokens.push(t);
+        .generate_cached(cache, &request, |event| {
+            if let TokenEvent::Token { id, .. } = event {
+                tokens.push(id);
             }
             ControlFlow::Continue(())
         })
@@ -134,7 +136,7 @@ fn a_cancelled_request_stops_before_computing() {
         checkpoint: None,
     };
     let stats = engine
-        .generate_cached(None, &request, |_, _| ControlFlow::Continue(()))
+        .generate_cached(None, &request, |_| ControlFlow::Continue(()))
         .unwrap();
     assert_eq!(stats.finish, FinishReason::Cancelled);
     assert_eq!(stats.generated_tokens, 0);

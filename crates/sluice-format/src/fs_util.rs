@@ -1,49 +1,6 @@
-//! Small filesystem queries shared by the tools that write or size model directories.
+//! Sizes of a model directory's files.
 
 use std::path::Path;
-
-/// Bytes an unprivileged user may still write on the filesystem holding `path`, or holding its
-/// nearest existing ancestor when `path` does not exist yet.
-pub fn free_disk_bytes(path: &Path) -> Option<u64> {
-    let existing = path.ancestors().find(|p| {
-        // An empty ancestor is the current directory of a relative path.
-        let p = if p.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            p
-        };
-        p.exists()
-    })?;
-    let existing = if existing.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        existing
-    };
-    statvfs_free(existing)
-}
-
-#[cfg(unix)]
-fn statvfs_free(path: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call, and `st` points to
-    // writable memory of the right type, which statvfs fills in when it returns 0.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it initialised `st`.
-    let st = unsafe { st.assume_init() };
-    #[allow(clippy::unnecessary_cast)] // the field types differ between platforms
-    let free = (st.f_bavail as u64).checked_mul(st.f_frsize as u64)?;
-    Some(free)
-}
-
-#[cfg(not(unix))]
-fn statvfs_free(_path: &Path) -> Option<u64> {
-    None
-}
 
 /// Total bytes of the `*.safetensors` files directly in `dir` (0 if it cannot be read).
 pub fn safetensors_bytes(dir: &Path) -> u64 {

@@ -39,7 +39,7 @@ mod settings;
 mod tensors;
 
 pub use error::FormatError;
-pub use fs_util::{free_disk_bytes, safetensors_bytes};
+pub use fs_util::safetensors_bytes;
 pub use quant::QuantConfig;
 pub use safetensors::{convert_to_f32, read_safetensors, StDtype, TensorInfo};
 pub use safetensors_writer::{safetensors_header_for, write_safetensors};

@@ -17,6 +17,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod api;
 pub mod error;
 pub mod metrics;
@@ -41,7 +43,7 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Map, Value};
 use sluice_backend::Backend;
 use sluice_engine::output::{prompt_opens_thinking, OutputEvent, OutputOptions};
-use sluice_engine::Engine;
+use sluice_engine::{Engine, FinishReason, GenerationStats};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use api::{ChatRequest, CompletionRequest, Prompt, Sampling};
@@ -340,7 +342,7 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
-fn usage(stats: &sluice_engine::GenerationStats) -> Value {
+fn usage(stats: &GenerationStats) -> Value {
     json!({
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generated_tokens,
@@ -400,7 +402,7 @@ async fn chat_inner<B: Backend + 'static>(
             guard,
         ));
     }
-    let (events, done) = collect(rx, guard).await?;
+    let (events, stats) = collect(rx, guard).await?;
     let mut reasoning = String::new();
     let mut content = String::new();
     let mut calls = Vec::new();
@@ -428,7 +430,7 @@ async fn chat_inner<B: Backend + 'static>(
     if !reasoning.is_empty() {
         message.insert("reasoning_content".into(), Value::String(reasoning));
     }
-    let finish = chat_finish(done.finish, !calls.is_empty());
+    let finish = openai_finish_reason(stats.finish, !calls.is_empty());
     if !calls.is_empty() {
         message.insert("tool_calls".into(), Value::Array(calls));
     }
@@ -438,7 +440,7 @@ async fn chat_inner<B: Backend + 'static>(
         "created": reply.created,
         "model": reply.model,
         "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
-        "usage": usage(&done.stats),
+        "usage": usage(&stats),
     }))
     .into_response())
 }
@@ -515,7 +517,7 @@ async fn completion_inner<B: Backend + 'static>(
             guard,
         ));
     }
-    let (events, done) = collect(rx, guard).await?;
+    let (events, stats) = collect(rx, guard).await?;
     let mut text = echo.unwrap_or_default();
     for e in events {
         if let OutputEvent::Content(t) | OutputEvent::Reasoning(t) = e {
@@ -527,8 +529,8 @@ async fn completion_inner<B: Backend + 'static>(
         "object": "text_completion",
         "created": reply.created,
         "model": reply.model,
-        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": done.finish}],
-        "usage": usage(&done.stats),
+        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": openai_finish_reason(stats.finish, false)}],
+        "usage": usage(&stats),
     }))
     .into_response())
 }
@@ -538,12 +540,12 @@ async fn completion_inner<B: Backend + 'static>(
 async fn collect(
     mut rx: UnboundedReceiver<Event>,
     guard: CancelOnDrop,
-) -> Result<(Vec<OutputEvent>, worker::Done), ApiError> {
+) -> Result<(Vec<OutputEvent>, GenerationStats), ApiError> {
     let mut events = Vec::new();
     let result = loop {
         match rx.recv().await {
             Some(Event::Output(e)) => events.extend(e),
-            Some(Event::Done(done)) => break Ok((events, done)),
+            Some(Event::Done(stats)) => break Ok((events, stats)),
             Some(Event::Error(e)) => break Err(ApiError::internal(e)),
             None => break Err(ApiError::internal("the generation ended without a result")),
         }
@@ -600,7 +602,7 @@ trait ChunkFormat: Send + 'static {
     /// The `choices[0]` of chunks for some model output.
     fn choices(&mut self, events: Vec<OutputEvent>) -> Vec<Value>;
     /// The `choices[0]` of the last chunk.
-    fn closing(&mut self, finish: &str) -> Value;
+    fn closing(&mut self, finish: FinishReason) -> Value;
 }
 
 /// A streamed reply: the model thread's events as SSE chunks, then `finish_reason`, the usage
@@ -648,12 +650,12 @@ impl<F: ChunkFormat> ChunkStream<F> {
                     .into_iter()
                     .map(|c| s.chunk(json!([c]), None))
                     .collect(),
-                Some(Event::Done(done)) => {
+                Some(Event::Done(stats)) => {
                     s.finished = true;
-                    let last = s.format.closing(done.finish);
+                    let last = s.format.closing(stats.finish);
                     let mut out = vec![s.chunk(json!([last]), None)];
                     if s.include_usage {
-                        out.push(s.chunk(json!([]), Some(usage(&done.stats))));
+                        out.push(s.chunk(json!([]), Some(usage(&stats))));
                     }
                     out.push(done_marker());
                     out
@@ -709,17 +711,24 @@ impl ChunkFormat for ChatChunks {
             .collect()
     }
 
-    fn closing(&mut self, finish: &str) -> Value {
-        choice_delta(json!({}), Some(chat_finish(finish, self.tool_calls > 0)))
+    fn closing(&mut self, finish: FinishReason) -> Value {
+        choice_delta(
+            json!({}),
+            Some(openai_finish_reason(finish, self.tool_calls > 0)),
+        )
     }
 }
 
-/// A chat answer that ended naturally after tool calls finishes with `tool_calls`.
-fn chat_finish(finish: &str, tool_calls: bool) -> &str {
-    if tool_calls && finish == "stop" {
-        "tool_calls"
-    } else {
-        finish
+/// OpenAI's `finish_reason` for how a generation ended. An answer that ended naturally after tool
+/// calls finishes with `tool_calls`; only the handler, which parsed them, knows whether it made
+/// any.
+fn openai_finish_reason(finish: FinishReason, tool_calls: bool) -> &'static str {
+    match finish {
+        FinishReason::Length => "length",
+        FinishReason::Stop | FinishReason::StopSequence if tool_calls => "tool_calls",
+        FinishReason::Stop | FinishReason::StopSequence => "stop",
+        // Never sent: a cancelled generation has no client left (see worker::Event::Done).
+        FinishReason::Cancelled => "stop",
     }
 }
 
@@ -754,8 +763,8 @@ impl ChunkFormat for CompletionChunks {
             .collect()
     }
 
-    fn closing(&mut self, finish: &str) -> Value {
-        choice_text("", Some(finish))
+    fn closing(&mut self, finish: FinishReason) -> Value {
+        choice_text("", Some(openai_finish_reason(finish, false)))
     }
 }
 
@@ -766,6 +775,18 @@ fn choice_text(text: &str, finish: Option<&str>) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finish_reasons_map_to_openai_ones() {
+        use FinishReason::*;
+        assert_eq!(openai_finish_reason(Stop, false), "stop");
+        assert_eq!(openai_finish_reason(StopSequence, false), "stop");
+        assert_eq!(openai_finish_reason(Length, false), "length");
+        assert_eq!(openai_finish_reason(Stop, true), "tool_calls");
+        assert_eq!(openai_finish_reason(StopSequence, true), "tool_calls");
+        // Cut off mid-answer: the tool calls may be incomplete, so it is not a tool-call finish.
+        assert_eq!(openai_finish_reason(Length, true), "length");
+    }
 
     #[test]
     fn tool_call_ids_look_like_openai_ones() {

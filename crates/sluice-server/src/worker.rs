@@ -10,9 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{mpsc, Arc};
 
 use sluice_backend::Backend;
-use sluice_engine::output::{OutputEvent, OutputOptions, OutputParser};
+use sluice_engine::output::{OutputEvent, OutputOptions};
 use sluice_engine::prompt_cache::PromptCache;
 use sluice_engine::sampler::SamplingParams;
+use sluice_engine::turn::TurnEvent;
 use sluice_engine::{Engine, FinishReason, GenerateRequest, GenerationStats};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -33,14 +34,11 @@ pub struct Job {
 /// What the model thread reports back, in order: any number of `Output`, then `Done` or `Error`.
 pub enum Event {
     Output(Vec<OutputEvent>),
-    Done(Done),
+    /// The generation ended with `stats.finish` [`FinishReason::Stop`],
+    /// [`FinishReason::StopSequence`] or [`FinishReason::Length`] (a cancelled one has no client
+    /// left to tell).
+    Done(GenerationStats),
     Error(String),
-}
-
-pub struct Done {
-    pub stats: GenerationStats,
-    /// `stop`, `length` (`tool_calls` is decided by the handler, which saw them).
-    pub finish: &'static str,
 }
 
 /// Sets the cancel flag when dropped: handlers hold one for as long as their client listens.
@@ -104,7 +102,6 @@ fn run_job<B: Backend + 'static>(
         metrics.requests_cancelled.fetch_add(1, Relaxed);
         return;
     }
-    let mut parser = OutputParser::new(job.output.clone());
     let request = GenerateRequest {
         prompt: &job.prompt,
         params: &job.params,
@@ -113,38 +110,28 @@ fn run_job<B: Backend + 'static>(
         ignore_eos: job.ignore_eos,
         checkpoint: job.checkpoint,
     };
-    let result = engine.generate_cached(Some(cache), &request, |token, text| {
-        if token != u32::MAX {
+    let result = engine.chat_turn(Some(cache), &request, job.output, |event| {
+        if let TurnEvent::Token { .. } = event {
             metrics.generated_tokens.fetch_add(1, Relaxed);
         }
-        let events = parser.push(text);
-        if !events.is_empty() && job.events.send(Event::Output(events)).is_err() {
+        let output = event.into_output();
+        if !output.is_empty() && job.events.send(Event::Output(output)).is_err() {
             return ControlFlow::Break(());
         }
-        if parser.stopped() || job.events.is_closed() {
+        if job.events.is_closed() {
             return ControlFlow::Break(());
         }
         ControlFlow::Continue(())
     });
     match result {
+        Ok(stats) if stats.finish == FinishReason::Cancelled => {
+            metrics.requests_cancelled.fetch_add(1, Relaxed);
+            metrics.record(&stats);
+        }
         Ok(stats) => {
-            let rest = parser.finish();
-            if !rest.is_empty() {
-                let _ = job.events.send(Event::Output(rest));
-            }
-            let finish = match stats.finish {
-                FinishReason::Length => "length",
-                FinishReason::Stop => "stop",
-                FinishReason::Cancelled if parser.stopped() => "stop",
-                FinishReason::Cancelled => {
-                    metrics.requests_cancelled.fetch_add(1, Relaxed);
-                    metrics.record(&stats);
-                    return;
-                }
-            };
             metrics.record(&stats);
             metrics.requests_finished.fetch_add(1, Relaxed);
-            let _ = job.events.send(Event::Done(Done { stats, finish }));
+            let _ = job.events.send(Event::Done(stats));
         }
         Err(e) => {
             metrics.requests_failed.fetch_add(1, Relaxed);

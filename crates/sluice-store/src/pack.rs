@@ -252,7 +252,7 @@ pub fn pack(
         _ => PathBuf::from("."),
     };
     let need = total + other_bytes + (total / 50).max(64 << 20);
-    if let Some(free) = sluice_format::free_disk_bytes(&parent) {
+    if let Some(free) = sluice_sys::free_disk_bytes(&parent) {
         if need > free {
             return Err(PackError::NoSpace {
                 dir: parent,

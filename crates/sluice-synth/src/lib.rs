@@ -17,6 +17,8 @@
 //! Generation is parallel (rayon) and deterministic: the same preset, bits and seed give the same
 //! bytes whatever the thread count.
 
+#![forbid(unsafe_code)]
+
 mod fill;
 pub mod plan;
 pub mod presets;
@@ -154,7 +156,7 @@ pub fn synthesize(
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    if let Some(free) = sluice_format::free_disk_bytes(&parent) {
+    if let Some(free) = sluice_sys::free_disk_bytes(&parent) {
         // Keep a margin so the rest of the machine keeps working.
         let need = total + (total / 50).max(64 << 20);
         if need > free {

@@ -1,0 +1,484 @@
+//! Chat template rendering against transformers' output: whitespace control, Python-compatible
+//! filters and printing, `tojson`, `strftime`, tool calls and error messages.
+
+use super::pycompat::{civil_from_days, days_from_civil, py_float, strftime};
+use super::*;
+use serde_json::json;
+
+const QWEN3: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/qwen3_chat_template.jinja"
+));
+const QWEN35: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/qwen3_5_chat_template.jinja"
+));
+
+fn msg(role: &str, content: &str) -> ChatMessage {
+    ChatMessage::new(role, content)
+}
+
+fn no_extra() -> serde_json::Map<String, serde_json::Value> {
+    serde_json::Map::new()
+}
+
+fn qwen3() -> ChatTemplate {
+    ChatTemplate::new(QWEN3, None, Some("<|im_end|>".into())).unwrap()
+}
+
+fn weather_tool() -> serde_json::Value {
+    // Keys deliberately not in alphabetical order: the rendering must keep this order.
+    json!([{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city, e.g. Zürich",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "location": {"type": "string", "description": "City name"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}
+                },
+                "required": ["location"]
+            }
+        }
+    }])
+}
+
+const WEATHER_TOOL_JSON: &str = r#"{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city, e.g. Zürich", "parameters": {"type": "object", "properties": {"location": {"type": "string", "description": "City name"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}}"#;
+
+#[test]
+fn qwen3_system_user_generation_prompt() {
+    let t = qwen3();
+    let out = t
+        .render(
+            &[msg("system", "You are helpful."), msg("user", "Hi there!")],
+            None,
+            true,
+            &no_extra(),
+        )
+        .unwrap();
+    assert_eq!(
+            out,
+            "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n"
+        );
+    // Without a generation prompt the text ends after the last message.
+    let out = t
+        .render(&[msg("user", "Hi")], None, false, &no_extra())
+        .unwrap();
+    assert_eq!(out, "<|im_start|>user\nHi<|im_end|>\n");
+}
+
+#[test]
+fn qwen3_enable_thinking_false_appends_empty_think() {
+    let t = qwen3();
+    let mut extra = no_extra();
+    extra.insert("enable_thinking".into(), json!(false));
+    let out = t
+        .render(&[msg("user", "2+2?")], None, true, &extra)
+        .unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    );
+    extra.insert("enable_thinking".into(), json!(true));
+    let out = t
+        .render(&[msg("user", "2+2?")], None, true, &extra)
+        .unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn qwen3_multi_turn_strips_earlier_reasoning() {
+    let t = qwen3();
+    let msgs = [
+        msg("user", "What is 2+2?"),
+        msg(
+            "assistant",
+            "<think>\nSimple arithmetic.\n</think>\n\n2+2 = 4.",
+        ),
+        msg("user", "And 3+3?"),
+    ];
+    let out = t.render(&msgs, None, true, &no_extra()).unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n\
+             <|im_start|>assistant\n2+2 = 4.<|im_end|>\n\
+             <|im_start|>user\nAnd 3+3?<|im_end|>\n\
+             <|im_start|>assistant\n"
+    );
+    // The same with the reasoning given separately.
+    let mut with_field = msgs.clone();
+    with_field[1] = ChatMessage {
+        reasoning_content: Some("Simple arithmetic.".into()),
+        ..msg("assistant", "2+2 = 4.")
+    };
+    assert_eq!(t.render(&with_field, None, true, &no_extra()).unwrap(), out);
+    // A final assistant turn (after the last user query) keeps its reasoning.
+    let out = t.render(&msgs[..2], None, false, &no_extra()).unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n\
+             <|im_start|>assistant\n<think>\nSimple arithmetic.\n</think>\n\n2+2 = 4.<|im_end|>\n"
+    );
+}
+
+#[test]
+fn qwen3_tools_block() {
+    let t = qwen3();
+    let tools = weather_tool();
+    let out = t
+        .render(
+            &[msg("system", "Be brief."), msg("user", "Weather in Paris?")],
+            Some(&tools),
+            true,
+            &no_extra(),
+        )
+        .unwrap();
+    let want = format!(
+            "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
+             You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{WEATHER_TOOL_JSON}\n</tools>\n\n\
+             For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n\
+             <tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call><|im_end|>\n\
+             <|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+        );
+    assert_eq!(out, want);
+}
+
+fn tool_round_trip(arguments: serde_json::Value) -> Vec<ChatMessage> {
+    vec![
+        msg("user", "Weather in Paris?"),
+        ChatMessage {
+            role: "assistant".into(),
+            content: None,
+            tool_calls: Some(json!([{
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments}
+            }])),
+            tool_call_id: None,
+            name: None,
+            reasoning_content: Some("I should call the tool.".into()),
+        },
+        ChatMessage {
+            tool_call_id: Some("call_1".into()),
+            ..msg("tool", "{\"temp_c\": 18}")
+        },
+    ]
+}
+
+#[test]
+fn qwen3_tool_call_round_trip() {
+    let t = qwen3();
+    let tools = weather_tool();
+    let msgs = tool_round_trip(json!({"location": "Paris", "unit": "celsius"}));
+    let out = t.render(&msgs, Some(&tools), true, &no_extra()).unwrap();
+    let want_tail = "<|im_start|>user\nWeather in Paris?<|im_end|>\n\
+             <|im_start|>assistant\n<think>\nI should call the tool.\n</think>\n\n\
+             <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call><|im_end|>\n\
+             <|im_start|>user\n<tool_response>\n{\"temp_c\": 18}\n</tool_response><|im_end|>\n\
+             <|im_start|>assistant\n";
+    assert!(out.starts_with("<|im_start|>system\n# Tools\n\n"), "{out}");
+    assert!(out.ends_with(want_tail), "{out}");
+    // Arguments as an OpenAI-style JSON string (compact, keys unordered) render the same.
+    let msgs_str = tool_round_trip(json!("{\"location\":\"Paris\",\"unit\":\"celsius\"}"));
+    assert_eq!(
+        t.render(&msgs_str, Some(&tools), true, &no_extra())
+            .unwrap(),
+        out
+    );
+    // A string that is not a JSON object passes through verbatim (the template's string
+    // branch).
+    let msgs_raw = tool_round_trip(json!("not json"));
+    let out_raw = t
+        .render(&msgs_raw, Some(&tools), true, &no_extra())
+        .unwrap();
+    assert!(out_raw.contains("\"arguments\": not json}"), "{out_raw}");
+}
+
+#[test]
+fn qwen35_renders() {
+    let t = ChatTemplate::new(QWEN35, None, Some("<|im_end|>".into())).unwrap();
+    let out = t
+        .render(
+            &[msg("system", "  Be brief. "), msg("user", "Hi")],
+            None,
+            true,
+            &no_extra(),
+        )
+        .unwrap();
+    assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        );
+    let mut extra = no_extra();
+    extra.insert("enable_thinking".into(), json!(false));
+    let out = t.render(&[msg("user", "Hi")], None, true, &extra).unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    );
+
+    // Tool call with string arguments: Qwen3.5 iterates `arguments|items`, so they must
+    // arrive as an object. Non-string values print as JSON, booleans as Python's True.
+    let tools = weather_tool();
+    let mut msgs = tool_round_trip(json!(
+            "{\"location\": \"Paris\", \"days\": 2, \"opts\": {\"unit\": \"celsius\"}, \"alerts\": true}"
+        ));
+    msgs.push(msg("assistant", "It is 18 °C."));
+    let out = t.render(&msgs, Some(&tools), false, &no_extra()).unwrap();
+    let want = format!(
+            "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n{WEATHER_TOOL_JSON}\n</tools>\
+             \n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n\
+             <function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n\
+             <parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n\
+             </parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n\
+             - Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n\
+             - Required parameters MUST be specified\n\
+             - You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n\
+             - If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n\
+             </IMPORTANT><|im_end|>\n\
+             <|im_start|>user\nWeather in Paris?<|im_end|>\n\
+             <|im_start|>assistant\n<think>\nI should call the tool.\n</think>\n\n\
+             <tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n\
+             <parameter=opts>\n{{\"unit\": \"celsius\"}}\n</parameter>\n<parameter=alerts>\nTrue\n</parameter>\n</function>\n</tool_call><|im_end|>\n\
+             <|im_start|>user\n<tool_response>\n{{\"temp_c\": 18}}\n</tool_response><|im_end|>\n\
+             <|im_start|>assistant\n<think>\n\n</think>\n\nIt is 18 °C.<|im_end|>\n"
+        );
+    assert_eq!(out, want);
+
+    // The template's raise_exception surfaces as ChatError::Raised.
+    let err = t
+        .render(&[msg("system", "x")], None, true, &no_extra())
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ChatError::Raised("No user query found in messages.".into())
+    );
+    assert_eq!(
+        err.to_string(),
+        "chat template rejected the conversation: No user query found in messages."
+    );
+}
+
+#[test]
+fn fallback_chatml() {
+    let t = ChatTemplate::new(FALLBACK_CHATML, None, None).unwrap();
+    let msgs = [
+        msg("system", "S"),
+        msg("user", "U"),
+        ChatMessage {
+            content: None,
+            ..msg("assistant", "")
+        },
+    ];
+    let out = t.render(&msgs, None, true, &no_extra()).unwrap();
+    assert_eq!(
+            out,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n<|im_start|>assistant\n"
+        );
+}
+
+#[test]
+fn syntax_error_names_the_line() {
+    let src = "{%- for m in messages %}\n{{ m.content }}\n{%- if %}\n{%- endfor %}";
+    let err = ChatTemplate::new(src, None, None).unwrap_err();
+    match &err {
+        ChatError::Syntax { line, detail } => {
+            assert_eq!(*line, 3, "{err}");
+            assert!(detail.contains("{%- if %}"), "{err}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("chat template syntax error at line 3:"),
+        "{msg}"
+    );
+    assert!(!msg.contains('\n'), "{msg}");
+}
+
+#[test]
+fn runtime_error_is_reported() {
+    let t = ChatTemplate::new("line one\n{{ messages[0].content + 1 }}", None, None).unwrap();
+    let err = t
+        .render(&[msg("user", "x")], None, false, &no_extra())
+        .unwrap_err();
+    assert!(
+        matches!(err, ChatError::Render { line: Some(2), .. }),
+        "{err:?}"
+    );
+    let err = t
+        .render(
+            &[],
+            None,
+            false,
+            &serde_json::Map::from_iter([("messages".into(), json!(1))]),
+        )
+        .unwrap_err();
+    assert!(matches!(err, ChatError::Argument(_)), "{err:?}");
+}
+
+#[test]
+fn hf_environment_features() {
+    let render = |src: &str, extra: serde_json::Value| {
+        let t = ChatTemplate::new(src, Some("<s>".into()), Some("</s>".into())).unwrap();
+        let extra = extra.as_object().cloned().unwrap_or_default();
+        t.render(
+            &[
+                msg("user", "  Hello, World  "),
+                msg("assistant", "A"),
+                msg("user", "B"),
+            ],
+            None,
+            false,
+            &extra,
+        )
+        .unwrap()
+    };
+    // bos/eos tokens and extra kwargs at top level.
+    assert_eq!(
+        render(
+            "{{ bos_token }}|{{ eos_token }}|{{ foo }}",
+            json!({"foo": 3})
+        ),
+        "<s>|</s>|3"
+    );
+    // trim_blocks + lstrip_blocks: block lines leave no whitespace behind.
+    assert_eq!(
+            render("{% for m in messages %}\n    {% if loop.last %}\n{{ m.role }}\n    {% endif %}\n{% endfor %}", json!({})),
+            "user\n"
+        );
+    // Reverse slicing, namespace, loop controls.
+    assert_eq!(
+            render(
+                "{% set ns = namespace(n=0) %}{% for m in messages[::-1] %}{% if loop.index > 2 %}{% break %}{% endif %}{% set ns.n = ns.n + 1 %}{{ m.content }}{% endfor %}{{ ns.n }}",
+                json!({})
+            ),
+            "BA2"
+        );
+    // Python string methods.
+    assert_eq!(
+            render(
+                "{% set c = messages[0].content %}{{ c.strip() }}|{{ c.lstrip() }}|{{ c.rstrip() }}|{{ c.strip().startswith('Hello') }}|{{ c.strip().endswith('x') }}|{{ c.split(',')[1] }}|{{ c.replace('World', 'there') }}",
+                json!({})
+            ),
+            "Hello, World|Hello, World  |  Hello, World|True|False| World  |  Hello, there  "
+        );
+    // is string / is mapping, length, items, Python-style printing.
+    assert_eq!(
+            render(
+                "{{ d is mapping }} {{ s is string }} {{ d|length }} {% for k, v in d|items %}{{ k }}={{ v }};{% endfor %} {{ none_v }} {{ f }} {{ big }} {{ d.b|string }}",
+                json!({"d": {"z": 1, "b": true}, "s": "x", "none_v": null, "f": 0.5, "big": 1e20})
+            ),
+            "True True 2 z=1;b=True; None 0.5 1e+20 True"
+        );
+    // tojson: Python separators, key order, no ASCII escaping, indent, sort_keys.
+    assert_eq!(
+        render(
+            "{{ d|tojson }}",
+            json!({"d": {"z": [1, 2.0, "é<>&'"], "a": null}})
+        ),
+        r#"{"z": [1, 2.0, "é<>&'"], "a": null}"#
+    );
+    assert_eq!(
+        render(
+            "{{ d|tojson(indent=2) }}",
+            json!({"d": {"z": [1, {}], "a": "\n"}})
+        ),
+        "{\n  \"z\": [\n    1,\n    {}\n  ],\n  \"a\": \"\\n\"\n}"
+    );
+    assert_eq!(
+        render(
+            "{{ d|tojson(sort_keys=true, ensure_ascii=true) }}",
+            json!({"d": {"z": "é😀", "a": 1}})
+        ),
+        r#"{"a": 1, "z": "\u00e9\ud83d\ude00"}"#
+    );
+    assert_eq!(
+        render(
+            "{{ d|tojson(separators=[',', ':']) }}",
+            json!({"d": {"a": [1, 2]}})
+        ),
+        r#"{"a":[1,2]}"#
+    );
+    // raise_exception, strftime_now.
+    let t = ChatTemplate::new(
+        "{{ raise_exception('bad role: ' + messages[0].role) }}",
+        None,
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        t.render(&[msg("tool", "")], None, false, &no_extra()),
+        Err(ChatError::Raised("bad role: tool".into()))
+    );
+    let year = render("{{ strftime_now('%Y') }}", json!({}));
+    assert!(year.len() == 4 && year.starts_with("20"), "{year}");
+    // {% generation %} blocks (transformers' assistant masks) render their body.
+    assert_eq!(
+            render("{%- for m in messages %}\n{%- generation %}{{ m.content }}{%- endgeneration %}\n{%- endfor %}", json!({})),
+            "  Hello, World  AB"
+        );
+}
+
+#[test]
+fn strftime_matches_c() {
+    // 2024-02-29 13:05:09 UTC, a Thursday.
+    let t = 1_709_211_909;
+    assert_eq!(strftime("%Y-%m-%d %H:%M:%S", t), "2024-02-29 13:05:09");
+    assert_eq!(strftime("%d %b %Y", t), "29 Feb 2024");
+    assert_eq!(
+        strftime("%A %B %-d, %I %p %j %%", t),
+        "Thursday February 29, 01 PM 060 %"
+    );
+    assert_eq!(strftime("%a %F %T", 0), "Thu 1970-01-01 00:00:00");
+    assert_eq!(strftime("%j %D", 1_735_603_200), "366 12/31/24");
+    assert_eq!(strftime("%j", 1_735_689_600), "001");
+    for days in [-800_000i64, -1, 0, 59, 60, 11_016, 2_932_896] {
+        let (y, m, d) = civil_from_days(days);
+        assert_eq!(days_from_civil(y, m, d), days);
+    }
+}
+
+#[test]
+fn py_float_repr() {
+    for (f, s) in [
+        (1.0, "1.0"),
+        (0.5, "0.5"),
+        (-0.0, "-0.0"),
+        (1e16, "1e+16"),
+        (1.5e-7, "1.5e-07"),
+        (0.0001, "0.0001"),
+        (123456789.125, "123456789.125"),
+        (1e15, "1000000000000000.0"),
+        (0.1 + 0.2, "0.30000000000000004"),
+    ] {
+        assert_eq!(py_float(f), s);
+    }
+}
+
+#[test]
+fn shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<ChatTemplate>();
+    assert_send_sync::<crate::tokenizer::Tokenizer>();
+    assert_send_sync::<crate::sampler::Sampler>();
+}
+
+#[test]
+fn message_serialization() {
+    let m = ChatMessage {
+        content: None,
+        ..msg("assistant", "")
+    };
+    assert_eq!(
+        serde_json::to_string(&m).unwrap(),
+        r#"{"role":"assistant","content":null}"#
+    );
+    let back: ChatMessage = serde_json::from_str(r#"{"role":"user","content":"hi"}"#).unwrap();
+    assert_eq!(back, msg("user", "hi"));
+}

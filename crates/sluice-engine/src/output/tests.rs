@@ -1,0 +1,584 @@
+//! The output parser: reasoning, content and tool calls out of streamed text, stop strings, and
+//! the same result whatever the chunking.
+
+use super::*;
+
+#[test]
+fn thinking_detection_follows_the_last_marker() {
+    assert!(prompt_opens_thinking("<|im_start|>assistant\n<think>\n"));
+    assert!(!prompt_opens_thinking(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    ));
+    assert!(!prompt_opens_thinking("<|im_start|>assistant\n"));
+    assert!(prompt_opens_thinking(
+        "<think>\nold\n</think>\n\nanswer<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    ));
+}
+
+use serde_json::json;
+
+fn opts() -> OutputOptions {
+    OutputOptions {
+        parse_reasoning: true,
+        parse_tool_calls: true,
+        ..OutputOptions::default()
+    }
+}
+
+fn call(name: &str, arguments: &str) -> OutputEvent {
+    OutputEvent::ToolCall(ParsedToolCall {
+        name: name.into(),
+        arguments: arguments.into(),
+    })
+}
+
+fn content(s: &str) -> OutputEvent {
+    OutputEvent::Content(s.into())
+}
+
+fn reasoning(s: &str) -> OutputEvent {
+    OutputEvent::Reasoning(s.into())
+}
+
+/// Merges adjacent events of the same text kind, as a client concatenating deltas would.
+fn merged(events: Vec<OutputEvent>) -> Vec<OutputEvent> {
+    let mut out: Vec<OutputEvent> = Vec::new();
+    for e in events {
+        match (out.last_mut(), e) {
+            (Some(OutputEvent::Content(a)), OutputEvent::Content(b)) => a.push_str(&b),
+            (Some(OutputEvent::Reasoning(a)), OutputEvent::Reasoning(b)) => a.push_str(&b),
+            (_, e) => out.push(e),
+        }
+    }
+    out
+}
+
+/// Pushes each chunk, then finishes; all events (merged), and whether it stopped.
+fn stream(opts: OutputOptions, chunks: &[&str]) -> (Vec<OutputEvent>, bool) {
+    let mut p = OutputParser::new(opts);
+    let mut events = Vec::new();
+    for c in chunks {
+        let got = p.push(c);
+        assert!(got.iter().all(|e| match e {
+            OutputEvent::Content(s) | OutputEvent::Reasoning(s) => !s.is_empty(),
+            OutputEvent::ToolCall(_) => true,
+        }));
+        events.extend(got);
+    }
+    events.extend(p.finish());
+    (merged(events), p.stopped())
+}
+
+#[test]
+fn plain_text_by_default() {
+    let text = "<think>x</think> <tool_call>{}</tool_call>";
+    let (ev, stopped) = stream(OutputOptions::default(), &[text]);
+    assert_eq!(ev, [content(text)]);
+    assert!(!stopped);
+}
+
+#[test]
+fn stop_string_spanning_chunks() {
+    let o = OutputOptions {
+        stop: vec!["STOP".into()],
+        ..opts()
+    };
+    let mut p = OutputParser::new(o);
+    assert_eq!(p.push("Hello S"), [content("Hello ")]);
+    assert_eq!(p.push("T"), []);
+    assert_eq!(p.push("O"), []);
+    assert!(!p.stopped());
+    assert_eq!(p.push("P and more"), []);
+    assert!(p.stopped());
+    assert_eq!(p.push("even more"), []);
+    assert_eq!(p.finish(), []);
+    assert_eq!(p.finish(), []);
+}
+
+#[test]
+fn held_back_stop_prefix_released_when_not_a_stop() {
+    let o = OutputOptions {
+        stop: vec!["STOP".into()],
+        ..opts()
+    };
+    let mut p = OutputParser::new(o.clone());
+    assert_eq!(p.push("ST"), []);
+    assert_eq!(p.push("AY"), [content("STAY")]);
+    assert_eq!(p.push("ST"), []);
+    assert_eq!(p.finish(), [content("ST")]);
+    assert!(!p.stopped());
+    assert_eq!(stream(o, &["ST", "AY ST"]).0, [content("STAY ST")]);
+}
+
+#[test]
+fn stop_returns_everything_before_it_from_push() {
+    let o = OutputOptions {
+        stop: vec!["END".into()],
+        ..opts()
+    };
+    let mut p = OutputParser::new(o);
+    // The partial "<tool" would be held back, but a stop ends the output.
+    assert_eq!(p.push("a <toolEND"), [content("a <tool")]);
+    assert!(p.stopped());
+}
+
+#[test]
+fn earliest_stop_wins_whatever_the_chunking() {
+    let o = OutputOptions {
+        stop: vec!["bc".into(), "abcd".into()],
+        ..OutputOptions::default()
+    };
+    // "abcd" starts before "bc", so the output is "x" however the text arrives.
+    assert_eq!(
+        stream(o.clone(), &["xabc", "d"]),
+        (vec![content("x")], true)
+    );
+    assert_eq!(stream(o.clone(), &["xabcd"]), (vec![content("x")], true));
+    // "abcd" never completes: "bc" is the earliest stop.
+    assert_eq!(
+        stream(o.clone(), &["xabc", "e"]),
+        (vec![content("xa")], true)
+    );
+    assert_eq!(stream(o, &["xabc"]), (vec![content("xa")], true));
+}
+
+#[test]
+fn stop_strings_respect_char_boundaries() {
+    let o = OutputOptions {
+        stop: vec!["é!".into()],
+        ..OutputOptions::default()
+    };
+    let mut p = OutputParser::new(o.clone());
+    assert_eq!(p.push("café"), [content("caf")]);
+    assert_eq!(p.push("?"), [content("é?")]);
+    assert_eq!(stream(o, &["caf", "é", "!x"]), (vec![content("caf")], true));
+}
+
+#[test]
+fn stop_inside_a_tool_call_leaves_it_as_content() {
+    let o = OutputOptions {
+        stop: vec!["Paris".into()],
+        ..opts()
+    };
+    let text = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\"}}\n</tool_call>";
+    let out = parse_complete(o, text);
+    assert_eq!(
+        out.content,
+        "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \""
+    );
+    assert!(out.tool_calls.is_empty());
+    assert!(out.stopped);
+}
+
+#[test]
+fn stop_applies_before_reasoning() {
+    let o = OutputOptions {
+        starts_in_reasoning: true,
+        stop: vec!["</think>".into()],
+        ..opts()
+    };
+    let out = parse_complete(o, "thinking\n</think>\n\nanswer");
+    assert_eq!(out.reasoning.as_deref(), Some("thinking\n"));
+    assert_eq!(out.content, "");
+    assert!(out.stopped);
+}
+
+#[test]
+fn json_tool_call() {
+    let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\", \"unit\": \"c\"}}\n</tool_call>";
+    let (ev, _) = stream(opts(), &[text]);
+    assert_eq!(
+        ev,
+        [call("get_weather", r#"{"location":"Paris","unit":"c"}"#)]
+    );
+    let out = parse_complete(opts(), &format!("Let me check.\n\n{text}\n"));
+    assert_eq!(out.content, "Let me check.\n\n");
+    assert_eq!(out.tool_calls.len(), 1);
+    assert_eq!(out.reasoning, None);
+}
+
+#[test]
+fn json_tool_call_argument_forms() {
+    let parse =
+        |body: &str| parse_complete(opts(), &format!("<tool_call>{body}</tool_call>")).tool_calls;
+    let one = |name: &str, args: &str| {
+        vec![ParsedToolCall {
+            name: name.into(),
+            arguments: args.into(),
+        }]
+    };
+    assert_eq!(
+        parse(r#"{"name": "f", "arguments": "{\"b\": 1, \"a\": [true]}"}"#),
+        one("f", r#"{"b":1,"a":[true]}"#)
+    );
+    assert_eq!(
+        parse(r#"{"name": "f", "parameters": {"x": null}}"#),
+        one("f", r#"{"x":null}"#)
+    );
+    assert_eq!(parse(r#" {"name": "f"} "#), one("f", "{}"));
+    assert_eq!(parse(r#"{"name": "f", "arguments": null}"#), one("f", "{}"));
+}
+
+#[test]
+fn malformed_json_tool_call_is_content_verbatim() {
+    for body in [
+        "\n{\"name\": \"f\", \"arguments\": {\"a\": 1}\n",
+        "\n{\"arguments\": {}}\n",
+        "\n{\"name\": 3}\n",
+        "\n[1, 2]\n",
+        "\n{\"name\": \"f\", \"arguments\": \"not json\"}\n",
+        "\n{\"name\": \"f\", \"arguments\": [1]}\n",
+        "\nhello\n",
+        "",
+    ] {
+        let text = format!("A <tool_call>{body}</tool_call> B");
+        let (ev, _) = stream(opts(), &[&text]);
+        assert_eq!(ev, [content(&text)], "{body:?}");
+    }
+}
+
+#[test]
+fn xml_tool_call_with_typed_params() {
+    let tools = json!([
+        {"type": "function", "function": {"name": "other", "parameters": {"properties": {
+            "days": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "string"},
+                "days": {"type": "integer"},
+                "zip": {"type": "string"},
+                "metric": {"type": "boolean"},
+                "opts": {"type": "object"},
+                "ratio": {"type": "number"},
+                "bad": {"type": "integer"},
+                "maybe": {"type": ["integer", "null"]},
+                "either": {"type": ["string", "integer"]}
+            }}}}
+    ]);
+    let o = OutputOptions {
+        tools: Some(tools),
+        ..opts()
+    };
+    let text = "<tool_call>\n<function=get_weather>\n\
+            <parameter=location>\nParis\n</parameter>\n\
+            <parameter=days>\n3\n</parameter>\n\
+            <parameter=zip>\n75001\n</parameter>\n\
+            <parameter=metric>\nTrue\n</parameter>\n\
+            <parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n\
+            <parameter=ratio>\n0.5\n</parameter>\n\
+            <parameter=bad>\nmany\n</parameter>\n\
+            <parameter=maybe>\nNone\n</parameter>\n\
+            <parameter=either>\nabc\n</parameter>\n\
+            <parameter=extra>\n[1]\n</parameter>\n\
+            </function>\n</tool_call>";
+    let (ev, _) = stream(o, &[text]);
+    assert_eq!(
+        ev,
+        [call(
+            "get_weather",
+            r#"{"location":"Paris","days":3,"zip":"75001","metric":true,"opts":{"a":[1,2]},"ratio":0.5,"bad":"many","maybe":null,"either":"abc","extra":[1]}"#
+        )]
+    );
+}
+
+#[test]
+fn xml_params_without_schema_keep_order_and_guess_types() {
+    let text = "<tool_call>\n<function=f>\n\
+            <parameter=z>\nhello world\n</parameter>\n\
+            <parameter=a>\n42\n</parameter>\n\
+            <parameter=m>\nfalse\n</parameter>\n\
+            <parameter=q>\n\"quoted\"\n</parameter>\n\
+            <parameter=multi>\n\nline one\nline two\n\n</parameter>\n\
+            <parameter=open>\nno close\n<parameter=last>\nnull\n\
+            </function>\n</tool_call>";
+    let out = parse_complete(opts(), text);
+    assert_eq!(out.content, "");
+    assert_eq!(
+            out.tool_calls,
+            [ParsedToolCall {
+                name: "f".into(),
+                arguments: r#"{"z":"hello world","a":42,"m":false,"q":"\"quoted\"","multi":"\nline one\nline two\n","open":"no close","last":null}"#.into()
+            }]
+        );
+    // No parameters, and no `</function>`.
+    let out = parse_complete(opts(), "<tool_call><function=now></tool_call>");
+    assert_eq!(out.tool_calls[0].arguments, "{}");
+}
+
+#[test]
+fn malformed_xml_tool_call_is_content_verbatim() {
+    for body in [
+        "\n<function=>\n</function>\n",
+        "\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\ntrailing\n",
+        "\n<function=f>\njunk\n</function>\n",
+        "\n<function=f\n",
+    ] {
+        let text = format!("<tool_call>{body}</tool_call>");
+        assert_eq!(parse_complete(opts(), &text).content, text, "{body:?}");
+    }
+}
+
+#[test]
+fn two_tool_calls_drop_whitespace_between() {
+    let text = "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n\n\
+                    <tool_call>\n<function=b>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>\n";
+    let (ev, _) = stream(opts(), &[text]);
+    assert_eq!(ev, [call("a", "{}"), call("b", r#"{"x":1}"#)]);
+}
+
+#[test]
+fn text_after_a_tool_call_is_content() {
+    let text = "<tool_call>{\"name\": \"a\"}</tool_call>\n\nDone.";
+    let (ev, _) = stream(opts(), &[text]);
+    assert_eq!(ev, [call("a", "{}"), content("Done.")]);
+}
+
+#[test]
+fn unclosed_tool_call_at_finish_is_content() {
+    let mut p = OutputParser::new(opts());
+    assert_eq!(p.push("Hi <tool_call>\n{\"name\": \"a\""), [content("Hi ")]);
+    assert_eq!(p.push(", \"arguments\": {}}"), []);
+    assert_eq!(
+        p.finish(),
+        [content("<tool_call>\n{\"name\": \"a\", \"arguments\": {}}")]
+    );
+}
+
+#[test]
+fn tool_call_event_only_when_closed() {
+    let mut p = OutputParser::new(opts());
+    assert_eq!(p.push("<tool_call>{\"name\": \"a\"}</tool_"), []);
+    assert_eq!(p.push("call>"), [call("a", "{}")]);
+    assert_eq!(p.finish(), []);
+}
+
+#[test]
+fn reasoning_with_starts_in_reasoning() {
+    let o = OutputOptions {
+        starts_in_reasoning: true,
+        ..opts()
+    };
+    let mut p = OutputParser::new(o.clone());
+    assert_eq!(p.push("\nLet me"), [reasoning("Let me")]);
+    // Trailing newlines wait: they are dropped if `</think>` follows.
+    assert_eq!(p.push(" think.\n"), [reasoning(" think.")]);
+    assert_eq!(p.push("\n</th"), []);
+    assert_eq!(p.push("ink>\n\n"), []);
+    assert_eq!(p.push("Answer"), [content("Answer")]);
+    assert_eq!(p.finish(), []);
+    // Newlines inside reasoning are kept once text follows them.
+    let out = parse_complete(o, "a\n\nb\n</think>\n\nc");
+    assert_eq!(out.reasoning.as_deref(), Some("a\n\nb"));
+    assert_eq!(out.content, "c");
+}
+
+#[test]
+fn think_at_start() {
+    let text = "\n <think>\nreasoning\n</think>\n\nThe answer.";
+    for chunks in [vec![text], text.split_inclusive(['>', '\n']).collect()] {
+        let (ev, _) = stream(opts(), &chunks);
+        assert_eq!(ev, [reasoning("reasoning"), content("The answer.")]);
+    }
+    let out = parse_complete(opts(), "<think>\n\n</think>\n\nHi");
+    assert_eq!((out.reasoning, out.content.as_str()), (None, "Hi"));
+}
+
+#[test]
+fn think_not_at_start_is_content() {
+    let text = "Hello <think>x</think> world";
+    assert_eq!(stream(opts(), &[text]).0, [content(text)]);
+    let text = "Hi</think>";
+    assert_eq!(stream(opts(), &[text]).0, [content(text)]);
+    let mut p = OutputParser::new(opts());
+    assert_eq!(p.push("  <thi"), []);
+    assert_eq!(p.push("s"), [content("  <this")]);
+}
+
+#[test]
+fn no_closing_think_is_all_reasoning() {
+    let out = parse_complete(opts(), "<think>\nstill thinking\n\n</thi");
+    assert_eq!(out.reasoning.as_deref(), Some("still thinking\n\n</thi"));
+    assert_eq!(out.content, "");
+    let o = OutputOptions {
+        starts_in_reasoning: true,
+        ..opts()
+    };
+    let out = parse_complete(o, "all reasoning <think> here");
+    assert_eq!(out.reasoning.as_deref(), Some("all reasoning <think> here"));
+}
+
+#[test]
+fn tool_call_inside_reasoning_stays_reasoning() {
+    let text = "<think>\nMaybe <tool_call>{\"name\": \"a\"}</tool_call>\n</think>\n\nOK";
+    let (ev, _) = stream(opts(), &[text]);
+    assert_eq!(
+        ev,
+        [
+            reasoning("Maybe <tool_call>{\"name\": \"a\"}</tool_call>"),
+            content("OK")
+        ]
+    );
+}
+
+#[test]
+fn parse_tool_calls_false_keeps_the_block_as_content() {
+    let o = OutputOptions {
+        parse_tool_calls: false,
+        ..opts()
+    };
+    let text = "<tool_call>\n{\"name\": \"a\"}\n</tool_call>";
+    let mut p = OutputParser::new(o);
+    assert_eq!(p.push(text), [content(text)]);
+    assert_eq!(p.finish(), []);
+}
+
+#[test]
+fn parse_reasoning_false_is_all_content() {
+    let o = OutputOptions {
+        parse_reasoning: false,
+        starts_in_reasoning: true,
+        ..opts()
+    };
+    let text = "<think>\nx\n</think>\n\ny";
+    assert_eq!(stream(o, &[text]).0, [content(text)]);
+}
+
+#[test]
+fn partial_marker_held_back_then_released() {
+    let mut p = OutputParser::new(opts());
+    assert_eq!(p.push("<to"), []);
+    assert_eq!(p.push("day"), [content("<today")]);
+    assert_eq!(p.push(" <tool"), [content(" ")]);
+    assert_eq!(p.finish(), [content("<tool")]);
+}
+
+#[test]
+fn content_keeps_leading_whitespace_without_reasoning() {
+    assert_eq!(stream(opts(), &["  \n", "hi"]).0, [content("  \nhi")]);
+    assert_eq!(stream(opts(), &[" \n "]).0, [content(" \n ")]);
+}
+
+/// splitmix64: a small deterministic PRNG for the property test.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Splits `text` at random char boundaries.
+fn random_chunks<'a>(rng: &mut Rng, text: &'a str) -> Vec<&'a str> {
+    let mut cuts: Vec<usize> = text
+        .char_indices()
+        .map(|(i, _)| i)
+        .filter(|&i| i > 0 && rng.below(3) == 0)
+        .collect();
+    cuts.push(text.len());
+    let mut chunks = Vec::new();
+    let mut start = 0;
+    for c in cuts {
+        chunks.push(&text[start..c]);
+        start = c;
+    }
+    chunks
+}
+
+#[test]
+fn streaming_matches_parse_complete_for_any_chunking() {
+    const PIECES: &[&str] = &[
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<",
+        "</",
+        "<tool",
+        "</think",
+        "{",
+        "}",
+        "\"name\"",
+        ": ",
+        "\"f\"",
+        ", ",
+        "\"arguments\"",
+        "{\"name\": \"f\", \"arguments\": {\"a\": 1}}",
+        "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>",
+        "<tool_call>\n<function=f>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>",
+        "<function=f>",
+        "<parameter=a>",
+        "</parameter>",
+        "</function>",
+        "1",
+        "\n",
+        "\n\n",
+        " ",
+        "é",
+        "世",
+        "x",
+        "STOP",
+        "ST",
+        "OP",
+        "é!",
+        "ab",
+        "c",
+    ];
+    let stop_sets: &[&[&str]] = &[&[], &["STOP"], &["é!", "</tool"], &["abc", "b", "\n\n\n"]];
+    let tools = json!([{"type": "function", "function": {"name": "f",
+            "parameters": {"properties": {"a": {"type": "integer"}}}}}]);
+    let mut rng = Rng(0x5eed);
+    let mut tool_calls = 0;
+    let mut stops = 0;
+    for case in 0..3000 {
+        let len = rng.below(14);
+        let text: String = (0..len).map(|_| PIECES[rng.below(PIECES.len())]).collect();
+        let o = OutputOptions {
+            starts_in_reasoning: rng.below(3) == 0,
+            parse_reasoning: rng.below(5) != 0,
+            parse_tool_calls: rng.below(5) != 0,
+            stop: stop_sets[case % stop_sets.len()]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            tools: (rng.below(2) == 0).then(|| tools.clone()),
+        };
+        let whole = stream(o.clone(), &[&text]);
+        let complete = parse_complete(o.clone(), &text);
+        tool_calls += complete.tool_calls.len();
+        stops += complete.stopped as usize;
+        // parse_complete is the concatenation of the one-chunk stream.
+        let mut from_events = (String::new(), String::new(), Vec::new());
+        for e in &whole.0 {
+            match e {
+                OutputEvent::Reasoning(r) => from_events.0.push_str(r),
+                OutputEvent::Content(c) => from_events.1.push_str(c),
+                OutputEvent::ToolCall(t) => from_events.2.push(t.clone()),
+            }
+        }
+        assert_eq!(complete.reasoning.unwrap_or_default(), from_events.0);
+        assert_eq!(complete.content, from_events.1);
+        assert_eq!(complete.tool_calls, from_events.2);
+        assert_eq!(complete.stopped, whole.1);
+        let chars: Vec<&str> = text
+            .char_indices()
+            .map(|(i, c)| &text[i..i + c.len_utf8()])
+            .collect();
+        assert_eq!(stream(o.clone(), &chars), whole, "{text:?} by chars");
+        for _ in 0..4 {
+            let chunks = random_chunks(&mut rng, &text);
+            assert_eq!(stream(o.clone(), &chunks), whole, "{chunks:?}");
+        }
+    }
+    // The generator reaches the interesting paths.
+    assert!(tool_calls > 50, "{tool_calls}");
+    assert!(stops > 50, "{stops}");
+}
