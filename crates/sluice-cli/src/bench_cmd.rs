@@ -7,9 +7,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
+use sluice_backend::Backend;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_bench::model::{markdown_table, run_model, LimitRates, RunSettings, Test};
-use sluice_cpu::CpuBackend;
 use sluice_engine::{Engine, LoadOptions};
 use sluice_sys::{format_bytes, format_bytes_binary, ByteSize};
 
@@ -45,9 +45,14 @@ pub struct BenchArgs {
     /// Skip the untimed warm-up run of each test.
     #[arg(long)]
     no_warmup: bool,
-    /// Measure DRAM read bandwidth (all threads) first.
+    /// Measure the memory bandwidth the model runs against first: DRAM read (all threads) on the
+    /// CPU, a device-to-device copy on a GPU.
     #[arg(long)]
     memory: bool,
+    /// Where the models run: `auto` (the first GPU when one is usable, else the CPU), `cpu`,
+    /// `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto", value_name = "DEVICE")]
+    device: crate::device::Device,
     /// Measure disk throughput first (O_DIRECT; sequential, and random blocks at queue depth 1
     /// and N) on --file, else on the first model's experts.bin (packed) or largest safetensors
     /// file.
@@ -100,7 +105,15 @@ impl FromStr for CacheArg {
     }
 }
 
-pub fn run(mut a: BenchArgs) -> Result<()> {
+pub fn run(a: BenchArgs) -> Result<()> {
+    match crate::device::pick(a.device)? {
+        crate::device::Picked::Cpu(b) => run_on(b, a, false),
+        crate::device::Picked::Cuda(b) => run_on(b, a, true),
+    }
+}
+
+/// The benchmarks on `backend`; `gpu` picks the memory limit (`--memory`): a device copy.
+fn run_on<B: Backend + 'static>(backend: Arc<B>, mut a: BenchArgs, gpu: bool) -> Result<()> {
     if a.model.is_empty() && !a.memory && !a.disk {
         a.model.push(crate::model_dir(None)?);
     }
@@ -115,7 +128,15 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
     let max_threads = *threads.iter().max().expect("one thread count");
     let mut rates = LimitRates::default();
     let mut limits_json = serde_json::Map::new();
-    if a.memory {
+    if a.memory && gpu {
+        eprintln!(
+            "measuring {}'s memory bandwidth (device-to-device copy)...",
+            backend.describe()
+        );
+        let gbps = limits::backend_copy_gbps(backend.as_ref(), 2 << 30)?;
+        rates.memory_read_gbps = Some(gbps);
+        limits_json.insert("device_copy_gbps".into(), json!(gbps));
+    } else if a.memory {
         eprintln!("measuring DRAM read bandwidth ({max_threads} threads)...");
         let m = limits::memory_read(max_threads, limits::DEFAULT_MEMORY_BYTES);
         rates.memory_read_gbps = Some(m.gbps);
@@ -185,7 +206,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                 streaming: a.stream.options(*cache)?,
                 ..LoadOptions::default()
             };
-            let mut engine = Engine::load(dir, Arc::new(CpuBackend::new()), &opts)
+            let mut engine = Engine::load(dir, backend.clone(), &opts)
                 .with_context(|| format!("loading {}", dir.display()))?;
             let info = engine.model.info();
             eprintln!(
@@ -234,8 +255,13 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    if let Some(g) = rates.memory_read_gbps {
-        println!("DRAM read, {max_threads} threads: {g:.1} GB/s\n");
+    match rates.memory_read_gbps {
+        Some(g) if gpu => println!(
+            "{}: device-to-device copy {g:.0} GB/s\n",
+            backend.describe()
+        ),
+        Some(g) => println!("DRAM read, {max_threads} threads: {g:.1} GB/s\n"),
+        None => {}
     }
     if let Some(d) = limits_json.get("disk") {
         println!(

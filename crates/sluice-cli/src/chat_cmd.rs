@@ -12,7 +12,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use rustyline::error::ReadlineError;
-use sluice_cpu::CpuBackend;
+use sluice_backend::Backend;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::output::{prompt_opens_thinking, OutputEvent, OutputOptions};
 use sluice_engine::prompt_cache::PromptCache;
@@ -45,7 +45,10 @@ pub struct ChatArgs {
 const HELP: &str = "commands: /system TEXT, /reset, /quit (Ctrl-D); Ctrl-C stops an answer";
 
 pub fn run(a: ChatArgs) -> Result<()> {
-    let engine = crate::load(&a.model)?;
+    with_engine!(&a.model, |engine| chat_on(engine, &a))
+}
+
+fn chat_on<B: Backend + 'static>(engine: Engine<B>, a: &ChatArgs) -> Result<()> {
     let params = a.sampling.params(&engine.defaults)?;
     crate::print_banner(&engine);
     let interrupted = Arc::new(AtomicBool::new(false));
@@ -144,13 +147,13 @@ fn command(line: &str) -> Option<(&str, &str)> {
 
 /// Generates and prints one answer; returns it as the assistant message for the history.
 #[allow(clippy::too_many_arguments)]
-fn answer(
-    engine: &Engine<CpuBackend>,
+fn answer<B: Backend + 'static>(
+    engine: &Engine<B>,
     messages: &[ChatMessage],
     extra: &serde_json::Map<String, serde_json::Value>,
     params: &sluice_engine::sampler::SamplingParams,
     a: &ChatArgs,
-    cache: &mut PromptCache<CpuBackend>,
+    cache: &mut PromptCache<B>,
     interrupted: &AtomicBool,
     tty: bool,
 ) -> Result<ChatMessage> {

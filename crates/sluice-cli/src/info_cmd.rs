@@ -2,12 +2,10 @@
 //! reads, the cache that fits, and the speed to expect from the measured bandwidths.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
 use sluice_bench::limits::{self, DiskOptions};
-use sluice_cpu::CpuBackend;
 use sluice_engine::streaming::{plan_cache_for, safetensors_bytes, StreamingOptions};
 use sluice_engine::{Engine, LoadOptions};
 use sluice_sys::{format_bytes, ByteSize};
@@ -51,7 +49,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
         },
         ..LoadOptions::default()
     };
-    let engine = Engine::load(&a.model, Arc::new(CpuBackend::new()), &probe)
+    let engine = Engine::load(&a.model, crate::device::shape_probe(), &probe)
         .with_context(|| format!("loading {}", a.model.display()))?;
     let info = engine.model.info().clone();
     let packed = engine.store.is_some();

@@ -4,6 +4,9 @@
 
 #![forbid(unsafe_code)]
 
+// Declared first: its macros are used by the command modules.
+#[macro_use]
+mod device;
 mod bench_cmd;
 mod chat_cmd;
 mod info_cmd;
@@ -20,7 +23,6 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use sluice_backend::Backend;
-use sluice_cpu::CpuBackend;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::sampler::SamplingParams;
 use sluice_engine::{Engine, Halt, LoadOptions, LogitsMode, TokenEvent};
@@ -74,7 +76,11 @@ pub(crate) struct ModelArgs {
     /// else the demo model bundled in the repo, models/demo].
     #[arg(long, short = 'm', value_name = "DIR")]
     pub(crate) model: Option<PathBuf>,
-    /// Worker threads (default: all cores).
+    /// Where the model runs: `auto` (the first GPU when one is usable, else the CPU), `cpu`,
+    /// `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto", value_name = "DEVICE")]
+    pub(crate) device: device::Device,
+    /// CPU worker threads (default: all cores).
     #[arg(long, short = 't')]
     threads: Option<usize>,
     /// Routed experts per token, overriding the config (fewer is faster, less accurate).
@@ -224,7 +230,8 @@ pub(crate) fn model_dir(model: Option<&Path>) -> Result<PathBuf> {
     Ok(demo)
 }
 
-pub(crate) fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
+/// Loads the model of `args` on `backend` (see [`device::with_engine`]).
+pub(crate) fn load<B: Backend + 'static>(args: &ModelArgs, backend: Arc<B>) -> Result<Engine<B>> {
     let model = model_dir(args.model.as_deref())?;
     if let Some(n) = args.threads {
         if n == 0 {
@@ -239,11 +246,11 @@ pub(crate) fn load(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
         experts_per_token: args.experts_per_token,
         streaming: args.stream.options(args.expert_cache)?,
     };
-    Ok(Engine::load(&model, Arc::new(CpuBackend::new()), &opts)?)
+    Ok(Engine::load(&model, backend, &opts)?)
 }
 
 /// Prints what was loaded and how experts stream, to stderr.
-pub(crate) fn print_banner(engine: &Engine<CpuBackend>) {
+pub(crate) fn print_banner<B: Backend>(engine: &Engine<B>) {
     let info = engine.model.info();
     eprintln!(
         "sluice: {} ({}, {} layers, {} experts, {} per token) on {}",
@@ -270,7 +277,10 @@ pub(crate) fn print_banner(engine: &Engine<CpuBackend>) {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let engine = load(&a.model)?;
+    with_engine!(&a.model, |engine| generate_on(engine, &a))
+}
+
+fn generate_on<B: Backend + 'static>(engine: Engine<B>, a: &GenerateArgs) -> Result<()> {
     let params = a.sampling.params(&engine.defaults)?;
     let chat = a.chat || a.system.is_some();
     let text = if chat {
@@ -365,7 +375,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn logits(a: LogitsArgs) -> Result<()> {
-    let engine = load(&a.model)?;
+    with_engine!(&a.model, |engine| logits_on(engine, &a))
+}
+
+fn logits_on<B: Backend + 'static>(engine: Engine<B>, a: &LogitsArgs) -> Result<()> {
     let mode = match a.mode {
         Mode::Decode => LogitsMode::Decode,
         Mode::Prefill => LogitsMode::Prefill,

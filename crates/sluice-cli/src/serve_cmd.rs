@@ -4,6 +4,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{bail, Result};
 use clap::Args;
+use sluice_backend::Backend;
+use sluice_engine::Engine;
 use sluice_server::ServerConfig;
 use sluice_sys::ByteSize;
 
@@ -51,7 +53,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.api_key.as_deref() == Some("") {
         bail!("--api-key must not be empty");
     }
-    let engine = crate::load(&a.model)?;
+    with_engine!(&a.model, |engine| serve_on(engine, &a, max_body))
+}
+
+fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u64) -> Result<()> {
     crate::print_banner(&engine);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let path = engine
