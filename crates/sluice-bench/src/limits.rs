@@ -502,6 +502,25 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// The memory bandwidth of a device backend: a device-to-device copy of `bytes` of activations
+/// (rows copied by [`Backend::slice_rows`]), bytes read plus bytes written per second, best of
+/// five after a warm-up. For a GPU this is the limit its decode is held against.
+pub fn backend_copy_gbps<B: Backend>(b: &B, bytes: usize) -> Result<f64> {
+    let cols = 4096;
+    let rows = (bytes / (cols * 4)).max(1);
+    let src = b.zeros(rows, cols);
+    drop(b.slice_rows(&src, 0, rows));
+    b.synchronize().context("warming up the copy")?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = Instant::now();
+        drop(b.slice_rows(&src, 0, rows));
+        b.synchronize().context("timing the copy")?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (rows * cols * 4) as f64 / best / 1e9)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -640,23 +659,4 @@ mod tests {
         let e = default_disk_file(empty.path()).unwrap_err().to_string();
         assert!(e.contains("no *.safetensors file"), "{e}");
     }
-}
-
-/// The memory bandwidth of a device backend: a device-to-device copy of `bytes` of activations
-/// (rows copied by [`Backend::slice_rows`]), bytes read plus bytes written per second, best of
-/// five after a warm-up. For a GPU this is the limit its decode is held against.
-pub fn backend_copy_gbps<B: Backend>(b: &B, bytes: usize) -> Result<f64> {
-    let cols = 4096;
-    let rows = (bytes / (cols * 4)).max(1);
-    let src = b.zeros(rows, cols);
-    drop(b.slice_rows(&src, 0, rows));
-    b.synchronize().context("warming up the copy")?;
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let t = Instant::now();
-        drop(b.slice_rows(&src, 0, rows));
-        b.synchronize().context("timing the copy")?;
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    Ok(2.0 * (rows * cols * 4) as f64 / best / 1e9)
 }
