@@ -118,7 +118,7 @@ fn chat_on<B: Backend + 'static>(engine: Engine<B>, a: &ChatArgs) -> Result<()> 
             &messages,
             &extra,
             &params,
-            &a,
+            a,
             &mut cache,
             &interrupted,
             tty,
