@@ -191,7 +191,8 @@ impl<B: Backend + 'static> Engine<B> {
     pub fn load(path: &Path, backend: Arc<B>, opts: &LoadOptions) -> Result<Self, EngineError> {
         let dir = ModelDir::open(path)?;
         // The cache holds at least the experts one token needs in one layer.
-        let k = Self::config_experts_per_token(&dir)
+        let k = sluice_models::config_plan(&dir)?
+            .experts_per_token
             .max(opts.experts_per_token.unwrap_or(0))
             .max(1);
         let (store, cache_plan) = match sluice_store::Manifest::open(&dir.path)
@@ -255,14 +256,6 @@ impl<B: Backend + 'static> Engine<B> {
             store,
             cache_plan,
         })
-    }
-
-    /// `num_experts_per_tok` from config.json (top level or `text_config`), 0 if absent.
-    fn config_experts_per_token(dir: &ModelDir) -> usize {
-        dir.text_config
-            .get("num_experts_per_tok")
-            .and_then(|k| k.as_u64())
-            .unwrap_or(0) as usize
     }
 
     pub fn new_state(&self) -> Result<State<B>, EngineError> {

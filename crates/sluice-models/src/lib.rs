@@ -144,6 +144,45 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     fn backend(&self) -> &B;
 }
 
+/// What a model directory's config says about its experts, read and checked as the architecture
+/// reads it, before any weight (e.g. to size an expert cache first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigPlan {
+    pub model_type: String,
+    /// Routed experts per MoE layer (0 for a dense model).
+    pub experts: usize,
+    /// Routed experts each token uses, as configured.
+    pub experts_per_token: usize,
+}
+
+/// The [`ConfigPlan`] of `dir`.
+pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
+    let model_type = dir.model_type()?.to_string();
+    let (experts, experts_per_token) = match model_type.as_str() {
+        "qwen3_moe" => {
+            let c: qwen3_moe::Qwen3MoeConfig = dir.parse_config()?;
+            c.check(dir)?;
+            (c.num_experts, c.num_experts_per_tok)
+        }
+        "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => {
+            let c: qwen3_5_moe::Qwen35MoeConfig = dir.parse_config()?;
+            c.check(dir)?;
+            (c.num_experts, c.num_experts_per_tok)
+        }
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "{}: model_type `{other}` is not supported (supported: qwen3_moe, qwen3_5_moe, qwen3_next)",
+                dir.path.join("config.json").display()
+            )))
+        }
+    };
+    Ok(ConfigPlan {
+        model_type,
+        experts,
+        experts_per_token,
+    })
+}
+
 /// Loads the model in `dir` for `backend`, every weight resident.
 pub fn load<B: Backend + 'static>(
     dir: &ModelDir,

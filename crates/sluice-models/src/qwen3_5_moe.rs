@@ -169,7 +169,7 @@ impl Qwen35MoeConfig {
         Ok((theta, dims))
     }
 
-    fn check(&self, dir: &ModelDir) -> Result<(), ModelError> {
+    pub(crate) fn check(&self, dir: &ModelDir) -> Result<(), ModelError> {
         let err = |m: String| Err(config_error(dir, m));
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
         if h == 0 || kv == 0 || !h.is_multiple_of(kv) {

@@ -106,7 +106,7 @@ impl Qwen3MoeConfig {
             && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
     }
 
-    fn check(&self, dir: &ModelDir) -> Result<(), ModelError> {
+    pub(crate) fn check(&self, dir: &ModelDir) -> Result<(), ModelError> {
         let err = |m: String| Err(config_error(dir, m));
         if self.num_attention_heads == 0
             || self.num_key_value_heads == 0
