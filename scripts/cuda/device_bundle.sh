@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.device
 rm -rf "$out/stage" && mkdir -p "$out/stage"
-cargo build --release -p sluice-cli -p sluice-cuda --example gpu_bench
+cargo build --release -p sluice-cli
+cargo build --release -p sluice-cuda --example gpu_bench
 cp target/release/sluice target/release/examples/gpu_bench "$out/stage/"
 # The test binaries of sluice-cuda, by name (cargo prints their paths as JSON).
 cargo test --release -p sluice-cuda --no-run --message-format=json 2>/dev/null |

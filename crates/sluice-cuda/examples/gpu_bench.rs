@@ -39,32 +39,53 @@ fn main() {
         scale_dtype: Dtype::Bf16,
     };
     let mut rng = Rng::new(1);
-    for (out, inp, tokens) in [
+    let shapes = [
         (16384, 2048, 1),
+        (4096, 2048, 1),
         (2048, 6144, 1),
         (16384, 2048, 4),
         (16384, 2048, 64),
-    ] {
-        let m = random_matrix(&mut rng, q4, out, inp);
-        let bytes = m.nbytes();
-        let w = b.weight(m).unwrap();
-        let x = b.act_from_host(&rng.vec(tokens * inp, -1.0, 1.0), tokens, inp);
-        drop(b.matmul(&x, &w));
-        b.synchronize().unwrap();
-        let reps = 200;
-        let t = Instant::now();
-        for _ in 0..reps {
-            drop(b.matmul(&x, &w));
+    ];
+    let mats: Vec<_> = shapes
+        .iter()
+        .map(|&(out, inp, _)| random_matrix(&mut rng, q4, out, inp))
+        .collect();
+    // The one-token variants (SLUICE_CUDA_GEMV), each on a backend of its own.
+    let variants = [
+        "t1", "c8x1", "c8x2", "c8x4", "s32x1", "s32x2", "q4c8x1", "q4c8x2", "q4c8x4",
+    ];
+    for variant in variants {
+        std::env::set_var("SLUICE_CUDA_GEMV", variant);
+        let b = sluice_cuda::open(0).unwrap();
+        let mut line = format!("{variant:8}");
+        for (&(out, inp, tokens), m) in shapes.iter().zip(&mats) {
+            if tokens > 1 && variant != "t1" {
+                continue;
+            }
+            let w = b.weight(m.clone()).unwrap();
+            let x = b.act_from_host(&rng.vec(tokens * inp, -1.0, 1.0), tokens, inp);
+            let want =
+                sluice_backend::reference::matmul(&b.to_host(&x).unwrap(), tokens, &m.as_ref());
+            let got = b.to_host(&b.matmul(&x, &w)).unwrap();
+            sluice_backend::conformance::assert_close(variant, &got, &want, 2e-5);
+            b.synchronize().unwrap();
+            let reps = 200;
+            let t = Instant::now();
+            for _ in 0..reps {
+                drop(b.matmul(&x, &w));
+            }
+            b.synchronize().unwrap();
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            let gbps = m.nbytes() as f64 / s / 1e9;
+            line += &format!(
+                " | [{out},{inp}]x{tokens} {:6.1} us {gbps:5.0} GB/s {:3.0}%",
+                s * 1e6,
+                gbps / copy * 100.0
+            );
         }
-        b.synchronize().unwrap();
-        let s = t.elapsed().as_secs_f64() / reps as f64;
-        println!(
-            "matmul q4 [{out}, {inp}] x {tokens} tokens: {:.1} us, {:.0} GB/s of weights ({:.0}% of copy)",
-            s * 1e6,
-            bytes as f64 / s / 1e9,
-            bytes as f64 / s / 1e9 / copy * 100.0
-        );
+        println!("{line}");
     }
+    std::env::remove_var("SLUICE_CUDA_GEMV");
 
     let repo = std::env::var("SLUICE_REPO").unwrap_or_else(|_| "../..".into());
     let engine = Engine::load(

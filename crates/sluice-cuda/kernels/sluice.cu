@@ -289,6 +289,111 @@ __device__ void gemv(const Mat& w, const float* x, float* y) {
     }
 GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
 
+// Decode variants for one token, compared by examples/gpu_bench (SLUICE_CUDA_GEMV picks one):
+// `R` rows per warp, their loads issued together; chunks of 8 weights (`gemv_c8x{R}`) or spans of
+// 32 (`gemv_s32x{R}`).
+template <int R, bool SPANS>
+__device__ void gemv_rows(const Mat& w, const float* x, float* y) {
+    const int lane = threadIdx.x % 32;
+    const long r0 = ((long)blockIdx.x * 8 + threadIdx.x / 32) * R;
+    if (r0 >= w.rows) return;
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    if (SPANS && fast_path(w)) {
+        for (int sp = lane; sp < w.cols / 32; sp += 32) {
+            float f[R][32], mul[R], off[R];
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                if (r0 + i < w.rows) load_span(w, r0 + i, sp, f[i], mul[i], off[i]);
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                float a[1] = {acc[i]};
+                if (r0 + i < w.rows) span_dot<1>(f[i], mul[i], off[i], x, 0, sp * 32, a);
+                acc[i] = a[0];
+            }
+        }
+    } else {
+        for (int c = lane * 8; c < w.cols; c += 32 * 8) {
+            const float4* xp = reinterpret_cast<const float4*>(x + c);
+            const float4 xa = xp[0], xb = xp[1];
+            float v[R][8];
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                if (r0 + i < w.rows) load8(w, r0 + i, c, v[i]);
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                float s = acc[i];
+                s = fmaf(v[i][0], xa.x, s); s = fmaf(v[i][1], xa.y, s);
+                s = fmaf(v[i][2], xa.z, s); s = fmaf(v[i][3], xa.w, s);
+                s = fmaf(v[i][4], xb.x, s); s = fmaf(v[i][5], xb.y, s);
+                s = fmaf(v[i][6], xb.z, s); s = fmaf(v[i][7], xb.w, s);
+                acc[i] = s;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0 && r0 + i < w.rows) y[r0 + i] = v;
+    }
+}
+
+// The same with the format fixed at compile time to 4-bit affine (what 4-bit checkpoints are).
+__device__ __forceinline__ void load8_q4(const Mat& m, long r, int c, float w[8]) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(m.data) + r * (m.cols / 8);
+    const long g = r * (m.cols / m.group) + c / m.group;
+    const float s = load_scalar(m.scales, m.sdt, g);
+    const float b = load_scalar(m.biases, m.sdt, g);
+    const uint32_t v = __ldg(words + c / 8);
+#pragma unroll
+    for (int j = 0; j < 8; j++) w[j] = fmaf(s, u2f((v >> (4 * j)) & 15u), b);
+}
+
+template <int R>
+__device__ void gemv_q4_rows(const Mat& w, const float* x, float* y) {
+    const int lane = threadIdx.x % 32;
+    const long r0 = ((long)blockIdx.x * 8 + threadIdx.x / 32) * R;
+    if (r0 >= w.rows) return;
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    for (int c = lane * 8; c < w.cols; c += 32 * 8) {
+        const float4* xp = reinterpret_cast<const float4*>(x + c);
+        const float4 xa = xp[0], xb = xp[1];
+        float v[R][8];
+#pragma unroll
+        for (int i = 0; i < R; i++) load8_q4(w, min(r0 + i, (long)w.rows - 1), c, v[i]);
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            float s = acc[i];
+            s = fmaf(v[i][0], xa.x, s); s = fmaf(v[i][1], xa.y, s);
+            s = fmaf(v[i][2], xa.z, s); s = fmaf(v[i][3], xa.w, s);
+            s = fmaf(v[i][4], xb.x, s); s = fmaf(v[i][5], xb.y, s);
+            s = fmaf(v[i][6], xb.z, s); s = fmaf(v[i][7], xb.w, s);
+            acc[i] = s;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0 && r0 + i < w.rows) y[r0 + i] = v;
+    }
+}
+
+#define GEMV_Q4(NAME, R) \
+    extern "C" __global__ void __launch_bounds__(256) NAME(Mat w, const float* x, float* y) { \
+        gemv_q4_rows<R>(w, x, y); \
+    }
+GEMV_Q4(gemv_q4c8x1, 1) GEMV_Q4(gemv_q4c8x2, 2) GEMV_Q4(gemv_q4c8x4, 4)
+
+#define GEMV_ROWS(NAME, R, SPANS) \
+    extern "C" __global__ void __launch_bounds__(256) NAME(Mat w, const float* x, float* y) { \
+        gemv_rows<R, SPANS>(w, x, y); \
+    }
+GEMV_ROWS(gemv_c8x1, 1, false) GEMV_ROWS(gemv_c8x2, 2, false) GEMV_ROWS(gemv_c8x4, 4, false)
+GEMV_ROWS(gemv_s32x1, 1, true) GEMV_ROWS(gemv_s32x2, 2, true)
+
 // y[T, rows] = x[T, cols] W^T for many tokens: 64 x 64 output tiles, 32 columns at a time, each
 // of 256 threads computing 4 x 4. Weights are dequantised once per tile into shared memory.
 extern "C" __global__ void __launch_bounds__(256) gemm(Mat w, const float* x, float* y, int ntok) {

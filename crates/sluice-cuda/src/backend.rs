@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, CudaContext, CudaFunction, CudaStream, DriverError};
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
 use sluice_backend::{
     Backend, BackendError, DeltaNetDims, ExpertKey, HostExpert, HostLinearState, HostMatrix,
     HostRouting, MemoryInfo,
@@ -54,6 +54,8 @@ pub(crate) struct Device {
     stream: Arc<CudaStream>,
     k: Kernels,
     error: Mutex<Option<BackendError>>,
+    /// `SLUICE_CUDA_PROFILE=1`: every launch between two events, summed per kernel at the end.
+    profile: Option<Mutex<Vec<(String, CudaEvent, CudaEvent)>>>,
 }
 
 fn device_error(what: &str, e: DriverError) -> BackendError {
@@ -69,11 +71,13 @@ impl Device {
                 e,
             )
         })?;
+        let profile = std::env::var_os("SLUICE_CUDA_PROFILE").map(|_| Mutex::new(Vec::new()));
         Ok(Device {
             ctx,
             stream,
             k,
             error: Mutex::new(None),
+            profile,
         })
     }
 
@@ -218,6 +222,12 @@ impl Device {
                 Arg::Mat(v) => v as *const Mat as *mut c_void,
             })
             .collect();
+        let events = self.profile.as_ref().and_then(|_| {
+            let e = || self.ctx.new_event(None).ok();
+            let (start, end) = (e()?, e()?);
+            start.record(&self.stream).ok()?;
+            Some((start, end))
+        });
         // SAFETY: `params` points into `args`, which outlives the call; each kernel's parameter
         // list matches the `Arg`s its wrapper passes (kernels/sluice.cu), and every pointer
         // argument is a live allocation of the sizes the kernel reads and writes.
@@ -234,6 +244,45 @@ impl Device {
         if let Err(e) = r {
             self.record(device_error("launching a kernel", e));
         }
+        if let (Some(log), Some((start, end))) = (&self.profile, events) {
+            if end.record(&self.stream).is_ok() {
+                let name = format!("{:?}", f.cu_function());
+                log.lock().unwrap_or_else(|p| p.into_inner()).push((
+                    self.k.name_of(&name),
+                    start,
+                    end,
+                ));
+            }
+        }
+    }
+
+    /// The per-kernel GPU time of every launch so far (`SLUICE_CUDA_PROFILE`), busiest first.
+    pub fn profile_report(&self) -> Option<String> {
+        let log = self.profile.as_ref()?;
+        let log = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
+        self.sync().ok()?;
+        let mut per: HashMap<String, (f64, usize)> = HashMap::new();
+        for (name, start, end) in &log {
+            let ms = start.elapsed_ms(end).unwrap_or(0.0) as f64;
+            let e = per.entry(name.clone()).or_default();
+            e.0 += ms;
+            e.1 += 1;
+        }
+        let total: f64 = per.values().map(|v| v.0).sum();
+        let mut rows: Vec<_> = per.into_iter().collect();
+        rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        let mut out = format!(
+            "CUDA kernel time, {} launches, {total:.2} ms on the GPU:\n",
+            log.len()
+        );
+        for (name, (ms, n)) in rows {
+            out += &format!(
+                "  {name:20} {ms:9.3} ms {:5.1}%  {n:7} launches  {:7.2} us each\n",
+                ms / total.max(1e-9) * 100.0,
+                ms * 1e3 / n as f64
+            );
+        }
+        Some(out)
     }
 }
 
@@ -434,7 +483,19 @@ impl CudaBackend {
     /// `out[tokens, w.rows] = x W^T` into `out`.
     fn matmul_into(&self, x: u64, tokens: usize, w: &Mat, out: u64) {
         let k = &self.d.k;
-        if tokens <= 8 {
+        let q4 = w.fmt == 3 && w.bits == 4;
+        if let Some(v) = k
+            .gemv1
+            .as_ref()
+            .filter(|v| tokens == 1 && (q4 || !v.q4_only))
+        {
+            self.d.launch(
+                &v.f,
+                (grid(w.rows as usize, 8 * v.rows_per_warp), 1, 1),
+                (256, 1, 1),
+                &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
+            );
+        } else if tokens <= 8 {
             self.d.launch(
                 &k.gemv[tokens - 1],
                 (grid(w.rows as usize, 8), 1, 1),
@@ -538,6 +599,14 @@ impl CudaBackend {
         cache.values = values;
         cache.capacity = capacity;
         true
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(report) = self.d.profile_report() {
+            eprint!("{report}");
+        }
     }
 }
 
