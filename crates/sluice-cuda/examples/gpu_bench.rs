@@ -57,7 +57,6 @@ fn main() {
     for variant in variants {
         std::env::set_var("SLUICE_CUDA_GEMV", variant);
         let b = sluice_cuda::open(0).unwrap();
-        let mut line = format!("{variant:8}");
         for (&(out, inp, tokens), m) in shapes.iter().zip(&mats) {
             if tokens > 1 && variant != "t1" {
                 continue;
@@ -77,15 +76,13 @@ fn main() {
             b.synchronize().unwrap();
             let s = t.elapsed().as_secs_f64() / reps as f64;
             let gbps = m.nbytes() as f64 / s / 1e9;
-            line += &format!(
-                " | [{out},{inp}]x{tokens} {:6.1} us {gbps:5.0} GB/s {:3.0}%",
+            println!(
+                "matmul q4 [{out},{inp}] x {tokens}: {:6.1} us {gbps:5.0} GB/s ({:3.0}% of copy)",
                 s * 1e6,
                 gbps / copy * 100.0
             );
         }
-        println!("{line}");
     }
-    std::env::remove_var("SLUICE_CUDA_GEMV");
 
     let repo = std::env::var("SLUICE_REPO").unwrap_or_else(|_| "../..".into());
     let engine = Engine::load(

@@ -138,261 +138,111 @@ __device__ float block_sum(float v) {
     return warp_sum(v);
 }
 
-// ---- fast row dots: 32 consecutive weights per lane per step, loaded 16 bytes at a time ----
-//
-// For 4- and 8-bit affine weights a code q becomes the float f = 1 + q / 2^bits by OR-ing it into
-// the mantissa of 1.0 (one shift and one LOP3 per weight, no conversion), and per group
-// sum(w x) = s sum(q x) + b sum(x) = (2^bits s) sum(f x) + (b - 2^bits s) sum(x).
+// Weight kinds the hot kernels are compiled for (the host picks by format), so that the inner
+// loop has no format switch: 4-bit and 8-bit affine, bf16, and everything else through load8.
+enum { K_GENERIC = 0, K_Q4 = 1, K_Q8 = 2, K_BF16 = 3 };
 
-__device__ __forceinline__ bool fast_path(const Mat& m) {
-    if (m.cols % 32 != 0) return false;
-    if (m.fmt == FMT_AFFINE) return (m.bits == 4 || m.bits == 8) && m.group % 32 == 0;
-    return m.fmt == FMT_BF16 || m.fmt == FMT_F16;
-}
-
-// The 32 weights of span `sp` of row r, as f (affine: 1 + q / 2^bits) with the group's
-// multiplier and offset, or as the values themselves (dense: mul = 1, off = 0).
-__device__ __forceinline__ void load_span(const Mat& m, long r, int sp, float f[32], float& mul,
-                                          float& off) {
-    const int c = sp * 32;
-    if (m.fmt == FMT_AFFINE) {
+template <int K>
+__device__ __forceinline__ void load8k(const Mat& m, long r, int c, float w[8]) {
+    if constexpr (K == K_Q4) {
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(m.data) + r * (m.cols / 8);
         const long g = r * (m.cols / m.group) + c / m.group;
         const float s = load_scalar(m.scales, m.sdt, g);
         const float b = load_scalar(m.biases, m.sdt, g);
-        if (m.bits == 4) {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(m.data + r * (long)(m.cols / 2)) + sp);
-            const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+        const uint32_t v = __ldg(words + c / 8);
 #pragma unroll
-            for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 8; j++) w[j] = fmaf(s, u2f((v >> (4 * j)) & 15u), b);
+    } else if constexpr (K == K_Q8) {
+        const uint2* p = reinterpret_cast<const uint2*>(m.data + r * (long)m.cols);
+        const long g = r * (m.cols / m.group) + c / m.group;
+        const float s = load_scalar(m.scales, m.sdt, g);
+        const float b = load_scalar(m.biases, m.sdt, g);
+        const uint2 v = __ldg(p + c / 8);
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const uint32_t bits = j <= 4 ? (u[k] << (19 - 4 * j)) : (u[k] >> (4 * j - 19));
-                    f[8 * k + j] = __uint_as_float((bits & 0x00780000u) | 0x3F800000u);
-                }
-            mul = 16.0f * s;
-        } else {
-            const uint4* p = reinterpret_cast<const uint4*>(m.data + r * (long)m.cols) + 2 * sp;
-            const uint4 v0 = __ldg(p), v1 = __ldg(p + 1);
-            const uint32_t u[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const uint32_t bits = j <= 1 ? (u[k] << (15 - 8 * j)) : (u[k] >> (8 * j - 15));
-                    f[4 * k + j] = __uint_as_float((bits & 0x007F8000u) | 0x3F800000u);
-                }
-            mul = 256.0f * s;
+        for (int j = 0; j < 4; j++) {
+            w[j] = fmaf(s, u2f((v.x >> (8 * j)) & 255u), b);
+            w[4 + j] = fmaf(s, u2f((v.y >> (8 * j)) & 255u), b);
         }
-        off = b - mul;
+    } else if constexpr (K == K_BF16) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(m.data) + (r * m.cols + c) / 8);
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            w[2 * j] = bf16_lo(u[j]);
+            w[2 * j + 1] = bf16_hi(u[j]);
+        }
     } else {
-        const uint4* p = reinterpret_cast<const uint4*>(m.data + r * (long)m.cols * 2) + 4 * sp;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const uint4 v = __ldg(p + k);
-            const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                if (m.fmt == FMT_BF16) {
-                    f[8 * k + 2 * j] = bf16_lo(u[j]);
-                    f[8 * k + 2 * j + 1] = bf16_hi(u[j]);
-                } else {
-                    const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&u[j]));
-                    f[8 * k + 2 * j] = h.x;
-                    f[8 * k + 2 * j + 1] = h.y;
-                }
-            }
-        }
-        mul = 1.0f;
-        off = 0.0f;
+        load8(m, r, c, w);
     }
 }
 
-// acc[t] += dot(span, x_t[c .. c + 32]) for the loaded span.
-template <int T>
-__device__ __forceinline__ void span_dot(const float f[32], float mul, float off, const float* x,
-                                         long x_stride, int c, float acc[T]) {
-#pragma unroll
-    for (int t = 0; t < T; t++) {
-        const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + c);
-        float fx = 0.0f, sx = 0.0f;
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            const float4 v = xp[q];
-            fx = fmaf(f[4 * q], v.x, fx);
-            fx = fmaf(f[4 * q + 1], v.y, fx);
-            fx = fmaf(f[4 * q + 2], v.z, fx);
-            fx = fmaf(f[4 * q + 3], v.w, fx);
-            sx += (v.x + v.y) + (v.z + v.w);
-        }
-        acc[t] = fmaf(mul, fx, fmaf(off, sx, acc[t]));
-    }
-}
-
-// The dot of row r of `m` with T vectors x[t * x_stride ..] (T <= 8), summed over a warp: every
-// lane takes spans of 32 weights in turn (16-byte loads, two in flight), or chunks of 8 for the
-// formats and shapes the fast path does not cover.
-template <int T>
-__device__ __forceinline__ void warp_row_dot(const Mat& m, long r, const float* x, long x_stride,
-                                             float acc[T]) {
+// The dots of rows r0 .. r0 + R of `m` with T vectors x[t * x_stride ..] (T <= 8), summed over a
+// warp: every lane takes chunks of 8 weights in turn; the R rows' loads go out together. Rows
+// past the end repeat the last row (their results are not written).
+template <int K, int T, int R>
+__device__ __forceinline__ void warp_rows_dot(const Mat& m, long r0, const float* x, long x_stride,
+                                              float acc[R][T]) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int t = 0; t < T; t++) acc[t] = 0.0f;
-    if (fast_path(m)) {
-        const int spans = m.cols / 32;
-#pragma unroll 2
-        for (int sp = lane; sp < spans; sp += 32) {
-            float f[32], mul, off;
-            load_span(m, r, sp, f, mul, off);
-            span_dot<T>(f, mul, off, x, x_stride, sp * 32, acc);
-        }
-    } else {
-        for (int c = lane * 8; c < m.cols; c += 32 * 8) {
-            float w[8];
-            load8(m, r, c, w);
+    for (int i = 0; i < R; i++)
 #pragma unroll
-            for (int t = 0; t < T; t++) {
-                const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + c);
-                const float4 a = xp[0], b = xp[1];
-                float s = acc[t];
-                s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
-                s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
-                s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
-                s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
-                acc[t] = s;
+        for (int t = 0; t < T; t++) acc[i][t] = 0.0f;
+    for (int c = lane * 8; c < m.cols; c += 32 * 8) {
+        float w[R][8];
+#pragma unroll
+        for (int i = 0; i < R; i++) load8k<K>(m, min(r0 + i, (long)m.rows - 1), c, w[i]);
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + c);
+            const float4 a = xp[0], b = xp[1];
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                float s = acc[i][t];
+                s = fmaf(w[i][0], a.x, s); s = fmaf(w[i][1], a.y, s);
+                s = fmaf(w[i][2], a.z, s); s = fmaf(w[i][3], a.w, s);
+                s = fmaf(w[i][4], b.x, s); s = fmaf(w[i][5], b.y, s);
+                s = fmaf(w[i][6], b.z, s); s = fmaf(w[i][7], b.w, s);
+                acc[i][t] = s;
             }
         }
     }
 #pragma unroll
-    for (int t = 0; t < T; t++) acc[t] = warp_sum(acc[t]);
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < T; t++) acc[i][t] = warp_sum(acc[i][t]);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Matrix products
 // ------------------------------------------------------------------------------------------------
 
-// y[T, rows] = x[T, cols] W^T for T <= 8: one warp per output row, 8 rows per block of 256.
-template <int T>
+// y[T, rows] = x[T, cols] W^T for T <= 8: each warp computes R consecutive rows, 8 warps a block.
+// (Measured on an H100 with 4-bit weights: R = 2 wins on large matrices, R = 1 on small ones;
+// a switch on the format inside the loop cost 2.5x.)
+template <int K, int T, int R>
 __device__ void gemv(const Mat& w, const float* x, float* y) {
-    const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
-    if (r >= w.rows) return;
-    float acc[T];
-    warp_row_dot<T>(w, r, x, w.cols, acc);
+    const long r0 = ((long)blockIdx.x * 8 + threadIdx.x / 32) * R;
+    if (r0 >= w.rows) return;
+    float acc[R][T];
+    warp_rows_dot<K, T, R>(w, r0, x, w.cols, acc);
     if (threadIdx.x % 32 == 0) {
 #pragma unroll
-        for (int t = 0; t < T; t++) y[t * (long)w.rows + r] = acc[t];
+        for (int i = 0; i < R; i++)
+            if (r0 + i < w.rows)
+#pragma unroll
+                for (int t = 0; t < T; t++) y[t * (long)w.rows + r0 + i] = acc[i][t];
     }
 }
 
-#define GEMV(T) \
-    extern "C" __global__ void __launch_bounds__(256) gemv_t##T(Mat w, const float* x, float* y) { \
-        gemv<T>(w, x, y); \
+#define GEMV(K, KN, T, R) \
+    extern "C" __global__ void __launch_bounds__(256) gemv_##KN##_t##T##_r##R(Mat w, const float* x, \
+                                                                            float* y) { \
+        gemv<K, T, R>(w, x, y); \
     }
-GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
-
-// Decode variants for one token, compared by examples/gpu_bench (SLUICE_CUDA_GEMV picks one):
-// `R` rows per warp, their loads issued together; chunks of 8 weights (`gemv_c8x{R}`) or spans of
-// 32 (`gemv_s32x{R}`).
-template <int R, bool SPANS>
-__device__ void gemv_rows(const Mat& w, const float* x, float* y) {
-    const int lane = threadIdx.x % 32;
-    const long r0 = ((long)blockIdx.x * 8 + threadIdx.x / 32) * R;
-    if (r0 >= w.rows) return;
-    float acc[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) acc[i] = 0.0f;
-    if (SPANS && fast_path(w)) {
-        for (int sp = lane; sp < w.cols / 32; sp += 32) {
-            float f[R][32], mul[R], off[R];
-#pragma unroll
-            for (int i = 0; i < R; i++)
-                if (r0 + i < w.rows) load_span(w, r0 + i, sp, f[i], mul[i], off[i]);
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                float a[1] = {acc[i]};
-                if (r0 + i < w.rows) span_dot<1>(f[i], mul[i], off[i], x, 0, sp * 32, a);
-                acc[i] = a[0];
-            }
-        }
-    } else {
-        for (int c = lane * 8; c < w.cols; c += 32 * 8) {
-            const float4* xp = reinterpret_cast<const float4*>(x + c);
-            const float4 xa = xp[0], xb = xp[1];
-            float v[R][8];
-#pragma unroll
-            for (int i = 0; i < R; i++)
-                if (r0 + i < w.rows) load8(w, r0 + i, c, v[i]);
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                float s = acc[i];
-                s = fmaf(v[i][0], xa.x, s); s = fmaf(v[i][1], xa.y, s);
-                s = fmaf(v[i][2], xa.z, s); s = fmaf(v[i][3], xa.w, s);
-                s = fmaf(v[i][4], xb.x, s); s = fmaf(v[i][5], xb.y, s);
-                s = fmaf(v[i][6], xb.z, s); s = fmaf(v[i][7], xb.w, s);
-                acc[i] = s;
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-        const float v = warp_sum(acc[i]);
-        if (lane == 0 && r0 + i < w.rows) y[r0 + i] = v;
-    }
-}
-
-// The same with the format fixed at compile time to 4-bit affine (what 4-bit checkpoints are).
-__device__ __forceinline__ void load8_q4(const Mat& m, long r, int c, float w[8]) {
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(m.data) + r * (m.cols / 8);
-    const long g = r * (m.cols / m.group) + c / m.group;
-    const float s = load_scalar(m.scales, m.sdt, g);
-    const float b = load_scalar(m.biases, m.sdt, g);
-    const uint32_t v = __ldg(words + c / 8);
-#pragma unroll
-    for (int j = 0; j < 8; j++) w[j] = fmaf(s, u2f((v >> (4 * j)) & 15u), b);
-}
-
-template <int R>
-__device__ void gemv_q4_rows(const Mat& w, const float* x, float* y) {
-    const int lane = threadIdx.x % 32;
-    const long r0 = ((long)blockIdx.x * 8 + threadIdx.x / 32) * R;
-    if (r0 >= w.rows) return;
-    float acc[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) acc[i] = 0.0f;
-    for (int c = lane * 8; c < w.cols; c += 32 * 8) {
-        const float4* xp = reinterpret_cast<const float4*>(x + c);
-        const float4 xa = xp[0], xb = xp[1];
-        float v[R][8];
-#pragma unroll
-        for (int i = 0; i < R; i++) load8_q4(w, min(r0 + i, (long)w.rows - 1), c, v[i]);
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            float s = acc[i];
-            s = fmaf(v[i][0], xa.x, s); s = fmaf(v[i][1], xa.y, s);
-            s = fmaf(v[i][2], xa.z, s); s = fmaf(v[i][3], xa.w, s);
-            s = fmaf(v[i][4], xb.x, s); s = fmaf(v[i][5], xb.y, s);
-            s = fmaf(v[i][6], xb.z, s); s = fmaf(v[i][7], xb.w, s);
-            acc[i] = s;
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-        const float v = warp_sum(acc[i]);
-        if (lane == 0 && r0 + i < w.rows) y[r0 + i] = v;
-    }
-}
-
-#define GEMV_Q4(NAME, R) \
-    extern "C" __global__ void __launch_bounds__(256) NAME(Mat w, const float* x, float* y) { \
-        gemv_q4_rows<R>(w, x, y); \
-    }
-GEMV_Q4(gemv_q4c8x1, 1) GEMV_Q4(gemv_q4c8x2, 2) GEMV_Q4(gemv_q4c8x4, 4)
-
-#define GEMV_ROWS(NAME, R, SPANS) \
-    extern "C" __global__ void __launch_bounds__(256) NAME(Mat w, const float* x, float* y) { \
-        gemv_rows<R, SPANS>(w, x, y); \
-    }
-GEMV_ROWS(gemv_c8x1, 1, false) GEMV_ROWS(gemv_c8x2, 2, false) GEMV_ROWS(gemv_c8x4, 4, false)
-GEMV_ROWS(gemv_s32x1, 1, true) GEMV_ROWS(gemv_s32x2, 2, true)
+#define GEMV_ALL(K, KN) \
+    GEMV(K, KN, 1, 1) GEMV(K, KN, 1, 2) GEMV(K, KN, 2, 1) GEMV(K, KN, 3, 1) GEMV(K, KN, 4, 1) \
+    GEMV(K, KN, 5, 1) GEMV(K, KN, 6, 1) GEMV(K, KN, 7, 1) GEMV(K, KN, 8, 1)
+GEMV_ALL(K_GENERIC, generic) GEMV_ALL(K_Q4, q4) GEMV_ALL(K_Q8, q8) GEMV_ALL(K_BF16, bf16)
 
 // y[T, rows] = x[T, cols] W^T for many tokens: 64 x 64 output tiles, 32 columns at a time, each
 // of 256 threads computing 4 x 4. Weights are dequantised once per tile into shared memory.
@@ -694,11 +544,11 @@ __device__ __forceinline__ int expert_slot(uint32_t e, const uint32_t* present, 
 }
 
 // h[t * K + j] = silu(gate_e(x_t)) * up_e(x_t) for e = ids[t * K + j], for every routed pair whose
-// expert is present. Grid (inter / 8, T * K): one warp per output row of one pair.
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up(const ExpertMats* experts,
-                                                              const uint32_t* present, int n_present,
-                                                              const uint32_t* ids, int K,
-                                                              const float* x, float* h) {
+// expert is present. Grid (inter / 8, T * K): one warp per output row of one pair, gate and up
+// rows loaded together.
+template <int WK>
+__device__ void moe_gate_up(const ExpertMats* experts, const uint32_t* present, int n_present,
+                            const uint32_t* ids, int K, const float* x, float* h) {
     const int pair = blockIdx.y;
     const int slot = expert_slot(ids[pair], present, n_present);
     if (slot < 0) return;
@@ -706,20 +556,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(const ExpertMats* 
     const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
     if (r >= e.gate.rows) return;
     const float* xt = x + (long)(pair / K) * e.gate.cols;
-    float g[1], u[1];
-    warp_row_dot<1>(e.gate, r, xt, 0, g);
-    warp_row_dot<1>(e.up, r, xt, 0, u);
-    if (threadIdx.x % 32 == 0) h[(long)pair * e.gate.rows + r] = g[0] / (1.0f + expf(-g[0])) * u[0];
+    float g[1][1], u[1][1];
+    warp_rows_dot<WK, 1, 1>(e.gate, r, xt, 0, g);
+    warp_rows_dot<WK, 1, 1>(e.up, r, xt, 0, u);
+    if (threadIdx.x % 32 == 0)
+        h[(long)pair * e.gate.rows + r] = g[0][0] / (1.0f + expf(-g[0][0])) * u[0][0];
 }
 
 // out[t] += sum_j weight_j * down_e(h[t * K + j]) over the present experts of token t, in
 // ascending expert id (so splitting the experts over several calls gives the same bits). Grid
 // (hidden / 8, T): one warp per output row of one token.
-extern "C" __global__ void __launch_bounds__(256) moe_down(const ExpertMats* experts,
-                                                           const uint32_t* present, int n_present,
-                                                           const uint32_t* ids,
-                                                           const float* weights, int K,
-                                                           const float* h, float* out, int hidden) {
+template <int WK>
+__device__ void moe_down(const ExpertMats* experts, const uint32_t* present, int n_present,
+                         const uint32_t* ids, const float* weights, int K, const float* h,
+                         float* out, int hidden) {
     const long t = blockIdx.y;
     const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
     if (r >= hidden) return;
@@ -741,12 +591,25 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(const ExpertMats* exp
         const int slot = expert_slot(ids[t * K + j], present, n_present);
         if (slot < 0) continue;
         const Mat& d = experts[slot].down;
-        float y[1];
-        warp_row_dot<1>(d, r, h + (t * K + j) * (long)d.cols, 0, y);
-        acc = fmaf(weights[t * K + j], y[0], acc);
+        float y[1][1];
+        warp_rows_dot<WK, 1, 1>(d, r, h + (t * K + j) * (long)d.cols, 0, y);
+        acc = fmaf(weights[t * K + j], y[0][0], acc);
     }
     if (threadIdx.x % 32 == 0) out[t * hidden + r] = acc;
 }
+
+#define MOE(WK, KN) \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##KN( \
+        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
+        int K, const float* x, float* h) { \
+        moe_gate_up<WK>(experts, present, n_present, ids, K, x, h); \
+    } \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_##KN( \
+        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
+        const float* weights, int K, const float* h, float* out, int hidden) { \
+        moe_down<WK>(experts, present, n_present, ids, weights, K, h, out, hidden); \
+    }
+MOE(K_GENERIC, generic) MOE(K_Q4, q4) MOE(K_Q8, q8) MOE(K_BF16, bf16)
 
 // ------------------------------------------------------------------------------------------------
 // Gated DeltaNet

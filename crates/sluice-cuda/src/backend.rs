@@ -14,18 +14,45 @@ use sluice_backend::{
 use crate::kernels::Kernels;
 use crate::mat::{describe, ExpertMats, Mat};
 
-/// Device memory owned by the backend, freed in stream order.
+/// Freed device memory kept for reuse, by size. Everything runs on one stream, so a buffer
+/// dropped on the host may be handed to the next allocation at once: the kernels that used it
+/// come earlier in the stream than any that will.
+pub(crate) struct BufCache {
+    stream: Arc<CudaStream>,
+    free: Mutex<HashMap<usize, Vec<u64>>>,
+}
+
+impl BufCache {
+    /// Frees every cached buffer (before retrying an allocation that did not fit).
+    fn release(&self) {
+        let free = std::mem::take(&mut *self.free.lock().unwrap_or_else(|p| p.into_inner()));
+        for ptr in free.into_values().flatten() {
+            // SAFETY: a cached buffer belongs to no DevBuf; the free is ordered after the work
+            // that used it.
+            let _ = unsafe { result::free_async(ptr, self.stream.cu_stream()) };
+        }
+    }
+}
+
+impl Drop for BufCache {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Device memory owned by the backend; returned to the cache when dropped.
 pub(crate) struct DevBuf {
     ptr: u64,
     bytes: usize,
-    stream: Arc<CudaStream>,
+    cache: Arc<BufCache>,
 }
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        // SAFETY: `ptr` was allocated on this stream by `Device::alloc` and nothing uses it after
-        // the work already queued on the stream (which the free waits for).
-        let _ = unsafe { result::free_async(self.ptr, self.stream.cu_stream()) };
+        let mut free = self.cache.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.entry(size_class(self.bytes))
+            .or_default()
+            .push(self.ptr);
     }
 }
 
@@ -33,6 +60,11 @@ impl DevBuf {
     pub fn ptr(&self) -> u64 {
         self.ptr
     }
+}
+
+/// Allocations are rounded up to 512 bytes so that nearby sizes share buffers.
+fn size_class(bytes: usize) -> usize {
+    bytes.max(4).next_multiple_of(512)
 }
 
 /// A kernel argument.
@@ -52,6 +84,7 @@ fn grid(n: usize, per_block: usize) -> u32 {
 pub(crate) struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    cache: Arc<BufCache>,
     k: Kernels,
     error: Mutex<Option<BackendError>>,
     /// `SLUICE_CUDA_PROFILE=1`: every launch between two events, summed per kernel at the end.
@@ -60,6 +93,32 @@ pub(crate) struct Device {
 
 fn device_error(what: &str, e: DriverError) -> BackendError {
     BackendError::Device(format!("CUDA {what}: {e}"))
+}
+
+/// Stream-ordered allocations come from the device's default pool, which by default returns freed
+/// memory to the driver at every synchronisation: each token would map its activations afresh.
+/// Keep what was freed for reuse instead.
+fn keep_pool_memory(ctx: &CudaContext) -> Result<(), BackendError> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()
+        .map_err(|e| device_error("binding the context", e))?;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    let mut keep = u64::MAX;
+    // SAFETY: `pool` is written by the driver before it is read; the attribute takes a pointer to a
+    // u64, as the driver documents for CU_MEMPOOL_ATTR_RELEASE_THRESHOLD.
+    let r = unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
+            .result()
+            .and_then(|_| {
+                sys::cuMemPoolSetAttribute(
+                    pool.assume_init(),
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut c_void,
+                )
+                .result()
+            })
+    };
+    r.map_err(|e| device_error("configuring the memory pool", e))
 }
 
 impl Device {
@@ -71,10 +130,16 @@ impl Device {
                 e,
             )
         })?;
+        keep_pool_memory(&ctx)?;
         let profile = std::env::var_os("SLUICE_CUDA_PROFILE").map(|_| Mutex::new(Vec::new()));
+        let cache = Arc::new(BufCache {
+            stream: stream.clone(),
+            free: Mutex::new(HashMap::new()),
+        });
         Ok(Device {
             ctx,
             stream,
+            cache,
             k,
             error: Mutex::new(None),
             profile,
@@ -118,14 +183,31 @@ impl Device {
     }
 
     pub fn alloc(&self, bytes: usize, what: &str) -> Result<DevBuf, BackendError> {
+        let class = size_class(bytes);
+        let cached = self
+            .cache
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&class)
+            .and_then(Vec::pop);
+        let buf = |ptr| DevBuf {
+            ptr,
+            bytes,
+            cache: self.cache.clone(),
+        };
+        if let Some(ptr) = cached {
+            return Ok(buf(ptr));
+        }
         self.bind()?;
         // SAFETY: an allocation on our stream; the pointer is owned by the returned DevBuf.
-        match unsafe { result::malloc_async(self.stream.cu_stream(), bytes.max(4)) } {
-            Ok(ptr) => Ok(DevBuf {
-                ptr,
-                bytes,
-                stream: self.stream.clone(),
-            }),
+        let fresh = || unsafe { result::malloc_async(self.stream.cu_stream(), class) };
+        match fresh().or_else(|_| {
+            // Cached buffers of other sizes may be what is missing.
+            self.cache.release();
+            fresh()
+        }) {
+            Ok(ptr) => Ok(buf(ptr)),
             Err(e) => {
                 let free = self.memory().free;
                 Err(BackendError::OutOfMemory {
@@ -223,7 +305,11 @@ impl Device {
             })
             .collect();
         let events = self.profile.as_ref().and_then(|_| {
-            let e = || self.ctx.new_event(None).ok();
+            let e = || {
+                self.ctx
+                    .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .ok()
+            };
             let (start, end) = (e()?, e()?);
             start.record(&self.stream).ok()?;
             Some((start, end))
@@ -317,6 +403,7 @@ pub struct CudaVector {
 pub struct CudaExperts {
     table: DevBuf,
     inter: usize,
+    kinds: (usize, usize),
     _parts: Vec<DevBuf>,
 }
 
@@ -483,21 +570,16 @@ impl CudaBackend {
     /// `out[tokens, w.rows] = x W^T` into `out`.
     fn matmul_into(&self, x: u64, tokens: usize, w: &Mat, out: u64) {
         let k = &self.d.k;
-        let q4 = w.fmt == 3 && w.bits == 4;
-        if let Some(v) = k
-            .gemv1
-            .as_ref()
-            .filter(|v| tokens == 1 && (q4 || !v.q4_only))
-        {
+        if tokens == 1 && w.rows >= 8192 {
             self.d.launch(
-                &v.f,
-                (grid(w.rows as usize, 8 * v.rows_per_warp), 1, 1),
+                &k.gemv_r2[w.kind()],
+                (grid(w.rows as usize, 16), 1, 1),
                 (256, 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
             );
         } else if tokens <= 8 {
             self.d.launch(
-                &k.gemv[tokens - 1],
+                &k.gemv[w.kind()][tokens - 1],
                 (grid(w.rows as usize, 8), 1, 1),
                 (256, 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
@@ -523,6 +605,7 @@ impl CudaBackend {
 
     /// Runs the MoE kernels over the routed pairs whose expert is described in `table` (all
     /// experts when `present` is `None`, else the ascending ids in `present`), adding into `out`.
+    #[allow(clippy::too_many_arguments)]
     fn moe_into(
         &self,
         x: &CudaAct,
@@ -530,6 +613,7 @@ impl CudaBackend {
         table: u64,
         present: Option<(&DevBuf, usize)>,
         inter: usize,
+        kinds: (usize, usize),
         out: &CudaAct,
     ) {
         let (Some(xp), Some(op), Some(ids), Some(weights)) =
@@ -547,7 +631,7 @@ impl CudaBackend {
         };
         let k = &self.d.k;
         self.d.launch(
-            &k.moe_gate_up,
+            &k.moe_gate_up[kinds.0],
             (grid(inter, 8), pairs as u32, 1),
             (256, 1, 1),
             &[
@@ -561,7 +645,7 @@ impl CudaBackend {
             ],
         );
         self.d.launch(
-            &k.moe_down,
+            &k.moe_down[kinds.1],
             (grid(x.cols, 8), routing.rows as u32, 1),
             (256, 1, 1),
             &[
@@ -670,9 +754,11 @@ impl Backend for CudaBackend {
             )));
         }
         let inter = experts.first().map_or(0, |e| e.gate.rows);
+        let kinds = table.first().map_or((0, 0), ExpertMats::kinds);
         Ok(CudaExperts {
             table: self.d.upload(&table, "the expert table")?,
             inter,
+            kinds,
             _parts: parts,
         })
     }
@@ -1096,7 +1182,15 @@ impl Backend for CudaBackend {
 
     fn moe(&self, x: &CudaAct, routing: &CudaRouting, experts: &CudaExperts) -> CudaAct {
         let out = self.zeros(x.rows, x.cols);
-        self.moe_into(x, routing, experts.table.ptr, None, experts.inter, &out);
+        self.moe_into(
+            x,
+            routing,
+            experts.table.ptr,
+            None,
+            experts.inter,
+            experts.kinds,
+            &out,
+        );
         out
     }
 
@@ -1128,12 +1222,14 @@ impl Backend for CudaBackend {
             }
         };
         let inter = first.1.mats.gate.rows as usize;
+        let kinds = first.1.mats.kinds();
         self.moe_into(
             x,
             routing,
             table.ptr,
             Some((&present, ids.len())),
             inter,
+            kinds,
             out,
         );
     }

@@ -11,34 +11,17 @@ use cudarc::nvrtc::Ptx;
 /// The committed PTX; its first line records the hash of the source it was built from.
 pub(crate) const PTX: &str = include_str!("../kernels/sluice.ptx");
 
-/// A one-token matrix-vector variant (see `gemv_rows` in the source): its kernel, the rows each
-/// warp computes, and whether it only takes 4-bit affine weights.
-pub(crate) struct Gemv1 {
-    pub f: CudaFunction,
-    pub rows_per_warp: usize,
-    pub q4_only: bool,
-}
-
-/// The one-token variants by `SLUICE_CUDA_GEMV` name (`t1` is the general kernel).
-pub(crate) const GEMV1_VARIANTS: [(&str, usize, bool); 8] = [
-    ("c8x1", 1, false),
-    ("c8x2", 2, false),
-    ("c8x4", 4, false),
-    ("s32x1", 1, false),
-    ("s32x2", 2, false),
-    ("q4c8x1", 1, true),
-    ("q4c8x2", 2, true),
-    ("q4c8x4", 4, true),
-];
+/// The weight kinds the matrix kernels are compiled for (`K_*` in the source).
+pub(crate) const KINDS: [&str; 4] = ["generic", "q4", "q8", "bf16"];
 
 /// Every kernel the backend launches.
 pub(crate) struct Kernels {
     /// Kernel names by function handle (`{:?}` of it), for the profile.
     names: HashMap<String, String>,
-    /// The one-token product `SLUICE_CUDA_GEMV` picks, if any.
-    pub gemv1: Option<Gemv1>,
-    /// `gemv[t - 1]` multiplies `t` tokens (1..=8).
-    pub gemv: Vec<CudaFunction>,
+    /// `gemv[kind][t - 1]` multiplies `t` tokens (1..=8), one row per warp; `gemv_r2[kind]` one
+    /// token, two rows per warp (large matrices).
+    pub gemv: Vec<Vec<CudaFunction>>,
+    pub gemv_r2: Vec<CudaFunction>,
     pub gemm: CudaFunction,
     pub embed: CudaFunction,
     pub rms_norm: CudaFunction,
@@ -51,8 +34,9 @@ pub(crate) struct Kernels {
     pub rope: CudaFunction,
     pub attention: CudaFunction,
     pub route: CudaFunction,
-    pub moe_gate_up: CudaFunction,
-    pub moe_down: CudaFunction,
+    /// By weight kind.
+    pub moe_gate_up: Vec<CudaFunction>,
+    pub moe_down: Vec<CudaFunction>,
     pub causal_conv1d_silu: CudaFunction,
     pub gated_delta_rule: CudaFunction,
 }
@@ -68,25 +52,15 @@ impl Kernels {
                 .insert(format!("{:?}", func.cu_function()), name.to_string());
             Ok::<_, DriverError>(func)
         };
-        let gemv1 = match std::env::var("SLUICE_CUDA_GEMV").ok().as_deref() {
-            None | Some("t1") => None,
-            Some(name) => {
-                let (v, rows_per_warp, q4_only) = GEMV1_VARIANTS
-                    .into_iter()
-                    .find(|v| v.0 == name)
-                    .unwrap_or(("q4c8x2", 2, true));
-                Some(Gemv1 {
-                    f: f(&format!("gemv_{v}"))?,
-                    rows_per_warp,
-                    q4_only,
-                })
-            }
-        };
         Ok(Kernels {
             names: HashMap::new(),
-            gemv1,
-            gemv: (1..=8)
-                .map(|t| f(&format!("gemv_t{t}")))
+            gemv: KINDS
+                .iter()
+                .map(|k| (1..=8).map(|t| f(&format!("gemv_{k}_t{t}_r1"))).collect())
+                .collect::<Result<_, _>>()?,
+            gemv_r2: KINDS
+                .iter()
+                .map(|k| f(&format!("gemv_{k}_t1_r2")))
                 .collect::<Result<_, _>>()?,
             gemm: f("gemm")?,
             embed: f("embed")?,
@@ -100,8 +74,14 @@ impl Kernels {
             rope: f("rope")?,
             attention: f("attention")?,
             route: f("route")?,
-            moe_gate_up: f("moe_gate_up")?,
-            moe_down: f("moe_down")?,
+            moe_gate_up: KINDS
+                .iter()
+                .map(|k| f(&format!("moe_gate_up_{k}")))
+                .collect::<Result<_, _>>()?,
+            moe_down: KINDS
+                .iter()
+                .map(|k| f(&format!("moe_down_{k}")))
+                .collect::<Result<_, _>>()?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,
         })

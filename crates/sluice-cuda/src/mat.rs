@@ -78,3 +78,27 @@ pub(crate) fn describe(m: &HostMatrix) -> Result<Mat, BackendError> {
         sdt,
     })
 }
+
+impl Mat {
+    /// Which compiled variant of the matrix kernels runs this format (index into
+    /// [`crate::kernels::KINDS`]).
+    pub fn kind(&self) -> usize {
+        match (self.fmt, self.bits) {
+            (3, 4) => 1,
+            (3, 8) => 2,
+            (2, _) => 3,
+            _ => 0,
+        }
+    }
+}
+
+impl ExpertMats {
+    /// The kernel kinds of the gate/up launch and of the down launch.
+    pub fn kinds(&self) -> (usize, usize) {
+        let gate_up = match (self.gate.kind(), self.up.kind()) {
+            (g, u) if g == u => g,
+            _ => 0,
+        };
+        (gate_up, self.down.kind())
+    }
+}
