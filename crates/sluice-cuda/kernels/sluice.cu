@@ -544,58 +544,126 @@ __device__ __forceinline__ int expert_slot(uint32_t e, const uint32_t* present, 
 }
 
 // h[t * K + j] = silu(gate_e(x_t)) * up_e(x_t) for e = ids[t * K + j], for every routed pair whose
-// expert is present. Grid (inter / 8, T * K): one warp per output row of one pair, gate and up
-// rows loaded together.
+// expert is present. Grid (inter / 16, T * K): each warp computes two rows of gate and up for one
+// pair, the four rows' loads in flight together; the expert's description is read once per block.
 template <int WK>
 __device__ void moe_gate_up(const ExpertMats* experts, const uint32_t* present, int n_present,
                             const uint32_t* ids, int K, const float* x, float* h) {
+    __shared__ Mat gate, up;
+    __shared__ int slot;
     const int pair = blockIdx.y;
-    const int slot = expert_slot(ids[pair], present, n_present);
+    if (threadIdx.x == 0) {
+        slot = expert_slot(ids[pair], present, n_present);
+        if (slot >= 0) {
+            gate = experts[slot].gate;
+            up = experts[slot].up;
+        }
+    }
+    __syncthreads();
     if (slot < 0) return;
-    const ExpertMats& e = experts[slot];
-    const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
-    if (r >= e.gate.rows) return;
-    const float* xt = x + (long)(pair / K) * e.gate.cols;
-    float g[1][1], u[1][1];
-    warp_rows_dot<WK, 1, 1>(e.gate, r, xt, 0, g);
-    warp_rows_dot<WK, 1, 1>(e.up, r, xt, 0, u);
-    if (threadIdx.x % 32 == 0)
-        h[(long)pair * e.gate.rows + r] = g[0][0] / (1.0f + expf(-g[0][0])) * u[0][0];
+    const long r0 = ((long)blockIdx.x * 8 + threadIdx.x / 32) * 2;
+    if (r0 >= gate.rows) return;
+    const int lane = threadIdx.x % 32;
+    const float* xt = x + (long)(pair / K) * gate.cols;
+    const long r1 = min(r0 + 1, (long)gate.rows - 1);
+    float g0 = 0.0f, g1 = 0.0f, u0 = 0.0f, u1 = 0.0f;
+    for (int c = lane * 8; c < gate.cols; c += 32 * 8) {
+        float wg0[8], wg1[8], wu0[8], wu1[8];
+        load8k<WK>(gate, r0, c, wg0);
+        load8k<WK>(gate, r1, c, wg1);
+        load8k<WK>(up, r0, c, wu0);
+        load8k<WK>(up, r1, c, wu1);
+        const float4* xp = reinterpret_cast<const float4*>(xt + c);
+        const float4 a = xp[0], b = xp[1];
+        const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            g0 = fmaf(wg0[j], xv[j], g0);
+            g1 = fmaf(wg1[j], xv[j], g1);
+            u0 = fmaf(wu0[j], xv[j], u0);
+            u1 = fmaf(wu1[j], xv[j], u1);
+        }
+    }
+    g0 = warp_sum(g0); g1 = warp_sum(g1); u0 = warp_sum(u0); u1 = warp_sum(u1);
+    if (lane == 0) {
+        float* hp = h + (long)pair * gate.rows;
+        hp[r0] = g0 / (1.0f + expf(-g0)) * u0;
+        if (r0 + 1 < gate.rows) hp[r0 + 1] = g1 / (1.0f + expf(-g1)) * u1;
+    }
 }
 
-// out[t] += sum_j weight_j * down_e(h[t * K + j]) over the present experts of token t, in
-// ascending expert id (so splitting the experts over several calls gives the same bits). Grid
-// (hidden / 8, T): one warp per output row of one token.
+// The most experts per token the down kernel keeps in registers.
+#define MOE_MAX_K 16
+
+// out[t] += sum_j weight_j * down_e(h[t * K + j]) over the present experts of token t. Grid
+// (hidden / 8, T): one warp per output row of one token. The token's present experts are staged
+// in shared memory in ascending id; every lane loads its chunks of all of them at once and keeps
+// one partial dot per expert, which depends on that expert alone; lane 0 then adds the weighted
+// dots in ascending expert id, so splitting the experts over several calls gives the same bits.
 template <int WK>
 __device__ void moe_down(const ExpertMats* experts, const uint32_t* present, int n_present,
                          const uint32_t* ids, const float* weights, int K, const float* h,
                          float* out, int hidden) {
+    __shared__ Mat down[MOE_MAX_K];
+    __shared__ float weight[MOE_MAX_K];
+    __shared__ int pair_of[MOE_MAX_K];
+    __shared__ int n;
     const long t = blockIdx.y;
+    if (threadIdx.x == 0) {
+        // The present experts of this token in ascending id (insertion sort, K <= 16).
+        uint32_t sorted_id[MOE_MAX_K];
+        int m = 0;
+        for (int j = 0; j < K; j++) {
+            const uint32_t e = ids[t * K + j];
+            const int slot = expert_slot(e, present, n_present);
+            if (slot < 0) continue;
+            int at = m++;
+            while (at > 0 && sorted_id[at - 1] > e) {
+                sorted_id[at] = sorted_id[at - 1];
+                down[at] = down[at - 1];
+                weight[at] = weight[at - 1];
+                pair_of[at] = pair_of[at - 1];
+                at--;
+            }
+            sorted_id[at] = e;
+            down[at] = experts[slot].down;
+            weight[at] = weights[t * K + j];
+            pair_of[at] = (int)(t * K + j);
+        }
+        n = m;
+    }
+    __syncthreads();
     const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
     if (r >= hidden) return;
-    // The token's pairs in ascending expert id (K <= 32).
-    int order[32];
-    for (int j = 0; j < K; j++) order[j] = j;
-    for (int a = 1; a < K; a++) {
-        const int v = order[a];
-        int b = a;
-        while (b > 0 && ids[t * K + order[b - 1]] > ids[t * K + v]) {
-            order[b] = order[b - 1];
-            b--;
+    const int lane = threadIdx.x % 32;
+    const int cols = down[0].cols;
+    float part[MOE_MAX_K];
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_K; j++) part[j] = 0.0f;
+    for (int c = lane * 8; c < cols; c += 32 * 8) {
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_K; j++) {
+            if (j >= n) break;
+            float w[8];
+            load8k<WK>(down[j], r, c, w);
+            const float4* hp = reinterpret_cast<const float4*>(h + (long)pair_of[j] * cols + c);
+            const float4 a = hp[0], b = hp[1];
+            float s = part[j];
+            s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
+            s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
+            s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
+            s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
+            part[j] = s;
         }
-        order[b] = v;
     }
     float acc = out[t * hidden + r];
-    for (int a = 0; a < K; a++) {
-        const int j = order[a];
-        const int slot = expert_slot(ids[t * K + j], present, n_present);
-        if (slot < 0) continue;
-        const Mat& d = experts[slot].down;
-        float y[1][1];
-        warp_rows_dot<WK, 1, 1>(d, r, h + (t * K + j) * (long)d.cols, 0, y);
-        acc = fmaf(weights[t * K + j], y[0][0], acc);
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_K; j++) {
+        if (j >= n) break;
+        const float d = warp_sum(part[j]);
+        acc = fmaf(weight[j], d, acc);
     }
-    if (threadIdx.x % 32 == 0) out[t * hidden + r] = acc;
+    if (lane == 0) out[t * hidden + r] = acc;
 }
 
 #define MOE(WK, KN) \

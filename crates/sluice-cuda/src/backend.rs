@@ -496,7 +496,8 @@ pub struct CudaBackend {
 /// Limits of the kernels (checked where the shapes are first known).
 const MAX_HEAD_DIM: usize = 256;
 const MAX_ROUTED_EXPERTS: usize = 1024;
-const MAX_EXPERTS_PER_TOKEN: usize = 32;
+/// `MOE_MAX_K` in the kernels.
+const MAX_EXPERTS_PER_TOKEN: usize = 16;
 const MAX_CONV_KERNEL: usize = 8;
 
 impl CudaBackend {
@@ -632,7 +633,7 @@ impl CudaBackend {
         let k = &self.d.k;
         self.d.launch(
             &k.moe_gate_up[kinds.0],
-            (grid(inter, 8), pairs as u32, 1),
+            (grid(inter, 16), pairs as u32, 1),
             (256, 1, 1),
             &[
                 Arg::Ptr(table),
