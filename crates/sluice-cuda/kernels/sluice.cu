@@ -33,6 +33,9 @@ struct Mat {
     int bits;
     int group;
     int sdt;
+    // log2(group) (groups are powers of two): scale indices without a division.
+    int gshift;
+    int pad;
 };
 
 // The three projections of one routed expert.
@@ -61,7 +64,7 @@ __device__ __forceinline__ void load8(const Mat& m, long r, int c, float w[8]) {
     if (m.fmt == FMT_AFFINE) {
         const long row_words = (long)m.cols * m.bits / 32;
         const uint32_t* words = reinterpret_cast<const uint32_t*>(m.data) + r * row_words;
-        const long g = r * (m.cols / m.group) + c / m.group;
+        const long g = (r * m.cols + c) >> m.gshift;
         const float s = load_scalar(m.scales, m.sdt, g);
         const float b = load_scalar(m.biases, m.sdt, g);
         if (m.bits == 4) {
@@ -146,7 +149,7 @@ template <int K>
 __device__ __forceinline__ void load8k(const Mat& m, long r, int c, float w[8]) {
     if constexpr (K == K_Q4) {
         const uint32_t* words = reinterpret_cast<const uint32_t*>(m.data) + r * (m.cols / 8);
-        const long g = r * (m.cols / m.group) + c / m.group;
+        const long g = (r * m.cols + c) >> m.gshift;
         const float s = load_scalar(m.scales, m.sdt, g);
         const float b = load_scalar(m.biases, m.sdt, g);
         const uint32_t v = __ldg(words + c / 8);
@@ -154,7 +157,7 @@ __device__ __forceinline__ void load8k(const Mat& m, long r, int c, float w[8]) 
         for (int j = 0; j < 8; j++) w[j] = fmaf(s, u2f((v >> (4 * j)) & 15u), b);
     } else if constexpr (K == K_Q8) {
         const uint2* p = reinterpret_cast<const uint2*>(m.data + r * (long)m.cols);
-        const long g = r * (m.cols / m.group) + c / m.group;
+        const long g = (r * m.cols + c) >> m.gshift;
         const float s = load_scalar(m.scales, m.sdt, g);
         const float b = load_scalar(m.biases, m.sdt, g);
         const uint2 v = __ldg(p + c / 8);
@@ -561,18 +564,20 @@ __device__ void moe_gate_up(const ExpertMats* experts, const uint32_t* present, 
     }
     __syncthreads();
     if (slot < 0) return;
+    // Registers, not shared memory, inside the loop.
+    const Mat g_m = gate, u_m = up;
     const long r0 = ((long)blockIdx.x * 8 + threadIdx.x / 32) * 2;
-    if (r0 >= gate.rows) return;
+    if (r0 >= g_m.rows) return;
     const int lane = threadIdx.x % 32;
-    const float* xt = x + (long)(pair / K) * gate.cols;
-    const long r1 = min(r0 + 1, (long)gate.rows - 1);
+    const float* xt = x + (long)(pair / K) * g_m.cols;
+    const long r1 = min(r0 + 1, (long)g_m.rows - 1);
     float g0 = 0.0f, g1 = 0.0f, u0 = 0.0f, u1 = 0.0f;
-    for (int c = lane * 8; c < gate.cols; c += 32 * 8) {
+    for (int c = lane * 8; c < g_m.cols; c += 32 * 8) {
         float wg0[8], wg1[8], wu0[8], wu1[8];
-        load8k<WK>(gate, r0, c, wg0);
-        load8k<WK>(gate, r1, c, wg1);
-        load8k<WK>(up, r0, c, wu0);
-        load8k<WK>(up, r1, c, wu1);
+        load8k<WK>(g_m, r0, c, wg0);
+        load8k<WK>(g_m, r1, c, wg1);
+        load8k<WK>(u_m, r0, c, wu0);
+        load8k<WK>(u_m, r1, c, wu1);
         const float4* xp = reinterpret_cast<const float4*>(xt + c);
         const float4 a = xp[0], b = xp[1];
         const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
@@ -586,9 +591,9 @@ __device__ void moe_gate_up(const ExpertMats* experts, const uint32_t* present, 
     }
     g0 = warp_sum(g0); g1 = warp_sum(g1); u0 = warp_sum(u0); u1 = warp_sum(u1);
     if (lane == 0) {
-        float* hp = h + (long)pair * gate.rows;
+        float* hp = h + (long)pair * g_m.rows;
         hp[r0] = g0 / (1.0f + expf(-g0)) * u0;
-        if (r0 + 1 < gate.rows) hp[r0 + 1] = g1 / (1.0f + expf(-g1)) * u1;
+        if (r0 + 1 < g_m.rows) hp[r0 + 1] = g1 / (1.0f + expf(-g1)) * u1;
     }
 }
 

@@ -17,9 +17,12 @@ pub(crate) struct Mat {
     pub bits: i32,
     pub group: i32,
     pub sdt: i32,
+    /// log2(group): groups are powers of two (the kernels shift instead of dividing).
+    pub gshift: i32,
+    pub pad: i32,
 }
 
-// SAFETY: plain old data with the C layout the kernels declare (three pointers, six ints).
+// SAFETY: plain old data with the C layout the kernels declare (three pointers, eight ints).
 unsafe impl DeviceRepr for Mat {}
 
 /// The three projections of one expert (`struct ExpertMats`).
@@ -60,8 +63,8 @@ pub(crate) fn describe(m: &HostMatrix) -> Result<Mat, BackendError> {
             group_size,
             scale_dtype,
         } => {
-            if !group_size.is_multiple_of(8) {
-                return unsupported("the group size must be a multiple of 8");
+            if !group_size.is_power_of_two() || group_size < 8 {
+                return unsupported("the group size must be a power of two, 8 or more");
             }
             (3, bits as i32, group_size as i32, dtype_code(scale_dtype))
         }
@@ -76,6 +79,12 @@ pub(crate) fn describe(m: &HostMatrix) -> Result<Mat, BackendError> {
         bits,
         group,
         sdt,
+        gshift: if group > 0 {
+            group.trailing_zeros() as i32
+        } else {
+            0
+        },
+        pad: 0,
     })
 }
 
