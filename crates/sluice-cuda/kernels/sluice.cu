@@ -671,6 +671,173 @@ __device__ void moe_down(const ExpertMats* experts, const uint32_t* present, int
     if (lane == 0) out[t * hidden + r] = acc;
 }
 
+// ---- block-per-row variants (SLUICE_CUDA_ROWS=warp picks the warp-per-row kernels above) ----
+//
+// A block of 128 threads shares one output row's columns (llama.cpp's mapping): many more threads,
+// and so many more loads in flight, than a warp per row when rows are few or short.
+
+// acc[i][t] = dot(row r_i, x_t) over the block (result in thread 0), for the N rows given.
+template <int K, int T, int N>
+__device__ __forceinline__ void block_rows_dot(const Mat* m, const long* r, const float* x,
+                                               long x_stride, float acc[N][T]) {
+    __shared__ float red[N][T][4];
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int t = 0; t < T; t++) acc[i][t] = 0.0f;
+    const int cols = m[0].cols;
+#pragma unroll 2
+    for (int c = threadIdx.x * 8; c < cols; c += 128 * 8) {
+        float w[N][8];
+#pragma unroll
+        for (int i = 0; i < N; i++) load8k<K>(m[i], r[i], c, w[i]);
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + c);
+            const float4 a = xp[0], b = xp[1];
+#pragma unroll
+            for (int i = 0; i < N; i++) {
+                float s = acc[i][t];
+                s = fmaf(w[i][0], a.x, s); s = fmaf(w[i][1], a.y, s);
+                s = fmaf(w[i][2], a.z, s); s = fmaf(w[i][3], a.w, s);
+                s = fmaf(w[i][4], b.x, s); s = fmaf(w[i][5], b.y, s);
+                s = fmaf(w[i][6], b.z, s); s = fmaf(w[i][7], b.w, s);
+                acc[i][t] = s;
+            }
+        }
+    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const float v = warp_sum(acc[i][t]);
+            if (lane == 0) red[i][t][warp] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i++)
+#pragma unroll
+            for (int t = 0; t < T; t++)
+                acc[i][t] = (red[i][t][0] + red[i][t][1]) + (red[i][t][2] + red[i][t][3]);
+    }
+}
+
+// y[T, rows] = x[T, cols] W^T, T <= 8: one block of 128 per row.
+template <int K, int T>
+__device__ void gemv_b(const Mat& w, const float* x, float* y) {
+    const long r = blockIdx.x;
+    float acc[1][T];
+    block_rows_dot<K, T, 1>(&w, &r, x, w.cols, acc);
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int t = 0; t < T; t++) y[t * (long)w.rows + r] = acc[0][t];
+    }
+}
+
+#define GEMV_B(K, KN, T) \
+    extern "C" __global__ void __launch_bounds__(128) gemv_##KN##_t##T##_b(Mat w, const float* x, \
+                                                                         float* y) { \
+        gemv_b<K, T>(w, x, y); \
+    }
+#define GEMV_B_ALL(K, KN) \
+    GEMV_B(K, KN, 1) GEMV_B(K, KN, 2) GEMV_B(K, KN, 3) GEMV_B(K, KN, 4) GEMV_B(K, KN, 5) \
+    GEMV_B(K, KN, 6) GEMV_B(K, KN, 7) GEMV_B(K, KN, 8)
+GEMV_B_ALL(K_GENERIC, generic) GEMV_B_ALL(K_Q4, q4) GEMV_B_ALL(K_Q8, q8) GEMV_B_ALL(K_BF16, bf16)
+
+// moe_gate_up with one block of 128 per (row, pair): grid (inter, T * K).
+template <int WK>
+__device__ void moe_gate_up_b(const ExpertMats* experts, const uint32_t* present, int n_present,
+                              const uint32_t* ids, int K, const float* x, float* h) {
+    __shared__ Mat gu[2];
+    __shared__ int slot;
+    const int pair = blockIdx.y;
+    if (threadIdx.x == 0) {
+        slot = expert_slot(ids[pair], present, n_present);
+        if (slot >= 0) {
+            gu[0] = experts[slot].gate;
+            gu[1] = experts[slot].up;
+        }
+    }
+    __syncthreads();
+    if (slot < 0) return;
+    const Mat m[2] = {gu[0], gu[1]};
+    const long r = blockIdx.x;
+    const long rr[2] = {r, r};
+    float acc[2][1];
+    block_rows_dot<WK, 1, 2>(m, rr, x + (long)(pair / K) * m[0].cols, 0, acc);
+    if (threadIdx.x == 0) {
+        const float g = acc[0][0], u = acc[1][0];
+        h[(long)pair * m[0].rows + r] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+// moe_down with one block of 128 per (output row, token): grid (hidden, T). Warp w computes the
+// dots of the token's w-th, (w + 4)-th, ... present expert (ascending id), each by one warp alone;
+// thread 0 adds them weighted in ascending id (bit-identical however the experts are split).
+template <int WK>
+__device__ void moe_down_b(const ExpertMats* experts, const uint32_t* present, int n_present,
+                           const uint32_t* ids, const float* weights, int K, const float* h,
+                           float* out, int hidden) {
+    __shared__ Mat down[MOE_MAX_K];
+    __shared__ float weight[MOE_MAX_K], dot[MOE_MAX_K];
+    __shared__ int pair_of[MOE_MAX_K];
+    __shared__ int n;
+    const long t = blockIdx.y;
+    if (threadIdx.x == 0) {
+        uint32_t sorted_id[MOE_MAX_K];
+        int m = 0;
+        for (int j = 0; j < K; j++) {
+            const uint32_t e = ids[t * K + j];
+            const int slot = expert_slot(e, present, n_present);
+            if (slot < 0) continue;
+            int at = m++;
+            while (at > 0 && sorted_id[at - 1] > e) {
+                sorted_id[at] = sorted_id[at - 1];
+                down[at] = down[at - 1];
+                weight[at] = weight[at - 1];
+                pair_of[at] = pair_of[at - 1];
+                at--;
+            }
+            sorted_id[at] = e;
+            down[at] = experts[slot].down;
+            weight[at] = weights[t * K + j];
+            pair_of[at] = (int)(t * K + j);
+        }
+        n = m;
+    }
+    __syncthreads();
+    const long r = blockIdx.x;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int j = warp; j < n; j += 4) {
+        const Mat d = down[j];
+        const float* hp = h + (long)pair_of[j] * d.cols;
+        float acc[1][1];
+        warp_rows_dot<WK, 1, 1>(d, r, hp, 0, acc);
+        if (lane == 0) dot[j] = acc[0][0];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float acc = out[t * hidden + r];
+        for (int j = 0; j < n; j++) acc = fmaf(weight[j], dot[j], acc);
+        out[t * hidden + r] = acc;
+    }
+}
+
+#define MOE_B(WK, KN) \
+    extern "C" __global__ void __launch_bounds__(128) moe_gate_up_##KN##_b( \
+        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
+        int K, const float* x, float* h) { \
+        moe_gate_up_b<WK>(experts, present, n_present, ids, K, x, h); \
+    } \
+    extern "C" __global__ void __launch_bounds__(128) moe_down_##KN##_b( \
+        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
+        const float* weights, int K, const float* h, float* out, int hidden) { \
+        moe_down_b<WK>(experts, present, n_present, ids, weights, K, h, out, hidden); \
+    }
+MOE_B(K_GENERIC, generic) MOE_B(K_Q4, q4) MOE_B(K_Q8, q8) MOE_B(K_BF16, bf16)
+
 #define MOE(WK, KN) \
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##KN( \
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \

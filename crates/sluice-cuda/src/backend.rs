@@ -578,6 +578,13 @@ impl CudaBackend {
                 (256, 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
             );
+        } else if tokens <= 8 && k.block_rows {
+            self.d.launch(
+                &k.gemv_b[w.kind()][tokens - 1],
+                (w.rows as u32, 1, 1),
+                (128, 1, 1),
+                &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
+            );
         } else if tokens <= 8 {
             self.d.launch(
                 &k.gemv[w.kind()][tokens - 1],
@@ -631,10 +638,27 @@ impl CudaBackend {
             None => (0, -1),
         };
         let k = &self.d.k;
+        let (gate_up, gate_up_grid, down, down_grid, threads) = if k.block_rows {
+            (
+                &k.moe_gate_up_b[kinds.0],
+                (inter as u32, pairs as u32, 1),
+                &k.moe_down_b[kinds.1],
+                (x.cols as u32, routing.rows as u32, 1),
+                128,
+            )
+        } else {
+            (
+                &k.moe_gate_up[kinds.0],
+                (grid(inter, 16), pairs as u32, 1),
+                &k.moe_down[kinds.1],
+                (grid(x.cols, 8), routing.rows as u32, 1),
+                256,
+            )
+        };
         self.d.launch(
-            &k.moe_gate_up[kinds.0],
-            (grid(inter, 16), pairs as u32, 1),
-            (256, 1, 1),
+            gate_up,
+            gate_up_grid,
+            (threads, 1, 1),
             &[
                 Arg::Ptr(table),
                 Arg::Ptr(present_ptr),
@@ -646,9 +670,9 @@ impl CudaBackend {
             ],
         );
         self.d.launch(
-            &k.moe_down[kinds.1],
-            (grid(x.cols, 8), routing.rows as u32, 1),
-            (256, 1, 1),
+            down,
+            down_grid,
+            (threads, 1, 1),
             &[
                 Arg::Ptr(table),
                 Arg::Ptr(present_ptr),

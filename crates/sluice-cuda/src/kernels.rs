@@ -22,6 +22,10 @@ pub(crate) struct Kernels {
     /// token, two rows per warp (large matrices).
     pub gemv: Vec<Vec<CudaFunction>>,
     pub gemv_r2: Vec<CudaFunction>,
+    /// `gemv_b[kind][t - 1]`: one block of 128 threads per row.
+    pub gemv_b: Vec<Vec<CudaFunction>>,
+    /// Block-per-row kernels (default) or warp-per-row ones (`SLUICE_CUDA_ROWS=warp`).
+    pub block_rows: bool,
     pub gemm: CudaFunction,
     pub embed: CudaFunction,
     pub rms_norm: CudaFunction,
@@ -37,6 +41,8 @@ pub(crate) struct Kernels {
     /// By weight kind.
     pub moe_gate_up: Vec<CudaFunction>,
     pub moe_down: Vec<CudaFunction>,
+    pub moe_gate_up_b: Vec<CudaFunction>,
+    pub moe_down_b: Vec<CudaFunction>,
     pub causal_conv1d_silu: CudaFunction,
     pub gated_delta_rule: CudaFunction,
 }
@@ -62,6 +68,11 @@ impl Kernels {
                 .iter()
                 .map(|k| f(&format!("gemv_{k}_t1_r2")))
                 .collect::<Result<_, _>>()?,
+            gemv_b: KINDS
+                .iter()
+                .map(|k| (1..=8).map(|t| f(&format!("gemv_{k}_t{t}_b"))).collect())
+                .collect::<Result<_, _>>()?,
+            block_rows: std::env::var("SLUICE_CUDA_ROWS").map_or(true, |v| v != "warp"),
             gemm: f("gemm")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
@@ -81,6 +92,14 @@ impl Kernels {
             moe_down: KINDS
                 .iter()
                 .map(|k| f(&format!("moe_down_{k}")))
+                .collect::<Result<_, _>>()?,
+            moe_gate_up_b: KINDS
+                .iter()
+                .map(|k| f(&format!("moe_gate_up_{k}_b")))
+                .collect::<Result<_, _>>()?,
+            moe_down_b: KINDS
+                .iter()
+                .map(|k| f(&format!("moe_down_{k}_b")))
                 .collect::<Result<_, _>>()?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,
