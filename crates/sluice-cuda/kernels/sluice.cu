@@ -242,10 +242,9 @@ __device__ void gemv(const Mat& w, const float* x, float* y) {
                                                                             float* y) { \
         gemv<K, T, R>(w, x, y); \
     }
-#define GEMV_ALL(K, KN) \
-    GEMV(K, KN, 1, 1) GEMV(K, KN, 1, 2) GEMV(K, KN, 2, 1) GEMV(K, KN, 3, 1) GEMV(K, KN, 4, 1) \
-    GEMV(K, KN, 5, 1) GEMV(K, KN, 6, 1) GEMV(K, KN, 7, 1) GEMV(K, KN, 8, 1)
-GEMV_ALL(K_GENERIC, generic) GEMV_ALL(K_Q4, q4) GEMV_ALL(K_Q8, q8) GEMV_ALL(K_BF16, bf16)
+// One token, two rows per warp: what large matrices use (the block-per-row kernels below take the
+// rest).
+GEMV(K_GENERIC, generic, 1, 2) GEMV(K_Q4, q4, 1, 2) GEMV(K_Q8, q8, 1, 2) GEMV(K_BF16, bf16, 1, 2)
 
 // y[T, rows] = x[T, cols] W^T for many tokens: 64 x 64 output tiles, 32 columns at a time, each
 // of 256 threads computing 4 x 4. Weights are dequantised once per tile into shared memory.
@@ -671,7 +670,7 @@ __device__ void moe_down(const ExpertMats* experts, const uint32_t* present, int
     if (lane == 0) out[t * hidden + r] = acc;
 }
 
-// ---- block-per-row variants (SLUICE_CUDA_ROWS=warp picks the warp-per-row kernels above) ----
+// ---- block-per-row kernels ----
 //
 // A block of 128 threads shares one output row's columns (llama.cpp's mapping): many more threads,
 // and so many more loads in flight, than a warp per row when rows are few or short.
@@ -746,33 +745,6 @@ __device__ void gemv_b(const Mat& w, const float* x, float* y) {
     GEMV_B(K, KN, 6) GEMV_B(K, KN, 7) GEMV_B(K, KN, 8)
 GEMV_B_ALL(K_GENERIC, generic) GEMV_B_ALL(K_Q4, q4) GEMV_B_ALL(K_Q8, q8) GEMV_B_ALL(K_BF16, bf16)
 
-// moe_gate_up with one block of 128 per (row, pair): grid (inter, T * K).
-template <int WK>
-__device__ void moe_gate_up_b(const ExpertMats* experts, const uint32_t* present, int n_present,
-                              const uint32_t* ids, int K, const float* x, float* h) {
-    __shared__ Mat gu[2];
-    __shared__ int slot;
-    const int pair = blockIdx.y;
-    if (threadIdx.x == 0) {
-        slot = expert_slot(ids[pair], present, n_present);
-        if (slot >= 0) {
-            gu[0] = experts[slot].gate;
-            gu[1] = experts[slot].up;
-        }
-    }
-    __syncthreads();
-    if (slot < 0) return;
-    const Mat m[2] = {gu[0], gu[1]};
-    const long r = blockIdx.x;
-    const long rr[2] = {r, r};
-    float acc[2][1];
-    block_rows_dot<WK, 1, 2>(m, rr, x + (long)(pair / K) * m[0].cols, 0, acc);
-    if (threadIdx.x == 0) {
-        const float g = acc[0][0], u = acc[1][0];
-        h[(long)pair * m[0].rows + r] = g / (1.0f + expf(-g)) * u;
-    }
-}
-
 // moe_down with one block of 128 per (output row, token): grid (hidden, T). Warp w computes the
 // dots of the token's w-th, (w + 4)-th, ... present expert (ascending id), each by one warp alone;
 // thread 0 adds them weighted in ascending id (bit-identical however the experts are split).
@@ -826,11 +798,6 @@ __device__ void moe_down_b(const ExpertMats* experts, const uint32_t* present, i
 }
 
 #define MOE_B(WK, KN) \
-    extern "C" __global__ void __launch_bounds__(128) moe_gate_up_##KN##_b( \
-        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
-        int K, const float* x, float* h) { \
-        moe_gate_up_b<WK>(experts, present, n_present, ids, K, x, h); \
-    } \
     extern "C" __global__ void __launch_bounds__(128) moe_down_##KN##_b( \
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
         const float* weights, int K, const float* h, float* out, int hidden) { \

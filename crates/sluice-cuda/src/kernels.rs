@@ -18,14 +18,10 @@ pub(crate) const KINDS: [&str; 4] = ["generic", "q4", "q8", "bf16"];
 pub(crate) struct Kernels {
     /// Kernel names by function handle (`{:?}` of it), for the profile.
     names: HashMap<String, String>,
-    /// `gemv[kind][t - 1]` multiplies `t` tokens (1..=8), one row per warp; `gemv_r2[kind]` one
-    /// token, two rows per warp (large matrices).
-    pub gemv: Vec<Vec<CudaFunction>>,
-    pub gemv_r2: Vec<CudaFunction>,
-    /// `gemv_b[kind][t - 1]`: one block of 128 threads per row.
+    /// `gemv_b[kind][t - 1]` multiplies `t` tokens (1..=8), a block of 128 threads per row;
+    /// `gemv_r2[kind]` one token, a warp per two rows (large matrices).
     pub gemv_b: Vec<Vec<CudaFunction>>,
-    /// Block-per-row kernels (default) or warp-per-row ones (`SLUICE_CUDA_ROWS=warp`).
-    pub block_rows: bool,
+    pub gemv_r2: Vec<CudaFunction>,
     pub gemm: CudaFunction,
     pub embed: CudaFunction,
     pub rms_norm: CudaFunction,
@@ -41,7 +37,7 @@ pub(crate) struct Kernels {
     /// By weight kind.
     pub moe_gate_up: Vec<CudaFunction>,
     pub moe_down: Vec<CudaFunction>,
-    pub moe_gate_up_b: Vec<CudaFunction>,
+    /// The down projections with a block per output row (few tokens).
     pub moe_down_b: Vec<CudaFunction>,
     pub causal_conv1d_silu: CudaFunction,
     pub gated_delta_rule: CudaFunction,
@@ -60,10 +56,6 @@ impl Kernels {
         };
         Ok(Kernels {
             names: HashMap::new(),
-            gemv: KINDS
-                .iter()
-                .map(|k| (1..=8).map(|t| f(&format!("gemv_{k}_t{t}_r1"))).collect())
-                .collect::<Result<_, _>>()?,
             gemv_r2: KINDS
                 .iter()
                 .map(|k| f(&format!("gemv_{k}_t1_r2")))
@@ -72,7 +64,7 @@ impl Kernels {
                 .iter()
                 .map(|k| (1..=8).map(|t| f(&format!("gemv_{k}_t{t}_b"))).collect())
                 .collect::<Result<_, _>>()?,
-            block_rows: std::env::var("SLUICE_CUDA_ROWS").map_or(true, |v| v != "warp"),
+
             gemm: f("gemm")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
@@ -92,10 +84,6 @@ impl Kernels {
             moe_down: KINDS
                 .iter()
                 .map(|k| f(&format!("moe_down_{k}")))
-                .collect::<Result<_, _>>()?,
-            moe_gate_up_b: KINDS
-                .iter()
-                .map(|k| f(&format!("moe_gate_up_{k}_b")))
                 .collect::<Result<_, _>>()?,
             moe_down_b: KINDS
                 .iter()
