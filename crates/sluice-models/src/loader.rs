@@ -203,10 +203,9 @@ impl<'a, B: Backend> Loader<'a, B> {
         Ok(Experts::Streamed { source, layer })
     }
 
-    /// The routed experts under `mlp` from whichever layout the checkpoint uses: mlx-community's
-    /// stacked `switch_mlp.{gate,up,down}_proj`, the official per-expert `experts.{e}.*`, or
-    /// transformers 5's fused `experts.gate_up_proj` (`[E, 2 * inter, hidden]`, gate rows first)
-    /// and `experts.down_proj`.
+    /// The routed experts under `mlp`, from whichever layout the checkpoint uses (found by
+    /// `sluice_format::experts`, the scanner `sluice pack` and unpacked streaming use too),
+    /// checked against the config's count and shapes.
     fn resident_experts(
         &self,
         mlp: &str,
@@ -214,51 +213,25 @@ impl<'a, B: Backend> Loader<'a, B> {
         hidden: usize,
         inter: usize,
     ) -> Result<Vec<HostExpert>, ModelError> {
-        let (e, h, i) = (experts, hidden, inter);
-        let stack = |name: &str, out: usize, inp: usize| -> Result<Vec<HostMatrix>, ModelError> {
-            Ok(self
-                .dir
-                .tensors
-                .matrix_stack(name, self.quant, Some((e, out, inp)))?)
-        };
-        let zip = |gate: Vec<HostMatrix>, up: Vec<HostMatrix>, down: Vec<HostMatrix>| {
-            gate.into_iter()
-                .zip(up)
-                .zip(down)
-                .map(|((gate, up), down)| FfnWeights { gate, up, down })
-                .collect()
-        };
-        let stacked = format!("{mlp}.switch_mlp");
-        if self.has(&format!("{stacked}.gate_proj.weight")) {
-            return Ok(zip(
-                stack(&format!("{stacked}.gate_proj"), i, h)?,
-                stack(&format!("{stacked}.up_proj"), i, h)?,
-                stack(&format!("{stacked}.down_proj"), h, i)?,
-            ));
+        let found = sluice_format::experts::layer_experts(&self.dir.tensors, self.quant, mlp)?;
+        let want = [(inter, hidden), (inter, hidden), (hidden, inter)];
+        // Every expert of a layer has expert 0's shapes (the scanner checks it).
+        let got = found
+            .first()
+            .map(|e| [0, 1, 2].map(|i| (e[i].rows, e[i].cols)));
+        if found.len() != experts || got != Some(want) {
+            return Err(ModelError::Unsupported(format!(
+                "{}: `{mlp}` holds {} experts of shapes {:?} (gate, up, down); the config needs \
+                 {experts} of {want:?}",
+                self.dir.path.display(),
+                found.len(),
+                got.unwrap_or_default()
+            )));
         }
-        let fused = format!("{mlp}.experts.gate_up_proj");
-        if self.has(&fused) {
-            let gate_up = stack(&fused, 2 * i, h)?;
-            let (gate, up) = gate_up
-                .iter()
-                .map(|gu| (gu.rows(0..i), gu.rows(i..2 * i)))
-                .unzip();
-            return Ok(zip(
-                gate,
-                up,
-                stack(&format!("{mlp}.experts.down_proj"), h, i)?,
-            ));
-        }
-        (0..e)
-            .map(|x| {
-                let p = format!("{mlp}.experts.{x}");
-                Ok(FfnWeights {
-                    gate: self.host_matrix(&format!("{p}.gate_proj"), i, h)?,
-                    up: self.host_matrix(&format!("{p}.up_proj"), i, h)?,
-                    down: self.host_matrix(&format!("{p}.down_proj"), h, i)?,
-                })
-            })
-            .collect()
+        Ok(found
+            .into_iter()
+            .map(|[gate, up, down]| FfnWeights { gate, up, down })
+            .collect())
     }
 
     /// Bytes read by every token (all counted weights but the embeddings and routed experts),

@@ -1,0 +1,64 @@
+//! Loading checks that belong to the models crate: the config against the checkpoint's experts,
+//! and the config-only plan.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sluice_cpu::CpuBackend;
+use sluice_format::ModelDir;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// A copy of fixture `name` with `edit` applied to its config.json.
+fn edited(name: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let path = tmp.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+    tmp
+}
+
+#[test]
+fn experts_that_disagree_with_the_config_are_a_clear_error() {
+    // The router is read first, so a wrong expert count shows there; a wrong expert width in the
+    // experts.
+    for (key, value, says) in [
+        ("num_experts", 16, "mlp.gate"),
+        ("moe_intermediate_size", 32, "the config needs"),
+    ] {
+        let tmp = edited("qwen3_moe-q4", |c| c[key] = value.into());
+        let dir = ModelDir::open(tmp.path()).unwrap();
+        let err = match sluice_models::load(&dir, Arc::new(CpuBackend::new())) {
+            Ok(_) => panic!("{key} = {value} loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains("model.layers.0.mlp") && err.contains(says),
+            "{key}: {err}"
+        );
+    }
+}
+
+#[test]
+fn the_config_plan_reads_the_architecture_config() {
+    let dir = ModelDir::open(fixture("qwen3_5_moe-q4")).unwrap();
+    let plan = sluice_models::config_plan(&dir).unwrap();
+    assert!(plan.model_type.starts_with("qwen3_5_moe"), "{plan:?}");
+    assert!(plan.experts > 0 && plan.experts_per_token >= 1);
+    assert!(plan.experts_per_token <= plan.experts);
+    let tmp = edited("qwen3_moe-q4", |c| c["num_experts_per_tok"] = 99.into());
+    let err = sluice_models::config_plan(&ModelDir::open(tmp.path()).unwrap())
+        .err()
+        .expect("k > experts");
+    assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
+}
