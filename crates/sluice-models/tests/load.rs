@@ -57,8 +57,7 @@ fn the_config_plan_reads_the_architecture_config() {
     assert!(plan.experts > 0 && plan.experts_per_token >= 1);
     assert!(plan.experts_per_token <= plan.experts);
     let tmp = edited("qwen3_moe-q4", |c| c["num_experts_per_tok"] = 99.into());
-    let err = sluice_models::config_plan(&ModelDir::open(tmp.path()).unwrap())
-        .err()
-        .expect("k > experts");
+    let err =
+        sluice_models::config_plan(&ModelDir::open(tmp.path()).unwrap()).expect_err("k > experts");
     assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
 }
