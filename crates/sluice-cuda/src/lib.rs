@@ -13,6 +13,7 @@
 //! of failing there (no driver, no device, an old GPU or driver) into a one-line error.
 
 mod backend;
+mod device;
 mod kernels;
 mod mat;
 
@@ -78,7 +79,7 @@ pub fn open(ordinal: usize) -> Result<CudaBackend, BackendError> {
         )));
     }
     let total = ctx.total_mem().unwrap_or(0) as f64 / (1u64 << 30) as f64;
-    let device = backend::Device::new(ctx)?;
+    let device = device::Device::new(ctx)?;
     Ok(CudaBackend::with_device(
         device,
         format!("cuda:{ordinal} ({name}, sm_{major}{minor}, {total:.0} GiB)"),

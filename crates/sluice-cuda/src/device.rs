@@ -1,0 +1,380 @@
+//! The device layer under the backend: the context and its one stream, the kernels, device
+//! memory (a caching allocator over the stream-ordered pool), launches, the sticky first error,
+//! and the optional per-kernel profile.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
+use sluice_backend::{BackendError, MemoryInfo};
+
+use crate::kernels::Kernels;
+use crate::mat::Mat;
+
+/// Freed device memory kept for reuse, by size. Everything runs on one stream, so a buffer
+/// dropped on the host may be handed to the next allocation at once: the kernels that used it
+/// come earlier in the stream than any that will.
+pub(crate) struct BufCache {
+    stream: Arc<CudaStream>,
+    free: Mutex<HashMap<usize, Vec<u64>>>,
+}
+
+impl BufCache {
+    /// Frees every cached buffer (before retrying an allocation that did not fit).
+    fn release(&self) {
+        let free = std::mem::take(&mut *self.free.lock().unwrap_or_else(|p| p.into_inner()));
+        for ptr in free.into_values().flatten() {
+            // SAFETY: a cached buffer belongs to no DevBuf; the free is ordered after the work
+            // that used it.
+            let _ = unsafe { result::free_async(ptr, self.stream.cu_stream()) };
+        }
+    }
+}
+
+impl Drop for BufCache {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Device memory owned by the backend; returned to the cache when dropped.
+pub(crate) struct DevBuf {
+    pub(crate) ptr: u64,
+    pub(crate) bytes: usize,
+    cache: Arc<BufCache>,
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        let mut free = self.cache.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.entry(size_class(self.bytes))
+            .or_default()
+            .push(self.ptr);
+    }
+}
+
+impl DevBuf {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+/// Allocations are rounded up to 512 bytes so that nearby sizes share buffers.
+fn size_class(bytes: usize) -> usize {
+    bytes.max(4).next_multiple_of(512)
+}
+
+/// A kernel argument.
+pub(crate) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    Mat(Mat),
+}
+
+pub(crate) fn grid(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block).max(1) as u32
+}
+
+/// The context, stream and kernels, and the first failure not yet reported.
+pub(crate) struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    cache: Arc<BufCache>,
+    pub(crate) k: Kernels,
+    error: Mutex<Option<BackendError>>,
+    /// `SLUICE_CUDA_PROFILE=1`: every launch between two events, summed per kernel at the end.
+    profile: Option<Mutex<Vec<(String, CudaEvent, CudaEvent)>>>,
+}
+
+fn device_error(what: &str, e: DriverError) -> BackendError {
+    BackendError::Device(format!("CUDA {what}: {e}"))
+}
+
+/// Stream-ordered allocations come from the device's default pool, which by default returns freed
+/// memory to the driver at every synchronisation: each token would map its activations afresh.
+/// Keep what was freed for reuse instead.
+fn keep_pool_memory(ctx: &CudaContext) -> Result<(), BackendError> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()
+        .map_err(|e| device_error("binding the context", e))?;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    let mut keep = u64::MAX;
+    // SAFETY: `pool` is written by the driver before it is read; the attribute takes a pointer to a
+    // u64, as the driver documents for CU_MEMPOOL_ATTR_RELEASE_THRESHOLD.
+    let r = unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
+            .result()
+            .and_then(|_| {
+                sys::cuMemPoolSetAttribute(
+                    pool.assume_init(),
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut c_void,
+                )
+                .result()
+            })
+    };
+    r.map_err(|e| device_error("configuring the memory pool", e))
+}
+
+impl Device {
+    pub fn new(ctx: Arc<CudaContext>) -> Result<Device, BackendError> {
+        let stream = ctx.default_stream();
+        let k = Kernels::load(&ctx).map_err(|e| {
+            device_error(
+                "could not load sluice's kernels (is the driver older than 550?)",
+                e,
+            )
+        })?;
+        keep_pool_memory(&ctx)?;
+        let profile = std::env::var_os("SLUICE_CUDA_PROFILE").map(|_| Mutex::new(Vec::new()));
+        let cache = Arc::new(BufCache {
+            stream: stream.clone(),
+            free: Mutex::new(HashMap::new()),
+        });
+        Ok(Device {
+            ctx,
+            stream,
+            cache,
+            k,
+            error: Mutex::new(None),
+            profile,
+        })
+    }
+
+    pub(crate) fn record(&self, e: BackendError) {
+        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        slot.get_or_insert(e);
+    }
+
+    pub(crate) fn failed(&self) -> bool {
+        self.error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    pub(crate) fn take_error(&self) -> Option<BackendError> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    pub(crate) fn peek_error(&self) -> Option<BackendError> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn bind(&self) -> Result<(), BackendError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| device_error("binding the context", e))
+    }
+
+    pub fn memory(&self) -> MemoryInfo {
+        match self.bind().ok().and(self.ctx.mem_get_info().ok()) {
+            Some((free, total)) => MemoryInfo {
+                free: free as u64,
+                total: total as u64,
+            },
+            None => MemoryInfo { free: 0, total: 1 },
+        }
+    }
+
+    pub fn alloc(&self, bytes: usize, what: &str) -> Result<DevBuf, BackendError> {
+        let class = size_class(bytes);
+        let cached = self
+            .cache
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&class)
+            .and_then(Vec::pop);
+        let buf = |ptr| DevBuf {
+            ptr,
+            bytes,
+            cache: self.cache.clone(),
+        };
+        if let Some(ptr) = cached {
+            return Ok(buf(ptr));
+        }
+        self.bind()?;
+        // SAFETY: an allocation on our stream; the pointer is owned by the returned DevBuf.
+        let fresh = || unsafe { result::malloc_async(self.stream.cu_stream(), class) };
+        match fresh().or_else(|_| {
+            // Cached buffers of other sizes may be what is missing.
+            self.cache.release();
+            fresh()
+        }) {
+            Ok(ptr) => Ok(buf(ptr)),
+            Err(e) => {
+                let free = self.memory().free;
+                Err(BackendError::OutOfMemory {
+                    memory: "device",
+                    what: what.to_string(),
+                    needed: bytes as u64,
+                    free,
+                    hint: format!(
+                        "use a smaller model or context, or run on the CPU with --device cpu ({e})"
+                    ),
+                })
+            }
+        }
+    }
+
+    /// An allocation, or `None` after recording why not.
+    pub(crate) fn alloc_or_record(&self, bytes: usize, what: &str) -> Option<DevBuf> {
+        self.alloc(bytes, what).map_err(|e| self.record(e)).ok()
+    }
+
+    pub fn upload<T: Copy>(&self, data: &[T], what: &str) -> Result<DevBuf, BackendError> {
+        // Every driver call binds the context first: the caller may be a thread (a thread pool's,
+        // the server's) that has not bound it yet, and a cached allocation calls no driver.
+        self.bind()?;
+        let buf = self.alloc(size_of_val(data), what)?;
+        if !data.is_empty() {
+            // SAFETY: `buf` holds `size_of_val(data)` bytes; a copy from pageable memory returns
+            // once the source has been read, so `data` may go away after the call.
+            unsafe { result::memcpy_htod_async(buf.ptr, data, self.stream.cu_stream()) }
+                .map_err(|e| device_error("copying to the device", e))?;
+        }
+        Ok(buf)
+    }
+
+    pub fn download<T: Copy + Default>(
+        &self,
+        buf: &DevBuf,
+        len: usize,
+    ) -> Result<Vec<T>, BackendError> {
+        if let Some(e) = self.peek_error() {
+            return Err(e);
+        }
+        assert!(len * size_of::<T>() <= buf.bytes);
+        self.bind()?;
+        let mut out = vec![T::default(); len];
+        // SAFETY: `out` has room for `len` values, `buf` holds at least as many bytes; the stream is
+        // synchronised before `out` is read.
+        unsafe { result::memcpy_dtoh_async(&mut out, buf.ptr, self.stream.cu_stream()) }
+            .map_err(|e| device_error("copying to the host", e))?;
+        self.sync()?;
+        Ok(out)
+    }
+
+    pub fn sync(&self) -> Result<(), BackendError> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| device_error("synchronising", e))
+    }
+
+    pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        if let Err(e) = self.bind() {
+            return self.record(e);
+        }
+        // SAFETY: callers pass ranges inside live allocations of this backend.
+        let r = unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) };
+        if let Err(e) = r {
+            self.record(device_error("copying on the device", e));
+        }
+    }
+
+    pub(crate) fn zero(&self, buf: &DevBuf) {
+        if let Err(e) = self.bind() {
+            return self.record(e);
+        }
+        // SAFETY: the whole allocation is written.
+        let r = unsafe { result::memset_d8_async(buf.ptr, 0, buf.bytes, self.stream.cu_stream()) };
+        if let Err(e) = r {
+            self.record(device_error("clearing memory", e));
+        }
+    }
+
+    pub(crate) fn launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) {
+        if let Err(e) = self.bind() {
+            return self.record(e);
+        }
+        let mut params: Vec<*mut c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(v) => v as *const u64 as *mut c_void,
+                Arg::I32(v) => v as *const i32 as *mut c_void,
+                Arg::I64(v) => v as *const i64 as *mut c_void,
+                Arg::F32(v) => v as *const f32 as *mut c_void,
+                Arg::Mat(v) => v as *const Mat as *mut c_void,
+            })
+            .collect();
+        let events = self.profile.as_ref().and_then(|_| {
+            let e = || {
+                self.ctx
+                    .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .ok()
+            };
+            let (start, end) = (e()?, e()?);
+            start.record(&self.stream).ok()?;
+            Some((start, end))
+        });
+        // SAFETY: `params` points into `args`, which outlives the call; each kernel's parameter
+        // list matches the `Arg`s its wrapper passes (kernels/sluice.cu), and every pointer
+        // argument is a live allocation of the sizes the kernel reads and writes.
+        let r = unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                grid,
+                block,
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        };
+        if let Err(e) = r {
+            self.record(device_error("launching a kernel", e));
+        }
+        if let (Some(log), Some((start, end))) = (&self.profile, events) {
+            if end.record(&self.stream).is_ok() {
+                let name = format!("{:?}", f.cu_function());
+                log.lock().unwrap_or_else(|p| p.into_inner()).push((
+                    self.k.name_of(&name),
+                    start,
+                    end,
+                ));
+            }
+        }
+    }
+
+    /// The per-kernel GPU time of every launch so far (`SLUICE_CUDA_PROFILE`), busiest first.
+    pub fn profile_report(&self) -> Option<String> {
+        let log = self.profile.as_ref()?;
+        let log = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
+        self.sync().ok()?;
+        let mut per: HashMap<String, (f64, usize)> = HashMap::new();
+        for (name, start, end) in &log {
+            let ms = start.elapsed_ms(end).unwrap_or(0.0) as f64;
+            let e = per.entry(name.clone()).or_default();
+            e.0 += ms;
+            e.1 += 1;
+        }
+        let total: f64 = per.values().map(|v| v.0).sum();
+        let mut rows: Vec<_> = per.into_iter().collect();
+        rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        let mut out = format!(
+            "CUDA kernel time, {} launches, {total:.2} ms on the GPU:\n",
+            log.len()
+        );
+        for (name, (ms, n)) in rows {
+            out += &format!(
+                "  {name:20} {ms:9.3} ms {:5.1}%  {n:7} launches  {:7.2} us each\n",
+                ms / total.max(1e-9) * 100.0,
+                ms * 1e3 / n as f64
+            );
+        }
+        Some(out)
+    }
+}
