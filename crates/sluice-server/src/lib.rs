@@ -146,6 +146,7 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
                 .with_status(StatusCode::NOT_FOUND)
         })
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(middleware::from_fn_with_state(app.clone(), refuse_oversized_body::<B>))
         .with_state(app))
 }
 
@@ -154,6 +155,48 @@ fn unix_now() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+/// How much of an over-limit body the server reads and discards before answering 413. A server
+/// that answers while the client is still sending, then closes, resets the connection: the
+/// client sees a broken pipe instead of the error. Past this cap (or [`DRAIN_TIME`]) it does close.
+const DRAIN_CAP: u64 = 256 << 20;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Answers a request whose declared `Content-Length` is over the limit with a 413 that the client
+/// can read: the body is drained first (bounded), the answer says `Connection: close`.
+async fn refuse_oversized_body<B: Backend + 'static>(
+    State(app): State<Arc<App<B>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let Some(declared) = declared.filter(|&n| n > app.config.max_body_bytes as u64) else {
+        return next.run(request).await;
+    };
+    app.metrics.requests_failed.fetch_add(1, Relaxed);
+    if declared <= DRAIN_CAP {
+        let mut body = request.into_body().into_data_stream();
+        let drain = async { while let Some(Ok(_)) = body.next().await {} };
+        let _ = tokio::time::timeout(DRAIN_TIME, drain).await;
+    }
+    let message = format!(
+        "the request body ({declared} bytes) is larger than the server's limit of {} bytes \
+         (sluice serve --max-body)",
+        app.config.max_body_bytes
+    );
+    let mut response = ApiError::invalid(message)
+        .with_status(StatusCode::PAYLOAD_TOO_LARGE)
+        .into_response();
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
 }
 
 async fn check_key<B: Backend + 'static>(
