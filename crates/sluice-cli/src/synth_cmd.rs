@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_synth::{synthesize, Preset, Quant, SynthOptions, PRESETS};
+use sluice_synth::{synthesize, Preset, Quant, SynthOptions, ZeroPoint, PRESETS};
 
 #[derive(Args)]
 #[command(after_help = "Presets (published config.json shapes):\n  \
@@ -36,6 +36,11 @@ pub struct SynthArgs {
     /// Keep only the first N layers (a mid-size model of the same shapes).
     #[arg(long, value_name = "N")]
     layers: Option<usize>,
+    /// Write every bias as exactly -2^(bits-1) x its scale (ggml's zero point) instead of
+    /// centring the codes, so that `bench/gguf_from_mlx.py` writes a Q4_0 (or Q8_0) GGUF that
+    /// holds the same numbers at the same 4.5 bits per weight: for llama.cpp speed comparisons.
+    #[arg(long)]
+    ggml_zero_point: bool,
     /// Print the presets with their sizes and exit.
     #[arg(long)]
     list: bool,
@@ -78,6 +83,11 @@ pub fn run(a: SynthArgs) -> Result<()> {
         preset,
         out: out.clone(),
         quant,
+        zero_point: if a.ggml_zero_point {
+            ZeroPoint::Ggml
+        } else {
+            ZeroPoint::Centred
+        },
         seed: a.seed,
         layers: a.layers,
     };

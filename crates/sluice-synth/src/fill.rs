@@ -70,9 +70,9 @@ pub fn fill(t: &TensorPlan, start: usize, end: usize) -> Vec<u8> {
         let v = match t.fill {
             Fill::Codes => unreachable!("handled above"),
             Fill::Scales(g) => group_scale(&g, index),
-            Fill::Biases(g, bits) => {
+            Fill::Biases(g, zero_point) => {
                 let scale = bf16_value(group_scale(&g, index));
-                -scale * ((1u64 << bits) - 1) as f32 / 2.0
+                -scale * zero_point
             }
             Fill::Constant(c) => c,
             Fill::Uniform { lo, hi } => lo + (hi - lo) * rng.unit(),
@@ -121,12 +121,33 @@ mod tests {
             row_spread: 0.0,
         };
         let s = bf16s(&fill(&plan(Fill::Scales(g), StDtype::BF16, 100), 0, 200));
-        let b = fill(&plan(Fill::Biases(g, 4), StDtype::BF16, 100), 0, 200);
+        let b = fill(&plan(Fill::Biases(g, 7.5), StDtype::BF16, 100), 0, 200);
         for (s, b) in s.iter().zip(bf16s(&b)) {
             assert!((0.0079..0.0121).contains(s), "{s}");
             // bf16 keeps 8 significant bits: within 0.4% of the bias.
             assert!((b + 7.5 * s).abs() <= 0.004 * 7.5 * s, "{b} vs {s}");
         }
+    }
+
+    #[test]
+    fn ggml_zero_point_biases_are_exactly_minus_8_and_128_scales() {
+        use crate::plan::ZeroPoint;
+        let g = GroupScales {
+            base: 0.01,
+            key: 3,
+            row_groups: 4,
+            row_spread: 0.2,
+        };
+        let s = bf16s(&fill(&plan(Fill::Scales(g), StDtype::BF16, 100), 0, 200));
+        for (bits, zero) in [(4, -8.0f32), (8, -128.0)] {
+            let z = ZeroPoint::Ggml.value(bits);
+            let b = bf16s(&fill(&plan(Fill::Biases(g, z), StDtype::BF16, 100), 0, 200));
+            for (s, b) in s.iter().zip(b) {
+                // A power-of-two multiple of a bf16 is a bf16: Q4_0 / Q8_0 hold it exactly.
+                assert_eq!(b, zero * s, "bits {bits}");
+            }
+        }
+        assert_eq!(ZeroPoint::Centred.value(4), 7.5);
     }
 
     #[test]
@@ -139,7 +160,7 @@ mod tests {
         };
         let s = bf16s(&fill(&plan(Fill::Scales(g), StDtype::BF16, 800), 0, 1600));
         let b = bf16s(&fill(
-            &plan(Fill::Biases(g, 8), StDtype::BF16, 800),
+            &plan(Fill::Biases(g, 127.5), StDtype::BF16, 800),
             0,
             1600,
         ));

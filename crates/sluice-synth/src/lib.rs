@@ -34,7 +34,7 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 use sluice_format::{safetensors_header_for, StDtype};
 
-pub use plan::{Quant, TensorPlan};
+pub use plan::{Quant, TensorPlan, ZeroPoint};
 pub use presets::{Family, Preset, PRESETS};
 
 /// Largest shard, as mlx-lm's `save_model` (5 GB).
@@ -51,6 +51,8 @@ pub struct SynthOptions {
     pub seed: u64,
     /// Overrides the preset's layer count (for mid-size experiments).
     pub layers: Option<usize>,
+    /// Where the biases put each group's zero.
+    pub zero_point: ZeroPoint,
 }
 
 impl SynthOptions {
@@ -65,6 +67,7 @@ impl SynthOptions {
             },
             seed: 0,
             layers: None,
+            zero_point: ZeroPoint::Centred,
         }
     }
 }
@@ -119,7 +122,7 @@ pub fn effective_preset(opts: &SynthOptions) -> Result<Preset, SynthError> {
 pub fn shard_plan(preset: &Preset, opts: &SynthOptions) -> Vec<Vec<TensorPlan>> {
     let mut shards: Vec<Vec<TensorPlan>> = vec![Vec::new()];
     let mut size = 0u64;
-    for t in plan::tensors(preset, opts.quant, opts.seed) {
+    for t in plan::tensors(preset, opts.quant, opts.zero_point, opts.seed) {
         let n = t.nbytes();
         if size > 0 && size + n > SHARD_BYTES {
             shards.push(Vec::new());

@@ -28,8 +28,8 @@ pub enum Fill {
     /// Per-group scales: `base * row_gain * (0.8 + 0.4 u)` with `u` uniform, keyed by element
     /// index so the matching biases can recompute them.
     Scales(GroupScales),
-    /// Per-group biases that centre the codes: `-scale * (2^bits - 1) / 2`.
-    Biases(GroupScales, u32),
+    /// Per-group biases `-scale * zero_point` ([`ZeroPoint`]).
+    Biases(GroupScales, f32),
     /// Every element equal (norm weights).
     Constant(f32),
     /// Uniform on [lo, hi).
@@ -75,9 +75,30 @@ pub struct Quant {
     pub group_size: usize,
 }
 
+/// Where the biases put a quantised weight's zero: each group's bias is `-scale * zero_point`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ZeroPoint {
+    /// `(2^bits - 1) / 2`: codes centred on zero, as a trained checkpoint's are on average.
+    #[default]
+    Centred,
+    /// `2^(bits - 1)`: ggml's Q4_0 and Q8_0 zero, so that `bench/gguf_from_mlx.py` writes those
+    /// (4.5 and 8.5 bits per weight, as mlx's) holding exactly the same numbers.
+    Ggml,
+}
+
+impl ZeroPoint {
+    pub fn value(self, bits: u32) -> f32 {
+        match self {
+            ZeroPoint::Centred => ((1u64 << bits) - 1) as f32 / 2.0,
+            ZeroPoint::Ggml => (1u64 << (bits - 1)) as f32,
+        }
+    }
+}
+
 struct Builder {
     seed: u64,
     quant: Quant,
+    zero_point: ZeroPoint,
     out: Vec<TensorPlan>,
 }
 
@@ -149,7 +170,7 @@ impl Builder {
             format!("{name}.biases"),
             StDtype::BF16,
             sshape,
-            Fill::Biases(scales, q.bits),
+            Fill::Biases(scales, self.zero_point.value(q.bits)),
         );
     }
 
@@ -159,10 +180,11 @@ impl Builder {
 }
 
 /// The tensors of `preset`'s checkpoint, in file order (embeddings, layer by layer, head).
-pub fn tensors(preset: &Preset, quant: Quant, seed: u64) -> Vec<TensorPlan> {
+pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) -> Vec<TensorPlan> {
     let mut b = Builder {
         seed: mix(seed),
         quant,
+        zero_point,
         out: Vec::new(),
     };
     let q = quant;
@@ -288,7 +310,7 @@ mod tests {
     #[test]
     fn qwen35_35b_has_the_published_size() {
         let p = Preset::find("qwen3.5-35b-a3b").unwrap();
-        let t = tensors(p, q4(), 0);
+        let t = tensors(p, q4(), ZeroPoint::Centred, 0);
         let total: u64 = t.iter().map(|t| t.nbytes()).sum();
         let experts: u64 = t
             .iter()
@@ -304,7 +326,7 @@ mod tests {
     #[test]
     fn names_are_unique_and_shapes_consistent() {
         for p in crate::presets::PRESETS {
-            let t = tensors(p, q4(), 1);
+            let t = tensors(p, q4(), ZeroPoint::Centred, 1);
             let mut names: Vec<_> = t.iter().map(|t| t.name.as_str()).collect();
             names.sort();
             let n = names.len();
@@ -329,8 +351,8 @@ mod tests {
     #[test]
     fn seeds_differ_between_tensors_and_user_seeds() {
         let p = Preset::find("tiny-qwen3-moe").unwrap();
-        let a = tensors(p, q4(), 1);
-        let b = tensors(p, q4(), 2);
+        let a = tensors(p, q4(), ZeroPoint::Centred, 1);
+        let b = tensors(p, q4(), ZeroPoint::Centred, 2);
         assert_ne!(a[0].seed, a[1].seed);
         assert_ne!(a[0].seed, b[0].seed);
     }
