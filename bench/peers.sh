@@ -10,7 +10,7 @@ usage: bench/peers.sh MODEL_DIR [--available SIZE] [-p N] [-n N] [-r N] [-t N]
 
 Runs, on the same mlx-community 4-bit checkpoint:
   sluice     target/release/sluice bench --model DIR -p N -n N -r N -t T --memory --disk --json
-  llama.cpp  bench/llama_cpp.sh (Q4_0 GGUF converted from DIR; scenarios repack and mmap)
+  llama.cpp  bench/llama_cpp.sh (exact GGUF converted from DIR; scenarios repack and mmap)
   mlx-lm     bench/mlx_lm.sh (its own, much smaller, -p/-n/-r: it runs ~0.05 tok/s on 2 cores)
 and prints one markdown table on stdout:
   engine | scenario | pp tok/s | tg tok/s | tg ratio to sluice | tg fraction of the limit

@@ -1,0 +1,110 @@
+//! `bench/gguf_from_mlx.py` writes GGUFs that hold exactly the checkpoint's numbers: for each
+//! architecture, a `sluice synth` checkpoint with centred biases becomes Q4_1 and one with ggml's
+//! zero point (`--ggml-zero-point`) becomes Q4_0, and `--verify` dequantises every tensor with the
+//! `gguf` package's own code and requires equality with mlx's `scale * q + bias`.
+//!
+//! The `gguf` package is installed from PyPI into a virtualenv under the cargo target directory
+//! the first time (pinned in tests/gguf/requirements.txt): that needs `python3` with `venv` and
+//! network access to PyPI. Without them this test fails and says so: it does not skip.
+//! (llama.cpp's own logits on these files are compared by bench/compare_llama_logits.py.)
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn python_with_gguf() -> PathBuf {
+    let requirements = repo().join("tests/gguf/requirements.txt");
+    let wanted = std::fs::read_to_string(&requirements).expect("reading requirements.txt");
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gguf-venv");
+    let python = venv.join("bin/python");
+    let stamp = venv.join("installed.txt");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
+        return python;
+    }
+    let status = Command::new("python3")
+        .args(["-m", "venv", "--clear"])
+        .arg(&venv)
+        .status()
+        .expect("this test needs python3 (with the venv module) to install the gguf package");
+    assert!(
+        status.success(),
+        "python3 -m venv {} failed",
+        venv.display()
+    );
+    let status = Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-r",
+        ])
+        .arg(&requirements)
+        .status()
+        .expect("running pip");
+    assert!(
+        status.success(),
+        "pip could not install gguf and numpy from PyPI (network needed): pip install -r {}",
+        requirements.display()
+    );
+    std::fs::write(&stamp, wanted).unwrap();
+    python
+}
+
+#[test]
+fn converted_ggufs_hold_the_checkpoints_numbers() {
+    let python = python_with_gguf();
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gguf-from-mlx");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for preset in ["tiny-qwen3-moe", "tiny-qwen3.5-moe"] {
+        for (zero_point, expected) in [(false, "Q4_1"), (true, "Q4_0")] {
+            let name = format!("{preset}-{}", if zero_point { "ggml" } else { "centred" });
+            let model = dir.join(&name);
+            let mut synth = Command::new(env!("CARGO_BIN_EXE_sluice"));
+            synth.args(["synth", "--preset", preset, "-o"]).arg(&model);
+            if zero_point {
+                synth.arg("--ggml-zero-point");
+            }
+            let out = synth.output().expect("running sluice synth");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let gguf = dir.join(format!("{name}.gguf"));
+            let out = Command::new(&python)
+                .arg(repo().join("bench/gguf_from_mlx.py"))
+                .arg(&model)
+                .arg(&gguf)
+                .arg("--verify")
+                .output()
+                .expect("running bench/gguf_from_mlx.py");
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success(),
+                "{preset} (zero point {zero_point}): {log}"
+            );
+            assert!(
+                log.contains("dequantise to the checkpoint's values exactly"),
+                "{preset}: {log}"
+            );
+            // The 4-bit weights went into the exact type, not into F32 or the other 4-bit type.
+            let types: Vec<&str> = log
+                .lines()
+                .filter_map(|l| l.trim().split_once(':'))
+                .map(|(t, _)| t)
+                .filter(|t| t.starts_with('Q') || *t == "F32")
+                .collect();
+            assert_eq!(types.first(), Some(&expected), "{preset}: {log}");
+            assert!(
+                !types.contains(&if zero_point { "Q4_1" } else { "Q4_0" }),
+                "{log}"
+            );
+        }
+    }
+}
