@@ -15,7 +15,10 @@ use sluice_engine::Engine;
 pub enum Test {
     /// Process a prompt of N random tokens in one prefill.
     Prompt(usize),
-    /// Generate N tokens one at a time (greedy) from an empty context.
+    /// Generate N tokens one at a time from an empty context. Each step's logits come back to
+    /// the host and are reduced as a sampler would, but the next input is a random token, as in
+    /// llama-bench: greedy decoding of a random-weight checkpoint soon repeats one token, routes
+    /// every step to the same experts and so flatters an expert cache.
     Generate(usize),
 }
 
@@ -239,7 +242,8 @@ fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> 
             let start = Instant::now();
             for _ in 0..n {
                 let logits = engine.model.forward(&mut state, &[token], false)?;
-                token = argmax(&backend.to_host(&logits)?);
+                std::hint::black_box(argmax(&backend.to_host(&logits)?));
+                token = next_token();
             }
             Ok(start.elapsed().as_secs_f64())
         }

@@ -55,10 +55,27 @@ fn bf16_value(x: f32) -> f32 {
 pub fn fill(t: &TensorPlan, start: usize, end: usize) -> Vec<u8> {
     let mut out = vec![0u8; end - start];
     let mut rng = Rng(mix(t.seed ^ start as u64));
-    if let Fill::Codes = t.fill {
+    if let Fill::Codes(symmetric) = t.fill {
         for chunk in out.chunks_mut(8) {
             let r = rng.next().to_le_bytes();
             chunk.copy_from_slice(&r[..chunk.len()]);
+        }
+        match symmetric {
+            None => {}
+            Some(4) => {
+                for b in &mut out {
+                    let (lo, hi) = (*b & 0x0f, *b >> 4);
+                    *b = if lo == 0 { 8 } else { lo } | (if hi == 0 { 8 } else { hi }) << 4;
+                }
+            }
+            Some(8) => {
+                for b in &mut out {
+                    if *b == 0 {
+                        *b = 128;
+                    }
+                }
+            }
+            Some(bits) => unreachable!("{bits}-bit codes are refused before planning"),
         }
         return out;
     }
@@ -68,7 +85,7 @@ pub fn fill(t: &TensorPlan, start: usize, end: usize) -> Vec<u8> {
     for (i, slot) in out.chunks_exact_mut(size).enumerate() {
         let index = first + i as u64;
         let v = match t.fill {
-            Fill::Codes => unreachable!("handled above"),
+            Fill::Codes(_) => unreachable!("handled above"),
             Fill::Scales(g) => group_scale(&g, index),
             Fill::Biases(g, zero_point) => {
                 let scale = bf16_value(group_scale(&g, index));
@@ -151,6 +168,45 @@ mod tests {
     }
 
     #[test]
+    fn ggml_zero_point_codes_are_symmetric_about_it() {
+        use crate::plan::ZeroPoint;
+        for (bits, mid) in [(4u32, 8i64), (8, 128)] {
+            let b = fill(
+                &plan(Fill::Codes(Some(bits)), StDtype::U32, 1 << 16),
+                0,
+                1 << 18,
+            );
+            let codes: Vec<i64> = if bits == 4 {
+                b.iter()
+                    .flat_map(|&x| [(x & 15) as i64, (x >> 4) as i64])
+                    .collect()
+            } else {
+                b.iter().map(|&x| x as i64).collect()
+            };
+            assert!(!codes.contains(&0), "{bits}-bit: code 0 written");
+            let n = codes.len() as f64;
+            let mean = codes.iter().map(|&c| (c - mid) as f64).sum::<f64>() / n;
+            let std = (codes
+                .iter()
+                .map(|&c| ((c - mid) as f64).powi(2))
+                .sum::<f64>()
+                / n)
+                .sqrt();
+            assert!(
+                mean.abs() < 0.05 * std,
+                "{bits}-bit: mean {mean} about the zero point"
+            );
+            let want = ZeroPoint::Ggml.code_std(bits) as f64;
+            assert!(
+                (std / want - 1.0).abs() < 0.01,
+                "{bits}-bit: std {std} vs {want}"
+            );
+        }
+        let want = ZeroPoint::Centred.code_std(4) as f64;
+        assert!((want - (255.0f64 / 12.0).sqrt()).abs() < 1e-6);
+    }
+
+    #[test]
     fn row_spread_scales_whole_rows_and_biases_follow() {
         let g = GroupScales {
             base: 0.01,
@@ -181,7 +237,7 @@ mod tests {
         let t = plan(Fill::Uniform { lo: -1.0, hi: 1.0 }, StDtype::BF16, 1000);
         let whole = fill(&t, 0, 2000);
         assert_eq!(whole, fill(&t, 0, 2000));
-        let codes = plan(Fill::Codes, StDtype::U32, 1000);
+        let codes = plan(Fill::Codes(None), StDtype::U32, 1000);
         assert_ne!(fill(&codes, 0, 4000), fill(&codes, 4000, 8000));
     }
 

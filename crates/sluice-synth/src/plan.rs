@@ -23,8 +23,10 @@ pub const ROUTER_SPREAD: f32 = 0.12;
 /// How a tensor's bytes are made.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Fill {
-    /// Packed quantised codes (uniform random bits).
-    Codes,
+    /// Packed quantised codes: uniform random bits, or with `Some(bits)` codes of that width
+    /// whose zero code is replaced by the middle one (`2^(bits-1)`), so that they are
+    /// symmetric about ggml's zero point (see [`ZeroPoint::Ggml`]).
+    Codes(Option<u32>),
     /// Per-group scales: `base * row_gain * (0.8 + 0.4 u)` with `u` uniform, keyed by element
     /// index so the matching biases can recompute them.
     Scales(GroupScales),
@@ -82,7 +84,10 @@ pub enum ZeroPoint {
     #[default]
     Centred,
     /// `2^(bits - 1)`: ggml's Q4_0 and Q8_0 zero, so that `bench/gguf_from_mlx.py` writes those
-    /// (4.5 and 8.5 bits per weight, as mlx's) holding exactly the same numbers.
+    /// (4.5 and 8.5 bits per weight, as mlx's) holding exactly the same numbers. The codes then
+    /// avoid 0 (it becomes the middle code) so that the weights still average zero: uniform codes
+    /// would average half a step below the zero point, a shift every matrix shares, which
+    /// measurably collapses the routing onto a few experts.
     Ggml,
 }
 
@@ -91,6 +96,20 @@ impl ZeroPoint {
         match self {
             ZeroPoint::Centred => ((1u64 << bits) - 1) as f32 / 2.0,
             ZeroPoint::Ggml => (1u64 << (bits - 1)) as f32,
+        }
+    }
+
+    /// The standard deviation of `code - zero point` over the codes this mode writes.
+    pub fn code_std(self, bits: u32) -> f32 {
+        let levels = (1u64 << bits) as f64;
+        match self {
+            ZeroPoint::Centred => ((levels * levels - 1.0) / 12.0).sqrt() as f32,
+            ZeroPoint::Ggml => {
+                // Codes 1..levels-1 once each and the middle twice, about the middle.
+                let m = levels / 2.0;
+                let sum_sq = 2.0 * (m - 1.0) * m * (2.0 * m - 1.0) / 6.0;
+                (sum_sq / levels).sqrt() as f32
+            }
         }
     }
 }
@@ -145,15 +164,17 @@ impl Builder {
             );
             return;
         }
-        let levels = (1u64 << q.bits) as f32;
-        // Uniform codes on 0..levels have standard deviation sqrt((levels^2 - 1) / 12).
-        let base = std / ((levels * levels - 1.0) / 12.0).sqrt();
+        let base = std / self.zero_point.code_std(q.bits);
         let key = mix(self.seed ^ fnv1a(name.as_bytes()) ^ 0x5ca1e);
         let mut wshape = lead.to_vec();
         wshape.extend([out, inp * q.bits as usize / 32]);
         let mut sshape = lead.to_vec();
         sshape.extend([out, inp / q.group_size]);
-        self.push(format!("{name}.weight"), StDtype::U32, wshape, Fill::Codes);
+        let codes = match self.zero_point {
+            ZeroPoint::Centred => Fill::Codes(None),
+            ZeroPoint::Ggml => Fill::Codes(Some(q.bits)),
+        };
+        self.push(format!("{name}.weight"), StDtype::U32, wshape, codes);
         let scales = GroupScales {
             base,
             key,
