@@ -18,8 +18,9 @@ holds); real routing is skewed, so real hit rates are higher. It prints two boun
 compute one after the other, and reads fully hidden behind compute."
 )]
 pub struct InfoArgs {
-    /// Model directory (packed or not).
-    #[arg(long, short = 'm', value_name = "DIR")]
+    /// Model directory (packed or not), or a .gguf file (described: its architecture, metadata
+    /// and tensor types; sluice does not run GGUF models yet).
+    #[arg(long, short = 'm', value_name = "DIR|FILE.gguf")]
     model: PathBuf,
     /// Total memory for the model (resident weights + expert cache + working memory).
     #[arg(long, value_name = "SIZE")]
@@ -36,6 +37,9 @@ pub struct InfoArgs {
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
+    if a.model.is_file() {
+        return describe_gguf(&a.model);
+    }
     let streaming = StreamingOptions {
         expert_cache: a.expert_cache.map(ByteSize::bytes),
         memory_budget: a.memory_budget.map(ByteSize::bytes),
@@ -146,6 +150,78 @@ pub fn run(a: InfoArgs) -> Result<()> {
         "  estimate: {:.2} tok/s with reads after compute, {:.2} tok/s with reads hidden behind compute",
         1.0 / (t_mem + t_disk),
         1.0 / t_mem.max(t_disk)
+    );
+    Ok(())
+}
+
+/// What a GGUF file holds: architecture, the shape metadata, tensor types and sizes.
+fn describe_gguf(path: &std::path::Path) -> Result<()> {
+    use sluice_format::gguf::GgufFile;
+    let file = GgufFile::open(path)?;
+    let arch = file.architecture().unwrap_or("(no general.architecture)");
+    println!("{} (GGUF v{}, {arch})", path.display(), file.version);
+    let keys = [
+        "general.name",
+        "block_count",
+        "embedding_length",
+        "expert_count",
+        "expert_used_count",
+        "context_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+    ];
+    for key in keys {
+        let full = if key.starts_with("general.") {
+            key.to_string()
+        } else {
+            format!("{arch}.{key}")
+        };
+        if let Some(v) = file.metadata(&full) {
+            println!("  {full}: {v}");
+        }
+    }
+    if let Some(tokens) = file
+        .metadata("tokenizer.ggml.tokens")
+        .and_then(|v| v.as_array())
+    {
+        println!("  tokenizer: {} tokens", tokens.len());
+    }
+    let mut by_type: Vec<(&str, usize, u64)> = Vec::new();
+    for t in file.tensors() {
+        let name = t.ggml_type.name();
+        match by_type.iter_mut().find(|e| e.0 == name) {
+            Some(e) => {
+                e.1 += 1;
+                e.2 += t.bytes;
+            }
+            None => by_type.push((name, 1, t.bytes)),
+        }
+    }
+    by_type.sort_by_key(|e| std::cmp::Reverse(e.2));
+    let total: u64 = file.tensors().iter().map(|t| t.bytes).sum();
+    println!(
+        "  {} tensors, {} of weights in a {} file",
+        file.tensors().len(),
+        format_bytes(total),
+        format_bytes(file.file_bytes())
+    );
+    for (name, n, bytes) in by_type {
+        println!("    {name}: {n} tensors, {}", format_bytes(bytes));
+    }
+    let experts: u64 = file
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains("_exps."))
+        .map(|t| t.bytes)
+        .sum();
+    if experts > 0 {
+        println!(
+            "  routed experts (stacked *_exps tensors): {}",
+            format_bytes(experts)
+        );
+    }
+    println!(
+        "  sluice cannot run GGUF files yet: run the safetensors checkpoint directory it came from"
     );
     Ok(())
 }

@@ -6,7 +6,8 @@
 //! The `gguf` package is installed from PyPI into a virtualenv under the cargo target directory
 //! the first time (pinned in tests/gguf/requirements.txt): that needs `python3` with `venv` and
 //! network access to PyPI. Without them this test fails and says so: it does not skip.
-//! (llama.cpp's own logits on these files are compared by bench/compare_llama_logits.py.)
+//! `sluice info` must then read each file with sluice's own GGUF reader. (llama.cpp's own logits
+//! on these files are compared by bench/compare_llama_logits.py.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -105,6 +106,32 @@ fn converted_ggufs_hold_the_checkpoints_numbers() {
                 !types.contains(&if zero_point { "Q4_1" } else { "Q4_0" }),
                 "{log}"
             );
+            // sluice's own GGUF reader reads what the gguf package wrote.
+            let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+                .args(["info", "-m"])
+                .arg(&gguf)
+                .output()
+                .expect("running sluice info");
+            let info = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let arch = if preset == "tiny-qwen3-moe" {
+                "qwen3moe"
+            } else {
+                "qwen35moe"
+            };
+            assert!(info.contains(&format!("(GGUF v3, {arch})")), "{info}");
+            assert!(info.contains(&format!("    {expected}: ")), "{info}");
+            let written = log
+                .lines()
+                .find_map(|l| l.split_once(&format!("arch {arch}, ")))
+                .and_then(|(_, rest)| rest.split_once(" tensors"))
+                .map(|(n, _)| n.to_string())
+                .expect("the converter names its tensor count");
+            assert!(info.contains(&format!("  {written} tensors, ")), "{info}");
         }
     }
 }

@@ -12,6 +12,8 @@
 //! on bad input. It also knows where a checkpoint keeps its routed experts, in each of the
 //! layouts sluice reads ([`experts`]: the one scanner that packing, unpacked streaming and model
 //! loading share), and writes safetensors files ([`safetensors_writer`]), for tools and tests.
+//! [`gguf`] reads the metadata and tensor table of a llama.cpp GGUF file (running one is not
+//! wired yet).
 //!
 //! ```no_run
 //! # fn main() -> Result<(), sluice_format::FormatError> {
@@ -32,6 +34,7 @@ use serde_json::Value;
 mod error;
 pub mod experts;
 pub mod fs_util;
+pub mod gguf;
 mod quant;
 pub mod safetensors;
 pub mod safetensors_writer;

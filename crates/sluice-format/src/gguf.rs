@@ -1,0 +1,514 @@
+//! Reads a GGUF file (versions 2 and 3), the format of llama.cpp, Ollama and LM Studio: the
+//! metadata key/value pairs and the tensor table, memory-mapped, every length, count, type and
+//! tensor extent checked against the file before anything is handed out. A defect is a one-line
+//! [`GgufError`] naming the file (and the key or tensor); nothing here panics on bad input.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), sluice_format::gguf::GgufError> {
+//! let file = sluice_format::gguf::GgufFile::open("Qwen3-30B-A3B-Q4_K_M.gguf")?;
+//! println!("{:?}", file.metadata("general.architecture"));
+//! for t in file.tensors() {
+//!     println!("{} {:?} {} {} bytes", t.name, t.dims, t.ggml_type.name(), t.bytes);
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+/// What can be wrong with a GGUF file; the message names the file.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct GgufError {
+    pub path: PathBuf,
+    pub message: String,
+}
+
+/// A ggml tensor type: its id in the file, name, and block geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GgmlType(u32);
+
+/// (id, name, elements per block, bytes per block), as ggml defines them.
+const GGML_TYPES: &[(u32, &str, u64, u64)] = &[
+    (0, "F32", 1, 4),
+    (1, "F16", 1, 2),
+    (2, "Q4_0", 32, 18),
+    (3, "Q4_1", 32, 20),
+    (6, "Q5_0", 32, 22),
+    (7, "Q5_1", 32, 24),
+    (8, "Q8_0", 32, 34),
+    (9, "Q8_1", 32, 40),
+    (10, "Q2_K", 256, 84),
+    (11, "Q3_K", 256, 110),
+    (12, "Q4_K", 256, 144),
+    (13, "Q5_K", 256, 176),
+    (14, "Q6_K", 256, 210),
+    (15, "Q8_K", 256, 292),
+    (16, "IQ2_XXS", 256, 66),
+    (17, "IQ2_XS", 256, 74),
+    (18, "IQ3_XXS", 256, 98),
+    (19, "IQ1_S", 256, 50),
+    (20, "IQ4_NL", 32, 18),
+    (21, "IQ3_S", 256, 110),
+    (22, "IQ2_S", 256, 82),
+    (23, "IQ4_XS", 256, 136),
+    (24, "I8", 1, 1),
+    (25, "I16", 1, 2),
+    (26, "I32", 1, 4),
+    (27, "I64", 1, 8),
+    (28, "F64", 1, 8),
+    (29, "IQ1_M", 256, 56),
+    (30, "BF16", 1, 2),
+    (34, "TQ1_0", 256, 54),
+    (35, "TQ2_0", 256, 66),
+    (39, "MXFP4", 32, 17),
+];
+
+impl GgmlType {
+    pub fn from_id(id: u32) -> Option<Self> {
+        GGML_TYPES.iter().any(|t| t.0 == id).then_some(GgmlType(id))
+    }
+
+    fn entry(self) -> &'static (u32, &'static str, u64, u64) {
+        GGML_TYPES
+            .iter()
+            .find(|t| t.0 == self.0)
+            .expect("constructed from the table")
+    }
+
+    pub fn id(self) -> u32 {
+        self.0
+    }
+
+    pub fn name(self) -> &'static str {
+        self.entry().1
+    }
+
+    /// Elements per block (1 for plain types).
+    pub fn block_elements(self) -> u64 {
+        self.entry().2
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> u64 {
+        self.entry().3
+    }
+}
+
+/// A metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GgufValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<GgufValue>),
+}
+
+impl GgufValue {
+    /// Any integer type that fits, as u64.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            GgufValue::U8(v) => Some(v.into()),
+            GgufValue::U16(v) => Some(v.into()),
+            GgufValue::U32(v) => Some(v.into()),
+            GgufValue::U64(v) => Some(v),
+            GgufValue::I8(v) => u64::try_from(v).ok(),
+            GgufValue::I16(v) => u64::try_from(v).ok(),
+            GgufValue::I32(v) => u64::try_from(v).ok(),
+            GgufValue::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            GgufValue::F32(v) => Some(v.into()),
+            GgufValue::F64(v) => Some(v),
+            _ => self.as_u64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            GgufValue::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            GgufValue::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for GgufValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GgufValue::String(s) if s.len() > 60 => {
+                let cut = (0..=60).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+                write!(f, "{:?}… ({} bytes)", &s[..cut], s.len())
+            }
+            GgufValue::String(s) => write!(f, "{s:?}"),
+            GgufValue::Array(a) if a.len() > 8 => write!(f, "[{} values]", a.len()),
+            GgufValue::Array(a) => {
+                write!(f, "[")?;
+                for (i, v) in a.iter().enumerate() {
+                    write!(f, "{}{v}", if i > 0 { ", " } else { "" })?;
+                }
+                write!(f, "]")
+            }
+            GgufValue::Bool(v) => write!(f, "{v}"),
+            GgufValue::F32(v) => write!(f, "{v}"),
+            GgufValue::F64(v) => write!(f, "{v}"),
+            GgufValue::I8(v) => write!(f, "{v}"),
+            GgufValue::I16(v) => write!(f, "{v}"),
+            GgufValue::I32(v) => write!(f, "{v}"),
+            GgufValue::I64(v) => write!(f, "{v}"),
+            GgufValue::U8(v) => write!(f, "{v}"),
+            GgufValue::U16(v) => write!(f, "{v}"),
+            GgufValue::U32(v) => write!(f, "{v}"),
+            GgufValue::U64(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+/// One entry of the tensor table, checked against the file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufTensorInfo {
+    pub name: String,
+    /// ggml order: `dims[0]` is the row length (contiguous), as llama.cpp prints shapes.
+    pub dims: Vec<u64>,
+    pub ggml_type: GgmlType,
+    /// Offset of the data from the start of the file.
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+impl GgufTensorInfo {
+    pub fn elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+}
+
+/// A memory-mapped GGUF file with its metadata and tensor table parsed and checked.
+pub struct GgufFile {
+    path: PathBuf,
+    mmap: Mmap,
+    pub version: u32,
+    metadata: Vec<(String, GgufValue)>,
+    tensors: Vec<GgufTensorInfo>,
+    by_name: HashMap<String, usize>,
+}
+
+impl fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("metadata", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+/// The most dimensions a ggml tensor has.
+const MAX_DIMS: u32 = 4;
+/// Nesting limit for arrays of arrays (llama.cpp writes none deeper than 1).
+const MAX_DEPTH: u32 = 4;
+
+impl GgufFile {
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
+        let path = path.as_ref().to_path_buf();
+        let err = |message: String| GgufError {
+            path: path.clone(),
+            message,
+        };
+        let file = File::open(&path).map_err(|e| err(format!("cannot open: {e}")))?;
+        // SAFETY: the map is read-only and private to this process; a file truncated or rewritten
+        // underneath it is the same hazard every memory-mapped weight loader accepts, and all
+        // offsets are checked against the length seen at open.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
+        let parsed = parse(&mmap).map_err(err)?;
+        let by_name = parsed
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(GgufFile {
+            path,
+            mmap,
+            version: parsed.version,
+            metadata: parsed.metadata,
+            tensors: parsed.tensors,
+            by_name,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn metadata(&self, key: &str) -> Option<&GgufValue> {
+        self.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// All key/value pairs, in file order.
+    pub fn metadata_entries(&self) -> &[(String, GgufValue)] {
+        &self.metadata
+    }
+
+    /// `general.architecture`, when present.
+    pub fn architecture(&self) -> Option<&str> {
+        self.metadata("general.architecture")
+            .and_then(GgufValue::as_str)
+    }
+
+    pub fn tensors(&self) -> &[GgufTensorInfo] {
+        &self.tensors
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&GgufTensorInfo> {
+        self.by_name.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// The bytes of a tensor (bounds were checked at open).
+    pub fn tensor_bytes(&self, t: &GgufTensorInfo) -> &[u8] {
+        &self.mmap[t.offset as usize..(t.offset + t.bytes) as usize]
+    }
+
+    pub fn file_bytes(&self) -> u64 {
+        self.mmap.len() as u64
+    }
+}
+
+struct Parsed {
+    version: u32,
+    metadata: Vec<(String, GgufValue)>,
+    tensors: Vec<GgufTensorInfo>,
+}
+
+struct Cursor<'a> {
+    data: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], String> {
+        let left = (self.data.len() - self.pos) as u64;
+        if n > left {
+            return Err(format!(
+                "truncated: {what} needs {n} bytes at offset {}, {left} left",
+                self.pos
+            ));
+        }
+        let s = &self.data[self.pos..self.pos + n as usize];
+        self.pos += n as usize;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], String> {
+        Ok(self
+            .take(N as u64, what)?
+            .try_into()
+            .expect("length checked"))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, String> {
+        self.array(what).map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, String> {
+        self.array(what).map(u64::from_le_bytes)
+    }
+
+    fn string(&mut self, what: &str) -> Result<String, String> {
+        let n = self.u64(what)?;
+        let bytes = self.take(n, what)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| format!("{what} is not UTF-8"))
+    }
+
+    fn value(&mut self, ty: u32, what: &str, depth: u32) -> Result<GgufValue, String> {
+        Ok(match ty {
+            0 => GgufValue::U8(self.array::<1>(what)?[0]),
+            1 => GgufValue::I8(self.array::<1>(what)?[0] as i8),
+            2 => GgufValue::U16(u16::from_le_bytes(self.array(what)?)),
+            3 => GgufValue::I16(i16::from_le_bytes(self.array(what)?)),
+            4 => GgufValue::U32(self.u32(what)?),
+            5 => GgufValue::I32(i32::from_le_bytes(self.array(what)?)),
+            6 => GgufValue::F32(f32::from_le_bytes(self.array(what)?)),
+            7 => match self.array::<1>(what)?[0] {
+                0 => GgufValue::Bool(false),
+                1 => GgufValue::Bool(true),
+                b => return Err(format!("{what}: boolean byte {b}")),
+            },
+            8 => GgufValue::String(self.string(what)?),
+            9 => {
+                if depth >= MAX_DEPTH {
+                    return Err(format!("{what}: arrays nested deeper than {MAX_DEPTH}"));
+                }
+                let item_ty = self.u32(what)?;
+                let n = self.u64(what)?;
+                // Every item takes at least one byte: a count beyond the file is a lie, not an
+                // allocation to attempt.
+                if n > (self.data.len() - self.pos) as u64 {
+                    return Err(format!(
+                        "{what}: array of {n} items is longer than the file"
+                    ));
+                }
+                let mut items = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    items.push(self.value(item_ty, what, depth + 1)?);
+                }
+                GgufValue::Array(items)
+            }
+            10 => GgufValue::U64(self.u64(what)?),
+            11 => GgufValue::I64(i64::from_le_bytes(self.array(what)?)),
+            12 => GgufValue::F64(f64::from_le_bytes(self.array(what)?)),
+            t => return Err(format!("{what}: unknown value type {t}")),
+        })
+    }
+}
+
+fn parse(data: &[u8]) -> Result<Parsed, String> {
+    let mut c = Cursor { data, pos: 0 };
+    let magic = c.array::<4>("the magic")?;
+    if &magic != b"GGUF" {
+        return Err(format!(
+            "not a GGUF file (starts with {magic:02x?}, expected \"GGUF\")"
+        ));
+    }
+    let version = c.u32("the version")?;
+    if !(2..=3).contains(&version) {
+        return Err(format!(
+            "GGUF version {version} is not supported (2 and 3 are; convert older files with \
+             llama.cpp's tools)"
+        ));
+    }
+    let n_tensors = c.u64("the tensor count")?;
+    let n_kv = c.u64("the metadata count")?;
+    // Each entry takes well over 8 bytes: counts beyond that are corrupt, not huge.
+    for (n, what) in [(n_tensors, "tensors"), (n_kv, "metadata entries")] {
+        if n > data.len() as u64 / 8 {
+            return Err(format!(
+                "header claims {n} {what}, more than the file can hold"
+            ));
+        }
+    }
+    let mut metadata = Vec::with_capacity(n_kv as usize);
+    for i in 0..n_kv {
+        let key = c.string(&format!("metadata key {i}"))?;
+        let ty = c.u32(&format!("the type of {key}"))?;
+        let value = c.value(ty, &key, 0)?;
+        if metadata.iter().any(|(k, _)| *k == key) {
+            return Err(format!("metadata key {key} appears twice"));
+        }
+        metadata.push((key, value));
+    }
+    let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
+        None => 32,
+        Some((_, v)) => match v.as_u64() {
+            Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
+            _ => return Err(format!("general.alignment {v} is not a power of two")),
+        },
+    };
+    let mut tensors: Vec<GgufTensorInfo> = Vec::with_capacity(n_tensors as usize);
+    let mut names = std::collections::HashSet::new();
+    for i in 0..n_tensors {
+        let name = c.string(&format!("the name of tensor {i}"))?;
+        let n_dims = c.u32(&format!("{name}: dimension count"))?;
+        if n_dims == 0 || n_dims > MAX_DIMS {
+            return Err(format!(
+                "{name}: {n_dims} dimensions (ggml has 1 to {MAX_DIMS})"
+            ));
+        }
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            dims.push(c.u64(&format!("{name}: dimensions"))?);
+        }
+        let type_id = c.u32(&format!("{name}: type"))?;
+        let ggml_type = GgmlType::from_id(type_id)
+            .ok_or_else(|| format!("{name}: unknown ggml type {type_id}"))?;
+        let offset = c.u64(&format!("{name}: offset"))?;
+        if offset % alignment != 0 {
+            return Err(format!(
+                "{name}: data offset {offset} is not aligned to {alignment}"
+            ));
+        }
+        let elements = dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| format!("{name}: dimensions {dims:?} overflow"))?;
+        let block = ggml_type.block_elements();
+        if dims[0] % block != 0 {
+            return Err(format!(
+                "{name}: rows of {} elements are not whole {} blocks of {block}",
+                dims[0],
+                ggml_type.name()
+            ));
+        }
+        let bytes = (elements / block)
+            .checked_mul(ggml_type.block_bytes())
+            .ok_or_else(|| format!("{name}: size overflows"))?;
+        if !names.insert(name.clone()) {
+            return Err(format!("tensor {name} appears twice"));
+        }
+        tensors.push(GgufTensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset,
+            bytes,
+        });
+    }
+    let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
+    let file_len = data.len() as u64;
+    for t in &mut tensors {
+        let start = data_start
+            .checked_add(t.offset)
+            .filter(|s| s.checked_add(t.bytes).is_some_and(|end| end <= file_len))
+            .ok_or_else(|| {
+                format!(
+                    "{}: {} bytes at data offset {} run past the end of the file ({file_len} \
+                     bytes; truncated download?)",
+                    t.name, t.bytes, t.offset
+                )
+            })?;
+        t.offset = start;
+    }
+    // Overlapping tensors mean a corrupt table.
+    let mut spans: Vec<(u64, u64, &str)> = tensors
+        .iter()
+        .map(|t| (t.offset, t.offset + t.bytes, t.name.as_str()))
+        .collect();
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(format!("tensors {} and {} overlap", w[0].2, w[1].2));
+        }
+    }
+    Ok(Parsed {
+        version,
+        metadata,
+        tensors,
+    })
+}
+
+#[cfg(test)]
+#[path = "gguf_tests.rs"]
+mod tests;
