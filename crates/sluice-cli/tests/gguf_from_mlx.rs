@@ -9,56 +9,16 @@
 //! `sluice info` must then read each file with sluice's own GGUF reader. (llama.cpp's own logits
 //! on these files are compared by bench/compare_llama_logits.py.)
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+mod common;
 
-fn python_with_gguf() -> PathBuf {
-    let requirements = repo().join("tests/gguf/requirements.txt");
-    let wanted = std::fs::read_to_string(&requirements).expect("reading requirements.txt");
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gguf-venv");
-    let python = venv.join("bin/python");
-    let stamp = venv.join("installed.txt");
-    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
-        return python;
-    }
-    let status = Command::new("python3")
-        .args(["-m", "venv", "--clear"])
-        .arg(&venv)
-        .status()
-        .expect("this test needs python3 (with the venv module) to install the gguf package");
-    assert!(
-        status.success(),
-        "python3 -m venv {} failed",
-        venv.display()
-    );
-    let status = Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "-r",
-        ])
-        .arg(&requirements)
-        .status()
-        .expect("running pip");
-    assert!(
-        status.success(),
-        "pip could not install gguf and numpy from PyPI (network needed): pip install -r {}",
-        requirements.display()
-    );
-    std::fs::write(&stamp, wanted).unwrap();
-    python
-}
+use common::repo;
 
 #[test]
 fn converted_ggufs_hold_the_checkpoints_numbers() {
-    let python = python_with_gguf();
+    let python = common::python_with("tests/gguf/requirements.txt", "gguf-venv");
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gguf-from-mlx");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

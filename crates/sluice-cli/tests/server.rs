@@ -8,54 +8,18 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+mod common;
+
+use common::repo;
 
 /// A virtualenv with the pinned `openai` client; returns its python.
 fn python_with_openai() -> PathBuf {
-    let requirements = repo().join("tests/server/requirements.txt");
-    let wanted = std::fs::read_to_string(&requirements).expect("reading requirements.txt");
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
-    let python = venv.join("bin/python");
-    let stamp = venv.join("installed.txt");
-    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
-        return python;
-    }
-    let status = Command::new("python3")
-        .args(["-m", "venv", "--clear"])
-        .arg(&venv)
-        .status()
-        .expect("this test needs python3 (with the venv module) to install the openai client");
-    assert!(
-        status.success(),
-        "python3 -m venv {} failed",
-        venv.display()
-    );
-    let status = Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "-r",
-        ])
-        .arg(&requirements)
-        .status()
-        .expect("running pip");
-    assert!(
-        status.success(),
-        "pip could not install the openai client from PyPI (network needed): pip install -r {}",
-        requirements.display()
-    );
-    std::fs::write(&stamp, wanted).unwrap();
-    python
+    common::python_with("tests/server/requirements.txt", "openai-venv")
 }
 
 /// A running `sluice serve`, killed on drop.
