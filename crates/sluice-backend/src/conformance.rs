@@ -328,6 +328,22 @@ pub fn rope<B: Backend>(b: &B, tol: Tolerance) {
                     &want,
                     tol.other,
                 );
+                let w = rng.vec(head_dim, 0.5, 1.5);
+                let (xa, wv) = (
+                    b.act_from_host(&x, rows, cols),
+                    b.vector(&w).expect("vector"),
+                );
+                let fused = b.rms_norm_rope(&xa, &wv, 1e-6, head_dim, rotary_dim, theta, first);
+                let mut want = reference::rms_norm(&x, &w, 1e-6);
+                reference::rope(&mut want, cols, head_dim, rotary_dim, theta, first);
+                assert_close(
+                    &format!(
+                        "rms_norm_rope head {head_dim} rotary {rotary_dim} theta {theta} at {first}, {rows} rows"
+                    ),
+                    &host(b, &fused),
+                    &want,
+                    tol.other,
+                );
             }
         }
     }
@@ -425,6 +441,104 @@ pub fn route<B: Backend>(b: &B, tol: Tolerance) {
                 "{case}: experts"
             );
             assert_close(&case, &got.weights, &want.weights, tol.other);
+        }
+    }
+}
+
+/// A `[rows, cols]` matrix in `format` whose values are in [-1, 1) and multiples of 1/8 (dense)
+/// or of 2^-(bits-1) (affine: that scale, bias -1), with row `tie_b` a copy of row `tie_a`:
+/// products with inputs in {-1, 0, 1} are exact in f32 in any order of summation.
+fn exact_matrix(
+    rng: &mut Rng,
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    (tie_a, tie_b): (usize, usize),
+) -> HostMatrix {
+    let row_bytes = format.row_bytes(cols);
+    let (mut data, scales, biases) = match format {
+        WeightFormat::Dense(dt) => {
+            let v: Vec<f32> = (0..rows * cols)
+                .map(|_| (rng.below(16) as f32 - 8.0) / 8.0)
+                .collect();
+            (encode(dt, &v), vec![], vec![])
+        }
+        WeightFormat::Affine {
+            bits,
+            group_size,
+            scale_dtype,
+        } => {
+            let groups = rows * cols / group_size;
+            let scale = 1.0 / (1u32 << (bits - 1)) as f32;
+            (
+                (0..rows * row_bytes)
+                    .map(|_| rng.next_u64() as u8)
+                    .collect(),
+                encode(scale_dtype, &vec![scale; groups]),
+                encode(scale_dtype, &vec![-1.0; groups]),
+            )
+        }
+    };
+    data.copy_within(
+        tie_a * row_bytes..(tie_a + 1) * row_bytes,
+        tie_b * row_bytes,
+    );
+    HostMatrix::new(
+        format,
+        rows,
+        cols,
+        HostBytes::from_vec(data),
+        HostBytes::from_vec(scales),
+        HostBytes::from_vec(biases),
+    )
+    .expect("a consistent matrix")
+}
+
+/// `route_matmul` (the router's product and the routing, fused where a backend fuses them) on
+/// exact products, against the reference: the same experts, ties to the lower index.
+pub fn route_matmul<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(11);
+    let formats = [
+        WeightFormat::Dense(Dtype::F32),
+        WeightFormat::Dense(Dtype::Bf16),
+        WeightFormat::Affine {
+            bits: 8,
+            group_size: 64,
+            scale_dtype: Dtype::Bf16,
+        },
+        WeightFormat::Affine {
+            bits: 4,
+            group_size: 32,
+            scale_dtype: Dtype::F16,
+        },
+    ];
+    for format in formats {
+        for (rows, experts, k) in [(1, 128, 8), (3, 256, 8), (9, 40, 4), (70, 32, 2)] {
+            let cols = 256;
+            let tie = (rng.below(experts / 2), experts / 2 + rng.below(experts / 2));
+            let w = exact_matrix(&mut rng, format, experts, cols, tie);
+            let x: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.below(3) as f32 - 1.0)
+                .collect();
+            let wb = b.weight(w.clone()).expect("weight");
+            let want_logits = reference::matmul(&x, rows, &w.as_ref());
+            for normalize in [false, true] {
+                let xa = b.act_from_host(&x, rows, cols);
+                let got = b
+                    .read_routing(&b.route_matmul(&xa, &wb, k, normalize))
+                    .expect("read_routing");
+                let want = reference::route(&want_logits, experts, k, normalize);
+                let case = format!(
+                    "route_matmul {format}, {rows} rows of {experts} experts, top {k}, \
+                     normalize {normalize}"
+                );
+                assert_eq!(
+                    (got.k, &got.experts),
+                    (want.k, &want.experts),
+                    "{case}: experts"
+                );
+                assert_close(&case, &got.weights, &want.weights, tol.other);
+            }
         }
     }
 }
@@ -683,7 +797,7 @@ macro_rules! conformance_tests {
     };
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
-            activations matmul embed elementwise rope attention route moe delta_net);
+            activations matmul embed elementwise rope attention route route_matmul moe delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {
         $($attrs)*

@@ -218,6 +218,23 @@ pub trait Backend: Send + Sync {
         theta: f32,
         first_position: usize,
     );
+    /// `rms_norm` of every head (`weight` has `head_dim` values) followed by `rope`: the q and k
+    /// normalisation of Qwen3 attention, one pass on backends that fuse it.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_rope(
+        &self,
+        x: &Self::Act,
+        weight: &Self::Vector,
+        eps: f32,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f32,
+        first_position: usize,
+    ) -> Self::Act {
+        let mut y = self.rms_norm(x, weight, eps);
+        self.rope(&mut y, head_dim, rotary_dim, theta, first_position);
+        y
+    }
     /// Appends `k`, `v` (`[rows, kv_heads * head_dim]`) to `cache` and returns causal grouped-query
     /// attention of `q` (`[rows, heads * head_dim]`) over everything cached, scaled by `scale`.
     fn attention(
@@ -238,6 +255,16 @@ pub trait Backend: Send + Sync {
     /// Softmax over router logits `[rows, experts]`, top-`k` per row (the lower index wins a
     /// tie), optionally renormalised to sum to one.
     fn route(&self, logits: &Self::Act, k: usize, normalize: bool) -> Self::Routing;
+    /// `route` of the router's logits `x gate^T` (one pass on backends that fuse them).
+    fn route_matmul(
+        &self,
+        x: &Self::Act,
+        gate: &Self::Weight,
+        k: usize,
+        normalize: bool,
+    ) -> Self::Routing {
+        self.route(&self.matmul(x, gate), k, normalize)
+    }
     /// The routing in host memory (a synchronisation point: needed only to fetch streamed
     /// experts).
     fn read_routing(&self, routing: &Self::Routing) -> Result<HostRouting, BackendError>;

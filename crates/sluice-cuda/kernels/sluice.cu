@@ -297,21 +297,65 @@ extern "C" __global__ void __launch_bounds__(256) gemm(Mat w, const float* x, fl
     }
 }
 
-// One dequantised row of `table` per token.
-extern "C" __global__ void embed(Mat table, const uint32_t* tokens, float* out) {
-    const long t = blockIdx.x;
-    const long r = tokens[t];
+// Row r of `table`, dequantised, into out (a block's threads share it).
+__device__ void embed_row(const Mat& table, long r, float* out) {
     for (int c = threadIdx.x * 8; c < table.cols; c += blockDim.x * 8) {
         float v[8];
         load8(table, r, c, v);
 #pragma unroll
-        for (int j = 0; j < 8; j++) out[t * table.cols + c + j] = v[j];
+        for (int j = 0; j < 8; j++) out[c + j] = v[j];
     }
+}
+
+// One dequantised row of `table` per token.
+extern "C" __global__ void embed(Mat table, const uint32_t* tokens, float* out) {
+    embed_row(table, tokens[blockIdx.x], out + (long)blockIdx.x * table.cols);
+}
+
+// Up to eight token ids passed by value, so that a replayed decode graph needs no upload.
+struct TokenIds {
+    uint32_t id[8];
+};
+
+// embed for at most eight tokens whose ids come as a parameter.
+extern "C" __global__ void embed_ids(Mat table, TokenIds tokens, float* out) {
+    embed_row(table, tokens.id[blockIdx.x], out + (long)blockIdx.x * table.cols);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Elementwise and normalisation
 // ------------------------------------------------------------------------------------------------
+
+// Device-to-device copy of n 4-byte words (16 bytes at a time when both ends allow it).
+extern "C" __global__ void copy_words(uint32_t* dst, const uint32_t* src, long n) {
+    const long stride = (long)gridDim.x * blockDim.x;
+    const long i0 = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((((unsigned long)dst | (unsigned long)src) & 15) == 0) {
+        const long n4 = n / 4;
+        for (long j = i0; j < n4; j += stride)
+            reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(src)[j];
+        const long tail = n4 * 4 + i0;  // the last n % 4 words, one thread each
+        if (i0 < 4 && tail < n) dst[tail] = src[tail];
+        return;
+    }
+    for (long i = i0; i < n; i += stride) dst[i] = src[i];
+}
+
+// Two copies of n words each in one launch (a token's keys and values into the KV cache).
+extern "C" __global__ void copy_words2(uint32_t* dst_a, const uint32_t* src_a, uint32_t* dst_b,
+                                       const uint32_t* src_b, long n) {
+    const long stride = (long)gridDim.x * blockDim.x;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < 2 * n; i += stride) {
+        if (i < n) dst_a[i] = src_a[i];
+        else dst_b[i - n] = src_b[i - n];
+    }
+}
+
+// n 4-byte words set to v.
+extern "C" __global__ void fill_words(uint32_t* dst, uint32_t v, long n) {
+    const long stride = (long)gridDim.x * blockDim.x;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = v;
+}
 
 // RMS norm of each chunk of n values (one chunk per block).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
@@ -399,24 +443,57 @@ extern "C" __global__ void rope(float* x, const float* inv_freq, int rows, int c
     head[k + half] = b * c + a * s;
 }
 
+// rms_norm of each head of n values (a block per head; n <= 256), then `rope` on its first
+// rotary_dim values; row r at position first + r. The same arithmetic as the two kernels above.
+extern "C" __global__ void rms_norm_rope(const float* x, const float* w, const float* inv_freq,
+                                         float* out, int n, float eps, int heads, int rotary_dim,
+                                         int first) {
+    __shared__ float y[256];
+    const long base = (long)blockIdx.x * n;
+    const long r = blockIdx.x / heads;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[base + i] * x[base + i];
+    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[base + i] * inv * w[i];
+    __syncthreads();
+    const int half = rotary_dim / 2;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = y[i];
+        if (i < rotary_dim) {
+            const int k = i < half ? i : i - half;
+            float s, c;
+            sincosf((float)(first + r) * inv_freq[k], &s, &c);
+            v = i < half ? y[i] * c - y[i + half] * s : y[i] * c + y[i - half] * s;
+        }
+        out[base + i] = v;
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Attention
 // ------------------------------------------------------------------------------------------------
 
 // Causal grouped-query attention over a cache that already holds this call's keys and values:
 // q [T, heads * hd] at positions total - T .. total - 1; keys/values [total, kv_heads * hd].
-// One block of 4 warps per (head, token); each warp runs an online softmax over every 4th
-// position, then the warps combine. hd <= 256.
+// One block of 4 warps per (head, token, split): the token's positions are cut into gridDim.z
+// splits; each warp runs an online softmax over every 4th position of its block's split, then the
+// warps combine. With one split the block writes the output; with more (few tokens: decode) it
+// writes (max, sum, unnormalised output) to `partial` [T, heads, splits, hd + 2], and the last
+// block of a (head, token) to finish, counted in `done` (zero before, left zero after), combines
+// them. hd <= 256, splits <= 32.
 extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* keys,
                                                             const float* values, float* out,
                                                             int heads, int kv_heads, int hd,
-                                                            int total, int ntok, float scale) {
-    const int h = blockIdx.x, t = blockIdx.y;
+                                                            int total, int ntok, float scale,
+                                                            float* partial, uint32_t* done) {
+    const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int kv = h / (heads / kv_heads);
     const int width = kv_heads * hd;
     const int per_lane = (hd + 31) / 32;  // <= 8
     const int n = total - ntok + t + 1;
+    const int chunk = (n + splits - 1) / splits;
+    const int p0 = split * chunk, p1 = min(n, p0 + chunk);
     float qv[8], acc[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -425,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
         acc[j] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int p = warp; p < n; p += 4) {
+    for (int p = p0 + warp; p < p1; p += 4) {
         const float* k = keys + (long)p * width + (long)kv * hd;
         float dot = 0.0f;
 #pragma unroll
@@ -462,11 +539,48 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
     for (int w = 0; w < 4; w++) mx = fmaxf(mx, ms[w]);
     float total_l = 0.0f;
     for (int w = 0; w < 4; w++) total_l += ms[w] == -INFINITY ? 0.0f : ls[w] * expf(ms[w] - mx);
+    float* const mine = partial + ((long)t * heads + h) * splits * (hd + 2);
+    float* part = mine + split * (hd + 2);
+    if (splits > 1 && threadIdx.x == 0) {
+        part[0] = mx;
+        part[1] = total_l;
+    }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float o = 0.0f;
         for (int w = 0; w < 4; w++)
             if (ms[w] != -INFINITY) o += accs[w][d] * expf(ms[w] - mx);
-        out[((long)t * heads + h) * hd + d] = o / total_l;
+        if (splits > 1) part[2 + d] = o;
+        else out[((long)t * heads + h) * hd + d] = o / total_l;
+    }
+    if (splits == 1) return;
+    // The last split block to finish combines (the threadfence-reduction pattern).
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done + t * heads + h, 1u) == (uint32_t)splits - 1;
+        if (last) done[t * heads + h] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    __shared__ float factor[32];
+    __shared__ float sum;
+    if (threadIdx.x < 32) {
+        const int s = threadIdx.x;
+        const float m = s < splits ? __ldcg(mine + s * (hd + 2)) : -INFINITY;
+        const float top = warp_max(m);
+        const float f = m == -INFINITY ? 0.0f : expf(m - top);
+        factor[s] = f;
+        const float l = warp_sum(s < splits && f > 0.0f ? __ldcg(mine + s * (hd + 2) + 1) * f : 0.0f);
+        if (s == 0) sum = l;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < splits; s++)
+            if (factor[s] > 0.0f) o += __ldcg(mine + s * (hd + 2) + 2 + d) * factor[s];
+        out[((long)t * heads + h) * hd + d] = o / sum;
     }
 }
 
@@ -474,23 +588,19 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
 // Routing and experts
 // ------------------------------------------------------------------------------------------------
 
-// Softmax over each row of router logits [T, E] and its top k (ties to the lower index),
-// optionally renormalised. One warp per row; E <= 1024, k <= 32.
-extern "C" __global__ void __launch_bounds__(128) route(const float* logits, int ntok, int E, int k,
-                                                        int normalize, uint32_t* ids,
-                                                        float* weights) {
-    __shared__ float probs[4][1024];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const long t = (long)blockIdx.x * 4 + warp;
-    if (t >= ntok) return;
-    const float* row = logits + t * E;
+// Softmax over one row of E router logits and its top k (ties to the lower index), optionally
+// renormalised, by one warp; `probs` is E floats of shared memory. The logits are read past L1:
+// other blocks may have just written them.
+__device__ void route_row(const float* row, int E, int k, int normalize, float* probs,
+                          uint32_t* ids, float* weights) {
+    const int lane = threadIdx.x % 32;
     float mx = -INFINITY;
-    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, row[i]);
+    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, __ldcg(row + i));
     mx = warp_max(mx);
     float sum = 0.0f;
     for (int i = lane; i < E; i += 32) {
-        const float p = expf(row[i] - mx);
-        probs[warp][i] = p;
+        const float p = expf(__ldcg(row + i) - mx);
+        probs[i] = p;
         sum += p;
     }
     sum = warp_sum(sum);
@@ -502,7 +612,7 @@ extern "C" __global__ void __launch_bounds__(128) route(const float* logits, int
         float best = -1.0f;
         int best_i = 0x7fffffff;
         for (int i = lane; i < E; i += 32) {
-            const float p = probs[warp][i];
+            const float p = probs[i];
             if (p > best || (p == best && i < best_i)) {
                 best = p;
                 best_i = i;
@@ -523,13 +633,24 @@ extern "C" __global__ void __launch_bounds__(128) route(const float* logits, int
             my_p = p;
             my_id = best_i;
         }
-        if (lane == 0) probs[warp][best_i] = -2.0f;
+        if (lane == 0) probs[best_i] = -2.0f;
         __syncwarp();
     }
     if (lane < k) {
-        ids[t * k + lane] = (uint32_t)my_id;
-        weights[t * k + lane] = normalize ? my_p / chosen_total : my_p;
+        ids[lane] = (uint32_t)my_id;
+        weights[lane] = normalize ? my_p / chosen_total : my_p;
     }
+}
+
+// route_row for each row of logits [T, E]: one warp per row; E <= 1024, k <= 32.
+extern "C" __global__ void __launch_bounds__(128) route(const float* logits, int ntok, int E, int k,
+                                                        int normalize, uint32_t* ids,
+                                                        float* weights) {
+    __shared__ float probs[4][1024];
+    const int warp = threadIdx.x / 32;
+    const long t = (long)blockIdx.x * 4 + warp;
+    if (t >= ntok) return;
+    route_row(logits + t * E, E, k, normalize, probs[warp], ids + t * k, weights + t * k);
 }
 
 // The slot of expert e among the experts a call has: `present` (ascending ids) or, when
@@ -817,6 +938,39 @@ MOE_B(K_GENERIC, generic) MOE_B(K_Q4, q4) MOE_B(K_Q8, q8) MOE_B(K_BF16, bf16)
         moe_down<WK>(experts, present, n_present, ids, weights, K, h, out, hidden); \
     }
 MOE(K_GENERIC, generic) MOE(K_Q4, q4) MOE(K_Q8, q8) MOE(K_BF16, bf16)
+
+// route(x W^T) for a few tokens in one launch. Grid (E, T): a block of 128 per router row writes
+// its logit (as the block-per-row matrix-vector kernel); the last block of a token to finish
+// (counted in done[t], left zero) routes it. E <= 1024, k <= 32.
+template <int K>
+__device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, float* logits,
+                           uint32_t* done, uint32_t* ids, float* weights) {
+    const int t = blockIdx.y, E = w.rows, warp = threadIdx.x / 32;
+    const long r = blockIdx.x;
+    float acc[1][1];
+    block_rows_dot<K, 1, 1>(&w, &r, x + (long)t * w.cols, 0, acc);
+    if (threadIdx.x == 0) logits[(long)t * E + r] = acc[0][0];
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done + t, 1u) == gridDim.x - 1;
+        if (last) done[t] = 0;
+    }
+    __syncthreads();
+    if (!last || warp != 0) return;
+    __threadfence();
+    __shared__ float probs[1024];
+    route_row(logits + (long)t * E, E, k, normalize, probs, ids + (long)t * k, weights + (long)t * k);
+}
+
+#define ROUTE_GEMV(K, KN) \
+    extern "C" __global__ void __launch_bounds__(128) route_gemv_##KN( \
+        Mat w, const float* x, int k, int normalize, float* logits, uint32_t* done, \
+        uint32_t* ids, float* weights) { \
+        route_gemv<K>(w, x, k, normalize, logits, done, ids, weights); \
+    }
+ROUTE_GEMV(K_GENERIC, generic) ROUTE_GEMV(K_Q4, q4) ROUTE_GEMV(K_Q8, q8) ROUTE_GEMV(K_BF16, bf16)
 
 // ------------------------------------------------------------------------------------------------
 // Gated DeltaNet

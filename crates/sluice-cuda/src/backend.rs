@@ -132,6 +132,9 @@ pub struct CudaBackend {
     description: String,
     /// Rotary frequencies per (theta bits, rotary dims), computed on the host.
     inv_freq: Mutex<HashMap<(u32, usize), Arc<DevBuf>>>,
+    /// Counters of finished blocks for kernels whose last block finishes the work (zero between
+    /// calls): split attention's per (head, token) from 0, fused routing's per token after.
+    done_counters: Mutex<Option<Arc<DevBuf>>>,
 }
 
 /// Limits of the kernels (checked where the shapes are first known).
@@ -140,6 +143,12 @@ const MAX_ROUTED_EXPERTS: usize = 1024;
 /// `MOE_MAX_K` in the kernels.
 const MAX_EXPERTS_PER_TOKEN: usize = 16;
 const MAX_CONV_KERNEL: usize = 8;
+/// Blocks each token's attention is split over when few tokens are decoded ...
+const ATTENTION_SPLITS: usize = 16;
+/// ... that is, when there are fewer (head, token) pairs than this.
+const SPLIT_ATTENTION_PAIRS: usize = 256;
+/// Router product and routing run as one launch for at most this many tokens.
+const FUSED_ROUTE_TOKENS: usize = 64;
 
 impl CudaBackend {
     pub(crate) fn with_device(d: Device, description: String) -> Self {
@@ -147,7 +156,22 @@ impl CudaBackend {
             d: Arc::new(d),
             description,
             inv_freq: Mutex::new(HashMap::new()),
+            done_counters: Mutex::new(None),
         }
+    }
+
+    /// The finished-block counters, zeroed when first made.
+    fn done_counters(&self) -> Option<Arc<DevBuf>> {
+        let mut slot = self.done_counters.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            let buf = self.d.alloc_or_record(
+                (SPLIT_ATTENTION_PAIRS + FUSED_ROUTE_TOKENS) * 4,
+                "block counters",
+            )?;
+            self.d.zero(&buf);
+            *slot = Some(Arc::new(buf));
+        }
+        slot.clone()
     }
 
     fn act(&self, rows: usize, cols: usize) -> CudaAct {
@@ -347,6 +371,9 @@ impl CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         if let Some(report) = self.d.profile_report() {
+            eprint!("{report}");
+        }
+        if let Some(report) = self.d.graph_report() {
             eprint!("{report}");
         }
     }
@@ -558,6 +585,23 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaWeight, tokens: &[u32]) -> CudaAct {
         let out = self.act(tokens.len(), table.mat.cols as usize);
+        if tokens.is_empty() {
+            return out;
+        }
+        if tokens.len() <= 8 {
+            // By value: a decode step needs no upload, and its graph only a parameter update.
+            let mut ids = [0u32; 8];
+            ids[..tokens.len()].copy_from_slice(tokens);
+            if let Some(o) = out.ptr() {
+                self.d.launch(
+                    &self.d.k.embed_ids,
+                    (tokens.len() as u32, 1, 1),
+                    (256, 1, 1),
+                    &[Arg::Mat(table.mat), Arg::Ids(ids), Arg::Ptr(o)],
+                );
+            }
+            return out;
+        }
         let ids = match self.d.upload(tokens, "token ids") {
             Ok(b) => b,
             Err(e) => {
@@ -691,6 +735,49 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn rms_norm_rope(
+        &self,
+        x: &CudaAct,
+        weight: &CudaVector,
+        eps: f32,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f32,
+        first_position: usize,
+    ) -> CudaAct {
+        assert_eq!(weight.len, head_dim, "one norm weight per head value");
+        assert!(rotary_dim <= head_dim && rotary_dim.is_multiple_of(2));
+        assert!(x.cols.is_multiple_of(head_dim));
+        if head_dim > MAX_HEAD_DIM {
+            let mut y = self.rms_norm(x, weight, eps);
+            self.rope(&mut y, head_dim, rotary_dim, theta, first_position);
+            return y;
+        }
+        let out = self.act(x.rows, x.cols);
+        let Some(freq) = self.rotary_frequencies(theta, rotary_dim) else {
+            return self.poisoned(x.rows, x.cols);
+        };
+        if let (Some(xp), Some(o)) = (x.ptr(), out.ptr()) {
+            self.d.launch(
+                &self.d.k.rms_norm_rope,
+                ((x.rows * x.cols / head_dim) as u32, 1, 1),
+                (head_dim.next_multiple_of(32) as u32, 1, 1),
+                &[
+                    Arg::Ptr(xp),
+                    Arg::Ptr(self.vec_ptr(weight)),
+                    Arg::Ptr(freq.ptr),
+                    Arg::Ptr(o),
+                    Arg::I32(head_dim as i32),
+                    Arg::F32(eps),
+                    Arg::I32((x.cols / head_dim) as i32),
+                    Arg::I32(rotary_dim as i32),
+                    Arg::I32(first_position as i32),
+                ],
+            );
+        }
+        out
+    }
+
     fn attention(
         &self,
         q: &CudaAct,
@@ -715,14 +802,44 @@ impl Backend for CudaBackend {
         };
         if let (Some(kp), Some(vp)) = (k.ptr(), v.ptr()) {
             let at = (cache.len * width) as u64;
-            self.d.copy(keys.ptr + at, kp, rows * width);
-            self.d.copy(values.ptr + at, vp, rows * width);
+            let words = rows * width / 4;
+            self.d.launch(
+                &self.d.k.copy_words2,
+                (grid(2 * words, 1024).min(4096), 1, 1),
+                (256, 1, 1),
+                &[
+                    Arg::Ptr(keys.ptr + at),
+                    Arg::Ptr(kp),
+                    Arg::Ptr(values.ptr + at),
+                    Arg::Ptr(vp),
+                    Arg::I64(words as i64),
+                ],
+            );
         }
         cache.len = total;
+        // Few (head, token) pairs cannot fill the GPU: split each token's positions over blocks
+        // (a fixed number, so that a replayed decode graph keeps its shape as the cache grows).
+        let splits = if heads * rows < SPLIT_ATTENTION_PAIRS {
+            ATTENTION_SPLITS
+        } else {
+            1
+        };
+        let (partial, done) = if splits > 1 {
+            let (Some(p), Some(c)) = (
+                self.d
+                    .alloc_or_record(rows * heads * splits * (hd + 2) * 4, "attention splits"),
+                self.done_counters(),
+            ) else {
+                return self.poisoned(rows, q.cols);
+            };
+            (Some(p), Some(c))
+        } else {
+            (None, None)
+        };
         if let (Some(qp), Some(o)) = (q.ptr(), out.ptr()) {
             self.d.launch(
                 &self.d.k.attention,
-                (heads as u32, rows as u32, 1),
+                (heads as u32, rows as u32, splits as u32),
                 (128, 1, 1),
                 &[
                     Arg::Ptr(qp),
@@ -735,6 +852,8 @@ impl Backend for CudaBackend {
                     Arg::I32(total as i32),
                     Arg::I32(rows as i32),
                     Arg::F32(scale),
+                    Arg::Ptr(partial.as_ref().map_or(0, DevBuf::ptr)),
+                    Arg::Ptr(done.as_ref().map_or(0, |d| d.ptr)),
                 ],
             );
         }
@@ -816,6 +935,57 @@ impl Backend for CudaBackend {
                     Arg::I32(experts as i32),
                     Arg::I32(k as i32),
                     Arg::I32(normalize as i32),
+                    Arg::Ptr(ids.ptr),
+                    Arg::Ptr(w.ptr),
+                ],
+            );
+        }
+        routing
+    }
+
+    fn route_matmul(
+        &self,
+        x: &CudaAct,
+        gate: &CudaWeight,
+        k: usize,
+        normalize: bool,
+    ) -> CudaRouting {
+        let (rows, experts) = (x.rows, gate.mat.rows as usize);
+        if rows == 0
+            || rows > FUSED_ROUTE_TOKENS
+            || experts > MAX_ROUTED_EXPERTS
+            || k > MAX_EXPERTS_PER_TOKEN
+        {
+            return self.route(&self.matmul(x, gate), k, normalize);
+        }
+        assert_eq!(x.cols, gate.mat.cols as usize, "route_matmul: input width");
+        assert!(k >= 1 && k <= experts);
+        let mut routing = CudaRouting {
+            ids: None,
+            weights: None,
+            rows,
+            k,
+        };
+        let (Some(xp), Some(counters)) = (x.ptr(), self.done_counters()) else {
+            return routing;
+        };
+        let Some(logits) = self.d.alloc_or_record(rows * experts * 4, "router logits") else {
+            return routing;
+        };
+        routing.ids = self.d.alloc_or_record(rows * k * 4, "routing");
+        routing.weights = self.d.alloc_or_record(rows * k * 4, "routing");
+        if let (Some(ids), Some(w)) = (&routing.ids, &routing.weights) {
+            self.d.launch(
+                &self.d.k.route_gemv[gate.mat.kind()],
+                (experts as u32, rows as u32, 1),
+                (128, 1, 1),
+                &[
+                    Arg::Mat(gate.mat),
+                    Arg::Ptr(xp),
+                    Arg::I32(k as i32),
+                    Arg::I32(normalize as i32),
+                    Arg::Ptr(logits.ptr),
+                    Arg::Ptr(counters.ptr + (SPLIT_ATTENTION_PAIRS * 4) as u64),
                     Arg::Ptr(ids.ptr),
                     Arg::Ptr(w.ptr),
                 ],

@@ -1,6 +1,7 @@
 //! The device layer under the backend: the context and its one stream, the kernels, device
-//! memory (a caching allocator over the stream-ordered pool), launches, the sticky first error,
-//! and the optional per-kernel profile.
+//! memory (a caching allocator over the stream-ordered pool), launches (deferred and replayed as
+//! CUDA graphs, see [`crate::graph`]), the sticky first error, and the optional per-kernel
+//! profile.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -9,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
 use sluice_backend::{BackendError, MemoryInfo};
 
+use crate::graph::{Flushed, Graphs, Launch};
 use crate::kernels::Kernels;
 use crate::mat::Mat;
 
@@ -66,12 +68,44 @@ fn size_class(bytes: usize) -> usize {
 }
 
 /// A kernel argument.
+#[derive(Clone, Copy, Debug)]
 pub(crate) enum Arg {
     Ptr(u64),
     I32(i32),
     I64(i64),
     F32(f32),
     Mat(Mat),
+    /// Up to eight token ids by value (`struct TokenIds`).
+    Ids([u32; 8]),
+}
+
+impl PartialEq for Arg {
+    /// Bitwise: a graph node's parameters need updating exactly when their bytes differ.
+    fn eq(&self, other: &Arg) -> bool {
+        match (self, other) {
+            (Arg::Ptr(a), Arg::Ptr(b)) => a == b,
+            (Arg::I32(a), Arg::I32(b)) => a == b,
+            (Arg::I64(a), Arg::I64(b)) => a == b,
+            (Arg::F32(a), Arg::F32(b)) => a.to_bits() == b.to_bits(),
+            (Arg::Mat(a), Arg::Mat(b)) => a == b,
+            (Arg::Ids(a), Arg::Ids(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl Arg {
+    /// The pointer the driver reads this argument's value through.
+    pub(crate) fn as_param(&self) -> *mut c_void {
+        match self {
+            Arg::Ptr(v) => v as *const u64 as *mut c_void,
+            Arg::I32(v) => v as *const i32 as *mut c_void,
+            Arg::I64(v) => v as *const i64 as *mut c_void,
+            Arg::F32(v) => v as *const f32 as *mut c_void,
+            Arg::Mat(v) => v as *const Mat as *mut c_void,
+            Arg::Ids(v) => v as *const [u32; 8] as *mut c_void,
+        }
+    }
 }
 
 pub(crate) fn grid(n: usize, per_block: usize) -> u32 {
@@ -87,7 +121,22 @@ pub(crate) struct Device {
     error: Mutex<Option<BackendError>>,
     /// `SLUICE_CUDA_PROFILE=1`: every launch between two events, summed per kernel at the end.
     profile: Option<Mutex<Vec<(String, CudaEvent, CudaEvent)>>>,
+    /// Launches deferred and replayed as graphs; `None` (launch at once) when profiling or with
+    /// `SLUICE_CUDA_GRAPHS=0`.
+    graphs: Option<Mutex<Graphs>>,
+    /// `SLUICE_CUDA_GRAPHS=stats`: how flushes ran, with host and GPU time.
+    graph_stats: Option<Mutex<GraphStats>>,
 }
+
+/// Per kind of flush: count, host seconds, and the GPU time of each (events read at the end).
+#[derive(Default)]
+struct GraphStats {
+    per: HashMap<&'static str, (u64, f64)>,
+    gpu: Vec<(&'static str, CudaEvent, CudaEvent)>,
+}
+
+/// Flushes whose GPU time is kept for the report.
+const MAX_TIMED_FLUSHES: usize = 100_000;
 
 fn device_error(what: &str, e: DriverError) -> BackendError {
     BackendError::Device(format!("CUDA {what}: {e}"))
@@ -130,6 +179,11 @@ impl Device {
         })?;
         keep_pool_memory(&ctx)?;
         let profile = std::env::var_os("SLUICE_CUDA_PROFILE").map(|_| Mutex::new(Vec::new()));
+        let graphs_off = std::env::var("SLUICE_CUDA_GRAPHS").is_ok_and(|v| v == "0");
+        let graphs = (profile.is_none() && !graphs_off).then(|| Mutex::new(Graphs::default()));
+        let graph_stats = (graphs.is_some()
+            && std::env::var("SLUICE_CUDA_GRAPHS").is_ok_and(|v| v == "stats"))
+        .then(|| Mutex::new(GraphStats::default()));
         let cache = Arc::new(BufCache {
             stream: stream.clone(),
             free: Mutex::new(HashMap::new()),
@@ -141,7 +195,81 @@ impl Device {
             k,
             error: Mutex::new(None),
             profile,
+            graphs,
+            graph_stats,
         })
+    }
+
+    /// Issues every deferred launch (before the host reads, waits, or writes device memory that
+    /// they may use).
+    pub(crate) fn flush(&self) {
+        let Some(graphs) = &self.graphs else {
+            return;
+        };
+        let mut g = graphs.lock().unwrap_or_else(|p| p.into_inner());
+        if !g.has_pending() {
+            return;
+        }
+        if let Err(e) = self.bind() {
+            return self.record(e);
+        }
+        let timing = self.graph_stats.as_ref().map(|_| {
+            let event = || {
+                let e = self
+                    .ctx
+                    .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .ok()?;
+                e.record(&self.stream).ok()?;
+                Some(e)
+            };
+            (std::time::Instant::now(), event())
+        });
+        match g.flush(self.stream.cu_stream()) {
+            Ok(how) => {
+                if let (Some(stats), Some((start, event))) = (&self.graph_stats, timing) {
+                    let name = match how {
+                        Flushed::Issued => "issued launch by launch",
+                        Flushed::Built => "built into a graph",
+                        Flushed::Replayed => "replayed as a graph",
+                    };
+                    let mut stats = stats.lock().unwrap_or_else(|p| p.into_inner());
+                    let e = stats.per.entry(name).or_default();
+                    e.0 += 1;
+                    e.1 += start.elapsed().as_secs_f64();
+                    let end = self
+                        .ctx
+                        .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                        .ok()
+                        .filter(|e| e.record(&self.stream).is_ok());
+                    if let (Some(a), Some(b)) = (event, end) {
+                        if stats.gpu.len() < MAX_TIMED_FLUSHES {
+                            stats.gpu.push((name, a, b));
+                        }
+                    }
+                }
+            }
+            Err(e) => self.record(device_error("launching kernels", e)),
+        }
+    }
+
+    /// `SLUICE_CUDA_GRAPHS=stats`: per kind of flush, how many, host and GPU time each.
+    pub(crate) fn graph_report(&self) -> Option<String> {
+        let stats = self.graph_stats.as_ref()?;
+        let stats = std::mem::take(&mut *stats.lock().unwrap_or_else(|p| p.into_inner()));
+        self.sync().ok()?;
+        let mut gpu: HashMap<&str, f64> = HashMap::new();
+        for (name, a, b) in &stats.gpu {
+            *gpu.entry(name).or_default() += a.elapsed_ms(b).unwrap_or(0.0) as f64;
+        }
+        let mut out = String::from("CUDA launch batches:\n");
+        for (name, (n, host)) in stats.per {
+            out += &format!(
+                "  {name:24} {n:7}  host {:8.3} ms each  GPU {:8.3} ms each\n",
+                host * 1e3 / n as f64,
+                gpu.get(name).copied().unwrap_or(0.0) / n as f64
+            );
+        }
+        Some(out)
     }
 
     pub(crate) fn record(&self, e: BackendError) {
@@ -201,7 +329,9 @@ impl Device {
         // SAFETY: an allocation on our stream; the pointer is owned by the returned DevBuf.
         let fresh = || unsafe { result::malloc_async(self.stream.cu_stream(), class) };
         match fresh().or_else(|_| {
-            // Cached buffers of other sizes may be what is missing.
+            // Cached buffers of other sizes may be what is missing; deferred launches may still
+            // use them.
+            self.flush();
             self.cache.release();
             fresh()
         }) {
@@ -229,6 +359,8 @@ impl Device {
     pub fn upload<T: Copy>(&self, data: &[T], what: &str) -> Result<DevBuf, BackendError> {
         // Every driver call binds the context first: the caller may be a thread (a thread pool's,
         // the server's) that has not bound it yet, and a cached allocation calls no driver.
+        // The copy runs at once: deferred launches that use the memory it may land in go first.
+        self.flush();
         self.bind()?;
         let buf = self.alloc(size_of_val(data), what)?;
         if !data.is_empty() {
@@ -245,6 +377,7 @@ impl Device {
         buf: &DevBuf,
         len: usize,
     ) -> Result<Vec<T>, BackendError> {
+        self.flush();
         if let Some(e) = self.peek_error() {
             return Err(e);
         }
@@ -260,35 +393,42 @@ impl Device {
     }
 
     pub fn sync(&self) -> Result<(), BackendError> {
+        self.flush();
         self.bind()?;
         self.stream
             .synchronize()
             .map_err(|e| device_error("synchronising", e))
     }
 
+    /// Copies `bytes` (a multiple of 4) between live allocations of this backend. A kernel, not
+    /// a memcpy, so that it can be a node of a replayed graph whose pointers change.
     pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize) {
         if bytes == 0 {
             return;
         }
-        if let Err(e) = self.bind() {
-            return self.record(e);
-        }
-        // SAFETY: callers pass ranges inside live allocations of this backend.
-        let r = unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) };
-        if let Err(e) = r {
-            self.record(device_error("copying on the device", e));
-        }
+        assert!(bytes.is_multiple_of(4), "copies are of whole 4-byte words");
+        let words = bytes / 4;
+        self.launch(
+            &self.k.copy_words,
+            (grid(words, 1024).min(4096), 1, 1),
+            (256, 1, 1),
+            &[Arg::Ptr(dst), Arg::Ptr(src), Arg::I64(words as i64)],
+        );
     }
 
+    /// Zeroes the whole of `buf` (its size a multiple of 4 bytes).
     pub(crate) fn zero(&self, buf: &DevBuf) {
-        if let Err(e) = self.bind() {
-            return self.record(e);
-        }
-        // SAFETY: the whole allocation is written.
-        let r = unsafe { result::memset_d8_async(buf.ptr, 0, buf.bytes, self.stream.cu_stream()) };
-        if let Err(e) = r {
-            self.record(device_error("clearing memory", e));
-        }
+        assert!(
+            buf.bytes.is_multiple_of(4),
+            "zeroed buffers hold 4-byte words"
+        );
+        let words = buf.bytes / 4;
+        self.launch(
+            &self.k.fill_words,
+            (grid(words, 1024).min(4096), 1, 1),
+            (256, 1, 1),
+            &[Arg::Ptr(buf.ptr), Arg::I32(0), Arg::I64(words as i64)],
+        );
     }
 
     pub(crate) fn launch(
@@ -298,19 +438,22 @@ impl Device {
         block: (u32, u32, u32),
         args: &[Arg],
     ) {
+        let launch = Launch {
+            f: f.clone(),
+            grid,
+            block,
+            args: args.to_vec(),
+        };
+        if let Some(graphs) = &self.graphs {
+            graphs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .record(launch);
+            return;
+        }
         if let Err(e) = self.bind() {
             return self.record(e);
         }
-        let mut params: Vec<*mut c_void> = args
-            .iter()
-            .map(|a| match a {
-                Arg::Ptr(v) => v as *const u64 as *mut c_void,
-                Arg::I32(v) => v as *const i32 as *mut c_void,
-                Arg::I64(v) => v as *const i64 as *mut c_void,
-                Arg::F32(v) => v as *const f32 as *mut c_void,
-                Arg::Mat(v) => v as *const Mat as *mut c_void,
-            })
-            .collect();
         let events = self.profile.as_ref().and_then(|_| {
             let e = || {
                 self.ctx
@@ -321,20 +464,7 @@ impl Device {
             start.record(&self.stream).ok()?;
             Some((start, end))
         });
-        // SAFETY: `params` points into `args`, which outlives the call; each kernel's parameter
-        // list matches the `Arg`s its wrapper passes (kernels/sluice.cu), and every pointer
-        // argument is a live allocation of the sizes the kernel reads and writes.
-        let r = unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                grid,
-                block,
-                0,
-                self.stream.cu_stream(),
-                &mut params,
-            )
-        };
-        if let Err(e) = r {
+        if let Err(e) = launch.issue(self.stream.cu_stream()) {
             self.record(device_error("launching a kernel", e));
         }
         if let (Some(log), Some((start, end))) = (&self.profile, events) {

@@ -24,6 +24,11 @@ pub(crate) struct Kernels {
     pub gemv_r2: Vec<CudaFunction>,
     pub gemm: CudaFunction,
     pub embed: CudaFunction,
+    /// `embed` with up to eight token ids passed by value.
+    pub embed_ids: CudaFunction,
+    pub copy_words: CudaFunction,
+    pub copy_words2: CudaFunction,
+    pub fill_words: CudaFunction,
     pub rms_norm: CudaFunction,
     pub add_rms_norm: CudaFunction,
     pub rms_norm_gated: CudaFunction,
@@ -32,8 +37,11 @@ pub(crate) struct Kernels {
     pub sigmoid_mul: CudaFunction,
     pub split_chunks: CudaFunction,
     pub rope: CudaFunction,
+    pub rms_norm_rope: CudaFunction,
     pub attention: CudaFunction,
     pub route: CudaFunction,
+    /// The router's product and `route` in one launch, by weight kind.
+    pub route_gemv: Vec<CudaFunction>,
     /// By weight kind.
     pub moe_gate_up: Vec<CudaFunction>,
     pub moe_down: Vec<CudaFunction>,
@@ -67,6 +75,10 @@ impl Kernels {
 
             gemm: f("gemm")?,
             embed: f("embed")?,
+            embed_ids: f("embed_ids")?,
+            copy_words: f("copy_words")?,
+            copy_words2: f("copy_words2")?,
+            fill_words: f("fill_words")?,
             rms_norm: f("rms_norm")?,
             add_rms_norm: f("add_rms_norm")?,
             rms_norm_gated: f("rms_norm_gated")?,
@@ -75,8 +87,13 @@ impl Kernels {
             sigmoid_mul: f("sigmoid_mul")?,
             split_chunks: f("split_chunks")?,
             rope: f("rope")?,
+            rms_norm_rope: f("rms_norm_rope")?,
             attention: f("attention")?,
             route: f("route")?,
+            route_gemv: KINDS
+                .iter()
+                .map(|k| f(&format!("route_gemv_{k}")))
+                .collect::<Result<_, _>>()?,
             moe_gate_up: KINDS
                 .iter()
                 .map(|k| f(&format!("moe_gate_up_{k}")))

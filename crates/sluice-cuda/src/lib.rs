@@ -14,6 +14,7 @@
 
 mod backend;
 mod device;
+mod graph;
 mod kernels;
 mod mat;
 

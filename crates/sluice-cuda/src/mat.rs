@@ -6,7 +6,7 @@ use sluice_backend::{BackendError, Dtype, HostMatrix, WeightFormat};
 /// A weight matrix as the kernels see it (`struct Mat` in `kernels/sluice.cu`): device pointers
 /// to the codes (or values), scales and biases, and the format.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Mat {
     pub data: u64,
     pub scales: u64,

@@ -87,7 +87,7 @@ impl<B: Backend> Mlp<B> {
             Mlp::Dense(ffn) => return Ok(b.ffn(x, ffn)),
             Mlp::Sparse(moe) => moe,
         };
-        let routing = b.route(&b.matmul(x, &moe.gate), k, moe.norm_topk_prob);
+        let routing = b.route_matmul(x, &moe.gate, k, moe.norm_topk_prob);
         let mut y = moe.experts.run(b, x, &routing, &mut || {
             if let Some(Mlp::Sparse(next)) = next {
                 // The next router applied to this layer's input: a guess one layer early.

@@ -498,11 +498,18 @@ impl<B: Backend> Qwen35Moe<B> {
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let position = b.kv_len(cache);
         let (q, gate) = b.split_chunks(&b.matmul(x, &l.q_proj), 2 * hd, hd);
-        let mut q = b.rms_norm(&q, &l.q_norm, eps);
-        let mut k = b.rms_norm(&b.matmul(x, &l.k_proj), &l.k_norm, eps);
+        let (rd, theta) = (self.rotary_dim, self.rope_theta);
+        let q = b.rms_norm_rope(&q, &l.q_norm, eps, hd, rd, theta, position);
+        let k = b.rms_norm_rope(
+            &b.matmul(x, &l.k_proj),
+            &l.k_norm,
+            eps,
+            hd,
+            rd,
+            theta,
+            position,
+        );
         let v = b.matmul(x, &l.v_proj);
-        b.rope(&mut q, hd, self.rotary_dim, self.rope_theta, position);
-        b.rope(&mut k, hd, self.rotary_dim, self.rope_theta, position);
         let scale = 1.0 / (hd as f32).sqrt();
         let mut o = b.attention(&q, &k, &v, cache, self.cfg.num_attention_heads, scale);
         b.sigmoid_mul(&mut o, &gate);
@@ -520,8 +527,13 @@ impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
         let b = self.decoder.backend();
         let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
         let mut h = self.decoder.embed(state, tokens)?;
+        // The previous layer's MLP output, added to `h` by the next norm (one fused step).
+        let mut mlp_out: Option<B::Act> = None;
         for (i, (l, layer_state)) in self.layers.iter().zip(&mut state.layers).enumerate() {
-            let x = b.rms_norm(&h, &l.input_layernorm, eps);
+            let x = match mlp_out.take() {
+                Some(mlp) => b.add_rms_norm(&mut h, &mlp, &l.input_layernorm, eps),
+                None => b.rms_norm(&h, &l.input_layernorm, eps),
+            };
             let mixed = match (&l.mixer, layer_state) {
                 (Mixer::Linear(m), LayerState::Linear(s)) => self.linear_attention(m, &x, s),
                 (Mixer::Full(m), LayerState::Attention(c)) => self.full_attention(m, &x, c),
@@ -531,6 +543,9 @@ impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
             let mlp = l
                 .mlp
                 .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
+            mlp_out = Some(mlp);
+        }
+        if let Some(mlp) = mlp_out {
             b.add_assign(&mut h, &mlp);
         }
         state.position += tokens.len();

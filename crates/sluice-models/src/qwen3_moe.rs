@@ -250,11 +250,26 @@ impl<B: Backend> Qwen3Moe<B> {
         let b = self.decoder.backend();
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let position = b.kv_len(cache);
-        let mut q = b.rms_norm(&b.matmul(x, &l.q_proj), &l.q_norm, eps);
-        let mut k = b.rms_norm(&b.matmul(x, &l.k_proj), &l.k_norm, eps);
+        let theta = self.rope_theta;
+        let q = b.rms_norm_rope(
+            &b.matmul(x, &l.q_proj),
+            &l.q_norm,
+            eps,
+            hd,
+            hd,
+            theta,
+            position,
+        );
+        let k = b.rms_norm_rope(
+            &b.matmul(x, &l.k_proj),
+            &l.k_norm,
+            eps,
+            hd,
+            hd,
+            theta,
+            position,
+        );
         let v = b.matmul(x, &l.v_proj);
-        b.rope(&mut q, hd, hd, self.rope_theta, position);
-        b.rope(&mut k, hd, hd, self.rope_theta, position);
         let scale = 1.0 / (hd as f32).sqrt();
         let o = b.attention(&q, &k, &v, cache, self.cfg.num_attention_heads, scale);
         b.matmul(&o, &l.o_proj)
@@ -271,16 +286,24 @@ impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
         let b = self.decoder.backend();
         let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
         let mut h = self.decoder.embed(state, tokens)?;
+        // The previous layer's MLP output, added to `h` by the next norm (one fused step).
+        let mut mlp_out: Option<B::Act> = None;
         for (i, (l, layer_state)) in self.layers.iter().zip(&mut state.layers).enumerate() {
             let LayerState::Attention(cache) = layer_state else {
                 return Err(wrong_state());
             };
-            let x = b.rms_norm(&h, &l.input_layernorm, eps);
+            let x = match mlp_out.take() {
+                Some(mlp) => b.add_rms_norm(&mut h, &mlp, &l.input_layernorm, eps),
+                None => b.rms_norm(&h, &l.input_layernorm, eps),
+            };
             let attn = self.attention(&l.self_attn, &x, cache);
             let x = b.add_rms_norm(&mut h, &attn, &l.post_attention_layernorm, eps);
             let mlp = l
                 .mlp
                 .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
+            mlp_out = Some(mlp);
+        }
+        if let Some(mlp) = mlp_out {
             b.add_assign(&mut h, &mlp);
         }
         state.position += tokens.len();
