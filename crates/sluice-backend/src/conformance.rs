@@ -222,6 +222,30 @@ pub fn matmul<B: Backend>(b: &B, tol: Tolerance) {
                 );
             }
         }
+        // Several matrices of one input: each as if alone.
+        let inp = 256;
+        let ms =
+            [(64, inp), (8, inp), (33, inp)].map(|(o, i)| random_matrix(&mut rng, *format, o, i));
+        let Ok(ws) = ms
+            .iter()
+            .map(|m| b.weight(m.clone()))
+            .collect::<Result<Vec<_>, _>>()
+        else {
+            continue;
+        };
+        for rows in [1, 3, 8, 9] {
+            let x = rng.vec(rows * inp, -1.0, 1.0);
+            let xa = b.act_from_host(&x, rows, inp);
+            let got = b.matmuls(&xa, [&ws[0], &ws[1], &ws[2]]);
+            for (i, (g, m)) in got.iter().zip(&ms).enumerate() {
+                assert_close(
+                    &format!("matmuls {format}: matrix {i} of 3, {rows} rows"),
+                    &host(b, g),
+                    &reference::matmul(&x, rows, &m.as_ref()),
+                    tol.matmul,
+                );
+            }
+        }
     }
 }
 

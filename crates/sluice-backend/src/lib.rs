@@ -190,6 +190,15 @@ pub trait Backend: Send + Sync {
     fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Self::Act;
     /// `x W^T`: `[rows, in] -> [rows, out]`.
     fn matmul(&self, x: &Self::Act, w: &Self::Weight) -> Self::Act;
+    /// `x W^T` for each of `weights` (one input, say q, k and v): one pass on backends that
+    /// batch them.
+    fn matmuls<const N: usize>(
+        &self,
+        x: &Self::Act,
+        weights: [&Self::Weight; N],
+    ) -> [Self::Act; N] {
+        weights.map(|w| self.matmul(x, w))
+    }
     /// RMS-normalises every contiguous chunk of `weight.len()` values (a whole row, or one head)
     /// and scales it by `weight`.
     fn rms_norm(&self, x: &Self::Act, weight: &Self::Vector, eps: f32) -> Self::Act;
@@ -284,8 +293,7 @@ pub trait Backend: Send + Sync {
     );
     /// A dense SwiGLU feed-forward block.
     fn ffn(&self, x: &Self::Act, w: &FfnWeights<Self::Weight>) -> Self::Act {
-        let gate = self.matmul(x, &w.gate);
-        let up = self.matmul(x, &w.up);
+        let [gate, up] = self.matmuls(x, [&w.gate, &w.up]);
         self.matmul(&self.swiglu(&gate, &up), &w.down)
     }
 

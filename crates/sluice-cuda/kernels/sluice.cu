@@ -1058,3 +1058,43 @@ extern "C" __global__ void gated_delta_rule(const float* qkv, const float* a, co
         for (int c = 0; c < 32; c++) s[c] = S[c];
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Several matrices in one launch
+// ------------------------------------------------------------------------------------------------
+
+#define MULTI_MAX 4
+
+// Up to MULTI_MAX matrices of the same width and kind applied to the same input: matrix i owns the
+// blocks [first[i], first[i + 1]), one per output row, and writes out[i] [T, m[i].rows].
+struct MatSet {
+    Mat m[MULTI_MAX];
+    float* out[MULTI_MAX];
+    int first[MULTI_MAX + 1];
+    int n;
+};
+
+// gemv_b over a MatSet: one launch for q, k and v, or for a linear attention's four inputs.
+template <int K, int T>
+__device__ void gemv_multi(const MatSet& set, const float* x) {
+    int i = 0;
+    while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++;
+    const long r = blockIdx.x - set.first[i];
+    float acc[1][T];
+    block_rows_dot<K, T, 1>(&set.m[i], &r, x, set.m[i].cols, acc);
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int t = 0; t < T; t++) set.out[i][t * (long)set.m[i].rows + r] = acc[0][t];
+    }
+}
+
+#define GEMV_MULTI(K, KN, T) \
+    extern "C" __global__ void __launch_bounds__(128) gemv_multi_##KN##_t##T(MatSet set, \
+                                                                           const float* x) { \
+        gemv_multi<K, T>(set, x); \
+    }
+#define GEMV_MULTI_ALL(K, KN) \
+    GEMV_MULTI(K, KN, 1) GEMV_MULTI(K, KN, 2) GEMV_MULTI(K, KN, 3) GEMV_MULTI(K, KN, 4) \
+    GEMV_MULTI(K, KN, 5) GEMV_MULTI(K, KN, 6) GEMV_MULTI(K, KN, 7) GEMV_MULTI(K, KN, 8)
+GEMV_MULTI_ALL(K_GENERIC, generic) GEMV_MULTI_ALL(K_Q4, q4) GEMV_MULTI_ALL(K_Q8, q8)
+GEMV_MULTI_ALL(K_BF16, bf16)

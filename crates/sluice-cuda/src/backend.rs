@@ -11,7 +11,7 @@ use sluice_backend::{
 };
 
 use crate::device::{grid, Arg, DevBuf, Device};
-use crate::mat::{describe, ExpertMats, Mat};
+use crate::mat::{describe, ExpertMats, Mat, MatSet, MAT_SET_MAX};
 
 /// f32 activations `[rows, cols]` in device memory; `None` after a failure (the backend reports
 /// it from the next host read).
@@ -629,6 +629,49 @@ impl Backend for CudaBackend {
             }
         }
         out
+    }
+
+    fn matmuls<const N: usize>(&self, x: &CudaAct, weights: [&CudaWeight; N]) -> [CudaAct; N] {
+        let kind = weights.first().map(|w| w.mat.kind());
+        let total: usize = weights.iter().map(|w| w.mat.rows as usize).sum();
+        if N < 2
+            || N > MAT_SET_MAX
+            || x.rows == 0
+            || x.rows > 8
+            || total == 0
+            || total > i32::MAX as usize
+            || weights
+                .iter()
+                .any(|w| w.mat.cols as usize != x.cols || Some(w.mat.kind()) != kind)
+        {
+            return weights.map(|w| self.matmul(x, w));
+        }
+        let outs = weights.map(|w| self.act(x.rows, w.mat.rows as usize));
+        let Some(xp) = x.ptr() else {
+            return outs;
+        };
+        let mut set = MatSet {
+            n: N as i32,
+            ..MatSet::default()
+        };
+        for (i, (w, o)) in weights.iter().zip(&outs).enumerate() {
+            let Some(op) = o.ptr() else {
+                return outs;
+            };
+            set.m[i] = w.mat;
+            set.out[i] = op;
+            set.first[i + 1] = set.first[i] + w.mat.rows;
+        }
+        for i in N + 1..=MAT_SET_MAX {
+            set.first[i] = set.first[N];
+        }
+        self.d.launch(
+            &self.d.k.gemv_multi[kind.unwrap_or(0)][x.rows - 1],
+            (total as u32, 1, 1),
+            (128, 1, 1),
+            &[Arg::MatSet(Box::new(set)), Arg::Ptr(xp)],
+        );
+        outs
     }
 
     fn rms_norm(&self, x: &CudaAct, weight: &CudaVector, eps: f32) -> CudaAct {

@@ -12,7 +12,7 @@ use sluice_backend::{BackendError, MemoryInfo};
 
 use crate::graph::{Flushed, Graphs, Launch};
 use crate::kernels::Kernels;
-use crate::mat::Mat;
+use crate::mat::{Mat, MatSet};
 
 /// Freed device memory kept for reuse, by size. Everything runs on one stream, so a buffer
 /// dropped on the host may be handed to the next allocation at once: the kernels that used it
@@ -68,7 +68,7 @@ fn size_class(bytes: usize) -> usize {
 }
 
 /// A kernel argument.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) enum Arg {
     Ptr(u64),
     I32(i32),
@@ -77,6 +77,8 @@ pub(crate) enum Arg {
     Mat(Mat),
     /// Up to eight token ids by value (`struct TokenIds`).
     Ids([u32; 8]),
+    /// Boxed: it is large, and most arguments are not.
+    MatSet(Box<MatSet>),
 }
 
 impl PartialEq for Arg {
@@ -89,6 +91,7 @@ impl PartialEq for Arg {
             (Arg::F32(a), Arg::F32(b)) => a.to_bits() == b.to_bits(),
             (Arg::Mat(a), Arg::Mat(b)) => a == b,
             (Arg::Ids(a), Arg::Ids(b)) => a == b,
+            (Arg::MatSet(a), Arg::MatSet(b)) => a == b,
             _ => false,
         }
     }
@@ -104,6 +107,7 @@ impl Arg {
             Arg::F32(v) => v as *const f32 as *mut c_void,
             Arg::Mat(v) => v as *const Mat as *mut c_void,
             Arg::Ids(v) => v as *const [u32; 8] as *mut c_void,
+            Arg::MatSet(v) => &**v as *const MatSet as *mut c_void,
         }
     }
 }

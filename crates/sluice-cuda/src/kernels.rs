@@ -22,6 +22,8 @@ pub(crate) struct Kernels {
     /// `gemv_r2[kind]` one token, a warp per two rows (large matrices).
     pub gemv_b: Vec<Vec<CudaFunction>>,
     pub gemv_r2: Vec<CudaFunction>,
+    /// `gemv_multi[kind][t - 1]`: `gemv_b` over up to four matrices of one input.
+    pub gemv_multi: Vec<Vec<CudaFunction>>,
     pub gemm: CudaFunction,
     pub embed: CudaFunction,
     /// `embed` with up to eight token ids passed by value.
@@ -67,6 +69,14 @@ impl Kernels {
             gemv_r2: KINDS
                 .iter()
                 .map(|k| f(&format!("gemv_{k}_t1_r2")))
+                .collect::<Result<_, _>>()?,
+            gemv_multi: KINDS
+                .iter()
+                .map(|k| {
+                    (1..=8)
+                        .map(|t| f(&format!("gemv_multi_{k}_t{t}")))
+                        .collect()
+                })
                 .collect::<Result<_, _>>()?,
             gemv_b: KINDS
                 .iter()

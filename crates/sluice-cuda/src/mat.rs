@@ -25,6 +25,20 @@ pub(crate) struct Mat {
 // SAFETY: plain old data with the C layout the kernels declare (three pointers, eight ints).
 unsafe impl DeviceRepr for Mat {}
 
+/// Matrices that one launch applies to the same input (`struct MatSet`): matrix `i` owns the
+/// blocks `first[i]..first[i + 1]` and writes `out[i]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct MatSet {
+    pub m: [Mat; MAT_SET_MAX],
+    pub out: [u64; MAT_SET_MAX],
+    pub first: [i32; MAT_SET_MAX + 1],
+    pub n: i32,
+}
+
+/// `MULTI_MAX` in the kernels.
+pub(crate) const MAT_SET_MAX: usize = 4;
+
 /// The three projections of one expert (`struct ExpertMats`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]

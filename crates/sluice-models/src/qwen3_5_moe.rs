@@ -486,10 +486,13 @@ impl<B: Backend> Qwen35Moe<B> {
         state: &mut B::LinearState,
     ) -> B::Act {
         let b = self.decoder.backend();
-        let qkv = b.causal_conv1d_silu(&b.matmul(x, &l.in_proj_qkv), &l.conv1d, state);
-        let (beta_logits, a) = (b.matmul(x, &l.in_proj_b), b.matmul(x, &l.in_proj_a));
+        let [qkv, z, beta_logits, a] = b.matmuls(
+            x,
+            [&l.in_proj_qkv, &l.in_proj_z, &l.in_proj_b, &l.in_proj_a],
+        );
+        let qkv = b.causal_conv1d_silu(&qkv, &l.conv1d, state);
         let y = b.gated_delta_rule(&qkv, &a, &beta_logits, &l.a_log, &l.dt_bias, state);
-        let y = b.rms_norm_gated(&y, &b.matmul(x, &l.in_proj_z), &l.norm, self.decoder.eps());
+        let y = b.rms_norm_gated(&y, &z, &l.norm, self.decoder.eps());
         b.matmul(&y, &l.out_proj)
     }
 
@@ -497,19 +500,11 @@ impl<B: Backend> Qwen35Moe<B> {
         let b = self.decoder.backend();
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let position = b.kv_len(cache);
-        let (q, gate) = b.split_chunks(&b.matmul(x, &l.q_proj), 2 * hd, hd);
+        let [q_gate, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
+        let (q, gate) = b.split_chunks(&q_gate, 2 * hd, hd);
         let (rd, theta) = (self.rotary_dim, self.rope_theta);
         let q = b.rms_norm_rope(&q, &l.q_norm, eps, hd, rd, theta, position);
-        let k = b.rms_norm_rope(
-            &b.matmul(x, &l.k_proj),
-            &l.k_norm,
-            eps,
-            hd,
-            rd,
-            theta,
-            position,
-        );
-        let v = b.matmul(x, &l.v_proj);
+        let k = b.rms_norm_rope(&k, &l.k_norm, eps, hd, rd, theta, position);
         let scale = 1.0 / (hd as f32).sqrt();
         let mut o = b.attention(&q, &k, &v, cache, self.cfg.num_attention_heads, scale);
         b.sigmoid_mul(&mut o, &gate);

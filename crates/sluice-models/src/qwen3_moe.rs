@@ -251,25 +251,9 @@ impl<B: Backend> Qwen3Moe<B> {
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let position = b.kv_len(cache);
         let theta = self.rope_theta;
-        let q = b.rms_norm_rope(
-            &b.matmul(x, &l.q_proj),
-            &l.q_norm,
-            eps,
-            hd,
-            hd,
-            theta,
-            position,
-        );
-        let k = b.rms_norm_rope(
-            &b.matmul(x, &l.k_proj),
-            &l.k_norm,
-            eps,
-            hd,
-            hd,
-            theta,
-            position,
-        );
-        let v = b.matmul(x, &l.v_proj);
+        let [q, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
+        let q = b.rms_norm_rope(&q, &l.q_norm, eps, hd, hd, theta, position);
+        let k = b.rms_norm_rope(&k, &l.k_norm, eps, hd, hd, theta, position);
         let scale = 1.0 / (hd as f32).sqrt();
         let o = b.attention(&q, &k, &v, cache, self.cfg.num_attention_heads, scale);
         b.matmul(&o, &l.o_proj)
