@@ -720,6 +720,33 @@ __device__ void moe_gate_up(const ExpertMats* experts, const uint32_t* present, 
 // The most experts per token the down kernel keeps in registers.
 #define MOE_MAX_K 16
 
+// The present experts of token t in ascending id (insertion sort, K <= MOE_MAX_K): their down
+// projections, routing weights and pair indices; returns how many. One thread calls it.
+__device__ int token_experts(const ExpertMats* experts, const uint32_t* present, int n_present,
+                             const uint32_t* ids, const float* weights, int K, long t, Mat* down,
+                             float* weight, int* pair_of) {
+    uint32_t sorted_id[MOE_MAX_K];
+    int m = 0;
+    for (int j = 0; j < K; j++) {
+        const uint32_t e = ids[t * K + j];
+        const int slot = expert_slot(e, present, n_present);
+        if (slot < 0) continue;
+        int at = m++;
+        while (at > 0 && sorted_id[at - 1] > e) {
+            sorted_id[at] = sorted_id[at - 1];
+            down[at] = down[at - 1];
+            weight[at] = weight[at - 1];
+            pair_of[at] = pair_of[at - 1];
+            at--;
+        }
+        sorted_id[at] = e;
+        down[at] = experts[slot].down;
+        weight[at] = weights[t * K + j];
+        pair_of[at] = (int)(t * K + j);
+    }
+    return m;
+}
+
 // out[t] += sum_j weight_j * down_e(h[t * K + j]) over the present experts of token t. Grid
 // (hidden / 8, T): one warp per output row of one token. The token's present experts are staged
 // in shared memory in ascending id; every lane loads its chunks of all of them at once and keeps
@@ -734,29 +761,8 @@ __device__ void moe_down(const ExpertMats* experts, const uint32_t* present, int
     __shared__ int pair_of[MOE_MAX_K];
     __shared__ int n;
     const long t = blockIdx.y;
-    if (threadIdx.x == 0) {
-        // The present experts of this token in ascending id (insertion sort, K <= 16).
-        uint32_t sorted_id[MOE_MAX_K];
-        int m = 0;
-        for (int j = 0; j < K; j++) {
-            const uint32_t e = ids[t * K + j];
-            const int slot = expert_slot(e, present, n_present);
-            if (slot < 0) continue;
-            int at = m++;
-            while (at > 0 && sorted_id[at - 1] > e) {
-                sorted_id[at] = sorted_id[at - 1];
-                down[at] = down[at - 1];
-                weight[at] = weight[at - 1];
-                pair_of[at] = pair_of[at - 1];
-                at--;
-            }
-            sorted_id[at] = e;
-            down[at] = experts[slot].down;
-            weight[at] = weights[t * K + j];
-            pair_of[at] = (int)(t * K + j);
-        }
-        n = m;
-    }
+    if (threadIdx.x == 0) n = token_experts(experts, present, n_present, ids, weights, K, t, down,
+                                            weight, pair_of);
     __syncthreads();
     const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
     if (r >= hidden) return;
@@ -878,28 +884,8 @@ __device__ void moe_down_b(const ExpertMats* experts, const uint32_t* present, i
     __shared__ int pair_of[MOE_MAX_K];
     __shared__ int n;
     const long t = blockIdx.y;
-    if (threadIdx.x == 0) {
-        uint32_t sorted_id[MOE_MAX_K];
-        int m = 0;
-        for (int j = 0; j < K; j++) {
-            const uint32_t e = ids[t * K + j];
-            const int slot = expert_slot(e, present, n_present);
-            if (slot < 0) continue;
-            int at = m++;
-            while (at > 0 && sorted_id[at - 1] > e) {
-                sorted_id[at] = sorted_id[at - 1];
-                down[at] = down[at - 1];
-                weight[at] = weight[at - 1];
-                pair_of[at] = pair_of[at - 1];
-                at--;
-            }
-            sorted_id[at] = e;
-            down[at] = experts[slot].down;
-            weight[at] = weights[t * K + j];
-            pair_of[at] = (int)(t * K + j);
-        }
-        n = m;
-    }
+    if (threadIdx.x == 0) n = token_experts(experts, present, n_present, ids, weights, K, t, down,
+                                            weight, pair_of);
     __syncthreads();
     const long r = blockIdx.x;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

@@ -6,7 +6,9 @@
 //! and the expert choice stay in device memory, and the host waits only where it reads something
 //! back (logits; the routing when experts stream from disk). The MoE runs as one launch for the
 //! gate and up projections of every routed (token, expert) pair, SwiGLU fused, and one for the
-//! down projections with the routing weights, the expert ids read on the device.
+//! down projections with the routing weights, the expert ids read on the device. Launches are
+//! recorded and issued when the host needs a result; a batch of launches seen before (a decode
+//! step) is replayed as a CUDA graph with its changed parameters updated (`src/graph.rs`).
 //!
 //! The driver (`libcuda`) is loaded when a backend is opened, not linked: building needs no CUDA
 //! toolkit, and the same binary runs on the CPU where there is no GPU. [`open`] turns every way
