@@ -210,7 +210,7 @@ pub fn matmul<B: Backend>(b: &B, tol: Tolerance) {
                 }
                 Err(e) => panic!("weight({format}, [{out}, {inp}]): {e}"),
             };
-            for rows in [1, 2, 3, 4, 5, 8, 9, 17, 33, 64] {
+            for rows in [1, 2, 3, 4, 5, 8, 9, 17, 33, 64, 130] {
                 let x = rng.vec(rows * inp, -1.0, 1.0);
                 let got = host(b, &b.matmul(&b.act_from_host(&x, rows, inp), &w));
                 let want = reference::matmul(&x, rows, &m.as_ref());
@@ -604,7 +604,8 @@ pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
     for (layer, format) in formats.into_iter().enumerate() {
         let host_experts = random_experts(&mut rng, format, n, h, i);
         let resident = b.experts(host_experts.clone()).expect("experts");
-        for (rows, k) in [(1, 4), (3, 2), (11, 8)] {
+        // 150 rows: two tiles of 64 pairs for most experts on a tiled backend.
+        for (rows, k) in [(1, 4), (3, 2), (11, 8), (150, 8)] {
             let x = rng.vec(rows * h, -1.0, 1.0);
             let xa = b.act_from_host(&x, rows, h);
             let logits = rng.vec(rows * n, -3.0, 3.0);

@@ -246,56 +246,179 @@ __device__ void gemv(const Mat& w, const float* x, float* y) {
 // rest).
 GEMV(K_GENERIC, generic, 1, 2) GEMV(K_Q4, q4, 1, 2) GEMV(K_Q8, q8, 1, 2) GEMV(K_BF16, bf16, 1, 2)
 
-// y[T, rows] = x[T, cols] W^T for many tokens: 64 x 64 output tiles, 32 columns at a time, each
-// of 256 threads computing 4 x 4. Weights are dequantised once per tile into shared memory.
-extern "C" __global__ void __launch_bounds__(256) gemm(Mat w, const float* x, float* y, int ntok) {
-    __shared__ float xs[32][64 + 1];
-    __shared__ float ws[32][64 + 1];
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const long tok0 = (long)blockIdx.y * 64, row0 = (long)blockIdx.x * 64;
-    float acc[4][4] = {};
-    for (int k0 = 0; k0 < w.cols; k0 += 32) {
-        // x tile: 64 tokens x 32 columns, 8 values per thread.
-        for (int i = threadIdx.x; i < 64 * 32; i += 256) {
-            const int t = i / 32, k = i % 32;
-            const long tok = tok0 + t;
-            xs[k][t] = (tok < ntok && k0 + k < w.cols) ? x[tok * w.cols + k0 + k] : 0.0f;
-        }
-        // weight tile: 64 rows x 4 chunks of 8.
-        {
-            const int r = threadIdx.x / 4, ch = threadIdx.x % 4;
-            const long row = row0 + r;
-            float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            if (row < w.rows && k0 + ch * 8 < w.cols) load8(w, row, k0 + ch * 8, v);
+// ---- tensor-core products for many tokens (prefill) ----
+//
+// y = x W^T on mma.sync m16n8k8 with tf32 operands. Every f32 operand v (a dequantised weight, an
+// activation) is split into hi = tf32(v) and lo = tf32(v - hi), and the product is accumulated in
+// f32 as lo*hi + hi*lo + hi*hi ("3xTF32"): 22 significant bits per operand and exact products, so
+// the result is as close to the f32 reference as an f32 dot in another order (one tf32 product
+// alone is off by ~1e-3 relative), at tensor-core speed. A block of 4 warps computes 64 weight
+// rows x 64 tokens, 16 columns at a time, each warp 32 rows x 32 tokens; weights are dequantised
+// once per tile into shared memory.
+
+#define TC_BM 64
+#define TC_BN 64
+#define TC_BK 16
+// Words per shared tile row: 16 of data and 4 of padding, so that the fragment loads of a warp
+// (8 rows x 4 words) hit 32 different banks.
+#define TC_LD 20
+
+__device__ __forceinline__ uint32_t to_tf32(float v) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return r;
+}
+
+// Eight consecutive values into a tile row, as eight words of hi and eight of lo.
+__device__ __forceinline__ void store_split8(const float v[8], uint32_t* hi, uint32_t* lo) {
+    uint32_t h[8], l[8];
 #pragma unroll
-            for (int j = 0; j < 8; j++) ws[ch * 8 + j][r] = v[j];
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int k = 0; k < 32; k++) {
-            float a[4], b[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) a[i] = xs[k][ty * 4 + i];
-#pragma unroll
-            for (int j = 0; j < 4; j++) b[j] = ws[k][tx * 4 + j];
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-        }
-        __syncthreads();
+    for (int j = 0; j < 8; j++) {
+        h[j] = to_tf32(v[j]);
+        l[j] = to_tf32(v[j] - __uint_as_float(h[j]));
     }
+    reinterpret_cast<uint4*>(hi)[0] = make_uint4(h[0], h[1], h[2], h[3]);
+    reinterpret_cast<uint4*>(hi)[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    reinterpret_cast<uint4*>(lo)[0] = make_uint4(l[0], l[1], l[2], l[3]);
+    reinterpret_cast<uint4*>(lo)[1] = make_uint4(l[4], l[5], l[6], l[7]);
+}
+
+// c += a b for a 16x8 (rows x columns) and b 8x8 (columns x tokens).
+__device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The shared tiles of a block: NM weight tiles and one token tile, each as hi and lo.
+template <int NM>
+struct TcTiles {
+    uint32_t a[NM][2][TC_BM][TC_LD];
+    uint32_t b[2][TC_BN][TC_LD];
+};
+
+// The block's products of rows r0 .. r0 + 64 of each of the NM matrices m (same shape) with the 64
+// token rows xrow (nullptr: padding, read as zeros). acc[mi][i][j] is the mma accumulator of the
+// warp's 16-row slice i and 8-token slice j: see tc_row / tc_token for where its values belong.
+template <int K, int NM>
+__device__ __forceinline__ void tc_tile(const Mat* m, long r0, const float* const* xrow,
+                                        TcTiles<NM>& s, float acc[NM][2][4][4]) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
+    const int cols = m[0].cols;
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const long tok = tok0 + ty * 4 + i;
-        if (tok >= ntok) continue;
+    for (int mi = 0; mi < NM; mi++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const long row = row0 + tx * 4 + j;
-            if (row < w.rows) y[tok * w.rows + row] = acc[i][j];
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mi][i][j][e] = 0.0f;
+    // Each thread fills one chunk of 8 columns of one row (or token) of every tile.
+    const int r = threadIdx.x / 2, ch = (threadIdx.x % 2) * 8;
+    for (int k0 = 0; k0 < cols; k0 += TC_BK) {
+        const int c = k0 + ch;
+#pragma unroll
+        for (int mi = 0; mi < NM; mi++) {
+            float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (c < cols) load8k<K>(m[mi], min(r0 + r, (long)m[mi].rows - 1), c, v);
+            store_split8(v, &s.a[mi][0][r][ch], &s.a[mi][1][r][ch]);
         }
+        {
+            float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            const float* xr = xrow[r];
+            if (xr != nullptr && c < cols) {
+                const float4 a = *reinterpret_cast<const float4*>(xr + c);
+                const float4 b = *reinterpret_cast<const float4*>(xr + c + 4);
+                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+                v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+            }
+            store_split8(v, &s.b[0][r][ch], &s.b[1][r][ch]);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < TC_BK / 8; ks++) {
+            // Fragment words: columns t4 and t4 + 4 of this 8-column step.
+            const int w0 = ks * 8 + t4, w1 = w0 + 4;
+            uint32_t bf[2][4][2];
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const uint32_t* row = s.b[h][wn + j * 8 + g];
+                    bf[h][j][0] = row[w0];
+                    bf[h][j][1] = row[w1];
+                }
+#pragma unroll
+            for (int mi = 0; mi < NM; mi++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    uint32_t af[2][4];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const uint32_t* top = s.a[mi][h][wm + i * 16 + g];
+                        const uint32_t* bottom = s.a[mi][h][wm + i * 16 + g + 8];
+                        af[h][0] = top[w0];
+                        af[h][1] = bottom[w0];
+                        af[h][2] = top[w1];
+                        af[h][3] = bottom[w1];
+                    }
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        mma_tf32(acc[mi][i][j], af[1], bf[0][j]);
+                        mma_tf32(acc[mi][i][j], af[0], bf[1][j]);
+                        mma_tf32(acc[mi][i][j], af[0], bf[0][j]);
+                    }
+                }
+        }
+        __syncthreads();
     }
 }
+
+// Where acc[.][i][j][e] of tc_tile belongs: the row within the block's 64 and the token within its
+// 64.
+__device__ __forceinline__ int tc_row(int i, int e) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    return (warp / 2) * 32 + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
+}
+__device__ __forceinline__ int tc_token(int j, int e) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    return (warp % 2) * 32 + j * 8 + (lane % 4) * 2 + (e & 1);
+}
+
+// y[ntok, rows] = x[ntok, cols] W^T. Grid (rows / 64, ntok / 64), 128 threads.
+template <int K>
+__device__ void gemm_tc(const Mat& w, const float* x, float* y, int ntok) {
+    __shared__ TcTiles<1> s;
+    __shared__ const float* xrow[TC_BN];
+    const long r0 = (long)blockIdx.x * TC_BM, n0 = (long)blockIdx.y * TC_BN;
+    if (threadIdx.x < TC_BN) {
+        const long n = n0 + threadIdx.x;
+        xrow[threadIdx.x] = n < ntok ? x + n * w.cols : nullptr;
+    }
+    __syncthreads();
+    float acc[1][2][4][4];
+    tc_tile<K, 1>(&w, r0, xrow, s, acc);
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long r = r0 + tc_row(i, e), n = n0 + tc_token(j, e);
+                if (r < w.rows && n < ntok) y[n * w.rows + r] = acc[0][i][j][e];
+            }
+}
+
+#define GEMM_TC(K, KN) \
+    extern "C" __global__ void __launch_bounds__(128) gemm_tc_##KN(Mat w, const float* x, float* y, \
+                                                                   int ntok) { \
+        gemm_tc<K>(w, x, y, ntok); \
+    }
+GEMM_TC(K_GENERIC, generic) GEMM_TC(K_Q4, q4) GEMM_TC(K_Q8, q8) GEMM_TC(K_BF16, bf16)
 
 // Row r of `table`, dequantised, into out (a block's threads share it).
 __device__ void embed_row(const Mat& table, long r, float* out) {
@@ -721,7 +844,8 @@ __device__ void moe_gate_up(const ExpertMats* experts, const uint32_t* present, 
 #define MOE_MAX_K 16
 
 // The present experts of token t in ascending id (insertion sort, K <= MOE_MAX_K): their down
-// projections, routing weights and pair indices; returns how many. One thread calls it.
+// projections (unless `down` is null), routing weights and pair indices; returns how many. One
+// thread calls it.
 __device__ int token_experts(const ExpertMats* experts, const uint32_t* present, int n_present,
                              const uint32_t* ids, const float* weights, int K, long t, Mat* down,
                              float* weight, int* pair_of) {
@@ -734,67 +858,17 @@ __device__ int token_experts(const ExpertMats* experts, const uint32_t* present,
         int at = m++;
         while (at > 0 && sorted_id[at - 1] > e) {
             sorted_id[at] = sorted_id[at - 1];
-            down[at] = down[at - 1];
+            if (down != nullptr) down[at] = down[at - 1];
             weight[at] = weight[at - 1];
             pair_of[at] = pair_of[at - 1];
             at--;
         }
         sorted_id[at] = e;
-        down[at] = experts[slot].down;
+        if (down != nullptr) down[at] = experts[slot].down;
         weight[at] = weights[t * K + j];
         pair_of[at] = (int)(t * K + j);
     }
     return m;
-}
-
-// out[t] += sum_j weight_j * down_e(h[t * K + j]) over the present experts of token t. Grid
-// (hidden / 8, T): one warp per output row of one token. The token's present experts are staged
-// in shared memory in ascending id; every lane loads its chunks of all of them at once and keeps
-// one partial dot per expert, which depends on that expert alone; lane 0 then adds the weighted
-// dots in ascending expert id, so splitting the experts over several calls gives the same bits.
-template <int WK>
-__device__ void moe_down(const ExpertMats* experts, const uint32_t* present, int n_present,
-                         const uint32_t* ids, const float* weights, int K, const float* h,
-                         float* out, int hidden) {
-    __shared__ Mat down[MOE_MAX_K];
-    __shared__ float weight[MOE_MAX_K];
-    __shared__ int pair_of[MOE_MAX_K];
-    __shared__ int n;
-    const long t = blockIdx.y;
-    if (threadIdx.x == 0) n = token_experts(experts, present, n_present, ids, weights, K, t, down,
-                                            weight, pair_of);
-    __syncthreads();
-    const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
-    if (r >= hidden) return;
-    const int lane = threadIdx.x % 32;
-    const int cols = down[0].cols;
-    float part[MOE_MAX_K];
-#pragma unroll
-    for (int j = 0; j < MOE_MAX_K; j++) part[j] = 0.0f;
-    for (int c = lane * 8; c < cols; c += 32 * 8) {
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_K; j++) {
-            if (j >= n) break;
-            float w[8];
-            load8k<WK>(down[j], r, c, w);
-            const float4* hp = reinterpret_cast<const float4*>(h + (long)pair_of[j] * cols + c);
-            const float4 a = hp[0], b = hp[1];
-            float s = part[j];
-            s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
-            s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
-            s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
-            s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
-            part[j] = s;
-        }
-    }
-    float acc = out[t * hidden + r];
-#pragma unroll
-    for (int j = 0; j < MOE_MAX_K; j++) {
-        if (j >= n) break;
-        const float d = warp_sum(part[j]);
-        acc = fmaf(weight[j], d, acc);
-    }
-    if (lane == 0) out[t * hidden + r] = acc;
 }
 
 // ---- block-per-row kernels ----
@@ -917,13 +991,150 @@ MOE_B(K_GENERIC, generic) MOE_B(K_Q4, q4) MOE_B(K_Q8, q8) MOE_B(K_BF16, bf16)
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
         int K, const float* x, float* h) { \
         moe_gate_up<WK>(experts, present, n_present, ids, K, x, h); \
-    } \
-    extern "C" __global__ void __launch_bounds__(256) moe_down_##KN( \
-        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
-        const float* weights, int K, const float* h, float* out, int hidden) { \
-        moe_down<WK>(experts, present, n_present, ids, weights, K, h, out, hidden); \
     }
 MOE(K_GENERIC, generic) MOE(K_Q4, q4) MOE(K_Q8, q8) MOE(K_BF16, bf16)
+
+// ---- grouped tensor-core MoE (prefill) ----
+//
+// Many tokens: the routed pairs are grouped by expert (moe_group), each expert's gate/up and down
+// run as tc_tile products over its pairs (moe_gate_up_tc, moe_down_tc: every expert's weights read
+// once per 64 pairs, not once per pair), and moe_combine adds the weighted down outputs of each
+// token in ascending expert id, as moe_down does, so that splitting the experts over several calls
+// gives the same bits.
+
+// offsets[s] .. offsets[s + 1] of `sorted` are the pairs (t * K + j) routed to expert slot s (in no
+// particular order: each pair's result does not depend on its neighbours); pairs whose expert is
+// absent are left out. One block of 1024 threads; n_slots <= 1024; `rank` is scratch [npairs].
+extern "C" __global__ void __launch_bounds__(1024) moe_group(const uint32_t* present, int n_present,
+                                                             const uint32_t* ids, int npairs,
+                                                             int n_slots, int* offsets,
+                                                             int* sorted, int* rank) {
+    __shared__ int count[1024];
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) count[s] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
+        const int s = expert_slot(ids[p], present, n_present);
+        rank[p] = s < 0 ? -1 : atomicAdd(&count[s], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int s = 0; s < n_slots; s++) {
+            const int c = count[s];
+            count[s] = total;
+            offsets[s] = total;
+            total += c;
+        }
+        offsets[n_slots] = total;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
+        const int r = rank[p];
+        if (r >= 0) sorted[count[expert_slot(ids[p], present, n_present)] + r] = p;
+    }
+}
+
+// The up-to-64 pairs of expert slot blockIdx.y's tile blockIdx.z, and their input rows (row
+// pair / row_div of `in`, `cols` wide); returns false when the tile is empty.
+__device__ __forceinline__ bool moe_tile_rows(const int* offsets, const int* sorted, int row_div,
+                                              const float* in, int cols, int* pair,
+                                              const float** rows) {
+    const int slot = blockIdx.y;
+    const int begin = offsets[slot] + blockIdx.z * TC_BN, end = offsets[slot + 1];
+    if (begin >= end) return false;
+    if (threadIdx.x < TC_BN) {
+        const int i = begin + threadIdx.x;
+        const int p = i < end ? sorted[i] : -1;
+        pair[threadIdx.x] = p;
+        rows[threadIdx.x] = p >= 0 ? in + (long)(p / row_div) * cols : nullptr;
+    }
+    __syncthreads();
+    return true;
+}
+
+// h[pair] = silu(gate(x_t)) * up(x_t) for the pairs of each expert. Grid (inter / 64, slots,
+// tokens / 64): an expert has at most one pair per token.
+template <int WK>
+__device__ void moe_gate_up_tc(const ExpertMats* experts, const int* offsets, const int* sorted,
+                               int K, const float* x, float* h) {
+    __shared__ TcTiles<2> s;
+    __shared__ const float* rows[TC_BN];
+    __shared__ int pair[TC_BN];
+    const Mat m[2] = {experts[blockIdx.y].gate, experts[blockIdx.y].up};
+    const long r0 = (long)blockIdx.x * TC_BM;
+    if (!moe_tile_rows(offsets, sorted, K, x, m[0].cols, pair, rows)) return;
+    float acc[2][2][4][4];
+    tc_tile<WK, 2>(m, r0, rows, s, acc);
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long r = r0 + tc_row(i, e);
+                const int p = pair[tc_token(j, e)];
+                if (r < m[0].rows && p >= 0) {
+                    const float g = acc[0][i][j][e], u = acc[1][i][j][e];
+                    h[(long)p * m[0].rows + r] = g / (1.0f + expf(-g)) * u;
+                }
+            }
+}
+
+// d[pair] = down(h[pair]) for the pairs of each expert. Grid (hidden / 64, slots, tokens / 64).
+template <int WK>
+__device__ void moe_down_tc(const ExpertMats* experts, const int* offsets, const int* sorted,
+                            const float* h, float* d) {
+    __shared__ TcTiles<1> s;
+    __shared__ const float* rows[TC_BN];
+    __shared__ int pair[TC_BN];
+    const Mat m = experts[blockIdx.y].down;
+    const long r0 = (long)blockIdx.x * TC_BM;
+    if (!moe_tile_rows(offsets, sorted, 1, h, m.cols, pair, rows)) return;
+    float acc[1][2][4][4];
+    tc_tile<WK, 1>(&m, r0, rows, s, acc);
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long r = r0 + tc_row(i, e);
+                const int p = pair[tc_token(j, e)];
+                if (r < m.rows && p >= 0) d[(long)p * m.rows + r] = acc[0][i][j][e];
+            }
+}
+
+#define MOE_TC(WK, KN) \
+    extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tc_##KN( \
+        const ExpertMats* experts, const int* offsets, const int* sorted, int K, const float* x, \
+        float* h) { \
+        moe_gate_up_tc<WK>(experts, offsets, sorted, K, x, h); \
+    } \
+    extern "C" __global__ void __launch_bounds__(128) moe_down_tc_##KN( \
+        const ExpertMats* experts, const int* offsets, const int* sorted, const float* h, \
+        float* d) { \
+        moe_down_tc<WK>(experts, offsets, sorted, h, d); \
+    }
+MOE_TC(K_GENERIC, generic) MOE_TC(K_Q4, q4) MOE_TC(K_Q8, q8) MOE_TC(K_BF16, bf16)
+
+// out[t] += sum_j weight_j * d[pair_j] over token t's present experts in ascending id (the order
+// moe_down adds in). Grid (T), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moe_combine(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
+    const float* weights, int K, const float* d, float* out, int hidden) {
+    __shared__ float weight[MOE_MAX_K];
+    __shared__ int pair_of[MOE_MAX_K];
+    __shared__ int n;
+    const long t = blockIdx.x;
+    if (threadIdx.x == 0) n = token_experts(experts, present, n_present, ids, weights, K, t,
+                                            nullptr, weight, pair_of);
+    __syncthreads();
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float acc = out[t * hidden + c];
+        for (int j = 0; j < n; j++) acc = fmaf(weight[j], d[(long)pair_of[j] * hidden + c], acc);
+        out[t * hidden + c] = acc;
+    }
+}
 
 // route(x W^T) for a few tokens in one launch. Grid (E, T): a block of 128 per router row writes
 // its logit (as the block-per-row matrix-vector kernel); the last block of a token to finish

@@ -43,6 +43,7 @@ pub struct CudaVector {
 /// descriptions the MoE kernels index by expert id.
 pub struct CudaExperts {
     table: DevBuf,
+    count: usize,
     inter: usize,
     kinds: (usize, usize),
     _parts: Vec<DevBuf>,
@@ -252,9 +253,9 @@ impl CudaBackend {
             );
         } else {
             self.d.launch(
-                &k.gemm,
+                &k.gemm_tc[w.kind()],
                 (grid(w.rows as usize, 64), grid(tokens, 64), 1),
-                (256, 1, 1),
+                (128, 1, 1),
                 &[
                     Arg::Mat(*w),
                     Arg::Ptr(x),
@@ -270,14 +271,16 @@ impl CudaBackend {
     }
 
     /// Runs the MoE kernels over the routed pairs whose expert is described in `table` (all
-    /// experts when `present` is `None`, else the ascending ids in `present`), adding into `out`.
+    /// `slots` experts when `present` is `None`, else the `slots` ascending ids in `present`),
+    /// adding into `out`.
     #[allow(clippy::too_many_arguments)]
     fn moe_into(
         &self,
         x: &CudaAct,
         routing: &CudaRouting,
         table: u64,
-        present: Option<(&DevBuf, usize)>,
+        present: Option<&DevBuf>,
+        slots: usize,
         inter: usize,
         kinds: (usize, usize),
         out: &CudaAct,
@@ -292,26 +295,23 @@ impl CudaBackend {
             return;
         };
         let (present_ptr, n_present) = match present {
-            Some((b, n)) => (b.ptr, n as i32),
+            Some(b) => (b.ptr, slots as i32),
             None => (0, -1),
         };
         let k = &self.d.k;
-        // Measured on an H100 (Qwen3-30B-A3B shape): a block per output row wins for the down
-        // projections of a few tokens (27 us vs 32 per layer), a warp per two rows for gate/up
-        // (25 vs 37) and for batches.
-        let (down, down_grid, down_threads) = if routing.rows <= 8 {
-            (
-                &k.moe_down_b[kinds.1],
-                (x.cols as u32, routing.rows as u32, 1),
-                128,
-            )
-        } else {
-            (
-                &k.moe_down[kinds.1],
-                (grid(x.cols, 8), routing.rows as u32, 1),
-                256,
-            )
-        };
+        if routing.rows > 8 {
+            self.moe_grouped(
+                x,
+                routing,
+                table,
+                (present_ptr, n_present),
+                slots,
+                (&h, inter),
+                kinds,
+                out,
+            );
+            return;
+        }
         self.d.launch(
             &k.moe_gate_up[kinds.0],
             (grid(inter, 16), pairs as u32, 1),
@@ -326,10 +326,12 @@ impl CudaBackend {
                 Arg::Ptr(h.ptr),
             ],
         );
+        // Measured on an H100 (Qwen3-30B-A3B shape): a block per output row wins for the down
+        // projections of a few tokens (27 us vs 32 per layer).
         self.d.launch(
-            down,
-            down_grid,
-            (down_threads, 1, 1),
+            &k.moe_down_b[kinds.1],
+            (x.cols as u32, routing.rows as u32, 1),
+            (128, 1, 1),
             &[
                 Arg::Ptr(table),
                 Arg::Ptr(present_ptr),
@@ -340,6 +342,100 @@ impl CudaBackend {
                 Arg::Ptr(h.ptr),
                 Arg::Ptr(op),
                 Arg::I32(x.cols as i32),
+            ],
+        );
+    }
+
+    /// The MoE of many tokens: pairs grouped by expert on the device, then per expert tensor-core
+    /// products over its pairs (each expert's weights read once per 64 pairs), then the weighted
+    /// sum per token in ascending expert id (the order of the few-token kernels).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_grouped(
+        &self,
+        x: &CudaAct,
+        routing: &CudaRouting,
+        table: u64,
+        (present_ptr, n_present): (u64, i32),
+        slots: usize,
+        (h, inter): (&DevBuf, usize),
+        kinds: (usize, usize),
+        out: &CudaAct,
+    ) {
+        let (Some(xp), Some(op), Some(ids), Some(weights)) =
+            (x.ptr(), out.ptr(), &routing.ids, &routing.weights)
+        else {
+            return;
+        };
+        let pairs = routing.rows * routing.k;
+        let hidden = x.cols;
+        // offsets [slots + 1], sorted pairs [pairs], ranks [pairs]; then the down outputs.
+        let (Some(groups), Some(d)) = (
+            self.d
+                .alloc_or_record((slots + 1 + 2 * pairs) * 4, "MoE expert groups"),
+            self.d.alloc_or_record(pairs * hidden * 4, "MoE outputs"),
+        ) else {
+            return;
+        };
+        let offsets = groups.ptr;
+        let sorted = offsets + (slots as u64 + 1) * 4;
+        let ranks = sorted + pairs as u64 * 4;
+        let k = &self.d.k;
+        self.d.launch(
+            &k.moe_group,
+            (1, 1, 1),
+            (1024, 1, 1),
+            &[
+                Arg::Ptr(present_ptr),
+                Arg::I32(n_present),
+                Arg::Ptr(ids.ptr),
+                Arg::I32(pairs as i32),
+                Arg::I32(slots as i32),
+                Arg::Ptr(offsets),
+                Arg::Ptr(sorted),
+                Arg::Ptr(ranks),
+            ],
+        );
+        // An expert has at most one pair per token (top-k picks distinct experts).
+        let tiles = grid(routing.rows, 64);
+        self.d.launch(
+            &k.moe_gate_up_tc[kinds.0],
+            (grid(inter, 64), slots as u32, tiles),
+            (128, 1, 1),
+            &[
+                Arg::Ptr(table),
+                Arg::Ptr(offsets),
+                Arg::Ptr(sorted),
+                Arg::I32(routing.k as i32),
+                Arg::Ptr(xp),
+                Arg::Ptr(h.ptr),
+            ],
+        );
+        self.d.launch(
+            &k.moe_down_tc[kinds.1],
+            (grid(hidden, 64), slots as u32, tiles),
+            (128, 1, 1),
+            &[
+                Arg::Ptr(table),
+                Arg::Ptr(offsets),
+                Arg::Ptr(sorted),
+                Arg::Ptr(h.ptr),
+                Arg::Ptr(d.ptr),
+            ],
+        );
+        self.d.launch(
+            &k.moe_combine,
+            (routing.rows as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(table),
+                Arg::Ptr(present_ptr),
+                Arg::I32(n_present),
+                Arg::Ptr(ids.ptr),
+                Arg::Ptr(weights.ptr),
+                Arg::I32(routing.k as i32),
+                Arg::Ptr(d.ptr),
+                Arg::Ptr(op),
+                Arg::I32(hidden as i32),
             ],
         );
     }
@@ -442,6 +538,7 @@ impl Backend for CudaBackend {
         let kinds = table.first().map_or((0, 0), ExpertMats::kinds);
         Ok(CudaExperts {
             table: self.d.upload(&table, "the expert table")?,
+            count: table.len(),
             inter,
             kinds,
             _parts: parts,
@@ -1058,6 +1155,7 @@ impl Backend for CudaBackend {
             routing,
             experts.table.ptr,
             None,
+            experts.count,
             experts.inter,
             experts.kinds,
             &out,
@@ -1098,7 +1196,8 @@ impl Backend for CudaBackend {
             x,
             routing,
             table.ptr,
-            Some((&present, ids.len())),
+            Some(&present),
+            ids.len(),
             inter,
             kinds,
             out,

@@ -24,7 +24,8 @@ pub(crate) struct Kernels {
     pub gemv_r2: Vec<CudaFunction>,
     /// `gemv_multi[kind][t - 1]`: `gemv_b` over up to four matrices of one input.
     pub gemv_multi: Vec<Vec<CudaFunction>>,
-    pub gemm: CudaFunction,
+    /// Many tokens on tensor cores, by weight kind.
+    pub gemm_tc: Vec<CudaFunction>,
     pub embed: CudaFunction,
     /// `embed` with up to eight token ids passed by value.
     pub embed_ids: CudaFunction,
@@ -46,9 +47,14 @@ pub(crate) struct Kernels {
     pub route_gemv: Vec<CudaFunction>,
     /// By weight kind.
     pub moe_gate_up: Vec<CudaFunction>,
-    pub moe_down: Vec<CudaFunction>,
     /// The down projections with a block per output row (few tokens).
     pub moe_down_b: Vec<CudaFunction>,
+    /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
+    /// and the weighted sum per token.
+    pub moe_group: CudaFunction,
+    pub moe_gate_up_tc: Vec<CudaFunction>,
+    pub moe_down_tc: Vec<CudaFunction>,
+    pub moe_combine: CudaFunction,
     pub causal_conv1d_silu: CudaFunction,
     pub gated_delta_rule: CudaFunction,
 }
@@ -83,7 +89,10 @@ impl Kernels {
                 .map(|k| (1..=8).map(|t| f(&format!("gemv_{k}_t{t}_b"))).collect())
                 .collect::<Result<_, _>>()?,
 
-            gemm: f("gemm")?,
+            gemm_tc: KINDS
+                .iter()
+                .map(|k| f(&format!("gemm_tc_{k}")))
+                .collect::<Result<_, _>>()?,
             embed: f("embed")?,
             embed_ids: f("embed_ids")?,
             copy_words: f("copy_words")?,
@@ -108,10 +117,16 @@ impl Kernels {
                 .iter()
                 .map(|k| f(&format!("moe_gate_up_{k}")))
                 .collect::<Result<_, _>>()?,
-            moe_down: KINDS
+            moe_group: f("moe_group")?,
+            moe_gate_up_tc: KINDS
                 .iter()
-                .map(|k| f(&format!("moe_down_{k}")))
+                .map(|k| f(&format!("moe_gate_up_tc_{k}")))
                 .collect::<Result<_, _>>()?,
+            moe_down_tc: KINDS
+                .iter()
+                .map(|k| f(&format!("moe_down_tc_{k}")))
+                .collect::<Result<_, _>>()?,
+            moe_combine: f("moe_combine")?,
             moe_down_b: KINDS
                 .iter()
                 .map(|k| f(&format!("moe_down_{k}_b")))
