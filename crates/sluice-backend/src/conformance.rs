@@ -599,6 +599,7 @@ pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
             scale_dtype: Dtype::F16,
         },
         WeightFormat::Dense(Dtype::Bf16),
+        WeightFormat::Dense(Dtype::F16),
     ];
     let (n, h, i) = (16, 128, 64);
     for (layer, format) in formats.into_iter().enumerate() {

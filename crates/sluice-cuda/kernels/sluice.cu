@@ -418,7 +418,273 @@ __device__ void gemm_tc(const Mat& w, const float* x, float* y, int ntok) {
                                                                    int ntok) { \
         gemm_tc<K>(w, x, y, ntok); \
     }
-GEMM_TC(K_GENERIC, generic) GEMM_TC(K_Q4, q4) GEMM_TC(K_Q8, q8) GEMM_TC(K_BF16, bf16)
+GEMM_TC(K_GENERIC, generic)
+
+// ---- exact-weight tensor-core products (4- and 8-bit affine, bf16 weights) ----
+//
+// These weights reach the tensor cores exactly: an affine code q (0..255) and a bf16 weight are bf16
+// values. Only the activation is split, into three bf16 parts (x = hi + mid + lo to 24 bits, an f32's
+// precision), and for affine weights y = sum over groups of s (q . x) + b (sum x), the q . x of a
+// group accumulated by mma.sync m16n8k16 in f32 and scaled once per group: three bf16 products per
+// 16 columns where the 3xTF32 path needs six tf32 ones, and no split of the weights. Groups must
+// be multiples of the 32-column tile (mlx's 32, 64, 128). A block of 4 warps computes BM weight
+// rows x BN tokens; a warp MI 16-row slices x NJ 8-token slices; the warps lie WM x WN.
+
+#define TQ_BK 32
+// bf16 parts per activation (TQ_PARTS x 8 significant bits).
+#define TQ_PARTS 3
+// Words per shared tile row: 16 of data (32 bf16) and 4 of padding (conflict-free fragments).
+#define TQ_LD 20
+
+template <int NM, int BM, int BN>
+struct TqTiles {
+    uint32_t a[NM][BM][TQ_LD];
+    uint32_t b[TQ_PARTS][BN][TQ_LD];
+    // Per token, the sums of the tile's four 8-column chunks (the bias term).
+    float xs[BN][4];
+};
+
+__device__ __forceinline__ uint32_t bf16_of_code(uint32_t q) { return __float_as_uint(u2f(q)) >> 16; }
+
+// Weights [c, c + 8) of row r as bf16 pairs, exactly: the codes of affine weights, or bf16 weights.
+template <int K>
+__device__ __forceinline__ uint4 load8_exact(const Mat& m, long r, int c) {
+    if constexpr (K == K_Q4) {
+        const uint32_t v = __ldg(reinterpret_cast<const uint32_t*>(m.data) + r * (m.cols / 8) + c / 8);
+        uint32_t o[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            o[j] = bf16_of_code((v >> (8 * j)) & 15u) | (bf16_of_code((v >> (8 * j + 4)) & 15u) << 16);
+        return make_uint4(o[0], o[1], o[2], o[3]);
+    } else if constexpr (K == K_Q8) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(m.data + r * (long)m.cols) + c / 8);
+        const uint32_t w[2] = {v.x, v.y};
+        uint32_t o[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint32_t x = w[j / 2] >> (16 * (j % 2));
+            o[j] = bf16_of_code(x & 255u) | (bf16_of_code((x >> 8) & 255u) << 16);
+        }
+        return make_uint4(o[0], o[1], o[2], o[3]);
+    } else {
+        return __ldg(reinterpret_cast<const uint4*>(m.data) + (r * m.cols + c) / 8);
+    }
+}
+
+// v as TQ_PARTS bf16 parts, largest first, each rounding what the ones before left.
+__device__ __forceinline__ void split_bf16(float v, uint32_t p[TQ_PARTS]) {
+#pragma unroll
+    for (int i = 0; i < TQ_PARTS; i++) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(v);
+        p[i] = __bfloat16_as_ushort(h);
+        v -= __bfloat162float(h);
+    }
+}
+
+// c += a b for a 16x16 (rows x columns) and b 16x8 (columns x tokens), bf16 in, f32 out.
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Where acc[.][i][j][e] of tq_tile belongs: the row within the block's BM and the token within its
+// BN.
+template <int MI, int NJ, int WN>
+__device__ __forceinline__ int tq_row(int i, int e) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    return (warp / WN) * 16 * MI + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
+}
+template <int MI, int NJ, int WN>
+__device__ __forceinline__ int tq_token(int j, int e) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    return (warp % WN) * 8 * NJ + j * 8 + (lane % 4) * 2 + (e & 1);
+}
+
+// The block's products of rows r0 .. r0 + BM of each of the NM matrices m (same shape and format)
+// with the BN token rows xrow (nullptr: padding, read as zeros), over columns [k_begin, k_end)
+// (whole groups). GLU: the token rows hold a gate half then an up half, `cols` apart, and the
+// input is silu(gate) * up.
+template <int K, int NM, int MI, int NJ, int WM, int WN, bool GLU = false>
+__device__ __forceinline__ void tq_tile(const Mat* m, long r0, const float* const* xrow,
+                                        TqTiles<NM, 16 * MI * WM, 8 * NJ * WN>& s,
+                                        float acc[NM][MI][NJ][4], int k_begin, int k_end) {
+    constexpr int BM = 16 * MI * WM, BN = 8 * NJ * WN;
+    constexpr bool affine = K != K_BF16;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const int wm = (warp / WN) * 16 * MI, wn = (warp % WN) * 8 * NJ;
+    const int cols = m[0].cols, group_mask = m[0].group - 1;
+    // Per group: the codes' dots (affine) and this thread's tokens' sums.
+    float part[NM][MI][NJ][4];
+    float xg[NJ][2];
+#pragma unroll
+    for (int mi = 0; mi < NM; mi++)
+#pragma unroll
+        for (int i = 0; i < MI; i++)
+#pragma unroll
+            for (int j = 0; j < NJ; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mi][i][j][e] = part[mi][i][j][e] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NJ; j++) xg[j][0] = xg[j][1] = 0.0f;
+    for (int k0 = k_begin; k0 < k_end; k0 += TQ_BK) {
+#pragma unroll
+        for (int it = 0; it < BM * 4 / 128; it++) {
+            const int idx = threadIdx.x + it * 128, r = idx / 4, ch = idx % 4;
+#pragma unroll
+            for (int mi = 0; mi < NM; mi++)
+                *reinterpret_cast<uint4*>(&s.a[mi][r][ch * 4]) =
+                    load8_exact<K>(m[mi], min(r0 + r, (long)m[mi].rows - 1), k0 + ch * 8);
+        }
+#pragma unroll
+        for (int it = 0; it < (BN * 4 + 127) / 128; it++) {
+            const int idx = threadIdx.x + it * 128, n = idx / 4, ch = idx % 4;
+            if (idx >= BN * 4) break;
+            float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (xrow[n] != nullptr) {
+                const float4 a = *reinterpret_cast<const float4*>(xrow[n] + k0 + ch * 8);
+                const float4 b = *reinterpret_cast<const float4*>(xrow[n] + k0 + ch * 8 + 4);
+                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+                v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+                if constexpr (GLU) {
+                    const float4 c = *reinterpret_cast<const float4*>(xrow[n] + cols + k0 + ch * 8);
+                    const float4 d = *reinterpret_cast<const float4*>(xrow[n] + cols + k0 + ch * 8 + 4);
+                    const float u[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+                    for (int q = 0; q < 8; q++) v[q] = v[q] / (1.0f + expf(-v[q])) * u[q];
+                }
+            }
+            uint32_t w[TQ_PARTS][4];
+            float sum = 0.0f;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                uint32_t lo[TQ_PARTS], hi[TQ_PARTS];
+                split_bf16(v[2 * q], lo);
+                split_bf16(v[2 * q + 1], hi);
+#pragma unroll
+                for (int p = 0; p < TQ_PARTS; p++) w[p][q] = lo[p] | (hi[p] << 16);
+                sum += v[2 * q] + v[2 * q + 1];
+            }
+#pragma unroll
+            for (int p = 0; p < TQ_PARTS; p++)
+                *reinterpret_cast<uint4*>(&s.b[p][n][ch * 4]) = make_uint4(w[p][0], w[p][1], w[p][2], w[p][3]);
+            s.xs[n][ch] = sum;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < TQ_BK / 16; ks++) {
+            // Fragment words: columns 2 t4, 2 t4 + 1 and 8 further of this 16-column step.
+            const int w0 = ks * 8 + t4, w1 = w0 + 4;
+            uint32_t bf[TQ_PARTS][NJ][2];
+#pragma unroll
+            for (int p = 0; p < TQ_PARTS; p++)
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    const uint32_t* row = s.b[p][wn + j * 8 + g];
+                    bf[p][j][0] = row[w0];
+                    bf[p][j][1] = row[w1];
+                }
+#pragma unroll
+            for (int mi = 0; mi < NM; mi++)
+#pragma unroll
+                for (int i = 0; i < MI; i++) {
+                    const uint32_t* top = s.a[mi][wm + i * 16 + g];
+                    const uint32_t* bottom = s.a[mi][wm + i * 16 + g + 8];
+                    const uint32_t af[4] = {top[w0], bottom[w0], top[w1], bottom[w1]};
+#pragma unroll
+                    for (int j = 0; j < NJ; j++) {
+                        float* c = affine ? part[mi][i][j] : acc[mi][i][j];
+                        // Smallest part first.
+#pragma unroll
+                        for (int p = TQ_PARTS - 1; p >= 0; p--) mma_bf16(c, af, bf[p][j]);
+                    }
+                }
+        }
+        if constexpr (affine) {
+#pragma unroll
+            for (int j = 0; j < NJ; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float* x4 = s.xs[wn + j * 8 + 2 * t4 + e];
+                    xg[j][e] += (x4[0] + x4[1]) + (x4[2] + x4[3]);
+                }
+            // Groups are whole tiles and rows whole groups: the group ends with this tile or not.
+            if (((k0 + TQ_BK) & group_mask) == 0) {
+                const long groups_per_row = cols >> m[0].gshift, gi = k0 >> m[0].gshift;
+#pragma unroll
+                for (int mi = 0; mi < NM; mi++)
+#pragma unroll
+                    for (int i = 0; i < MI; i++) {
+                        const long ra = min(r0 + wm + i * 16 + g, (long)m[mi].rows - 1);
+                        const long rb = min(ra + 8, (long)m[mi].rows - 1);
+                        const float sa = load_scalar(m[mi].scales, m[mi].sdt, ra * groups_per_row + gi);
+                        const float ba = load_scalar(m[mi].biases, m[mi].sdt, ra * groups_per_row + gi);
+                        const float sb = load_scalar(m[mi].scales, m[mi].sdt, rb * groups_per_row + gi);
+                        const float bb = load_scalar(m[mi].biases, m[mi].sdt, rb * groups_per_row + gi);
+#pragma unroll
+                        for (int j = 0; j < NJ; j++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++) {
+                                const float sc = e < 2 ? sa : sb, bi = e < 2 ? ba : bb;
+                                acc[mi][i][j][e] = fmaf(sc, part[mi][i][j][e],
+                                                        fmaf(bi, xg[j][e & 1], acc[mi][i][j][e]));
+                                part[mi][i][j][e] = 0.0f;
+                            }
+                    }
+#pragma unroll
+                for (int j = 0; j < NJ; j++) xg[j][0] = xg[j][1] = 0.0f;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// y[ntok, rows] = x[ntok, cols] W^T. Grid (rows / 64, ntok / 64, splits), 128 threads: with
+// several splits (a small grid), block z covers columns [z kc, (z + 1) kc) and writes its partial
+// sums to y + z ntok rows, which sum_splits adds up.
+template <int K>
+__device__ void gemm_tq(const Mat& w, const float* x, float* y, int ntok, int kc) {
+    __shared__ TqTiles<1, 64, 64> s;
+    __shared__ const float* xrow[64];
+    const long r0 = (long)blockIdx.x * 64, n0 = (long)blockIdx.y * 64;
+    if (threadIdx.x < 64) {
+        const long n = n0 + threadIdx.x;
+        xrow[threadIdx.x] = n < ntok ? x + n * w.cols : nullptr;
+    }
+    __syncthreads();
+    float acc[1][2][4][4];
+    const int k_begin = blockIdx.z * kc;
+    tq_tile<K, 1, 2, 4, 2, 2>(&w, r0, xrow, s, acc, k_begin, min(k_begin + kc, w.cols));
+    y += (long)blockIdx.z * ntok * w.rows;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long r = r0 + tq_row<2, 4, 2>(i, e), n = n0 + tq_token<2, 4, 2>(j, e);
+                if (r < w.rows && n < ntok) y[n * w.rows + r] = acc[0][i][j][e];
+            }
+}
+
+#define GEMM_TQ(K, KN) \
+    extern "C" __global__ void __launch_bounds__(128) gemm_tq_##KN(Mat w, const float* x, float* y, \
+                                                                   int ntok, int kc) { \
+        gemm_tq<K>(w, x, y, ntok, kc); \
+    }
+GEMM_TQ(K_Q4, q4) GEMM_TQ(K_Q8, q8) GEMM_TQ(K_BF16, bf16)
+
+// out[i] = sum over z of part[z n + i], in order of z.
+extern "C" __global__ void sum_splits(const float* part, float* out, long n, int splits) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float acc = part[i];
+        for (int z = 1; z < splits; z++) acc += part[z * n + i];
+        out[i] = acc;
+    }
+}
 
 // Row r of `table`, dequantised, into out (a block's threads share it).
 __device__ void embed_row(const Mat& table, long r, float* out) {
@@ -1034,15 +1300,16 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const uint32_t* pre
     }
 }
 
-// The up-to-64 pairs of expert slot blockIdx.y's tile blockIdx.z, and their input rows (row
+// The up-to-BN pairs of expert slot blockIdx.y's tile blockIdx.z, and their input rows (row
 // pair / row_div of `in`, `cols` wide); returns false when the tile is empty.
+template <int BN>
 __device__ __forceinline__ bool moe_tile_rows(const int* offsets, const int* sorted, int row_div,
                                               const float* in, int cols, int* pair,
                                               const float** rows) {
     const int slot = blockIdx.y;
-    const int begin = offsets[slot] + blockIdx.z * TC_BN, end = offsets[slot + 1];
+    const int begin = offsets[slot] + blockIdx.z * BN, end = offsets[slot + 1];
     if (begin >= end) return false;
-    if (threadIdx.x < TC_BN) {
+    if (threadIdx.x < BN) {
         const int i = begin + threadIdx.x;
         const int p = i < end ? sorted[i] : -1;
         pair[threadIdx.x] = p;
@@ -1062,7 +1329,7 @@ __device__ void moe_gate_up_tc(const ExpertMats* experts, const int* offsets, co
     __shared__ int pair[TC_BN];
     const Mat m[2] = {experts[blockIdx.y].gate, experts[blockIdx.y].up};
     const long r0 = (long)blockIdx.x * TC_BM;
-    if (!moe_tile_rows(offsets, sorted, K, x, m[0].cols, pair, rows)) return;
+    if (!moe_tile_rows<TC_BN>(offsets, sorted, K, x, m[0].cols, pair, rows)) return;
     float acc[2][2][4][4];
     tc_tile<WK, 2>(m, r0, rows, s, acc);
 #pragma unroll
@@ -1089,7 +1356,7 @@ __device__ void moe_down_tc(const ExpertMats* experts, const int* offsets, const
     __shared__ int pair[TC_BN];
     const Mat m = experts[blockIdx.y].down;
     const long r0 = (long)blockIdx.x * TC_BM;
-    if (!moe_tile_rows(offsets, sorted, 1, h, m.cols, pair, rows)) return;
+    if (!moe_tile_rows<TC_BN>(offsets, sorted, 1, h, m.cols, pair, rows)) return;
     float acc[1][2][4][4];
     tc_tile<WK, 1>(&m, r0, rows, s, acc);
 #pragma unroll
@@ -1115,7 +1382,80 @@ __device__ void moe_down_tc(const ExpertMats* experts, const int* offsets, const
         float* d) { \
         moe_down_tc<WK>(experts, offsets, sorted, h, d); \
     }
-MOE_TC(K_GENERIC, generic) MOE_TC(K_Q4, q4) MOE_TC(K_Q8, q8) MOE_TC(K_BF16, bf16)
+MOE_TC(K_GENERIC, generic)
+
+// The tensor-core MoE kernels for exact weights, over each expert's pairs, BN = 8 NJ pairs and
+// BM = 64 MI rows a block (warps 4 x 1: tall tiles, because an expert has few pairs, ~32 at 512
+// tokens, 128 experts, top 8). moe_gate_up_tq writes gate(x_t) and up(x_t) side by side, hg[pair]
+// = [gate | up] (grid (2 inter / BM, slots, tokens / BN): gate and up in different blocks keeps
+// the registers of one product); moe_down_tq computes d[pair] = down(silu(gate) * up) (grid
+// (hidden / BM, slots, tokens / BN)).
+template <int WK, int MI, int NJ>
+__device__ void moe_gate_up_tq(const ExpertMats* experts, const int* offsets, const int* sorted,
+                               int K, const float* x, float* hg) {
+    constexpr int BM = 64 * MI, BN = 8 * NJ;
+    __shared__ TqTiles<1, BM, BN> s;
+    __shared__ const float* rows[BN];
+    __shared__ int pair[BN];
+    const ExpertMats& e = experts[blockIdx.y];
+    const int inter = e.gate.rows, gate_tiles = (inter + BM - 1) / BM;
+    const bool up = blockIdx.x >= gate_tiles;
+    const Mat m = up ? e.up : e.gate;
+    const long r0 = (long)(up ? blockIdx.x - gate_tiles : blockIdx.x) * BM;
+    if (!moe_tile_rows<BN>(offsets, sorted, K, x, m.cols, pair, rows)) return;
+    float acc[1][MI][NJ][4];
+    tq_tile<WK, 1, MI, NJ, 4, 1>(&m, r0, rows, s, acc, 0, m.cols);
+    float* out = hg + (up ? inter : 0);
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const long r = r0 + tq_row<MI, NJ, 1>(i, q);
+                const int p = pair[tq_token<MI, NJ, 1>(j, q)];
+                if (r < inter && p >= 0) out[(long)p * 2 * inter + r] = acc[0][i][j][q];
+            }
+}
+
+template <int WK, int MI, int NJ>
+__device__ void moe_down_tq(const ExpertMats* experts, const int* offsets, const int* sorted,
+                            const float* hg, float* d) {
+    constexpr int BM = 64 * MI, BN = 8 * NJ;
+    __shared__ TqTiles<1, BM, BN> s;
+    __shared__ const float* rows[BN];
+    __shared__ int pair[BN];
+    const Mat m = experts[blockIdx.y].down;
+    const long r0 = (long)blockIdx.x * BM;
+    if (!moe_tile_rows<BN>(offsets, sorted, 1, hg, 2 * m.cols, pair, rows)) return;
+    float acc[1][MI][NJ][4];
+    tq_tile<WK, 1, MI, NJ, 4, 1, true>(&m, r0, rows, s, acc, 0, m.cols);
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long r = r0 + tq_row<MI, NJ, 1>(i, e);
+                const int p = pair[tq_token<MI, NJ, 1>(j, e)];
+                if (r < m.rows && p >= 0) d[(long)p * m.rows + r] = acc[0][i][j][e];
+            }
+}
+
+#define MOE_TQ(WK, KN, MI, NJ) \
+    extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tq_##KN##_n##NJ( \
+        const ExpertMats* experts, const int* offsets, const int* sorted, int K, const float* x, \
+        float* hg) { \
+        moe_gate_up_tq<WK, MI, NJ>(experts, offsets, sorted, K, x, hg); \
+    } \
+    extern "C" __global__ void __launch_bounds__(128) moe_down_tq_##KN##_n##NJ( \
+        const ExpertMats* experts, const int* offsets, const int* sorted, const float* hg, \
+        float* d) { \
+        moe_down_tq<WK, MI, NJ>(experts, offsets, sorted, hg, d); \
+    }
+// NJ 4: 128 rows x 32 pairs; NJ 2: 256 rows x 16 pairs.
+MOE_TQ(K_Q4, q4, 2, 4) MOE_TQ(K_Q8, q8, 2, 4) MOE_TQ(K_BF16, bf16, 2, 4)
+MOE_TQ(K_Q4, q4, 4, 2) MOE_TQ(K_Q8, q8, 4, 2) MOE_TQ(K_BF16, bf16, 4, 2)
 
 // out[t] += sum_j weight_j * d[pair_j] over token t's present experts in ascending id (the order
 // moe_down adds in). Grid (T), 256 threads.

@@ -44,8 +44,8 @@ pub struct CudaVector {
 pub struct CudaExperts {
     table: DevBuf,
     count: usize,
-    inter: usize,
-    kinds: (usize, usize),
+    /// The first expert's matrices: the shapes and formats of all.
+    sample: ExpertMats,
     _parts: Vec<DevBuf>,
 }
 
@@ -251,9 +251,54 @@ impl CudaBackend {
                 (128, 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
             );
+        } else if let Some(e) = w.exact_kind() {
+            // A grid of fewer than ~2 blocks per SM (k/v projections, routers) splits the columns
+            // too, in whole 128-column runs (groups of up to 128 stay whole), and sums the
+            // partial products in a fixed order.
+            let (rows, cols) = (w.rows as usize, w.cols as usize);
+            let blocks = grid(rows, 64) as usize * grid(tokens, 64) as usize;
+            let wanted = (2 * 132usize).div_ceil(blocks).min(cols / 256).max(1);
+            let kc = cols.div_ceil(wanted).div_ceil(128) * 128;
+            let splits = cols.div_ceil(kc);
+            let part = if splits > 1 {
+                match self
+                    .d
+                    .alloc_or_record(splits * tokens * rows * 4, "partial products")
+                {
+                    Some(b) => Some(b),
+                    None => return,
+                }
+            } else {
+                None
+            };
+            self.d.launch(
+                &k.gemm_tq[e],
+                (grid(rows, 64), grid(tokens, 64), splits as u32),
+                (128, 1, 1),
+                &[
+                    Arg::Mat(*w),
+                    Arg::Ptr(x),
+                    Arg::Ptr(part.as_ref().map_or(out, |p| p.ptr)),
+                    Arg::I32(tokens as i32),
+                    Arg::I32(kc as i32),
+                ],
+            );
+            if let Some(part) = part {
+                let n = tokens * rows;
+                self.elementwise(
+                    &k.sum_splits,
+                    n,
+                    &[
+                        Arg::Ptr(part.ptr),
+                        Arg::Ptr(out),
+                        Arg::I64(n as i64),
+                        Arg::I32(splits as i32),
+                    ],
+                );
+            }
         } else {
             self.d.launch(
-                &k.gemm_tc[w.kind()],
+                &k.gemm_tc,
                 (grid(w.rows as usize, 64), grid(tokens, 64), 1),
                 (128, 1, 1),
                 &[
@@ -281,24 +326,21 @@ impl CudaBackend {
         table: u64,
         present: Option<&DevBuf>,
         slots: usize,
-        inter: usize,
-        kinds: (usize, usize),
+        sample: &ExpertMats,
         out: &CudaAct,
     ) {
+        let inter = sample.gate.rows as usize;
+        let kinds = sample.kinds();
         let (Some(xp), Some(op), Some(ids), Some(weights)) =
             (x.ptr(), out.ptr(), &routing.ids, &routing.weights)
         else {
             return;
         };
         let pairs = routing.rows * routing.k;
-        let Some(h) = self.d.alloc_or_record(pairs * inter * 4, "MoE activations") else {
-            return;
-        };
         let (present_ptr, n_present) = match present {
             Some(b) => (b.ptr, slots as i32),
             None => (0, -1),
         };
-        let k = &self.d.k;
         if routing.rows > 8 {
             self.moe_grouped(
                 x,
@@ -306,12 +348,15 @@ impl CudaBackend {
                 table,
                 (present_ptr, n_present),
                 slots,
-                (&h, inter),
-                kinds,
+                sample,
                 out,
             );
             return;
         }
+        let Some(h) = self.d.alloc_or_record(pairs * inter * 4, "MoE activations") else {
+            return;
+        };
+        let k = &self.d.k;
         self.d.launch(
             &k.moe_gate_up[kinds.0],
             (grid(inter, 16), pairs as u32, 1),
@@ -357,8 +402,7 @@ impl CudaBackend {
         table: u64,
         (present_ptr, n_present): (u64, i32),
         slots: usize,
-        (h, inter): (&DevBuf, usize),
-        kinds: (usize, usize),
+        sample: &ExpertMats,
         out: &CudaAct,
     ) {
         let (Some(xp), Some(op), Some(ids), Some(weights)) =
@@ -367,11 +411,22 @@ impl CudaBackend {
             return;
         };
         let pairs = routing.rows * routing.k;
-        let hidden = x.cols;
-        // offsets [slots + 1], sorted pairs [pairs], ranks [pairs]; then the down outputs.
-        let (Some(groups), Some(d)) = (
+        let (hidden, inter) = (x.cols, sample.gate.rows as usize);
+        // The exact-weight kernels when gate/up and down all take them (they keep gate and up
+        // apart, [pairs, 2 inter], and the down kernel applies SwiGLU); else the 3xTF32 kernels
+        // (64 x 64 tiles), whose gate/up kernel writes silu(gate) * up, [pairs, inter].
+        let exact = match sample.exact_kinds() {
+            (Some(g), Some(d)) => Some((g, d)),
+            _ => None,
+        };
+        let h_cols = if exact.is_some() { 2 * inter } else { inter };
+        // offsets [slots + 1], sorted pairs [pairs], ranks [pairs]; the activations; the down
+        // outputs.
+        let (Some(groups), Some(h), Some(d)) = (
             self.d
                 .alloc_or_record((slots + 1 + 2 * pairs) * 4, "MoE expert groups"),
+            self.d
+                .alloc_or_record(pairs * h_cols * 4, "MoE activations"),
             self.d.alloc_or_record(pairs * hidden * 4, "MoE outputs"),
         ) else {
             return;
@@ -396,10 +451,28 @@ impl CudaBackend {
             ],
         );
         // An expert has at most one pair per token (top-k picks distinct experts).
-        let tiles = grid(routing.rows, 64);
+        // Tall tiles of few pairs when experts have few (~32 at 512 tokens, 128 experts, top 8).
+        let tile = usize::from(pairs < 24 * slots);
+        let (gate_up, down, rows_per_tile, pairs_per_tile, gate_up_grid_x) = match exact {
+            Some((g, d)) => {
+                let (pairs_per_tile, rows_per_tile) = [(32, 128), (16, 256)][tile];
+                (
+                    &k.moe_gate_up_tq[tile][g],
+                    &k.moe_down_tq[tile][d],
+                    rows_per_tile,
+                    pairs_per_tile,
+                    2 * grid(inter, rows_per_tile),
+                )
+            }
+            None => (&k.moe_gate_up_tc, &k.moe_down_tc, 64, 64, grid(inter, 64)),
+        };
         self.d.launch(
-            &k.moe_gate_up_tc[kinds.0],
-            (grid(inter, 64), slots as u32, tiles),
+            gate_up,
+            (
+                gate_up_grid_x,
+                slots as u32,
+                grid(routing.rows, pairs_per_tile),
+            ),
             (128, 1, 1),
             &[
                 Arg::Ptr(table),
@@ -411,8 +484,12 @@ impl CudaBackend {
             ],
         );
         self.d.launch(
-            &k.moe_down_tc[kinds.1],
-            (grid(hidden, 64), slots as u32, tiles),
+            down,
+            (
+                grid(hidden, rows_per_tile),
+                slots as u32,
+                grid(routing.rows, pairs_per_tile),
+            ),
             (128, 1, 1),
             &[
                 Arg::Ptr(table),
@@ -534,13 +611,10 @@ impl Backend for CudaBackend {
                 experts.len()
             )));
         }
-        let inter = experts.first().map_or(0, |e| e.gate.rows);
-        let kinds = table.first().map_or((0, 0), ExpertMats::kinds);
         Ok(CudaExperts {
             table: self.d.upload(&table, "the expert table")?,
             count: table.len(),
-            inter,
-            kinds,
+            sample: table.first().copied().unwrap_or_default(),
             _parts: parts,
         })
     }
@@ -1156,8 +1230,7 @@ impl Backend for CudaBackend {
             experts.table.ptr,
             None,
             experts.count,
-            experts.inter,
-            experts.kinds,
+            &experts.sample,
             &out,
         );
         out
@@ -1190,16 +1263,13 @@ impl Backend for CudaBackend {
                 return;
             }
         };
-        let inter = first.1.mats.gate.rows as usize;
-        let kinds = first.1.mats.kinds();
         self.moe_into(
             x,
             routing,
             table.ptr,
             Some(&present),
             ids.len(),
-            inter,
-            kinds,
+            &first.1.mats,
             out,
         );
     }

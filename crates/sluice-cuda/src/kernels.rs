@@ -14,6 +14,9 @@ pub(crate) const PTX: &str = include_str!("../kernels/sluice.ptx");
 /// The weight kinds the matrix kernels are compiled for (`K_*` in the source).
 pub(crate) const KINDS: [&str; 4] = ["generic", "q4", "q8", "bf16"];
 
+/// The weight kinds of the exact-weight tensor-core kernels (`gemm_tq`, `moe_*_tq`).
+pub(crate) const EXACT_KINDS: [&str; 3] = ["q4", "q8", "bf16"];
+
 /// Every kernel the backend launches.
 pub(crate) struct Kernels {
     /// Kernel names by function handle (`{:?}` of it), for the profile.
@@ -24,8 +27,12 @@ pub(crate) struct Kernels {
     pub gemv_r2: Vec<CudaFunction>,
     /// `gemv_multi[kind][t - 1]`: `gemv_b` over up to four matrices of one input.
     pub gemv_multi: Vec<Vec<CudaFunction>>,
-    /// Many tokens on tensor cores, by weight kind.
-    pub gemm_tc: Vec<CudaFunction>,
+    /// Many tokens on tensor cores: 3xTF32 for any format (`gemm_tc`), exact weights by
+    /// [`EXACT_KINDS`] (`gemm_tq`).
+    pub gemm_tc: CudaFunction,
+    pub gemm_tq: Vec<CudaFunction>,
+    /// Adds up the column splits of `gemm_tq`.
+    pub sum_splits: CudaFunction,
     pub embed: CudaFunction,
     /// `embed` with up to eight token ids passed by value.
     pub embed_ids: CudaFunction,
@@ -52,8 +59,11 @@ pub(crate) struct Kernels {
     /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
     /// and the weighted sum per token.
     pub moe_group: CudaFunction,
-    pub moe_gate_up_tc: Vec<CudaFunction>,
-    pub moe_down_tc: Vec<CudaFunction>,
+    pub moe_gate_up_tc: CudaFunction,
+    pub moe_down_tc: CudaFunction,
+    /// `[tile][exact kind]`, tiles of 32 pairs (0) or 16 (1).
+    pub moe_gate_up_tq: Vec<Vec<CudaFunction>>,
+    pub moe_down_tq: Vec<Vec<CudaFunction>>,
     pub moe_combine: CudaFunction,
     pub causal_conv1d_silu: CudaFunction,
     pub gated_delta_rule: CudaFunction,
@@ -89,9 +99,11 @@ impl Kernels {
                 .map(|k| (1..=8).map(|t| f(&format!("gemv_{k}_t{t}_b"))).collect())
                 .collect::<Result<_, _>>()?,
 
-            gemm_tc: KINDS
+            gemm_tc: f("gemm_tc_generic")?,
+            sum_splits: f("sum_splits")?,
+            gemm_tq: EXACT_KINDS
                 .iter()
-                .map(|k| f(&format!("gemm_tc_{k}")))
+                .map(|k| f(&format!("gemm_tq_{k}")))
                 .collect::<Result<_, _>>()?,
             embed: f("embed")?,
             embed_ids: f("embed_ids")?,
@@ -118,13 +130,25 @@ impl Kernels {
                 .map(|k| f(&format!("moe_gate_up_{k}")))
                 .collect::<Result<_, _>>()?,
             moe_group: f("moe_group")?,
-            moe_gate_up_tc: KINDS
+            moe_gate_up_tc: f("moe_gate_up_tc_generic")?,
+            moe_down_tc: f("moe_down_tc_generic")?,
+            moe_gate_up_tq: [4, 2]
                 .iter()
-                .map(|k| f(&format!("moe_gate_up_tc_{k}")))
+                .map(|n| {
+                    EXACT_KINDS
+                        .iter()
+                        .map(|k| f(&format!("moe_gate_up_tq_{k}_n{n}")))
+                        .collect()
+                })
                 .collect::<Result<_, _>>()?,
-            moe_down_tc: KINDS
+            moe_down_tq: [4, 2]
                 .iter()
-                .map(|k| f(&format!("moe_down_tc_{k}")))
+                .map(|n| {
+                    EXACT_KINDS
+                        .iter()
+                        .map(|k| f(&format!("moe_down_tq_{k}_n{n}")))
+                        .collect()
+                })
                 .collect::<Result<_, _>>()?,
             moe_combine: f("moe_combine")?,
             moe_down_b: KINDS

@@ -113,6 +113,20 @@ impl Mat {
             _ => 0,
         }
     }
+
+    /// The index into [`crate::kernels::EXACT_KINDS`] of the tensor-core kernels that take this
+    /// format's weights exactly (4/8-bit affine codes with groups of at least their 32-column
+    /// tile, bf16; rows of whole tiles), if any.
+    pub fn exact_kind(&self) -> Option<usize> {
+        if self.cols % 32 != 0 {
+            return None;
+        }
+        match self.kind() {
+            1 | 2 if self.group >= 32 => Some(self.kind() - 1),
+            3 => Some(2),
+            _ => None,
+        }
+    }
 }
 
 impl ExpertMats {
@@ -123,5 +137,14 @@ impl ExpertMats {
             _ => 0,
         };
         (gate_up, self.down.kind())
+    }
+
+    /// The exact-weight tensor-core kinds ([`Mat::exact_kind`]) of gate/up and of down.
+    pub fn exact_kinds(&self) -> (Option<usize>, Option<usize>) {
+        let gate_up = match (self.gate.exact_kind(), self.up.exact_kind()) {
+            (Some(g), Some(u)) if g == u => Some(g),
+            _ => None,
+        };
+        (gate_up, self.down.exact_kind())
     }
 }
