@@ -714,6 +714,14 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
             value_dim: 64,
             conv_kernel: 2,
         },
+        // Qwen3.5's head sizes, two value heads per key head.
+        DeltaNetDims {
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 128,
+            value_dim: 128,
+            conv_kernel: 4,
+        },
     ] {
         let c = dims.conv_channels();
         let hv = dims.value_heads;
@@ -734,7 +742,7 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
             "a new linear state is zero"
         );
         let mut want_state = HostLinearState::new(&dims);
-        for (step, rows) in [6usize, 1, 1, 3].into_iter().enumerate() {
+        for (step, rows) in [6usize, 1, 1, 3, 20].into_iter().enumerate() {
             let case = format!("{dims:?}, step {step} of {rows} rows");
             let x = rng.vec(rows * c, -2.0, 2.0);
             let got = b.causal_conv1d_silu(&b.act_from_host(&x, rows, c), &conv_v, &mut state);
@@ -746,6 +754,7 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
                 tol.other,
             );
             let (a, bb) = (rng.vec(rows * hv, -2.0, 2.0), rng.vec(rows * hv, -2.0, 2.0));
+            let before = b.linear_state_to_host(&state).expect("to host");
             let y = b.gated_delta_rule(
                 &b.act_from_host(&want, rows, c),
                 &b.act_from_host(&a, rows, hv),
@@ -763,6 +772,32 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
                 tol.other,
             );
             let got_state = b.linear_state_to_host(&state).expect("to host");
+            // The tokens one call each give the same bits as one call for all (a backend may
+            // take another path for many tokens, but not another answer).
+            let mut stepped = b.linear_state_from_host(before).expect("from host");
+            let mut stepped_y = Vec::new();
+            for t in 0..rows {
+                let row = |v: &[f32], w: usize| b.act_from_host(&v[t * w..(t + 1) * w], 1, w);
+                let y_t = b.gated_delta_rule(
+                    &row(&want, c),
+                    &row(&a, hv),
+                    &row(&bb, hv),
+                    &a_log_v,
+                    &dt_v,
+                    &mut stepped,
+                );
+                stepped_y.extend(host(b, &y_t));
+            }
+            assert_eq!(
+                stepped_y,
+                host(b, &y),
+                "gated_delta_rule {case}: token by token differs from one call"
+            );
+            assert_eq!(
+                b.linear_state_to_host(&stepped).expect("to host").recurrent,
+                got_state.recurrent,
+                "gated_delta_rule {case}: state token by token differs from one call"
+            );
             assert_close(
                 &format!("conv window {case}"),
                 &got_state.conv,

@@ -1596,6 +1596,123 @@ extern "C" __global__ void gated_delta_rule(const float* qkv, const float* a, co
     }
 }
 
+// ---- the gated delta rule over many tokens ----
+//
+// gated_delta_rule above spends most of a token on block-wide reductions and barriers, one block
+// per head: 512 prompt tokens took 1.2 ms a layer on an H100. Here delta_prep computes what does
+// not depend on the state, for every token at once, and gated_delta_rule_rows runs the recurrence
+// with a block per (head, 128 / (dk / 32) value rows) and no barrier inside a token. The
+// arithmetic is gated_delta_rule's, operation for operation, so both give the same bits.
+
+// prep [ntok, 2 hk dk + 2 hv]: q of every key head L2-normalised times dk^-0.5, k normalised, then
+// each value head's decay g and write strength beta. Grid (ntok), 128 threads. The squared norms
+// are summed as block_sum sums one value per thread (dk <= the old kernel's block).
+extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, const float* a,
+                                                            const float* b, const float* a_log,
+                                                            const float* dt_bias, float* prep,
+                                                            int hk, int hv, int dk, int dv) {
+    const int t = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int width = 2 * hk * dk + hv * dv;
+    const float* row = qkv + (long)t * width;
+    float* out = prep + (long)t * (2 * hk * dk + 2 * hv);
+    const float q_scale = rsqrtf((float)dk);
+    for (int kh = warp; kh < hk; kh += blockDim.x / 32) {
+        const float* qr = row + kh * dk;
+        const float* kr = row + hk * dk + kh * dk;
+        float pq = 0.0f, pk = 0.0f;  // lane w: the sums of warp w in block_sum
+        for (int w = 0; w < dk / 32; w++) {
+            const float qv = qr[32 * w + lane], kv = kr[32 * w + lane];
+            const float sq = warp_sum(qv * qv), sk = warp_sum(kv * kv);
+            if (lane == w) {
+                pq = sq;
+                pk = sk;
+            }
+        }
+        const float inv_q = q_scale / sqrtf(warp_sum(pq) + 1e-6f);
+        const float inv_k = 1.0f / sqrtf(warp_sum(pk) + 1e-6f);
+        for (int c = lane; c < dk; c += 32) {
+            out[kh * dk + c] = qr[c] * inv_q;
+            out[hk * dk + kh * dk + c] = kr[c] * inv_k;
+        }
+    }
+    for (int h = threadIdx.x; h < hv; h += blockDim.x) {
+        const float av = a[(long)t * hv + h] + dt_bias[h];
+        const float softplus = av > 20.0f ? av : log1pf(expf(av));
+        out[2 * hk * dk + h] = expf(-expf(a_log[h]) * softplus);
+        out[2 * hk * dk + hv + h] = 1.0f / (1.0f + expf(-b[(long)t * hv + h]));
+    }
+}
+
+// Tokens staged in shared memory at a time, and the per-part stride of a staged q or k (32 values
+// and 4 of padding: the parts of a warp read different banks).
+#define DELTA_CHUNK 16
+#define DELTA_LD 36
+
+// The recurrence of value head blockIdx.x, rows blockIdx.y * R .. (R = 128 / (dk / 32)), from
+// delta_prep's prep; 128 threads, dk % 32 == 0, dk <= 256.
+extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
+    const float* qkv, const float* prep, float* state, float* y, int ntok, int hk, int hv, int dk,
+    int dv) {
+    __shared__ float qs[DELTA_CHUNK][8 * DELTA_LD], ks[DELTA_CHUNK][8 * DELTA_LD];
+    __shared__ float vs[DELTA_CHUNK][128];
+    __shared__ float gs[DELTA_CHUNK], betas[DELTA_CHUNK];
+    const int h = blockIdx.x, parts = dk / 32, rows = blockDim.x / parts;
+    const int r = threadIdx.x / parts, part = threadIdx.x % parts;
+    const int i = blockIdx.y * rows + r;  // value row
+    const bool active = i < dv;
+    const int kh = h / (hv / hk);
+    const int width = 2 * hk * dk + hv * dv, pw = 2 * hk * dk + 2 * hv;
+    float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
+    float S[32];
+#pragma unroll
+    for (int c = 0; c < 32; c++) S[c] = active ? s[c] : 0.0f;
+    for (int t0 = 0; t0 < ntok; t0 += DELTA_CHUNK) {
+        const int n = min(DELTA_CHUNK, ntok - t0);
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < n * dk; idx += blockDim.x) {
+            const int tt = idx / dk, c = idx % dk;
+            const float* pr = prep + (long)(t0 + tt) * pw;
+            qs[tt][(c / 32) * DELTA_LD + c % 32] = pr[kh * dk + c];
+            ks[tt][(c / 32) * DELTA_LD + c % 32] = pr[hk * dk + kh * dk + c];
+        }
+        for (int idx = threadIdx.x; idx < n * rows; idx += blockDim.x) {
+            const int tt = idx / rows, row = blockIdx.y * rows + idx % rows;
+            vs[tt][idx % rows] = row < dv ? qkv[(long)(t0 + tt) * width + 2 * hk * dk + h * dv + row] : 0.0f;
+        }
+        for (int tt = threadIdx.x; tt < n; tt += blockDim.x) {
+            const float* pr = prep + (long)(t0 + tt) * pw;
+            gs[tt] = pr[2 * hk * dk + h];
+            betas[tt] = pr[2 * hk * dk + hv + h];
+        }
+        __syncthreads();
+        for (int tt = 0; tt < n; tt++) {
+            const float g = gs[tt], beta = betas[tt];
+            const float* kp = &ks[tt][part * DELTA_LD];
+            const float* qp = &qs[tt][part * DELTA_LD];
+            float kv = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 32; c++) {
+                S[c] *= g;
+                kv = fmaf(S[c], kp[c], kv);
+            }
+            for (int o = 1; o < parts; o <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, o);
+            const float delta = (vs[tt][r] - kv) * beta;
+            float acc = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 32; c++) {
+                S[c] = fmaf(delta, kp[c], S[c]);
+                acc = fmaf(S[c], qp[c], acc);
+            }
+            for (int o = 1; o < parts; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (active && part == 0) y[((long)(t0 + tt) * hv + h) * dv + i] = acc;
+        }
+    }
+    if (active) {
+#pragma unroll
+        for (int c = 0; c < 32; c++) s[c] = S[c];
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Several matrices in one launch
 // ------------------------------------------------------------------------------------------------

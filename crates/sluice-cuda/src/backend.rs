@@ -1315,7 +1315,64 @@ impl Backend for CudaBackend {
         assert_eq!((a.cols, b.cols), (d.value_heads, d.value_heads));
         let out = self.act(qkv.rows, d.value_heads * d.value_dim);
         let threads = (d.value_dim * d.key_dim / 32).next_multiple_of(32);
-        if let (Some(qp), Some(ap), Some(bp), Some(o), Some(rec)) =
+        let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_dim, d.value_dim);
+        // Many tokens: the state-free work for all tokens first, then the recurrence with more
+        // blocks and no barrier per token (the same bits as the one-kernel path, which needs
+        // dv >= 32 for that).
+        let many = qkv.rows > 8 && dv >= 32 && dk % 32 == 0 && dk <= 256;
+        if let (Some(qp), Some(ap), Some(bp), Some(o), Some(rec), true) = (
+            qkv.ptr(),
+            a.ptr(),
+            b.ptr(),
+            out.ptr(),
+            &state.recurrent,
+            many,
+        ) {
+            let Some(prep) = self
+                .d
+                .alloc_or_record(qkv.rows * (2 * hk * dk + 2 * hv) * 4, "delta rule inputs")
+            else {
+                return self.poisoned(out.rows, out.cols);
+            };
+            let dims = [hk, hv, dk, dv].map(|v| Arg::I32(v as i32));
+            let k = &self.d.k;
+            self.d.launch(
+                &k.delta_prep,
+                (qkv.rows as u32, 1, 1),
+                (128, 1, 1),
+                &[
+                    [
+                        Arg::Ptr(qp),
+                        Arg::Ptr(ap),
+                        Arg::Ptr(bp),
+                        Arg::Ptr(self.vec_ptr(a_log)),
+                        Arg::Ptr(self.vec_ptr(dt_bias)),
+                        Arg::Ptr(prep.ptr),
+                    ]
+                    .as_slice(),
+                    &dims,
+                ]
+                .concat(),
+            );
+            let rows_per_block = 128 / (dk / 32);
+            self.d.launch(
+                &k.gated_delta_rule_rows,
+                (hv as u32, grid(dv, rows_per_block), 1),
+                (128, 1, 1),
+                &[
+                    [
+                        Arg::Ptr(qp),
+                        Arg::Ptr(prep.ptr),
+                        Arg::Ptr(rec.ptr),
+                        Arg::Ptr(o),
+                        Arg::I32(qkv.rows as i32),
+                    ]
+                    .as_slice(),
+                    &dims,
+                ]
+                .concat(),
+            );
+        } else if let (Some(qp), Some(ap), Some(bp), Some(o), Some(rec)) =
             (qkv.ptr(), a.ptr(), b.ptr(), out.ptr(), &state.recurrent)
         {
             self.d.launch(

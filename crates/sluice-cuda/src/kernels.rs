@@ -67,6 +67,9 @@ pub(crate) struct Kernels {
     pub moe_combine: CudaFunction,
     pub causal_conv1d_silu: CudaFunction,
     pub gated_delta_rule: CudaFunction,
+    /// Many tokens: the state-free inputs of every token, then the recurrence by rows.
+    pub delta_prep: CudaFunction,
+    pub gated_delta_rule_rows: CudaFunction,
 }
 
 impl Kernels {
@@ -157,6 +160,8 @@ impl Kernels {
                 .collect::<Result<_, _>>()?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,
+            delta_prep: f("delta_prep")?,
+            gated_delta_rule_rows: f("gated_delta_rule_rows")?,
         })
         .map(|mut k: Kernels| {
             k.names = names.take();
