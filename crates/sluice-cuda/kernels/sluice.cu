@@ -1513,24 +1513,47 @@ ROUTE_GEMV(K_GENERIC, generic) ROUTE_GEMV(K_Q4, q4) ROUTE_GEMV(K_Q8, q8) ROUTE_G
 // Gated DeltaNet
 // ------------------------------------------------------------------------------------------------
 
-// Depthwise causal conv over time then SiLU, one thread per channel: the window (k - 1 earlier
-// inputs, [k - 1, C]) continues into x [T, C] and is then replaced by the last k - 1 inputs.
-extern "C" __global__ void causal_conv1d_silu(const float* x, const float* weight, float* window,
-                                              float* out, int ntok, int C, int K) {
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= C) return;
-    float taps[8], hist[8];  // K <= 8
-    for (int j = 0; j < K; j++) taps[j] = weight[(long)ch * K + j];
-    for (int j = 0; j < K - 1; j++) hist[j] = window[(long)j * C + ch];
-    for (int t = 0; t < ntok; t++) {
-        const float v = x[(long)t * C + ch];
-        float acc = taps[K - 1] * v;
-        for (int j = 0; j < K - 1; j++) acc = fmaf(taps[j], hist[j], acc);
-        out[(long)t * C + ch] = acc / (1.0f + expf(-acc));
-        for (int j = 0; j + 1 < K - 1; j++) hist[j] = hist[j + 1];
-        if (K > 1) hist[K - 2] = v;
+// Depthwise causal conv over time then SiLU: the window (k - 1 earlier inputs, [k - 1, C])
+// continues into x [T, C] and is then replaced by the last k - 1 inputs. A block of 256 threads
+// takes 32 channels, its 8 warps every 8th token (tokens are independent given the inputs), then
+// writes the window. K <= 8.
+extern "C" __global__ void __launch_bounds__(256) causal_conv1d_silu(const float* x,
+                                                                     const float* weight,
+                                                                     float* window, float* out,
+                                                                     int ntok, int C, int K) {
+    const int ch = blockIdx.x * 32 + threadIdx.x % 32, lane_t = threadIdx.x / 32;
+    const bool active = ch < C;
+    float taps[8], win[7];
+#pragma unroll
+    for (int j = 0; j < 8; j++) taps[j] = active && j < K ? weight[(long)ch * K + j] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < 7; j++) win[j] = active && j < K - 1 ? window[(long)j * C + ch] : 0.0f;
+    // Input at time tau (negative: the window).
+    auto input = [&](int tau) {
+        float v = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 7; j++)
+            if (tau == j - (K - 1)) v = win[j];
+        return tau >= 0 ? x[(long)tau * C + ch] : v;
+    };
+    if (active) {
+        for (int t = lane_t; t < ntok; t += 8) {
+            float acc = taps[K - 1] * x[(long)t * C + ch];
+#pragma unroll
+            for (int j = 0; j < 7; j++)
+                if (j < K - 1) acc = fmaf(taps[j], input(t - (K - 1) + j), acc);
+            out[(long)t * C + ch] = acc / (1.0f + expf(-acc));
+        }
     }
-    for (int j = 0; j < K - 1; j++) window[(long)j * C + ch] = hist[j];
+    __syncthreads();
+    if (active && lane_t == 0) {
+        float next[7];
+#pragma unroll
+        for (int j = 0; j < 7; j++) next[j] = j < K - 1 ? input(ntok - (K - 1) + j) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 7; j++)
+            if (j < K - 1) window[(long)j * C + ch] = next[j];
+    }
 }
 
 // The gated delta rule for one value head per block. State S [dv, dk] (row i = value dim i),

@@ -1284,9 +1284,10 @@ impl Backend for CudaBackend {
         assert_eq!((x.cols, weight.len), (c, c * k));
         let out = self.act(x.rows, c);
         if let (Some(xp), Some(o), Some(window)) = (x.ptr(), out.ptr(), &state.conv) {
-            self.elementwise(
+            self.d.launch(
                 &self.d.k.causal_conv1d_silu,
-                c,
+                (grid(c, 32), 1, 1),
+                (256, 1, 1),
                 &[
                     Arg::Ptr(xp),
                     Arg::Ptr(self.vec_ptr(weight)),
