@@ -419,6 +419,14 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
                 &format!("decode step {i}"),
             );
         }
+        // A long continuation (a backend may take another path for many rows).
+        step(
+            &mut cache,
+            &mut keys,
+            &mut values,
+            40,
+            "prefill of 40 after 8",
+        );
         b.kv_truncate(&mut cache, 3);
         keys.truncate(3 * kw);
         values.truncate(3 * kw);

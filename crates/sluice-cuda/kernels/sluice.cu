@@ -973,6 +973,100 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
     }
 }
 
+// Causal attention for many query tokens (prefill), flash-style: a block of 4 warps takes one
+// kv head and 8 query rows (the heads / kv_heads query heads sharing it, times 8 / that many
+// tokens), and walks the positions in tiles of TK keys and values staged in shared memory, which
+// all 8 rows use (the one-row kernel above reads them from L2 once per row). Per row an online
+// softmax: in a tile, lane p scores position p (q read from shared memory as a broadcast), the
+// warp takes the tile's max and sum, and each lane accumulates its HPL = hd / 32 output dims.
+// Grid (kv_heads, ntok / (8 / group)), 128 threads.
+template <int HPL>
+__device__ void attention_rows(const float* q, const float* keys, const float* values, float* out,
+                               int heads, int kv_heads, int total, int ntok, float scale) {
+    constexpr int HD = 32 * HPL, TK = HPL <= 4 ? 32 : 16, ROWS = 2;  // rows per warp
+    __shared__ __align__(16) float qs[4 * ROWS][HD];
+    __shared__ __align__(16) float ks[TK][HD + 4];
+    __shared__ float vs[TK][HD];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int kv = blockIdx.x, group = heads / kv_heads, tq = 4 * ROWS / group;
+    const int t0 = blockIdx.y * tq, width = kv_heads * HD;
+    float acc[ROWS][HPL], m[ROWS], l[ROWS];
+    int n_row[ROWS];  // positions row i sees (0: no such row)
+    for (int idx = threadIdx.x; idx < 4 * ROWS * HD; idx += blockDim.x) {
+        const int rho = idx / HD, t = t0 + rho % tq, h = kv * group + rho / tq;
+        qs[rho][idx % HD] = t < ntok ? q[((long)t * heads + h) * HD + idx % HD] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) {
+        const int t = t0 + (warp + 4 * i) % tq;
+        n_row[i] = t < ntok ? total - ntok + t + 1 : 0;
+#pragma unroll
+        for (int j = 0; j < HPL; j++) acc[i][j] = 0.0f;
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    // The block's last token sees the most positions.
+    const int n_block = total - ntok + min(t0 + tq, ntok);
+    for (int p0 = 0; p0 < n_block; p0 += TK) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < TK * HD / 4; idx += blockDim.x) {
+            const int p = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
+            const long at = (long)(p0 + p) * width + (long)kv * HD + d;
+            const bool in = p0 + p < n_block;
+            const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            *reinterpret_cast<float4*>(&ks[p][d]) = in ? *reinterpret_cast<const float4*>(keys + at) : z;
+            *reinterpret_cast<float4*>(&vs[p][d]) = in ? *reinterpret_cast<const float4*>(values + at) : z;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) {
+            if (p0 >= n_row[i]) continue;  // uniform in the warp
+            // Lanes past a 16-key tile score a copy, then drop it.
+            const float4* qv = reinterpret_cast<const float4*>(qs[warp + 4 * i]);
+            const float4* kr = reinterpret_cast<const float4*>(ks[lane % TK]);
+            float s = 0.0f;
+#pragma unroll 8
+            for (int c = 0; c < HD / 4; c++) {
+                const float4 a = qv[c], b = kr[c];
+                s = fmaf(a.x, b.x, s);
+                s = fmaf(a.y, b.y, s);
+                s = fmaf(a.z, b.z, s);
+                s = fmaf(a.w, b.w, s);
+            }
+            const bool valid = lane < TK && p0 + lane < n_row[i];
+            s = valid ? s * scale : -INFINITY;
+            const float m_new = fmaxf(m[i], warp_max(s));
+            const float correction = expf(m[i] - m_new);
+            const float e = valid ? expf(s - m_new) : 0.0f;
+            l[i] = l[i] * correction + warp_sum(e);
+#pragma unroll
+            for (int j = 0; j < HPL; j++) acc[i][j] *= correction;
+#pragma unroll 4
+            for (int p = 0; p < TK; p++) {
+                const float ep = __shfl_sync(0xffffffffu, e, p);
+#pragma unroll
+                for (int j = 0; j < HPL; j++) acc[i][j] = fmaf(ep, vs[p][lane + 32 * j], acc[i][j]);
+            }
+            m[i] = m_new;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) {
+        const int rho = warp + 4 * i, t = t0 + rho % tq, h = kv * group + rho / tq;
+        if (t >= ntok) continue;
+#pragma unroll
+        for (int j = 0; j < HPL; j++) out[((long)t * heads + h) * HD + lane + 32 * j] = acc[i][j] / l[i];
+    }
+}
+
+#define ATTENTION_ROWS(HPL) \
+    extern "C" __global__ void __launch_bounds__(128) attention_rows_##HPL( \
+        const float* q, const float* keys, const float* values, float* out, int heads, \
+        int kv_heads, int total, int ntok, float scale) { \
+        attention_rows<HPL>(q, keys, values, out, heads, kv_heads, total, ntok, scale); \
+    }
+ATTENTION_ROWS(2) ATTENTION_ROWS(4)
+
 // ------------------------------------------------------------------------------------------------
 // Routing and experts
 // ------------------------------------------------------------------------------------------------
