@@ -292,6 +292,20 @@ __device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], const 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Where the mma accumulator value acc[.][i][j][e] of a block's tile belongs (tc_tile, tq_tile: a
+// warp holds MI 16-row slices x NJ 8-token slices, the warps lie in rows of WN): its row within
+// the block's rows and its token within the block's tokens.
+template <int MI, int NJ, int WN>
+__device__ __forceinline__ int frag_row(int i, int e) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    return (warp / WN) * 16 * MI + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
+}
+template <int MI, int NJ, int WN>
+__device__ __forceinline__ int frag_token(int j, int e) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    return (warp % WN) * 8 * NJ + j * 8 + (lane % 4) * 2 + (e & 1);
+}
+
 // The shared tiles of a block: NM weight tiles and one token tile, each as hi and lo.
 template <int NM>
 struct TcTiles {
@@ -301,7 +315,7 @@ struct TcTiles {
 
 // The block's products of rows r0 .. r0 + 64 of each of the NM matrices m (same shape) with the 64
 // token rows xrow (nullptr: padding, read as zeros). acc[mi][i][j] is the mma accumulator of the
-// warp's 16-row slice i and 8-token slice j: see tc_row / tc_token for where its values belong.
+// warp's 16-row slice i and 8-token slice j: see frag_row / frag_token for where its values belong.
 template <int K, int NM>
 __device__ __forceinline__ void tc_tile(const Mat* m, long r0, const float* const* xrow,
                                         TcTiles<NM>& s, float acc[NM][2][4][4]) {
@@ -378,17 +392,6 @@ __device__ __forceinline__ void tc_tile(const Mat* m, long r0, const float* cons
     }
 }
 
-// Where acc[.][i][j][e] of tc_tile belongs: the row within the block's 64 and the token within its
-// 64.
-__device__ __forceinline__ int tc_row(int i, int e) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    return (warp / 2) * 32 + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
-}
-__device__ __forceinline__ int tc_token(int j, int e) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    return (warp % 2) * 32 + j * 8 + (lane % 4) * 2 + (e & 1);
-}
-
 // y[ntok, rows] = x[ntok, cols] W^T. Grid (rows / 64, ntok / 64), 128 threads.
 template <int K>
 __device__ void gemm_tc(const Mat& w, const float* x, float* y, int ntok) {
@@ -408,7 +411,7 @@ __device__ void gemm_tc(const Mat& w, const float* x, float* y, int ntok) {
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const long r = r0 + tc_row(i, e), n = n0 + tc_token(j, e);
+                const long r = r0 + frag_row<2, 4, 2>(i, e), n = n0 + frag_token<2, 4, 2>(j, e);
                 if (r < w.rows && n < ntok) y[n * w.rows + r] = acc[0][i][j][e];
             }
 }
@@ -488,19 +491,6 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const 
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Where acc[.][i][j][e] of tq_tile belongs: the row within the block's BM and the token within its
-// BN.
-template <int MI, int NJ, int WN>
-__device__ __forceinline__ int tq_row(int i, int e) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    return (warp / WN) * 16 * MI + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
-}
-template <int MI, int NJ, int WN>
-__device__ __forceinline__ int tq_token(int j, int e) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    return (warp % WN) * 8 * NJ + j * 8 + (lane % 4) * 2 + (e & 1);
 }
 
 // The block's products of rows r0 .. r0 + BM of each of the NM matrices m (same shape and format)
@@ -665,7 +655,7 @@ __device__ void gemm_tq(const Mat& w, const float* x, float* y, int ntok, int kc
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const long r = r0 + tq_row<2, 4, 2>(i, e), n = n0 + tq_token<2, 4, 2>(j, e);
+                const long r = r0 + frag_row<2, 4, 2>(i, e), n = n0 + frag_token<2, 4, 2>(j, e);
                 if (r < w.rows && n < ntok) y[n * w.rows + r] = acc[0][i][j][e];
             }
 }
@@ -1432,8 +1422,8 @@ __device__ void moe_gate_up_tc(const ExpertMats* experts, const int* offsets, co
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const long r = r0 + tc_row(i, e);
-                const int p = pair[tc_token(j, e)];
+                const long r = r0 + frag_row<2, 4, 2>(i, e);
+                const int p = pair[frag_token<2, 4, 2>(j, e)];
                 if (r < m[0].rows && p >= 0) {
                     const float g = acc[0][i][j][e], u = acc[1][i][j][e];
                     h[(long)p * m[0].rows + r] = g / (1.0f + expf(-g)) * u;
@@ -1459,8 +1449,8 @@ __device__ void moe_down_tc(const ExpertMats* experts, const int* offsets, const
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const long r = r0 + tc_row(i, e);
-                const int p = pair[tc_token(j, e)];
+                const long r = r0 + frag_row<2, 4, 2>(i, e);
+                const int p = pair[frag_token<2, 4, 2>(j, e)];
                 if (r < m.rows && p >= 0) d[(long)p * m.rows + r] = acc[0][i][j][e];
             }
 }
@@ -1506,8 +1496,8 @@ __device__ void moe_gate_up_tq(const ExpertMats* experts, const int* offsets, co
         for (int j = 0; j < NJ; j++)
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                const long r = r0 + tq_row<MI, NJ, 1>(i, q);
-                const int p = pair[tq_token<MI, NJ, 1>(j, q)];
+                const long r = r0 + frag_row<MI, NJ, 1>(i, q);
+                const int p = pair[frag_token<MI, NJ, 1>(j, q)];
                 if (r < inter && p >= 0) out[(long)p * 2 * inter + r] = acc[0][i][j][q];
             }
 }
@@ -1530,8 +1520,8 @@ __device__ void moe_down_tq(const ExpertMats* experts, const int* offsets, const
         for (int j = 0; j < NJ; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const long r = r0 + tq_row<MI, NJ, 1>(i, e);
-                const int p = pair[tq_token<MI, NJ, 1>(j, e)];
+                const long r = r0 + frag_row<MI, NJ, 1>(i, e);
+                const int p = pair[frag_token<MI, NJ, 1>(j, e)];
                 if (r < m.rows && p >= 0) d[(long)p * m.rows + r] = acc[0][i][j][e];
             }
 }

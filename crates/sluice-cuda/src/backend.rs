@@ -252,12 +252,15 @@ impl CudaBackend {
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
             );
         } else if let Some(e) = w.exact_kind() {
-            // A grid of fewer than ~2 blocks per SM (k/v projections, routers) splits the columns
-            // too, in whole 128-column runs (groups of up to 128 stay whole), and sums the
-            // partial products in a fixed order.
+            // A grid of fewer than ~2 blocks per multiprocessor (k/v projections, routers) splits
+            // the columns too, in whole 128-column runs (groups of up to 128 stay whole), and
+            // sums the partial products in a fixed order.
             let (rows, cols) = (w.rows as usize, w.cols as usize);
             let blocks = grid(rows, 64) as usize * grid(tokens, 64) as usize;
-            let wanted = (2 * 132usize).div_ceil(blocks).min(cols / 256).max(1);
+            let wanted = (2 * self.d.multiprocessors)
+                .div_ceil(blocks)
+                .min(cols / 256)
+                .max(1);
             let kc = cols.div_ceil(wanted).div_ceil(128) * 128;
             let splits = cols.div_ceil(kc);
             let part = if splits > 1 {
@@ -392,7 +395,7 @@ impl CudaBackend {
     }
 
     /// The MoE of many tokens: pairs grouped by expert on the device, then per expert tensor-core
-    /// products over its pairs (each expert's weights read once per 64 pairs), then the weighted
+    /// products over its pairs (each expert's weights read once per tile of 16-64 pairs), then the weighted
     /// sum per token in ascending expert id (the order of the few-token kernels).
     #[allow(clippy::too_many_arguments)]
     fn moe_grouped(

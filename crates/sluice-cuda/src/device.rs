@@ -122,6 +122,8 @@ pub(crate) struct Device {
     stream: Arc<CudaStream>,
     cache: Arc<BufCache>,
     pub(crate) k: Kernels,
+    /// Streaming multiprocessors: how many blocks fill the GPU.
+    pub(crate) multiprocessors: usize,
     error: Mutex<Option<BackendError>>,
     /// `SLUICE_CUDA_PROFILE=1`: every launch between two events, summed per kernel at the end.
     profile: Option<Mutex<Vec<(String, CudaEvent, CudaEvent)>>>,
@@ -182,6 +184,12 @@ impl Device {
             )
         })?;
         keep_pool_memory(&ctx)?;
+        let multiprocessors = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| device_error("reading the multiprocessor count", e))?
+            .max(1) as usize;
         let profile = std::env::var_os("SLUICE_CUDA_PROFILE").map(|_| Mutex::new(Vec::new()));
         let graphs_off = std::env::var("SLUICE_CUDA_GRAPHS").is_ok_and(|v| v == "0");
         let graphs = (profile.is_none() && !graphs_off).then(|| Mutex::new(Graphs::default()));
@@ -197,6 +205,7 @@ impl Device {
             stream,
             cache,
             k,
+            multiprocessors,
             error: Mutex::new(None),
             profile,
             graphs,

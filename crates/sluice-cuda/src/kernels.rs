@@ -85,6 +85,18 @@ impl Kernels {
                 .insert(format!("{:?}", func.cu_function()), name.to_string());
             Ok::<_, DriverError>(func)
         };
+        // `[tile][exact kind]`: tiles of 32 pairs (NJ = 4), then of 16 (NJ = 2).
+        let by_tile_and_kind = |name: &str| -> Result<Vec<Vec<CudaFunction>>, DriverError> {
+            [4, 2]
+                .iter()
+                .map(|n| {
+                    EXACT_KINDS
+                        .iter()
+                        .map(|k| f(&format!("{name}_{k}_n{n}")))
+                        .collect()
+                })
+                .collect()
+        };
         Ok(Kernels {
             names: HashMap::new(),
             gemv_r2: KINDS
@@ -141,24 +153,8 @@ impl Kernels {
             moe_group: f("moe_group")?,
             moe_gate_up_tc: f("moe_gate_up_tc_generic")?,
             moe_down_tc: f("moe_down_tc_generic")?,
-            moe_gate_up_tq: [4, 2]
-                .iter()
-                .map(|n| {
-                    EXACT_KINDS
-                        .iter()
-                        .map(|k| f(&format!("moe_gate_up_tq_{k}_n{n}")))
-                        .collect()
-                })
-                .collect::<Result<_, _>>()?,
-            moe_down_tq: [4, 2]
-                .iter()
-                .map(|n| {
-                    EXACT_KINDS
-                        .iter()
-                        .map(|k| f(&format!("moe_down_tq_{k}_n{n}")))
-                        .collect()
-                })
-                .collect::<Result<_, _>>()?,
+            moe_gate_up_tq: by_tile_and_kind("moe_gate_up_tq")?,
+            moe_down_tq: by_tile_and_kind("moe_down_tq")?,
             moe_combine: f("moe_combine")?,
             moe_down_b: KINDS
                 .iter()
