@@ -595,22 +595,31 @@ fn random_experts(
 /// into ascending runs (which must be bit-identical to one call); the dense feed-forward block.
 pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
     let mut rng = Rng::new(8);
-    let formats = [
-        WeightFormat::Affine {
-            bits: 4,
-            group_size: 64,
-            scale_dtype: Dtype::Bf16,
-        },
-        WeightFormat::Affine {
-            bits: 8,
-            group_size: 32,
-            scale_dtype: Dtype::F16,
-        },
-        WeightFormat::Dense(Dtype::Bf16),
-        WeightFormat::Dense(Dtype::F16),
+    let q4 = |group_size, scale_dtype| WeightFormat::Affine {
+        bits: 4,
+        group_size,
+        scale_dtype,
+    };
+    // (format, experts, hidden, expert width). The 4-bit cases beyond the first reach the
+    // column loops of wide decode kernels (a down width over 768, one under a warp's 256).
+    let cases = [
+        (q4(64, Dtype::Bf16), 16, 128, 64),
+        (
+            WeightFormat::Affine {
+                bits: 8,
+                group_size: 32,
+                scale_dtype: Dtype::F16,
+            },
+            16,
+            128,
+            64,
+        ),
+        (WeightFormat::Dense(Dtype::Bf16), 16, 128, 64),
+        (WeightFormat::Dense(Dtype::F16), 16, 128, 64),
+        (q4(128, Dtype::Bf16), 8, 256, 1024),
+        (q4(32, Dtype::F32), 8, 288, 96),
     ];
-    let (n, h, i) = (16, 128, 64);
-    for (layer, format) in formats.into_iter().enumerate() {
+    for (layer, (format, n, h, i)) in cases.into_iter().enumerate() {
         let host_experts = random_experts(&mut rng, format, n, h, i);
         let resident = b.experts(host_experts.clone()).expect("experts");
         // 150 rows: two tiles of 64 pairs for most experts on a tiled backend.

@@ -150,6 +150,19 @@ const ATTENTION_SPLITS: usize = 16;
 const SPLIT_ATTENTION_PAIRS: usize = 256;
 /// Router product and routing run as one launch for at most this many tokens.
 const FUSED_ROUTE_TOKENS: usize = 64;
+/// `Mat::kind` of 4-bit affine weights.
+const KIND_Q4: usize = 1;
+/// `MOE_DOWN_W_ROWS` in the kernels: output rows per block of `moe_down_q4_w`.
+const MOE_DOWN_W_ROWS: usize = 4;
+
+/// What the MoE kernels do with their output buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MoeOut {
+    /// Add onto what it holds.
+    Add,
+    /// Write it: its contents are undefined.
+    Fresh,
+}
 
 impl CudaBackend {
     pub(crate) fn with_device(d: Device, description: String) -> Self {
@@ -320,7 +333,7 @@ impl CudaBackend {
 
     /// Runs the MoE kernels over the routed pairs whose expert is described in `table` (all
     /// `slots` experts when `present` is `None`, else the `slots` ascending ids in `present`),
-    /// adding into `out`.
+    /// adding into `out`, or writing it when `out` is `Fresh` (its contents undefined).
     #[allow(clippy::too_many_arguments)]
     fn moe_into(
         &self,
@@ -331,6 +344,7 @@ impl CudaBackend {
         slots: usize,
         sample: &ExpertMats,
         out: &CudaAct,
+        into: MoeOut,
     ) {
         let inter = sample.gate.rows as usize;
         let kinds = sample.kinds();
@@ -344,6 +358,16 @@ impl CudaBackend {
             Some(b) => (b.ptr, slots as i32),
             None => (0, -1),
         };
+        // The 4-bit kernels write a fresh output themselves; every other path adds onto zeros.
+        let q4_gate_up =
+            kinds.0 == KIND_Q4 && sample.gate.cols % 16 == 0 && sample.gate.group >= 16;
+        let q4_down = kinds.1 == KIND_Q4;
+        let decode_writes = routing.rows <= 8 && q4_down;
+        if into == MoeOut::Fresh && !decode_writes {
+            if let Some(b) = &out.buf {
+                self.d.zero(b);
+            }
+        }
         if routing.rows > 8 {
             self.moe_grouped(
                 x,
@@ -360,38 +384,60 @@ impl CudaBackend {
             return;
         };
         let k = &self.d.k;
-        self.d.launch(
-            &k.moe_gate_up[kinds.0],
-            (grid(inter, 16), pairs as u32, 1),
-            (256, 1, 1),
-            &[
-                Arg::Ptr(table),
-                Arg::Ptr(present_ptr),
-                Arg::I32(n_present),
-                Arg::Ptr(ids.ptr),
-                Arg::I32(routing.k as i32),
-                Arg::Ptr(xp),
-                Arg::Ptr(h.ptr),
-            ],
-        );
-        // Measured on an H100 (Qwen3-30B-A3B shape): a block per output row wins for the down
-        // projections of a few tokens (27 us vs 32 per layer).
-        self.d.launch(
-            &k.moe_down_b[kinds.1],
-            (x.cols as u32, routing.rows as u32, 1),
-            (128, 1, 1),
-            &[
-                Arg::Ptr(table),
-                Arg::Ptr(present_ptr),
-                Arg::I32(n_present),
-                Arg::Ptr(ids.ptr),
-                Arg::Ptr(weights.ptr),
-                Arg::I32(routing.k as i32),
-                Arg::Ptr(h.ptr),
-                Arg::Ptr(op),
-                Arg::I32(x.cols as i32),
-            ],
-        );
+        let gate_up_args = [
+            Arg::Ptr(table),
+            Arg::Ptr(present_ptr),
+            Arg::I32(n_present),
+            Arg::Ptr(ids.ptr),
+            Arg::I32(routing.k as i32),
+            Arg::Ptr(xp),
+            Arg::Ptr(h.ptr),
+        ];
+        if q4_gate_up {
+            // 4 warps of 2 rows each.
+            self.d.launch(
+                &k.moe_gate_up_q4_w,
+                (grid(inter, 8), pairs as u32, 1),
+                (128, 1, 1),
+                &gate_up_args,
+            );
+        } else {
+            self.d.launch(
+                &k.moe_gate_up[kinds.0],
+                (grid(inter, 16), pairs as u32, 1),
+                (256, 1, 1),
+                &gate_up_args,
+            );
+        }
+        let mut down_args = vec![
+            Arg::Ptr(table),
+            Arg::Ptr(present_ptr),
+            Arg::I32(n_present),
+            Arg::Ptr(ids.ptr),
+            Arg::Ptr(weights.ptr),
+            Arg::I32(routing.k as i32),
+            Arg::Ptr(h.ptr),
+            Arg::Ptr(op),
+            Arg::I32(x.cols as i32),
+        ];
+        if q4_down {
+            down_args.push(Arg::I32((into == MoeOut::Add) as i32));
+            self.d.launch(
+                &k.moe_down_q4_w,
+                (grid(x.cols, MOE_DOWN_W_ROWS), routing.rows as u32, 1),
+                (128, 1, 1),
+                &down_args,
+            );
+        } else {
+            // Measured on an H100 (Qwen3-30B-A3B shape): a block per output row wins for the
+            // down projections of a few tokens (27 us vs 32 per layer).
+            self.d.launch(
+                &k.moe_down_b[kinds.1],
+                (x.cols as u32, routing.rows as u32, 1),
+                (128, 1, 1),
+                &down_args,
+            );
+        }
     }
 
     /// The MoE of many tokens: pairs grouped by expert on the device, then per expert tensor-core
@@ -1257,7 +1303,7 @@ impl Backend for CudaBackend {
     }
 
     fn moe(&self, x: &CudaAct, routing: &CudaRouting, experts: &CudaExperts) -> CudaAct {
-        let out = self.zeros(x.rows, x.cols);
+        let out = self.act(x.rows, x.cols);
         self.moe_into(
             x,
             routing,
@@ -1266,6 +1312,7 @@ impl Backend for CudaBackend {
             experts.count,
             &experts.sample,
             &out,
+            MoeOut::Fresh,
         );
         out
     }
@@ -1305,6 +1352,7 @@ impl Backend for CudaBackend {
             ids.len(),
             &first.1.mats,
             out,
+            MoeOut::Add,
         );
     }
 
