@@ -185,6 +185,49 @@ pub fn activations<B: Backend>(b: &B, _tol: Tolerance) {
     let s = b.slice_rows(&a, 2, 3);
     assert_eq!(b.shape(&s), (3, 13));
     assert_eq!(host(b, &s), data[2 * 13..5 * 13], "slice_rows");
+
+    // argmax_rows: random rows of a vocabulary's width, and rows with planted ties (the lowest
+    // column wins), NaN (never wins), infinities, all NaN (0) and all equal (0).
+    let vocab = 151_936;
+    for rows in [1, 3] {
+        let mut logits = rng.vec(rows * vocab, -8.0, 8.0);
+        if rows == 3 {
+            let row1 = &mut logits[vocab..2 * vocab];
+            row1[77_001] = 30.0;
+            row1[77_000] = f32::NAN;
+            row1[150_000] = 30.0;
+            row1[90_000] = 30.0;
+            logits[2 * vocab + 5] = f32::INFINITY;
+            logits[2 * vocab + 4] = f32::NEG_INFINITY;
+        }
+        let got = b
+            .argmax_rows(&b.act_from_host(&logits, rows, vocab))
+            .expect("argmax_rows");
+        let want: Vec<u32> = logits.chunks(vocab).map(reference::argmax).collect();
+        assert_eq!(got, want, "argmax_rows over {rows} rows of {vocab}");
+        if rows == 3 {
+            assert_eq!((want[1], want[2]), (77_001, 5), "planted maxima");
+        }
+    }
+    let special = [
+        vec![f32::NAN; 300],
+        vec![-1.5; 300],
+        (0..300)
+            .map(|i| if i % 2 == 0 { f32::NAN } else { -(i as f32) })
+            .collect(),
+    ];
+    for row in &special {
+        let got = b
+            .argmax_rows(&b.act_from_host(row, 1, row.len()))
+            .expect("argmax_rows");
+        assert_eq!(
+            got,
+            vec![reference::argmax(row)],
+            "argmax_rows of {:?}..",
+            &row[..4]
+        );
+    }
+    assert_eq!(reference::argmax(&special[2]), 1);
     let v = rng.vec(9, -1.0, 1.0);
     assert_eq!(
         b.vector_to_host(&b.vector(&v).expect("vector"))

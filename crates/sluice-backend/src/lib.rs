@@ -183,6 +183,14 @@ pub trait Backend: Send + Sync {
     fn shape(&self, a: &Self::Act) -> (usize, usize);
     /// Rows `[start, start + len)` of `a` as a new activation.
     fn slice_rows(&self, a: &Self::Act, start: usize, len: usize) -> Self::Act;
+    /// The greedy choice of each row of `logits`: the column of its largest value, the lowest
+    /// among equals; NaN never wins (a row of NaN gives 0) ([`reference::argmax`]). A device
+    /// backend answers with one id per row instead of the whole row.
+    fn argmax_rows(&self, logits: &Self::Act) -> Result<Vec<u32>, BackendError> {
+        let (_, cols) = self.shape(logits);
+        let host = self.to_host(logits)?;
+        Ok(host.chunks(cols.max(1)).map(reference::argmax).collect())
+    }
 
     // ---- operations ------------------------------------------------------------------------
 

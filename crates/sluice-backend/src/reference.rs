@@ -66,6 +66,19 @@ pub fn matmul(x: &[f32], rows: usize, w: &MatRef) -> Vec<f32> {
 }
 
 /// RMS normalisation of every chunk of `weight.len()` values, scaled by `weight`.
+/// Index of the largest value, the lowest index among equals; NaN never wins (all NaN: 0).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NAN;
+    for (i, &v) in row.iter().enumerate() {
+        if !v.is_nan() && (best_v.is_nan() || v > best_v) {
+            best = i;
+            best_v = v;
+        }
+    }
+    best as u32
+}
+
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let n = weight.len();
     assert!(x.len().is_multiple_of(n));

@@ -15,8 +15,8 @@ use sluice_engine::Engine;
 pub enum Test {
     /// Process a prompt of N random tokens in one prefill.
     Prompt(usize),
-    /// Generate N tokens one at a time from an empty context. Each step's logits come back to
-    /// the host and are reduced as a sampler would, but the next input is a random token, as in
+    /// Generate N tokens one at a time from an empty context. Each step's greedy choice is taken
+    /// as generation takes it (`argmax_rows`, on the device), but the next input is a random token, as in
     /// llama-bench: greedy decoding of a random-weight checkpoint soon repeats one token, routes
     /// every step to the same experts and so flatters an expert cache.
     Generate(usize),
@@ -233,7 +233,7 @@ fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> 
             let tokens: Vec<u32> = (0..n).map(|_| next_token()).collect();
             let start = Instant::now();
             let logits = engine.prefill(&mut state, &tokens)?;
-            std::hint::black_box(argmax(&logits));
+            std::hint::black_box(sluice_backend::reference::argmax(&logits));
             Ok(start.elapsed().as_secs_f64())
         }
         Test::Generate(n) => {
@@ -242,22 +242,12 @@ fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> 
             let start = Instant::now();
             for _ in 0..n {
                 let logits = engine.model.forward(&mut state, &[token], false)?;
-                std::hint::black_box(argmax(&backend.to_host(&logits)?));
+                std::hint::black_box(backend.argmax_rows(&logits)?);
                 token = next_token();
             }
             Ok(start.elapsed().as_secs_f64())
         }
     }
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Weight bytes read per token (see [`RunResult::bytes_per_token`]).

@@ -1964,8 +1964,8 @@ extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, c
 #define DELTA_CHUNK 16
 #define DELTA_LD 36
 
-// The recurrence of value head blockIdx.x, rows blockIdx.y * R .. (R = 128 / (dk / 32)), from
-// delta_prep's prep; 128 threads, dk % 32 == 0, dk <= 256.
+// The recurrence of value head blockIdx.x, rows blockIdx.y * R .. (R = blockDim.x / (dk / 32)),
+// from delta_prep's prep; 64 or 128 threads, dk % 32 == 0, dk <= 256.
 extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
     const float* qkv, const float* prep, float* state, float* y, int ntok, int hk, int hv, int dk,
     int dv) {
@@ -2027,6 +2027,66 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
 #pragma unroll
         for (int c = 0; c < 32; c++) s[c] = S[c];
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Greedy choice
+// ------------------------------------------------------------------------------------------------
+
+// The better of (v, i) and (ov, oi) for argmax: NaN never wins, equal values go to the lower index.
+__device__ __forceinline__ void argmax_pick(float& v, int& i, float ov, int oi) {
+    if (!isnan(ov) && (isnan(v) || ov > v || (ov == v && oi < i))) {
+        v = ov;
+        i = oi;
+    }
+}
+
+// argmax_pick over the block; thread 0 gets the result.
+__device__ void block_argmax(float& v, int& i) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        argmax_pick(v, i, ov, oi);
+    }
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x + 31) / 32; w++) argmax_pick(v, i, sv[w], si[w]);
+    }
+}
+
+// Stage one of argmax over the rows of x [rows, cols]: block p of row blockIdx.y reduces columns
+// [p chunk, (p + 1) chunk) to (pv, pi)[row * gridDim.x + p] (index INT_MAX when all NaN).
+extern "C" __global__ void __launch_bounds__(256) argmax_parts(const float* x, int cols, int chunk,
+                                                              float* pv, int* pi) {
+    const long row = blockIdx.y;
+    const int begin = blockIdx.x * chunk, end = min(cols, begin + chunk);
+    float v = __int_as_float(0x7fc00000);
+    int i = 0x7fffffff;
+    for (int c = begin + threadIdx.x; c < end; c += blockDim.x) argmax_pick(v, i, x[row * cols + c], c);
+    block_argmax(v, i);
+    if (threadIdx.x == 0) {
+        pv[row * gridDim.x + blockIdx.x] = v;
+        pi[row * gridDim.x + blockIdx.x] = i;
+    }
+}
+
+// Stage two: the best of each row's `parts` partial results into out[row] (0 when all NaN).
+extern "C" __global__ void __launch_bounds__(256) argmax_finish(const float* pv, const int* pi,
+                                                               int parts, uint32_t* out) {
+    const long row = blockIdx.x;
+    float v = __int_as_float(0x7fc00000);
+    int i = 0x7fffffff;
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) argmax_pick(v, i, pv[row * parts + p], pi[row * parts + p]);
+    block_argmax(v, i);
+    if (threadIdx.x == 0) out[row] = isnan(v) ? 0u : (uint32_t)i;
 }
 
 // ------------------------------------------------------------------------------------------------

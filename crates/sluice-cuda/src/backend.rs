@@ -1288,6 +1288,66 @@ impl Backend for CudaBackend {
         routing
     }
 
+    fn argmax_rows(&self, logits: &CudaAct) -> Result<Vec<u32>, BackendError> {
+        let (rows, cols) = (logits.rows, logits.cols);
+        if rows == 0 || cols == 0 {
+            return Ok(vec![0; rows]);
+        }
+        if cols > i32::MAX as usize {
+            let host = self.to_host(logits)?;
+            return Ok(host
+                .chunks(cols)
+                .map(sluice_backend::reference::argmax)
+                .collect());
+        }
+        // About 2048 columns a block (8 per thread), in at most 128 blocks a row.
+        let parts = cols.div_ceil(2048).min(128);
+        let chunk = cols.div_ceil(parts);
+        let lost = || {
+            self.d
+                .peek_error()
+                .unwrap_or_else(|| BackendError::Device("logits lost to an earlier failure".into()))
+        };
+        let xp = logits.ptr().ok_or_else(lost)?;
+        let values = self
+            .d
+            .alloc_or_record(rows * parts * 4, "argmax")
+            .ok_or_else(lost)?;
+        let index = self
+            .d
+            .alloc_or_record(rows * parts * 4, "argmax")
+            .ok_or_else(lost)?;
+        let ids = self
+            .d
+            .alloc_or_record(rows * 4, "argmax")
+            .ok_or_else(lost)?;
+        let k = &self.d.k;
+        self.d.launch(
+            &k.argmax_parts,
+            (parts as u32, rows as u32, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(xp),
+                Arg::I32(cols as i32),
+                Arg::I32(chunk as i32),
+                Arg::Ptr(values.ptr),
+                Arg::Ptr(index.ptr),
+            ],
+        );
+        self.d.launch(
+            &k.argmax_finish,
+            (rows as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(values.ptr),
+                Arg::Ptr(index.ptr),
+                Arg::I32(parts as i32),
+                Arg::Ptr(ids.ptr),
+            ],
+        );
+        self.d.download(&ids, rows)
+    }
+
     fn read_routing(&self, routing: &CudaRouting) -> Result<HostRouting, BackendError> {
         let n = routing.rows * routing.k;
         let (Some(ids), Some(w)) = (&routing.ids, &routing.weights) else {
@@ -1399,10 +1459,11 @@ impl Backend for CudaBackend {
         let out = self.act(qkv.rows, d.value_heads * d.value_dim);
         let threads = (d.value_dim * d.key_dim / 32).next_multiple_of(32);
         let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_dim, d.value_dim);
-        // Many tokens: the state-free work for all tokens first, then the recurrence with more
-        // blocks and no barrier per token (the same bits as the one-kernel path, which needs
-        // dv >= 32 for that).
-        let many = qkv.rows > 8 && dv >= 32 && dk % 32 == 0 && dk <= 256;
+        // The state-free work for all tokens first, then the recurrence with a block per group
+        // of value rows and no barrier per token (the same bits as the one-kernel path, which
+        // needs dv >= 32 for that). Measured on an H100 (Qwen3.5-35B-A3B shape): the one-kernel
+        // path, a block per head, took 39 us per layer to decode one token.
+        let many = dv >= 32 && dk % 32 == 0 && dk <= 256;
         if let (Some(qp), Some(ap), Some(bp), Some(o), Some(rec), true) = (
             qkv.ptr(),
             a.ptr(),
@@ -1437,11 +1498,13 @@ impl Backend for CudaBackend {
                 ]
                 .concat(),
             );
-            let rows_per_block = 128 / (dk / 32);
+            // Few tokens: smaller blocks, so that more multiprocessors share the state.
+            let block = if qkv.rows <= 8 { 64 } else { 128 };
+            let rows_per_block = block / (dk / 32);
             self.d.launch(
                 &k.gated_delta_rule_rows,
                 (hv as u32, grid(dv, rows_per_block), 1),
-                (128, 1, 1),
+                (block as u32, 1, 1),
                 &[
                     [
                         Arg::Ptr(qp),

@@ -60,6 +60,8 @@ pub(crate) struct Kernels {
     pub moe_down_b: Vec<CudaFunction>,
     /// 4-bit decode MoE with more loads in flight (`moe_gate_up_q4_w`, `moe_down_q4_w`).
     pub moe_gate_up_q4_w: CudaFunction,
+    pub argmax_parts: CudaFunction,
+    pub argmax_finish: CudaFunction,
     pub moe_down_q4_w: CudaFunction,
     /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
     /// and the weighted sum per token.
@@ -164,6 +166,8 @@ impl Kernels {
                 .map(|k| f(&format!("moe_down_{k}_b")))
                 .collect::<Result<_, _>>()?,
             moe_gate_up_q4_w: f("moe_gate_up_q4_w")?,
+            argmax_parts: f("argmax_parts")?,
+            argmax_finish: f("argmax_finish")?,
             moe_down_q4_w: f("moe_down_q4_w")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,

@@ -424,12 +424,18 @@ impl<B: Backend + 'static> Engine<B> {
         let mut stream = StreamDecoder::new(&self.tokenizer, true);
         let decode_start = Instant::now();
         let mut finish = FinishReason::Length;
+        // Greedy decoding without penalties takes the argmax where the logits are (on a GPU, one
+        // id comes back instead of the vocabulary's logits).
+        let mut device_logits = None;
         while stats.generated_tokens < max_tokens {
             if cancelled() {
                 finish = FinishReason::Cancelled;
                 break;
             }
-            let token = sampler.sample(&mut logits, &consumed);
+            let token = match device_logits.take() {
+                Some(out) => backend.argmax_rows(&out)?[0],
+                None => sampler.sample(&mut logits, &consumed),
+            };
             if !ignore_eos && self.eos_ids.contains(&token) {
                 finish = FinishReason::Stop;
                 break;
@@ -448,7 +454,11 @@ impl<B: Backend + 'static> Engine<B> {
             }
             let out = self.model.forward(&mut state, &[token], false)?;
             consumed.push(token);
-            logits = backend.to_host(&out)?;
+            if sampler.is_argmax() {
+                device_logits = Some(out);
+            } else {
+                logits = backend.to_host(&out)?;
+            }
         }
         if let Some(rest) = stream.finish()? {
             let _ = on_event(TokenEvent::Flush { text: &rest });

@@ -21,6 +21,10 @@
 //! `+inf` logits win outright (drawn uniformly among themselves).
 
 use std::cmp::Ordering;
+
+// The greedy choice: the largest logit, the lowest index among equals, NaN never wins (as the
+// backends' `argmax_rows`).
+use sluice_backend::reference::argmax;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -210,6 +214,21 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether [`Sampler::sample`] is the plain argmax of the logits (greedy, no penalty): then
+    /// a backend's `argmax_rows` gives the same token without the logits leaving the device.
+    pub fn is_argmax(&self) -> bool {
+        self.params.is_greedy() && !self.penalties_active()
+    }
+
+    fn penalties_active(&self) -> bool {
+        let p = &self.params;
+        let rep = p.repetition_penalty;
+        let use_rep = rep.is_finite() && rep > 0.0 && rep != 1.0;
+        let pres = p.presence_penalty.is_finite() && p.presence_penalty != 0.0;
+        let freq = p.frequency_penalty.is_finite() && p.frequency_penalty != 0.0;
+        p.penalty_window > 0 && (use_rep || pres || freq)
+    }
+
     /// Picks the next token from `logits` (one per vocabulary entry; modified in place by the
     /// penalties and temperature) given the tokens so far. Returns 0 for an empty slice.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
@@ -237,7 +256,7 @@ impl Sampler {
         } else {
             0.0
         };
-        if p.penalty_window == 0 || (!use_rep && pres == 0.0 && freq == 0.0) {
+        if !self.penalties_active() {
             return;
         }
         let window = &history[history.len().saturating_sub(p.penalty_window)..];
@@ -496,19 +515,6 @@ fn top_k_into(rel: &[f32], weights: &[f32], k: usize, out: &mut Vec<Cand>) {
             }
         }
     }
-}
-
-/// Index of the largest logit, the lowest index among equals; NaN never wins (all NaN: 0).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NAN;
-    for (i, &l) in logits.iter().enumerate() {
-        if !l.is_nan() && (best_v.is_nan() || l > best_v) {
-            best = i;
-            best_v = l;
-        }
-    }
-    best as u32
 }
 
 /// Reorders `cands` so its first `k` entries are the `k` most likely and returns the smallest
