@@ -488,6 +488,43 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
         assert_eq!(b.kv_len(&resumed), 3, "a clone keeps its own positions");
         step(&mut resumed, &mut k2, &mut v2, 1, "1 row on a clone");
     }
+
+    // attention_rope: the same bits as rms_norm_rope of q and k, then attention, step by step
+    // (full and partial rotary, prefill, decode, a long continuation).
+    for (heads, kv_heads, hd, rd) in [(8, 2, 64, 64), (4, 2, 128, 32), (16, 4, 256, 64)] {
+        let (qw, kw) = (heads * hd, kv_heads * hd);
+        let (theta, eps, scale) = (1_000_000.0, 1e-6, 1.0 / (hd as f32).sqrt());
+        let q_norm = b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector");
+        let k_norm = b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector");
+        let mut fused = b.kv_cache(kv_heads, hd, 16).expect("kv_cache");
+        let mut plain = b.kv_cache(kv_heads, hd, 16).expect("kv_cache");
+        for rows in [5, 1, 1, 40, 1] {
+            let q = b.act_from_host(&rng.vec(rows * qw, -2.0, 2.0), rows, qw);
+            let k = b.act_from_host(&rng.vec(rows * kw, -2.0, 2.0), rows, kw);
+            let v = b.act_from_host(&rng.vec(rows * kw, -2.0, 2.0), rows, kw);
+            let got = b.attention_rope(
+                &q,
+                &k,
+                &v,
+                (&q_norm, &k_norm),
+                eps,
+                (hd, rd, theta),
+                &mut fused,
+                heads,
+                scale,
+            );
+            let at = b.kv_len(&plain);
+            let q = b.rms_norm_rope(&q, &q_norm, eps, hd, rd, theta, at);
+            let k = b.rms_norm_rope(&k, &k_norm, eps, hd, rd, theta, at);
+            let want = b.attention(&q, &k, &v, &mut plain, heads, scale);
+            assert_eq!(
+                host(b, &got),
+                host(b, &want),
+                "attention_rope {heads}/{kv_heads} heads of {hd} (rotary {rd}), {rows} rows at {at}"
+            );
+            assert_eq!(b.kv_len(&fused), b.kv_len(&plain), "attention_rope kv_len");
+        }
+    }
 }
 
 /// Routing: exact choices (ties go to the lower index) and weights, with and without

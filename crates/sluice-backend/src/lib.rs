@@ -263,6 +263,29 @@ pub trait Backend: Send + Sync {
         heads: usize,
         scale: f32,
     ) -> Self::Act;
+    /// Attention with its prelude: `q` and `k` each through [`Backend::rms_norm_rope`] (head
+    /// size `head_dim`, norm weights `q_norm`, `k_norm`) at the cache's next positions, then
+    /// [`Backend::attention`]. Backends that fuse the norms, the rotations and the cache writes
+    /// give the same values.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rope(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        norms: (&Self::Vector, &Self::Vector),
+        eps: f32,
+        rope: (usize, usize, f32),
+        cache: &mut Self::KvCache,
+        heads: usize,
+        scale: f32,
+    ) -> Self::Act {
+        let (head_dim, rotary_dim, theta) = rope;
+        let position = self.kv_len(cache);
+        let q = self.rms_norm_rope(q, norms.0, eps, head_dim, rotary_dim, theta, position);
+        let k = self.rms_norm_rope(k, norms.1, eps, head_dim, rotary_dim, theta, position);
+        self.attention(&q, &k, v, cache, heads, scale)
+    }
     /// `x * sigmoid(gate)`, elementwise; or, if `gate` has one column, each row of `x` scaled by
     /// the sigmoid of its gate.
     fn sigmoid_mul(&self, x: &mut Self::Act, gate: &Self::Act);

@@ -822,18 +822,16 @@ extern "C" __global__ void rope(float* x, const float* inv_freq, int rows, int c
     head[k + half] = b * c + a * s;
 }
 
-// rms_norm of each head of n values (a block per head; n <= 256), then `rope` on its first
-// rotary_dim values; row r at position first + r. The same arithmetic as the two kernels above.
-extern "C" __global__ void rms_norm_rope(const float* x, const float* w, const float* inv_freq,
-                                         float* out, int n, float eps, int heads, int rotary_dim,
-                                         int first) {
+// rms_norm of one head of n values x (n <= 256, every thread of the block calls it), then `rope`
+// on its first rotary_dim values at position pos, into out. The same arithmetic as the two
+// kernels above.
+__device__ void norm_rope_head(const float* x, const float* w, const float* inv_freq, float* out,
+                               int n, float eps, int rotary_dim, long pos) {
     __shared__ float y[256];
-    const long base = (long)blockIdx.x * n;
-    const long r = blockIdx.x / heads;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[base + i] * x[base + i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
     const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[base + i] * inv * w[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i] * inv * w[i];
     __syncthreads();
     const int half = rotary_dim / 2;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -841,10 +839,48 @@ extern "C" __global__ void rms_norm_rope(const float* x, const float* w, const f
         if (i < rotary_dim) {
             const int k = i < half ? i : i - half;
             float s, c;
-            sincosf((float)(first + r) * inv_freq[k], &s, &c);
+            sincosf((float)pos * inv_freq[k], &s, &c);
             v = i < half ? y[i] * c - y[i + half] * s : y[i] * c + y[i - half] * s;
         }
-        out[base + i] = v;
+        out[i] = v;
+    }
+}
+
+// rms_norm of each head of n values (a block per head; n <= 256), then `rope` on its first
+// rotary_dim values; row r at position first + r.
+extern "C" __global__ void rms_norm_rope(const float* x, const float* w, const float* inv_freq,
+                                         float* out, int n, float eps, int heads, int rotary_dim,
+                                         int first) {
+    const long base = (long)blockIdx.x * n;
+    const long r = blockIdx.x / heads;
+    norm_rope_head(x + base, w, inv_freq, out + base, n, eps, rotary_dim, first + r);
+}
+
+// The attention prelude in one launch: per row r (position first + r), each of the `heads` heads
+// of q normalised and rotated into q_out, each of the kv_heads heads of k normalised and rotated
+// straight into the key cache at row first + r, and v copied into the value cache there. A block
+// per head of each: grid rows * (heads + 2 kv_heads), n (head size) <= 256.
+extern "C" __global__ void qkv_norm_rope_append(const float* q, const float* k, const float* v,
+                                                const float* wq, const float* wk,
+                                                const float* inv_freq, float* q_out, float* keys,
+                                                float* values, int n, float eps, int heads,
+                                                int kv_heads, int rotary_dim, int first) {
+    const int per_row = heads + 2 * kv_heads;
+    const long r = blockIdx.x / per_row;
+    const int j = blockIdx.x % per_row;
+    const long kv_width = (long)kv_heads * n;
+    const long cache_row = (first + r) * kv_width;
+    if (j < heads) {
+        const long at = (r * heads + j) * n;
+        norm_rope_head(q + at, wq, inv_freq, q_out + at, n, eps, rotary_dim, first + r);
+    } else if (j < heads + kv_heads) {
+        const int h = j - heads;
+        norm_rope_head(k + r * kv_width + (long)h * n, wk, inv_freq, keys + cache_row + (long)h * n, n,
+                       eps, rotary_dim, first + r);
+    } else {
+        const int h = j - heads - kv_heads;
+        for (int i = threadIdx.x; i < n; i += blockDim.x)
+            values[cache_row + (long)h * n + i] = v[r * kv_width + (long)h * n + i];
     }
 }
 
@@ -1921,8 +1957,9 @@ extern "C" __global__ void gated_delta_rule(const float* qkv, const float* a, co
 // arithmetic is gated_delta_rule's, operation for operation, so both give the same bits.
 
 // prep [ntok, 2 hk dk + 2 hv]: q of every key head L2-normalised times dk^-0.5, k normalised, then
-// each value head's decay g and write strength beta. Grid (ntok), 128 threads. The squared norms
-// are summed as block_sum sums one value per thread (dk <= the old kernel's block).
+// each value head's decay g and write strength beta. Grid (ntok, blocks over the key heads), 128
+// threads, a warp per key head. The squared norms are summed as block_sum sums one value per
+// thread (dk <= the old kernel's block).
 extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, const float* a,
                                                             const float* b, const float* a_log,
                                                             const float* dt_bias, float* prep,
@@ -1932,7 +1969,8 @@ extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, c
     const float* row = qkv + (long)t * width;
     float* out = prep + (long)t * (2 * hk * dk + 2 * hv);
     const float q_scale = rsqrtf((float)dk);
-    for (int kh = warp; kh < hk; kh += blockDim.x / 32) {
+    const int warps = blockDim.x / 32;
+    for (int kh = blockIdx.y * warps + warp; kh < hk; kh += gridDim.y * warps) {
         const float* qr = row + kh * dk;
         const float* kr = row + hk * dk + kh * dk;
         float pq = 0.0f, pk = 0.0f;  // lane w: the sums of warp w in block_sum
@@ -1951,7 +1989,7 @@ extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, c
             out[hk * dk + kh * dk + c] = kr[c] * inv_k;
         }
     }
-    for (int h = threadIdx.x; h < hv; h += blockDim.x) {
+    for (int h = blockIdx.y * blockDim.x + threadIdx.x; h < hv; h += gridDim.y * blockDim.x) {
         const float av = a[(long)t * hv + h] + dt_bias[h];
         const float softplus = av > 20.0f ? av : log1pf(expf(av));
         out[2 * hk * dk + h] = expf(-expf(a_log[h]) * softplus);
@@ -1979,9 +2017,13 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
     const int kh = h / (hv / hk);
     const int width = 2 * hk * dk + hv * dv, pw = 2 * hk * dk + 2 * hv;
     float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
+    // 32 values a thread, 16-byte aligned: eight vector loads instead of 32 scattered ones.
     float S[32];
 #pragma unroll
-    for (int c = 0; c < 32; c++) S[c] = active ? s[c] : 0.0f;
+    for (int c = 0; c < 8; c++) {
+        const float4 v = active ? reinterpret_cast<const float4*>(s)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        S[4 * c] = v.x; S[4 * c + 1] = v.y; S[4 * c + 2] = v.z; S[4 * c + 3] = v.w;
+    }
     for (int t0 = 0; t0 < ntok; t0 += DELTA_CHUNK) {
         const int n = min(DELTA_CHUNK, ntok - t0);
         __syncthreads();
@@ -2025,7 +2067,8 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
     }
     if (active) {
 #pragma unroll
-        for (int c = 0; c < 32; c++) s[c] = S[c];
+        for (int c = 0; c < 8; c++)
+            reinterpret_cast<float4*>(s)[c] = make_float4(S[4 * c], S[4 * c + 1], S[4 * c + 2], S[4 * c + 3]);
     }
 }
 

@@ -566,6 +566,90 @@ impl CudaBackend {
         );
     }
 
+    /// Causal grouped-query attention of `q` (the queries of the cache's last `q.rows`
+    /// positions, already appended) over everything cached.
+    fn attend(&self, q: &CudaAct, cache: &CudaKvCache, heads: usize, scale: f32) -> CudaAct {
+        let (hd, kvh) = (cache.head_dim, cache.kv_heads);
+        let rows = q.rows;
+        let total = cache.len;
+        let out = self.act(rows, q.cols);
+        let (Some(keys), Some(values)) = (&cache.keys, &cache.values) else {
+            return self.poisoned(rows, q.cols);
+        };
+        // Few (head, token) pairs cannot fill the GPU: split each token's positions over blocks
+        // (a fixed number, so that a replayed decode graph keeps its shape as the cache grows).
+        let splits = if heads * rows < SPLIT_ATTENTION_PAIRS {
+            ATTENTION_SPLITS
+        } else {
+            1
+        };
+        let (partial, done) = if splits > 1 {
+            let (Some(p), Some(c)) = (
+                self.d
+                    .alloc_or_record(rows * heads * splits * (hd + 2) * 4, "attention splits"),
+                self.done_counters(),
+            ) else {
+                return self.poisoned(rows, q.cols);
+            };
+            (Some(p), Some(c))
+        } else {
+            (None, None)
+        };
+        let group = heads / kvh;
+        // (Head size 256 measured slower this way on an H100: 413 us vs ~380 per layer of the
+        // 35B shape's 512-token prefill, so it keeps the one-row kernel.)
+        let rows_kernel = match hd {
+            64 => Some(0),
+            128 => Some(1),
+            _ => None,
+        };
+        if let (Some(qp), Some(o), Some(which), true) = (
+            q.ptr(),
+            out.ptr(),
+            rows_kernel,
+            rows >= 16 && 8 % group == 0,
+        ) {
+            // Prefill: 8 query rows of one kv head per block, keys and values shared.
+            self.d.launch(
+                &self.d.k.attention_rows[which],
+                (kvh as u32, grid(rows, 8 / group), 1),
+                (128, 1, 1),
+                &[
+                    Arg::Ptr(qp),
+                    Arg::Ptr(keys.ptr),
+                    Arg::Ptr(values.ptr),
+                    Arg::Ptr(o),
+                    Arg::I32(heads as i32),
+                    Arg::I32(kvh as i32),
+                    Arg::I32(total as i32),
+                    Arg::I32(rows as i32),
+                    Arg::F32(scale),
+                ],
+            );
+        } else if let (Some(qp), Some(o)) = (q.ptr(), out.ptr()) {
+            self.d.launch(
+                &self.d.k.attention,
+                (heads as u32, rows as u32, splits as u32),
+                (128, 1, 1),
+                &[
+                    Arg::Ptr(qp),
+                    Arg::Ptr(keys.ptr),
+                    Arg::Ptr(values.ptr),
+                    Arg::Ptr(o),
+                    Arg::I32(heads as i32),
+                    Arg::I32(kvh as i32),
+                    Arg::I32(hd as i32),
+                    Arg::I32(total as i32),
+                    Arg::I32(rows as i32),
+                    Arg::F32(scale),
+                    Arg::Ptr(partial.as_ref().map_or(0, DevBuf::ptr)),
+                    Arg::Ptr(done.as_ref().map_or(0, |d| d.ptr)),
+                ],
+            );
+        }
+        out
+    }
+
     fn ensure_capacity(&self, cache: &mut CudaKvCache, needed: usize) -> bool {
         if needed <= cache.capacity && cache.keys.is_some() {
             return true;
@@ -1054,7 +1138,6 @@ impl Backend for CudaBackend {
         assert_eq!((k.cols, v.cols, q.cols), (kvh * hd, kvh * hd, heads * hd));
         assert!(heads.is_multiple_of(kvh));
         let rows = q.rows;
-        let out = self.act(rows, q.cols);
         let width = kvh * hd * 4;
         let total = cache.len + rows;
         if !self.ensure_capacity(cache, total) {
@@ -1080,78 +1163,77 @@ impl Backend for CudaBackend {
             );
         }
         cache.len = total;
-        // Few (head, token) pairs cannot fill the GPU: split each token's positions over blocks
-        // (a fixed number, so that a replayed decode graph keeps its shape as the cache grows).
-        let splits = if heads * rows < SPLIT_ATTENTION_PAIRS {
-            ATTENTION_SPLITS
-        } else {
-            1
+        self.attend(q, cache, heads, scale)
+    }
+
+    fn attention_rope(
+        &self,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        norms: (&CudaVector, &CudaVector),
+        eps: f32,
+        rope: (usize, usize, f32),
+        cache: &mut CudaKvCache,
+        heads: usize,
+        scale: f32,
+    ) -> CudaAct {
+        let (head_dim, rotary_dim, theta) = rope;
+        let (hd, kvh) = (cache.head_dim, cache.kv_heads);
+        let fused = head_dim == hd
+            && hd <= MAX_HEAD_DIM
+            && (norms.0.len, norms.1.len) == (hd, hd)
+            && (k.cols, v.cols, q.cols) == (kvh * hd, kvh * hd, heads * hd)
+            && (k.rows, v.rows) == (q.rows, q.rows)
+            && heads.is_multiple_of(kvh)
+            && rotary_dim <= hd
+            && rotary_dim.is_multiple_of(2);
+        if !fused {
+            let position = cache.len;
+            let q = self.rms_norm_rope(q, norms.0, eps, head_dim, rotary_dim, theta, position);
+            let k = self.rms_norm_rope(k, norms.1, eps, head_dim, rotary_dim, theta, position);
+            return self.attention(&q, &k, v, cache, heads, scale);
+        }
+        // One launch for the norms, the rotations and the cache writes of q, k and v.
+        let rows = q.rows;
+        let first = cache.len;
+        if !self.ensure_capacity(cache, first + rows) {
+            return self.poisoned(rows, q.cols);
+        }
+        let q_rot = self.act(rows, q.cols);
+        let (Some(keys), Some(values), Some(freq)) = (
+            &cache.keys,
+            &cache.values,
+            self.rotary_frequencies(theta, rotary_dim),
+        ) else {
+            return self.poisoned(rows, q.cols);
         };
-        let (partial, done) = if splits > 1 {
-            let (Some(p), Some(c)) = (
-                self.d
-                    .alloc_or_record(rows * heads * splits * (hd + 2) * 4, "attention splits"),
-                self.done_counters(),
-            ) else {
-                return self.poisoned(rows, q.cols);
-            };
-            (Some(p), Some(c))
-        } else {
-            (None, None)
-        };
-        let group = heads / kvh;
-        // (Head size 256 measured slower this way on an H100: 413 us vs ~380 per layer of the
-        // 35B shape's 512-token prefill, so it keeps the one-row kernel.)
-        let rows_kernel = match hd {
-            64 => Some(0),
-            128 => Some(1),
-            _ => None,
-        };
-        if let (Some(qp), Some(o), Some(which), true) = (
-            q.ptr(),
-            out.ptr(),
-            rows_kernel,
-            rows >= 16 && 8 % group == 0,
-        ) {
-            // Prefill: 8 query rows of one kv head per block, keys and values shared.
+        if let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), q_rot.ptr()) {
             self.d.launch(
-                &self.d.k.attention_rows[which],
-                (kvh as u32, grid(rows, 8 / group), 1),
-                (128, 1, 1),
+                &self.d.k.qkv_norm_rope_append,
+                ((rows * (heads + 2 * kvh)) as u32, 1, 1),
+                (hd.next_multiple_of(32) as u32, 1, 1),
                 &[
                     Arg::Ptr(qp),
+                    Arg::Ptr(kp),
+                    Arg::Ptr(vp),
+                    Arg::Ptr(self.vec_ptr(norms.0)),
+                    Arg::Ptr(self.vec_ptr(norms.1)),
+                    Arg::Ptr(freq.ptr),
+                    Arg::Ptr(o),
                     Arg::Ptr(keys.ptr),
                     Arg::Ptr(values.ptr),
-                    Arg::Ptr(o),
-                    Arg::I32(heads as i32),
-                    Arg::I32(kvh as i32),
-                    Arg::I32(total as i32),
-                    Arg::I32(rows as i32),
-                    Arg::F32(scale),
-                ],
-            );
-        } else if let (Some(qp), Some(o)) = (q.ptr(), out.ptr()) {
-            self.d.launch(
-                &self.d.k.attention,
-                (heads as u32, rows as u32, splits as u32),
-                (128, 1, 1),
-                &[
-                    Arg::Ptr(qp),
-                    Arg::Ptr(keys.ptr),
-                    Arg::Ptr(values.ptr),
-                    Arg::Ptr(o),
-                    Arg::I32(heads as i32),
-                    Arg::I32(kvh as i32),
                     Arg::I32(hd as i32),
-                    Arg::I32(total as i32),
-                    Arg::I32(rows as i32),
-                    Arg::F32(scale),
-                    Arg::Ptr(partial.as_ref().map_or(0, DevBuf::ptr)),
-                    Arg::Ptr(done.as_ref().map_or(0, |d| d.ptr)),
+                    Arg::F32(eps),
+                    Arg::I32(heads as i32),
+                    Arg::I32(kvh as i32),
+                    Arg::I32(rotary_dim as i32),
+                    Arg::I32(first as i32),
                 ],
             );
         }
-        out
+        cache.len = first + rows;
+        self.attend(&q_rot, cache, heads, scale)
     }
 
     fn sigmoid_mul(&self, x: &mut CudaAct, gate: &CudaAct) {
@@ -1480,9 +1562,10 @@ impl Backend for CudaBackend {
             };
             let dims = [hk, hv, dk, dv].map(|v| Arg::I32(v as i32));
             let k = &self.d.k;
+            // A warp per key head (hk / 4 blocks a token), so that one token's prep is parallel.
             self.d.launch(
                 &k.delta_prep,
-                (qkv.rows as u32, 1, 1),
+                (qkv.rows as u32, grid(hk, 4), 1),
                 (128, 1, 1),
                 &[
                     [

@@ -61,6 +61,7 @@ pub(crate) struct Kernels {
     /// 4-bit decode MoE with more loads in flight (`moe_gate_up_q4_w`, `moe_down_q4_w`).
     pub moe_gate_up_q4_w: CudaFunction,
     pub argmax_parts: CudaFunction,
+    pub qkv_norm_rope_append: CudaFunction,
     pub argmax_finish: CudaFunction,
     pub moe_down_q4_w: CudaFunction,
     /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
@@ -167,6 +168,7 @@ impl Kernels {
                 .collect::<Result<_, _>>()?,
             moe_gate_up_q4_w: f("moe_gate_up_q4_w")?,
             argmax_parts: f("argmax_parts")?,
+            qkv_norm_rope_append: f("qkv_norm_rope_append")?,
             argmax_finish: f("argmax_finish")?,
             moe_down_q4_w: f("moe_down_q4_w")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,

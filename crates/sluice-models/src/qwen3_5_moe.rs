@@ -499,14 +499,21 @@ impl<B: Backend> Qwen35Moe<B> {
     fn full_attention(&self, l: &FullAttention<B>, x: &B::Act, cache: &mut B::KvCache) -> B::Act {
         let b = self.decoder.backend();
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
-        let position = b.kv_len(cache);
         let [q_gate, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
         let (q, gate) = b.split_chunks(&q_gate, 2 * hd, hd);
-        let (rd, theta) = (self.rotary_dim, self.rope_theta);
-        let q = b.rms_norm_rope(&q, &l.q_norm, eps, hd, rd, theta, position);
-        let k = b.rms_norm_rope(&k, &l.k_norm, eps, hd, rd, theta, position);
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut o = b.attention(&q, &k, &v, cache, self.cfg.num_attention_heads, scale);
+        // q_norm and k_norm per head, partial rotary, at the cache's next positions.
+        let mut o = b.attention_rope(
+            &q,
+            &k,
+            &v,
+            (&l.q_norm, &l.k_norm),
+            eps,
+            (hd, self.rotary_dim, self.rope_theta),
+            cache,
+            self.cfg.num_attention_heads,
+            scale,
+        );
         b.sigmoid_mul(&mut o, &gate);
         b.matmul(&o, &l.o_proj)
     }

@@ -249,13 +249,20 @@ impl<B: Backend> Qwen3Moe<B> {
     fn attention(&self, l: &Attention<B>, x: &B::Act, cache: &mut B::KvCache) -> B::Act {
         let b = self.decoder.backend();
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
-        let position = b.kv_len(cache);
-        let theta = self.rope_theta;
         let [q, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
-        let q = b.rms_norm_rope(&q, &l.q_norm, eps, hd, hd, theta, position);
-        let k = b.rms_norm_rope(&k, &l.k_norm, eps, hd, hd, theta, position);
         let scale = 1.0 / (hd as f32).sqrt();
-        let o = b.attention(&q, &k, &v, cache, self.cfg.num_attention_heads, scale);
+        // q_norm and k_norm per head, rotary on the whole head, at the cache's next positions.
+        let o = b.attention_rope(
+            &q,
+            &k,
+            &v,
+            (&l.q_norm, &l.k_norm),
+            eps,
+            (hd, hd, self.rope_theta),
+            cache,
+            self.cfg.num_attention_heads,
+            scale,
+        );
         b.matmul(&o, &l.o_proj)
     }
 }
