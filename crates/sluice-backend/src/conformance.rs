@@ -228,6 +228,43 @@ pub fn activations<B: Backend>(b: &B, _tol: Tolerance) {
         );
     }
     assert_eq!(reference::argmax(&special[2]), 1);
+
+    // top_logits: the best columns in rank order (ties to the lower column, NaN last) and the
+    // values at named columns, on a vocabulary-wide row with planted ties and non-finite values.
+    let mut row = rng.vec(2 * vocab, -8.0, 8.0);
+    for (c, v) in [
+        (7, 9.0),
+        (3, 9.0),
+        (500, f32::NAN),
+        (9000, 8.5),
+        (9001, 8.5),
+        (12, f32::INFINITY),
+    ] {
+        row[vocab + c] = v;
+    }
+    let logits = b.act_from_host(&row, 2, vocab);
+    for (n, cols) in [(1, vec![]), (21, vec![3, 500, 70_000]), (257, vec![9001])] {
+        let got = b.top_logits(&logits, 1, n, &cols).expect("top_logits");
+        let want = reference::top_logits(&row[vocab..], n, &cols);
+        assert_eq!(got.top.len(), n, "top_logits: {n} columns");
+        assert_eq!(got.top, want.top, "top_logits: the best {n}");
+        let same = got
+            .at
+            .iter()
+            .zip(&want.at)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "top_logits at {cols:?}: {:?} vs {:?}",
+            got.at, want.at
+        );
+    }
+    let best = reference::top_logits(&row[vocab..], 4, &[]).top;
+    assert_eq!(
+        best.iter().map(|t| t.0).collect::<Vec<_>>(),
+        [12, 3, 7, 9000],
+        "reference top_logits order"
+    );
     let v = rng.vec(9, -1.0, 1.0);
     assert_eq!(
         b.vector_to_host(&b.vector(&v).expect("vector"))

@@ -53,6 +53,17 @@ pub struct HostRouting {
     pub weights: Vec<f32>,
 }
 
+/// What a sampler needs of one row of logits when it keeps only the best few tokens: the `n` best
+/// columns with their values (see [`Backend::top_logits`]) and the values at a few named columns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogits {
+    /// `(column, value)`, best first: larger values first, the lower column among equals, NaN
+    /// after every number.
+    pub top: Vec<(u32, f32)>,
+    /// The values at the columns asked for, in their order.
+    pub at: Vec<f32>,
+}
+
 impl HostRouting {
     pub fn tokens(&self) -> usize {
         self.experts.len().checked_div(self.k).unwrap_or(0)
@@ -190,6 +201,25 @@ pub trait Backend: Send + Sync {
         let (_, cols) = self.shape(logits);
         let host = self.to_host(logits)?;
         Ok(host.chunks(cols.max(1)).map(reference::argmax).collect())
+    }
+    /// The `n` best columns of row `row` of `logits` and the values at `cols`
+    /// ([`reference::top_logits`]): what a top-k sampler needs, without the whole row leaving
+    /// a device. The default reads the row to the host.
+    fn top_logits(
+        &self,
+        logits: &Self::Act,
+        row: usize,
+        n: usize,
+        cols: &[u32],
+    ) -> Result<TopLogits, BackendError> {
+        let (rows, width) = self.shape(logits);
+        assert!(row < rows, "top_logits: row {row} of {rows}");
+        let host = self.to_host(logits)?;
+        Ok(reference::top_logits(
+            &host[row * width..(row + 1) * width],
+            n,
+            cols,
+        ))
     }
 
     // ---- operations ------------------------------------------------------------------------

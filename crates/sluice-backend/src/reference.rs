@@ -79,6 +79,33 @@ pub fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// The `n` best columns of `row` (larger values first, the lower column among equals, NaN after
+/// every number) with their values, and the values at `cols` (NaN for a column past the end).
+pub fn top_logits(row: &[f32], n: usize, cols: &[u32]) -> crate::TopLogits {
+    let rank = |a: &(u32, f32), b: &(u32, f32)| match (a.1.is_nan(), b.1.is_nan()) {
+        (false, false) => b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)),
+        (x, y) => x.cmp(&y).then(a.0.cmp(&b.0)),
+    };
+    let mut all: Vec<(u32, f32)> = row
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (i as u32, v))
+        .collect();
+    let n = n.min(all.len());
+    if n > 0 && n < all.len() {
+        all.select_nth_unstable_by(n - 1, rank);
+    }
+    all.truncate(n);
+    all.sort_unstable_by(rank);
+    crate::TopLogits {
+        top: all,
+        at: cols
+            .iter()
+            .map(|&c| row.get(c as usize).copied().unwrap_or(f32::NAN))
+            .collect(),
+    }
+}
+
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let n = weight.len();
     assert!(x.len().is_multiple_of(n));

@@ -55,6 +55,14 @@ pub struct LoadOptions {
     pub streaming: streaming::StreamingOptions,
 }
 
+/// The next token of a generation: sampled from logits on the host, the argmax of logits left
+/// on the backend, or already drawn.
+enum Next<B: Backend> {
+    Host,
+    Argmax(B::Act),
+    Token(u32),
+}
+
 /// How `logits` feeds tokens through the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsMode {
@@ -424,17 +432,19 @@ impl<B: Backend + 'static> Engine<B> {
         let mut stream = StreamDecoder::new(&self.tokenizer, true);
         let decode_start = Instant::now();
         let mut finish = FinishReason::Length;
-        // Greedy decoding without penalties takes the argmax where the logits are (on a GPU, one
-        // id comes back instead of the vocabulary's logits).
-        let mut device_logits = None;
+        // Where the next token comes from: `logits` on the host, or (decided where the logits
+        // are, so that on a GPU a few values come back instead of the vocabulary's logits) the
+        // argmax of greedy decoding or a top-k sampler's draw.
+        let mut next: Next<B> = Next::Host;
         while stats.generated_tokens < max_tokens {
             if cancelled() {
                 finish = FinishReason::Cancelled;
                 break;
             }
-            let token = match device_logits.take() {
-                Some(out) => backend.argmax_rows(&out)?[0],
-                None => sampler.sample(&mut logits, &consumed),
+            let token = match std::mem::replace(&mut next, Next::Host) {
+                Next::Argmax(out) => backend.argmax_rows(&out)?[0],
+                Next::Token(t) => t,
+                Next::Host => sampler.sample(&mut logits, &consumed),
             };
             if !ignore_eos && self.eos_ids.contains(&token) {
                 finish = FinishReason::Stop;
@@ -454,11 +464,27 @@ impl<B: Backend + 'static> Engine<B> {
             }
             let out = self.model.forward(&mut state, &[token], false)?;
             consumed.push(token);
-            if sampler.is_argmax() {
-                device_logits = Some(out);
+            let vocab = backend.shape(&out).1;
+            next = if sampler.is_argmax() {
+                Next::Argmax(out)
             } else {
-                logits = backend.to_host(&out)?;
-            }
+                match sampler.top_request(vocab, &consumed) {
+                    Some(req) => {
+                        let part = backend.top_logits(&out, 0, req.n, &req.cols)?;
+                        match sampler.sample_top(&req, &part, &consumed) {
+                            Some(t) => Next::Token(t),
+                            None => {
+                                logits = backend.to_host(&out)?;
+                                Next::Host
+                            }
+                        }
+                    }
+                    None => {
+                        logits = backend.to_host(&out)?;
+                        Next::Host
+                    }
+                }
+            };
         }
         if let Some(rest) = stream.finish()? {
             let _ = on_event(TokenEvent::Flush { text: &rest });

@@ -19,12 +19,18 @@
 //! (expected O(n)). At 250k tokens a draw takes about 1 ms, 2.5 ms for top-p alone over random
 //! logits, 3.5 ms for the worst case (all logits equal). NaN logits are treated as `-inf`;
 //! `+inf` logits win outright (drawn uniformly among themselves).
+//!
+//! With top-k (up to [`MAX_DEVICE_TOP_K`]) or greedy decoding, the token depends only on the best
+//! few logits and the penalised ones: [`Sampler::top_request`] says which, a backend's
+//! `top_logits` gives them without the whole row leaving a device, and [`Sampler::sample_top`]
+//! draws the same token with the same random numbers as [`Sampler::sample`] on the whole row.
 
 use std::cmp::Ordering;
 
 // The greedy choice: the largest logit, the lowest index among equals, NaN never wins (as the
 // backends' `argmax_rows`).
 use sluice_backend::reference::argmax;
+use sluice_backend::TopLogits;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -243,36 +249,153 @@ impl Sampler {
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], history: &[u32]) {
-        let p = &self.params;
-        let rep = p.repetition_penalty;
-        let use_rep = rep.is_finite() && rep > 0.0 && rep != 1.0;
-        let pres = if p.presence_penalty.is_finite() {
-            p.presence_penalty
-        } else {
-            0.0
-        };
-        let freq = if p.frequency_penalty.is_finite() {
-            p.frequency_penalty
-        } else {
-            0.0
-        };
         if !self.penalties_active() {
             return;
         }
-        let window = &history[history.len().saturating_sub(p.penalty_window)..];
+        self.count_window(logits.len(), history);
+        for (&t, &n) in &self.counts {
+            let l = &mut logits[t as usize];
+            *l = penalized(&self.params, *l, n);
+        }
+    }
+
+    /// Counts, in `self.counts`, the tokens below `vocab` in the penalty window of `history`.
+    fn count_window(&mut self, vocab: usize, history: &[u32]) {
+        let window = &history[history.len().saturating_sub(self.params.penalty_window)..];
         self.counts.clear();
         for &t in window {
-            if (t as usize) < logits.len() {
+            if (t as usize) < vocab {
                 *self.counts.entry(t).or_insert(0) += 1;
             }
         }
-        for (&t, &n) in &self.counts {
-            let l = &mut logits[t as usize];
-            if use_rep {
-                *l = if *l > 0.0 { *l / rep } else { *l * rep };
-            }
-            *l -= pres + freq * n as f32;
+    }
+
+    /// What [`Sampler::sample_top`] needs to give [`Sampler::sample`]'s token without the whole
+    /// row of `vocab` logits (`None` when this sampler needs every logit: no top-k, or a large
+    /// one). Greedy decoding without penalties needs only the argmax ([`Sampler::is_argmax`]).
+    pub fn top_request(&mut self, vocab: usize, history: &[u32]) -> Option<TopRequest> {
+        let keep = if self.params.is_greedy() {
+            1
+        } else if (1..=MAX_DEVICE_TOP_K).contains(&self.params.top_k) && self.params.top_k < vocab {
+            self.params.top_k
+        } else {
+            return None;
+        };
+        let mut cols: Vec<u32> = Vec::new();
+        if self.penalties_active() {
+            self.count_window(vocab, history);
+            cols.extend(self.counts.keys());
+            cols.sort_unstable();
         }
+        // Penalties move at most the penalised tokens, so the best `keep` after them are among
+        // the best `keep + cols.len()` before them or in `cols`; one more bounds all the rest.
+        Some(TopRequest {
+            n: keep + cols.len() + 1,
+            cols,
+        })
+    }
+
+    /// [`Sampler::sample`] from the part of a row that `req` asked for: the same token, and the
+    /// same random draws, as from the whole row. `None` when that part does not decide it
+    /// (infinite logits, or a token left out that could tie); then sample the whole row.
+    pub fn sample_top(
+        &mut self,
+        req: &TopRequest,
+        part: &TopLogits,
+        history: &[u32],
+    ) -> Option<u32> {
+        // With as many columns as asked, the last one is not a candidate but bounds every token
+        // left out (none of them is penalised: every penalised column is in `cols`).
+        let (inside, outside) = if part.top.len() >= req.n && req.n > 0 {
+            (&part.top[..req.n - 1], Some(part.top[req.n - 1].1))
+        } else {
+            (&part.top[..], None)
+        };
+        let cols = &req.cols;
+        let mut cands: Vec<(u32, f32)> = inside.to_vec();
+        for (&c, &v) in cols.iter().zip(&part.at) {
+            if !cands.iter().any(|&(id, _)| id == c) {
+                cands.push((c, v));
+            }
+        }
+        if cands.is_empty() {
+            return None;
+        }
+        if self.penalties_active() {
+            let vocab = cands
+                .iter()
+                .map(|&(id, _)| id as usize + 1)
+                .max()
+                .unwrap_or(0);
+            let vocab = vocab.max(cols.iter().map(|&c| c as usize + 1).max().unwrap_or(0));
+            self.count_window(vocab, history);
+            for (id, v) in cands.iter_mut() {
+                if let Some(&n) = self.counts.get(id) {
+                    *v = penalized(&self.params, *v, n);
+                }
+            }
+        }
+        if self.params.is_greedy() {
+            let values: Vec<f32> = cands.iter().map(|&(_, v)| v).collect();
+            let best = argmax(&values) as usize;
+            return Some(if values[best].is_nan() {
+                0
+            } else {
+                cands[best].0
+            });
+        }
+        let max = cands
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &(_, v)| if v > m { v } else { m });
+        if !max.is_finite() {
+            return None;
+        }
+        let inv_t = 1.0 / self.params.temperature;
+        let rel_of = |v: f32| {
+            if v.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                (v - max) * inv_t
+            }
+        };
+        let mut ranked: Vec<Cand> = cands
+            .iter()
+            .map(|&(id, v)| {
+                let rel = rel_of(v);
+                Cand {
+                    rel,
+                    weight: fast_exp(rel),
+                    id,
+                }
+            })
+            .filter(|c| c.weight > 0.0)
+            .collect();
+        ranked.sort_unstable_by(by_rank);
+        ranked.truncate(self.params.top_k);
+        // A token left out could tie with or beat the last one kept only if it weighs anything
+        // and its rel is not below: then the whole row decides.
+        if let Some(o) = outside.map(rel_of) {
+            let last = ranked.last().map_or(f32::NEG_INFINITY, |c| c.rel);
+            let full = ranked.len() == self.params.top_k;
+            if fast_exp(o) > 0.0 && (!full || o >= last) {
+                return None;
+            }
+        }
+        let (top_p, min_p) = self.trim_params();
+        trim(&mut ranked, top_p, min_p);
+        draw(&ranked, &mut self.rng)
+    }
+
+    /// top_p (1: off) and min_p (0: off) as the stochastic path applies them.
+    fn trim_params(&self) -> (f64, f32) {
+        let p = &self.params;
+        let top_p = if p.top_p > 0.0 && p.top_p < 1.0 {
+            p.top_p as f64
+        } else {
+            1.0
+        };
+        let min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
+        (top_p, min_p)
     }
 
     fn sample_stochastic(&mut self, logits: &mut [f32]) -> u32 {
@@ -338,15 +461,9 @@ impl Sampler {
         };
         if top_k > 0 {
             top_k_into(logits, weights, top_k, cands);
-            if top_p < 1.0 {
-                let total: f64 = cands.iter().map(|c| c.weight as f64).sum();
-                let keep = nucleus(cands, top_p * total);
-                cands.truncate(keep);
-            }
-            if min_p > 0.0 {
-                // p_i >= min_p * p_max  <=>  weight_i >= min_p, since the maximum has weight 1.
-                cands.retain(|c| c.weight >= min_p);
-            }
+            // In rank order, as `sample_top` builds them, so that both draw the same token.
+            cands.sort_unstable_by(by_rank);
+            trim(cands, top_p, min_p);
         } else {
             // Only tokens above a threshold can survive: min-p's own, and for top-p every token
             // lighter than (1 - top_p) * total / n: all of those together weigh less than the
@@ -364,20 +481,72 @@ impl Sampler {
                 cands.truncate(keep);
             }
         }
-        let total: f64 = cands.iter().map(|c| c.weight as f64).sum();
-        let mut r = self.rng.next_f64() * total;
-        for c in cands.iter() {
-            r -= c.weight as f64;
-            if r < 0.0 {
-                return c.id;
-            }
-        }
-        // Rounding left a sliver (or nothing was kept): take the most likely candidate.
-        cands
-            .iter()
-            .min_by(|a, b| by_rank(a, b))
-            .map_or_else(|| argmax(logits), |c| c.id)
+        draw(cands, &mut self.rng).unwrap_or_else(|| argmax(logits))
     }
+}
+
+/// The largest top-k that [`Sampler::top_request`] asks a backend for; larger ones read the row.
+pub const MAX_DEVICE_TOP_K: usize = 256;
+
+/// The part of a row of logits [`Sampler::sample_top`] needs: the best `n` columns and the
+/// values at `cols` (ask a backend with `top_logits(logits, row, n, &cols)`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopRequest {
+    pub n: usize,
+    pub cols: Vec<u32>,
+}
+
+/// A logit after the penalties for a token seen `n` times in the window.
+fn penalized(p: &SamplingParams, l: f32, n: u32) -> f32 {
+    let rep = p.repetition_penalty;
+    let use_rep = rep.is_finite() && rep > 0.0 && rep != 1.0;
+    let pres = if p.presence_penalty.is_finite() {
+        p.presence_penalty
+    } else {
+        0.0
+    };
+    let freq = if p.frequency_penalty.is_finite() {
+        p.frequency_penalty
+    } else {
+        0.0
+    };
+    let l = if use_rep {
+        if l > 0.0 {
+            l / rep
+        } else {
+            l * rep
+        }
+    } else {
+        l
+    };
+    l - (pres + freq * n as f32)
+}
+
+/// top-p and min-p over candidates in rank order.
+fn trim(cands: &mut Vec<Cand>, top_p: f64, min_p: f32) {
+    if top_p < 1.0 {
+        let total: f64 = cands.iter().map(|c| c.weight as f64).sum();
+        let keep = nucleus(cands, top_p * total);
+        cands.truncate(keep);
+    }
+    if min_p > 0.0 {
+        // p_i >= min_p * p_max  <=>  weight_i >= min_p, since the maximum has weight 1.
+        cands.retain(|c| c.weight >= min_p);
+    }
+}
+
+/// One draw from `cands` in proportion to their weights; `None` when there are none.
+fn draw(cands: &[Cand], rng: &mut Rng) -> Option<u32> {
+    let total: f64 = cands.iter().map(|c| c.weight as f64).sum();
+    let mut r = rng.next_f64() * total;
+    for c in cands {
+        r -= c.weight as f64;
+        if r < 0.0 {
+            return Some(c.id);
+        }
+    }
+    // Rounding left a sliver: take the most likely candidate.
+    cands.iter().min_by(|a, b| by_rank(a, b)).map(|c| c.id)
 }
 
 /// `exp(x)` for `x <= 0` to about 1e-7 relative error, exactly 1 at 0 and exactly 0 below -87

@@ -480,3 +480,92 @@ fn fast_at_250k_vocab() {
         assert!(per < 100.0, "{name}: {per} ms");
     }
 }
+
+/// Sampling from the part of a row `top_request` asks for draws the same tokens, with the same
+/// random numbers, as sampling from the whole row: greedy and top-k, with top-p, min-p and
+/// penalties, over random rows (with ties planted) of a small and a real vocabulary.
+#[test]
+fn sample_top_matches_sample() {
+    let mut decided = 0;
+    let mut steps = 0;
+    for (vocab, temps) in [(1000, vec![0.0, 0.3, 1.0]), (151_936, vec![0.0, 0.7])] {
+        for temperature in temps {
+            for (top_k, top_p, min_p) in [
+                (1, 1.0, 0.0),
+                (20, 0.8, 0.0),
+                (64, 1.0, 0.05),
+                (256, 0.95, 0.0),
+            ] {
+                for penalties in [false, true] {
+                    let p = SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        min_p,
+                        repetition_penalty: if penalties { 1.3 } else { 1.0 },
+                        presence_penalty: if penalties { 0.4 } else { 0.0 },
+                        frequency_penalty: if penalties { -0.2 } else { 0.0 },
+                        seed: Some(vocab as u64 + top_k as u64),
+                        ..SamplingParams::default()
+                    };
+                    let (mut whole, mut part) = (Sampler::new(p.clone()), Sampler::new(p));
+                    let mut history: Vec<u32> = vec![3, 3, 17, 250, 999];
+                    for step in 0..6 {
+                        let mut logits = noise(vocab, 7 * step + top_k as u64);
+                        // Ties at the top and near the k-th place; a history token at the top.
+                        logits[10] = 12.0;
+                        logits[900] = 12.0;
+                        logits[17] = 11.5;
+                        logits[40] = logits[41];
+                        let want = whole.sample(&mut logits.clone(), &history);
+                        let got = match part.top_request(vocab, &history) {
+                            Some(req) => {
+                                let top = sluice_backend::reference::top_logits(
+                                    &logits, req.n, &req.cols,
+                                );
+                                part.sample_top(&req, &top, &history)
+                            }
+                            None => None,
+                        };
+                        steps += 1;
+                        let got = match got {
+                            Some(t) => {
+                                decided += 1;
+                                t
+                            }
+                            None => part.sample(&mut logits.clone(), &history),
+                        };
+                        assert_eq!(got, want, "vocab {vocab}, t {temperature}, top_k {top_k}, top_p {top_p}, min_p {min_p}, penalties {penalties}, step {step}");
+                        history.push(want);
+                    }
+                }
+            }
+        }
+    }
+    // The part decided nearly every step (falling back to the whole row is allowed, but rare).
+    assert!(decided * 10 >= steps * 9, "decided {decided} of {steps}");
+}
+
+#[test]
+fn top_request_covers_the_penalised_tokens() {
+    let p = SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        repetition_penalty: 1.1,
+        seed: Some(1),
+        ..SamplingParams::default()
+    };
+    let mut s = Sampler::new(p);
+    let req = s.top_request(1000, &[5, 7, 5, 2000]).unwrap();
+    assert_eq!(
+        (req.n, req.cols),
+        (23, vec![5, 7]),
+        "out-of-vocabulary history ignored"
+    );
+    let mut big = Sampler::new(SamplingParams {
+        temperature: 0.8,
+        top_k: 0,
+        ..SamplingParams::default()
+    });
+    assert_eq!(big.top_request(1000, &[]), None, "no top-k: the whole row");
+}
