@@ -336,13 +336,13 @@ impl Sampler {
             }
         }
         if self.params.is_greedy() {
-            let values: Vec<f32> = cands.iter().map(|&(_, v)| v).collect();
-            let best = argmax(&values) as usize;
-            return Some(if values[best].is_nan() {
-                0
-            } else {
-                cands[best].0
-            });
+            // argmax over the whole row: the largest value, the lowest id among equals, NaN
+            // never (a row of NaN gives 0).
+            let best = cands
+                .iter()
+                .filter(|c| !c.1.is_nan())
+                .min_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            return Some(best.map_or(0, |c| c.0));
         }
         let max = cands
             .iter()

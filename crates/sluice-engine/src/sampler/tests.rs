@@ -569,3 +569,23 @@ fn top_request_covers_the_penalised_tokens() {
     });
     assert_eq!(big.top_request(1000, &[]), None, "no top-k: the whole row");
 }
+
+#[test]
+fn sample_top_greedy_tie_after_penalties_goes_to_the_lower_id() {
+    // Token 9 ranks first before the penalties; token 4, raised from 2.0 to 3.0 by a negative
+    // presence penalty, ties with it afterwards and wins by its lower id, as on the whole row.
+    let mut logits = vec![0.0f32; 50];
+    logits[9] = 3.0;
+    logits[4] = 2.0;
+    let p = SamplingParams {
+        presence_penalty: -1.0,
+        ..SamplingParams::default()
+    };
+    let history = [4];
+    let want = Sampler::new(p.clone()).sample(&mut logits.clone(), &history);
+    let mut s = Sampler::new(p);
+    let req = s.top_request(logits.len(), &history).unwrap();
+    let part = sluice_backend::reference::top_logits(&logits, req.n, &req.cols);
+    assert_eq!(want, 4);
+    assert_eq!(s.sample_top(&req, &part, &history), Some(want));
+}
