@@ -82,23 +82,55 @@ pub fn argmax(row: &[f32]) -> u32 {
 /// The `n` best columns of `row` (larger values first, the lower column among equals, NaN after
 /// every number) with their values, and the values at `cols` (NaN for a column past the end).
 pub fn top_logits(row: &[f32], n: usize, cols: &[u32]) -> crate::TopLogits {
-    let rank = |a: &(u32, f32), b: &(u32, f32)| match (a.1.is_nan(), b.1.is_nan()) {
-        (false, false) => b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)),
-        (x, y) => x.cmp(&y).then(a.0.cmp(&b.0)),
-    };
-    let mut all: Vec<(u32, f32)> = row
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| (i as u32, v))
-        .collect();
-    let n = n.min(all.len());
-    if n > 0 && n < all.len() {
-        all.select_nth_unstable_by(n - 1, rank);
+    use std::cmp::Ordering;
+    use std::collections::BinaryHeap;
+    /// Ordered worst first (the top of a max-heap is the one to drop).
+    struct Worst(u32, f32);
+    impl Worst {
+        fn rank(&self, other: &Self) -> Ordering {
+            // Less = better: numbers before NaN, larger values first, lower columns first.
+            match (self.1.is_nan(), other.1.is_nan()) {
+                (false, false) => other.1.total_cmp(&self.1).then(self.0.cmp(&other.0)),
+                (a, b) => a.cmp(&b).then(self.0.cmp(&other.0)),
+            }
+        }
     }
-    all.truncate(n);
-    all.sort_unstable_by(rank);
+    impl PartialEq for Worst {
+        fn eq(&self, other: &Self) -> bool {
+            self.rank(other) == Ordering::Equal
+        }
+    }
+    impl Eq for Worst {}
+    impl PartialOrd for Worst {
+        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Worst {
+        fn cmp(&self, other: &Self) -> Ordering {
+            self.rank(other)
+        }
+    }
+    // One pass with a bounded heap: cheap for the few columns a sampler asks for.
+    let n = n.min(row.len());
+    let mut heap = BinaryHeap::with_capacity(n + 1);
+    for (i, &v) in row.iter().enumerate() {
+        let e = Worst(i as u32, v);
+        if heap.len() < n {
+            heap.push(e);
+        } else if let Some(mut worst) = heap.peek_mut() {
+            if e < *worst {
+                *worst = e;
+            }
+        }
+    }
+    let top = heap
+        .into_sorted_vec()
+        .into_iter()
+        .map(|w| (w.0, w.1))
+        .collect();
     crate::TopLogits {
-        top: all,
+        top,
         at: cols
             .iter()
             .map(|&c| row.get(c as usize).copied().unwrap_or(f32::NAN))
