@@ -293,9 +293,9 @@ pub trait Backend: Send + Sync {
         heads: usize,
         scale: f32,
     ) -> Self::Act;
-    /// Attention with its prelude: `q` and `k` each through [`Backend::rms_norm_rope`] (head
-    /// size `head_dim`, norm weights `q_norm`, `k_norm`) at the cache's next positions, then
-    /// [`Backend::attention`]. Backends that fuse the norms, the rotations and the cache writes
+    /// Attention with its prelude: `q` and `k` each through [`Backend::rms_norm_rope`] with
+    /// its norm weight (`norms`: q's, k's) and `rope` (head size, rotary size, theta) at the
+    /// cache's next positions, then [`Backend::attention`]. Backends that fuse the norms, the rotations and the cache writes
     /// give the same values.
     #[allow(clippy::too_many_arguments)]
     fn attention_rope(

@@ -16,8 +16,8 @@ pub enum Test {
     /// Process a prompt of N random tokens in one prefill.
     Prompt(usize),
     /// Generate N tokens one at a time from an empty context. Each step's greedy choice is taken
-    /// as generation takes it (`argmax_rows`, on the device), but the next input is a random token, as in
-    /// llama-bench: greedy decoding of a random-weight checkpoint soon repeats one token, routes
+    /// as generation takes it (`argmax_rows`, on the device), but the next input is a random
+    /// token, as in llama-bench: greedy decoding of a random-weight checkpoint soon repeats one token, routes
     /// every step to the same experts and so flatters an expert cache.
     Generate(usize),
 }

@@ -409,7 +409,8 @@ impl CudaBackend {
                 &gate_up_args,
             );
         }
-        let mut down_args = vec![
+        // The 4-bit kernel takes one more argument: whether to add onto `out`.
+        let down_args = [
             Arg::Ptr(table),
             Arg::Ptr(present_ptr),
             Arg::I32(n_present),
@@ -419,9 +420,9 @@ impl CudaBackend {
             Arg::Ptr(h.ptr),
             Arg::Ptr(op),
             Arg::I32(x.cols as i32),
+            Arg::I32((into == MoeOut::Add) as i32),
         ];
         if q4_down {
-            down_args.push(Arg::I32((into == MoeOut::Add) as i32));
             self.d.launch(
                 &k.moe_down_q4_w,
                 (grid(x.cols, MOE_DOWN_W_ROWS), routing.rows as u32, 1),
@@ -435,7 +436,7 @@ impl CudaBackend {
                 &k.moe_down_b[kinds.1],
                 (x.cols as u32, routing.rows as u32, 1),
                 (128, 1, 1),
-                &down_args,
+                &down_args[..9],
             );
         }
     }

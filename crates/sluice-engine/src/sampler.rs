@@ -292,6 +292,7 @@ impl Sampler {
         Some(TopRequest {
             n: keep + cols.len() + 1,
             cols,
+            vocab,
         })
     }
 
@@ -322,13 +323,7 @@ impl Sampler {
             return None;
         }
         if self.penalties_active() {
-            let vocab = cands
-                .iter()
-                .map(|&(id, _)| id as usize + 1)
-                .max()
-                .unwrap_or(0);
-            let vocab = vocab.max(cols.iter().map(|&c| c as usize + 1).max().unwrap_or(0));
-            self.count_window(vocab, history);
+            self.count_window(req.vocab, history);
             for (id, v) in cands.iter_mut() {
                 if let Some(&n) = self.counts.get(id) {
                     *v = penalized(&self.params, *v, n);
@@ -494,6 +489,8 @@ pub const MAX_DEVICE_TOP_K: usize = 256;
 pub struct TopRequest {
     pub n: usize,
     pub cols: Vec<u32>,
+    /// The row's width.
+    pub vocab: usize,
 }
 
 /// A logit after the penalties for a token seen `n` times in the window.
