@@ -259,6 +259,46 @@ pub fn activations<B: Backend>(b: &B, _tol: Tolerance) {
             got.at, want.at
         );
     }
+    // Rows that stress the selection: heavy ties at the edge (few distinct values), signed
+    // zeros (+0 ranks above -0, as total_cmp has it), NaN among the asked-for columns, n up to
+    // and past what a device may sort, and more columns than the row has.
+    let bits = |t: &[(u32, f32)]| t.iter().map(|&(c, v)| (c, v.to_bits())).collect::<Vec<_>>();
+    let few_values: Vec<f32> = (0..5000).map(|_| rng.below(7) as f32 - 3.0).collect();
+    let zeros: Vec<f32> = (0..700)
+        .map(|i| match i % 3 {
+            0 => 0.0,
+            1 => -0.0,
+            _ => -1e-30,
+        })
+        .collect();
+    let with_nan: Vec<f32> = (0..300)
+        .map(|i| match i % 4 {
+            0 => f32::NAN,
+            1 => f32::NEG_INFINITY,
+            2 => i as f32,
+            _ => -(i as f32),
+        })
+        .collect();
+    for (name, row) in [
+        ("few values", &few_values),
+        ("signed zeros", &zeros),
+        ("NaN", &with_nan),
+    ] {
+        let logits = b.act_from_host(row, 1, row.len());
+        for n in [1, 37, 299, 300, 700, 1024, 1025, 6000] {
+            let cols = [0, 5, 299, 4999, 70_000];
+            let got = b.top_logits(&logits, 0, n, &cols).expect("top_logits");
+            let want = reference::top_logits(row, n, &cols);
+            assert_eq!(got.top.len(), n.min(row.len()), "top_logits {name}: {n}");
+            assert_eq!(
+                bits(&got.top),
+                bits(&want.top),
+                "top_logits {name}: the best {n}"
+            );
+            let at = |t: &[f32]| t.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(at(&got.at), at(&want.at), "top_logits {name} at {cols:?}");
+        }
+    }
     let best = reference::top_logits(&row[vocab..], 4, &[]).top;
     assert_eq!(
         best.iter().map(|t| t.0).collect::<Vec<_>>(),
@@ -527,7 +567,8 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
     }
 
     // attention_rope: the same bits as rms_norm_rope of q and k, then attention, step by step
-    // (full and partial rotary, prefill, decode, a long continuation).
+    // (full and partial rotary, prefill, decode, a long continuation, then decoding after a
+    // rewind and on copies: a backend may keep the cache's length on the device for decode).
     for (heads, kv_heads, hd, rd) in [(8, 2, 64, 64), (4, 2, 128, 32), (16, 4, 256, 64)] {
         let (qw, kw) = (heads * hd, kv_heads * hd);
         let (theta, eps, scale) = (1_000_000.0, 1e-6, 1.0 / (hd as f32).sqrt());
@@ -535,7 +576,7 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
         let k_norm = b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector");
         let mut fused = b.kv_cache(kv_heads, hd, 16).expect("kv_cache");
         let mut plain = b.kv_cache(kv_heads, hd, 16).expect("kv_cache");
-        for rows in [5, 1, 1, 40, 1] {
+        let mut step = |fused: &mut B::KvCache, plain: &mut B::KvCache, rows: usize| {
             let q = b.act_from_host(&rng.vec(rows * qw, -2.0, 2.0), rows, qw);
             let k = b.act_from_host(&rng.vec(rows * kw, -2.0, 2.0), rows, kw);
             let v = b.act_from_host(&rng.vec(rows * kw, -2.0, 2.0), rows, kw);
@@ -546,21 +587,34 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
                 (&q_norm, &k_norm),
                 eps,
                 (hd, rd, theta),
-                &mut fused,
+                fused,
                 heads,
                 scale,
             );
-            let at = b.kv_len(&plain);
+            let at = b.kv_len(plain);
             let q = b.rms_norm_rope(&q, &q_norm, eps, hd, rd, theta, at);
             let k = b.rms_norm_rope(&k, &k_norm, eps, hd, rd, theta, at);
-            let want = b.attention(&q, &k, &v, &mut plain, heads, scale);
+            let want = b.attention(&q, &k, &v, plain, heads, scale);
             assert_eq!(
                 host(b, &got),
                 host(b, &want),
                 "attention_rope {heads}/{kv_heads} heads of {hd} (rotary {rd}), {rows} rows at {at}"
             );
-            assert_eq!(b.kv_len(&fused), b.kv_len(&plain), "attention_rope kv_len");
+            assert_eq!(b.kv_len(fused), b.kv_len(plain), "attention_rope kv_len");
+        };
+        for rows in [5, 1, 1, 40, 1, 3, 1] {
+            step(&mut fused, &mut plain, rows);
         }
+        b.kv_truncate(&mut fused, 6);
+        b.kv_truncate(&mut plain, 6);
+        for rows in [1, 1] {
+            step(&mut fused, &mut plain, rows);
+        }
+        let (mut fused_copy, mut plain_copy) = (fused.clone(), plain.clone());
+        step(&mut fused_copy, &mut plain_copy, 1);
+        step(&mut fused, &mut plain, 1);
+        step(&mut fused_copy, &mut plain_copy, 1);
+        assert_eq!(b.kv_len(&fused_copy), 10, "a copy keeps its own length");
     }
 }
 

@@ -859,12 +859,16 @@ extern "C" __global__ void rms_norm_rope(const float* x, const float* w, const f
 // The attention prelude in one launch: per row r (position first + r), each of the `heads` heads
 // of q normalised and rotated into q_out, each of the kv_heads heads of k normalised and rotated
 // straight into the key cache at row first + r, and v copied into the value cache there. A block
-// per head of each: grid rows * (heads + 2 kv_heads), n (head size) <= 256.
+// per head of each: grid rows * (heads + 2 kv_heads), n (head size) <= 256. With `cached` (the
+// cache's length kept on the device, see `attention`) the first position is first + *cached, so
+// that a replayed decode step needs no new arguments.
 extern "C" __global__ void qkv_norm_rope_append(const float* q, const float* k, const float* v,
                                                 const float* wq, const float* wk,
                                                 const float* inv_freq, float* q_out, float* keys,
                                                 float* values, int n, float eps, int heads,
-                                                int kv_heads, int rotary_dim, int first) {
+                                                int kv_heads, int rotary_dim, int first,
+                                                const int* cached) {
+    if (cached) first += *cached;
     const int per_row = heads + 2 * kv_heads;
     const long r = blockIdx.x / per_row;
     const int j = blockIdx.x % per_row;
@@ -895,12 +899,16 @@ extern "C" __global__ void qkv_norm_rope_append(const float* q, const float* k, 
 // warps combine. With one split the block writes the output; with more (few tokens: decode) it
 // writes (max, sum, unnormalised output) to `partial` [T, heads, splits, hd + 2], and the last
 // block of a (head, token) to finish, counted in `done` (zero before, left zero after), combines
-// them. hd <= 256, splits <= 32.
+// them. hd <= 256, splits <= 32. With `cached` (splits > 1 only) the cache's length before this
+// call is kept on the device: total is the call's tokens plus *cached, and the last block of the
+// grid to finish, counted in `all_done` (zero before and after), stores the new length there.
 extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* keys,
                                                             const float* values, float* out,
                                                             int heads, int kv_heads, int hd,
                                                             int total, int ntok, float scale,
-                                                            float* partial, uint32_t* done) {
+                                                            float* partial, uint32_t* done,
+                                                            int* cached, uint32_t* all_done) {
+    if (cached) total += *cached;
     const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int kv = h / (heads / kv_heads);
@@ -975,6 +983,11 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
     if (threadIdx.x == 0) {
         last = atomicAdd(done + t * heads + h, 1u) == (uint32_t)splits - 1;
         if (last) done[t * heads + h] = 0;
+        // Every block read *cached before counting itself here.
+        if (cached && atomicAdd(all_done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
+            *all_done = 0;
+            *cached = total;
+        }
     }
     __syncthreads();
     if (!last) return;
@@ -2130,6 +2143,163 @@ extern "C" __global__ void __launch_bounds__(256) argmax_finish(const float* pv,
     for (int p = threadIdx.x; p < parts; p += blockDim.x) argmax_pick(v, i, pv[row * parts + p], pi[row * parts + p]);
     block_argmax(v, i);
     if (threadIdx.x == 0) out[row] = isnan(v) ? 0u : (uint32_t)i;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The best few logits (what a top-k sampler needs)
+// ------------------------------------------------------------------------------------------------
+
+// A logit's rank as an unsigned key, larger is better: the order of f32 total_cmp among numbers
+// (so -0 ranks below +0), every NaN below every number (key 0, which no number has).
+__device__ __forceinline__ uint32_t rank_key(float v) {
+    const uint32_t b = __float_as_uint(v);
+    if (isnan(v)) return 0u;
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+#define TOP_MAX 1024
+
+// The n best columns of x [cols] (0 < n <= min(cols, TOP_MAX)) in rank order — larger values
+// first, the lower column among equals, NaN last — into out_cols and out_vals, and x at each of
+// the n_at columns at_cols into out_at (NaN past the end). One block of 1024 threads. The n-th
+// best key is found a byte at a time from the top (a histogram pass over the row per byte,
+// stopping early once a byte's bin holds exactly the columns still wanted); then every column
+// above it is gathered, with the lowest columns among those equal to it, and the n are sorted.
+extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, int cols, int n,
+                                                              const uint32_t* at_cols, int n_at,
+                                                              uint32_t* out_cols, float* out_vals,
+                                                              float* out_at) {
+    __shared__ uint32_t hist[256];
+    __shared__ uint32_t prefix, mask, matched;
+    __shared__ int need;  // columns still wanted among those whose key matches prefix under mask
+    __shared__ int taken;
+    __shared__ int warp_eq[32];
+    __shared__ unsigned long long cand[TOP_MAX];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    if (tid == 0) {
+        prefix = 0;
+        mask = 0;
+        need = n;
+        matched = (uint32_t)cols;
+        taken = 0;
+    }
+    __syncthreads();
+    for (int shift = 24; shift >= 0 && matched != (uint32_t)need; shift -= 8) {
+        for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const uint32_t p = prefix, m = mask;
+        for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
+            const int c = c0 + tid;
+            const uint32_t key = c < cols ? rank_key(x[c]) : 0u;
+            const bool counted = c < cols && (key & m) == p;
+            // Lanes of one bin add once (most of a row shares a few bins); others get a bin each.
+            const uint32_t bin = counted ? (key >> shift) & 255u : 256u + lane;
+            const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+            if (counted && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // Lane l holds bins 255 - 8l down to 248 - 8l; the bin where the running count from
+            // the top reaches `need` is the byte.
+            uint32_t cnt[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                cnt[j] = hist[255 - 8 * lane - j];
+                sum += cnt[j];
+            }
+            uint32_t incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const uint32_t t = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += t;
+            }
+            const uint32_t want = (uint32_t)need, before = incl - sum;
+            __syncwarp();
+            if (before < want && want <= incl) {
+                uint32_t cum = before;
+                for (int j = 0; j < 8; j++) {
+                    if (cum + cnt[j] >= want) {
+                        prefix = p | ((uint32_t)(255 - 8 * lane - j) << shift);
+                        mask = m | (255u << shift);
+                        need = (int)(want - cum);
+                        matched = cnt[j];
+                        break;
+                    }
+                    cum += cnt[j];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // Keys above the threshold (prefix under mask) are all taken; of those equal to it, the
+    // `need` lowest columns: all of them when they are exactly that many, else counted per
+    // thread over a contiguous stretch of columns and ranked by a scan.
+    const uint32_t p = prefix, m = mask;
+    const int eq_take = need;
+    const bool all_eq = matched == (uint32_t)eq_take;
+    const int stretch = (cols + blockDim.x - 1) / blockDim.x;
+    const int c_begin = min(cols, tid * stretch), c_end = min(cols, c_begin + stretch);
+    int eq = 0;
+    for (int c = c_begin; c < c_end; c++) {
+        const uint32_t key = rank_key(x[c]);
+        const uint32_t top = key & m;
+        if (top > p || (all_eq && top == p)) {
+            cand[atomicAdd(&taken, 1)] = ((unsigned long long)key << 32) | (uint32_t)~(uint32_t)c;
+        } else if (top == p) {
+            eq++;
+        }
+    }
+    if (!all_eq) {
+        int incl = eq;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += t;
+        }
+        if (lane == 31) warp_eq[warp] = incl;
+        __syncthreads();
+        int rank = incl - eq;
+        for (int w = 0; w < warp; w++) rank += warp_eq[w];
+        for (int c = c_begin; c < c_end && rank < eq_take; c++) {
+            const uint32_t key = rank_key(x[c]);
+            if ((key & m) == p) {
+                cand[atomicAdd(&taken, 1)] = ((unsigned long long)key << 32) | (uint32_t)~(uint32_t)c;
+                rank++;
+            }
+        }
+    }
+    __syncthreads();
+    // Bitonic sort, best first, over a power of two padded with zeros (below every entry: a NaN
+    // entry's low word ~column is never 0).
+    int size = 1;
+    while (size < n) size <<= 1;
+    for (int i = n + tid; i < size; i += blockDim.x) cand[i] = 0ull;
+    __syncthreads();
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = tid; i < size; i += blockDim.x) {
+                const int partner = i ^ j;
+                if (partner > i) {
+                    const unsigned long long a = cand[i], b = cand[partner];
+                    const bool descending = (i & k) == 0;
+                    if (descending ? a < b : a > b) {
+                        cand[i] = b;
+                        cand[partner] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = tid; i < n; i += blockDim.x) {
+        const uint32_t c = ~(uint32_t)cand[i];
+        out_cols[i] = c;
+        out_vals[i] = x[c];
+    }
+    for (int j = tid; j < n_at; j += blockDim.x) {
+        const uint32_t c = at_cols[j];
+        out_at[j] = c < (uint32_t)cols ? x[c] : __int_as_float(0x7fc00000);
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

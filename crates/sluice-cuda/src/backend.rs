@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaFunction;
 use sluice_backend::{
     Backend, BackendError, DeltaNetDims, ExpertKey, HostExpert, HostLinearState, HostMatrix,
-    HostRouting, MemoryInfo,
+    HostRouting, MemoryInfo, TopLogits,
 };
 
 use crate::device::{grid, Arg, DevBuf, Device};
@@ -72,6 +72,11 @@ pub struct CudaKvCache {
     capacity: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The length as the decode kernels read and advance it on the device (one i32), so that a
+    /// replayed decode step has no argument that changes from token to token ...
+    device_len: Option<DevBuf>,
+    /// ... and the value it holds when the host knows it (`len` when in step).
+    device_len_value: Option<usize>,
     device: Arc<Device>,
 }
 
@@ -93,6 +98,8 @@ impl Clone for CudaKvCache {
             capacity: self.capacity,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            device_len: None,
+            device_len_value: None,
             device: self.device.clone(),
         }
     }
@@ -140,6 +147,8 @@ pub struct CudaBackend {
 
 /// Limits of the kernels (checked where the shapes are first known).
 const MAX_HEAD_DIM: usize = 256;
+/// `TOP_MAX` in the kernels: the most columns `top_logits` sorts on the device.
+const TOP_LOGITS_MAX: usize = 1024;
 const MAX_ROUTED_EXPERTS: usize = 1024;
 /// `MOE_MAX_K` in the kernels.
 const MAX_EXPERTS_PER_TOKEN: usize = 16;
@@ -150,6 +159,9 @@ const ATTENTION_SPLITS: usize = 16;
 const SPLIT_ATTENTION_PAIRS: usize = 256;
 /// Router product and routing run as one launch for at most this many tokens.
 const FUSED_ROUTE_TOKENS: usize = 64;
+/// Word of the block counters that counts a whole split-attention grid (after the per-head
+/// counters and the router's).
+const ALL_DONE_COUNTER: usize = SPLIT_ATTENTION_PAIRS + FUSED_ROUTE_TOKENS;
 /// `Mat::kind` of 4-bit affine weights.
 const KIND_Q4: usize = 1;
 /// `MOE_DOWN_W_ROWS` in the kernels: output rows per block of `moe_down_q4_w`.
@@ -178,10 +190,9 @@ impl CudaBackend {
     fn done_counters(&self) -> Option<Arc<DevBuf>> {
         let mut slot = self.done_counters.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
-            let buf = self.d.alloc_or_record(
-                (SPLIT_ATTENTION_PAIRS + FUSED_ROUTE_TOKENS) * 4,
-                "block counters",
-            )?;
+            let buf = self
+                .d
+                .alloc_or_record((ALL_DONE_COUNTER + 1) * 4, "block counters")?;
             self.d.zero(&buf);
             *slot = Some(Arc::new(buf));
         }
@@ -567,9 +578,55 @@ impl CudaBackend {
         );
     }
 
+    /// How `attend` runs `rows` queries: `Some(splits)` with the one-row kernel (`splits > 1`:
+    /// decode), `None` with the many-row kernel (head sizes 64 and 128 only).
+    fn attend_plan(rows: usize, heads: usize, kv_heads: usize, hd: usize) -> Option<usize> {
+        // (Head size 256 measured slower with the many-row kernel on an H100: 413 us vs ~380 per
+        // layer of the 35B shape's 512-token prefill, so it keeps the one-row kernel.)
+        if matches!(hd, 64 | 128) && rows >= 16 && 8 % (heads / kv_heads) == 0 {
+            return None;
+        }
+        // Few (head, token) pairs cannot fill the GPU: split each token's positions over blocks
+        // (a fixed number, so that a replayed decode graph keeps its shape as the cache grows).
+        Some(if heads * rows < SPLIT_ATTENTION_PAIRS {
+            ATTENTION_SPLITS
+        } else {
+            1
+        })
+    }
+
+    /// The cache's length on the device, brought up to `cache.len` first if it is not (after a
+    /// prefill, a truncation, a copy): what the decode kernels read instead of arguments.
+    fn device_len(&self, cache: &mut CudaKvCache) -> Option<u64> {
+        if cache.device_len.is_none() {
+            cache.device_len = self.d.alloc_or_record(4, "a KV cache's length");
+            cache.device_len_value = None;
+        }
+        let ptr = cache.device_len.as_ref()?.ptr;
+        if cache.device_len_value != Some(cache.len) {
+            self.d.launch(
+                &self.d.k.fill_words,
+                (1, 1, 1),
+                (32, 1, 1),
+                &[Arg::Ptr(ptr), Arg::I32(cache.len as i32), Arg::I64(1)],
+            );
+            cache.device_len_value = Some(cache.len);
+        }
+        Some(ptr)
+    }
+
     /// Causal grouped-query attention of `q` (the queries of the cache's last `q.rows`
-    /// positions, already appended) over everything cached.
-    fn attend(&self, q: &CudaAct, cache: &CudaKvCache, heads: usize, scale: f32) -> CudaAct {
+    /// positions, already appended) over everything cached. With `device_len` (the cache's
+    /// length on the device before those rows; split decode only) the kernel reads the length
+    /// there and advances it.
+    fn attend(
+        &self,
+        q: &CudaAct,
+        cache: &CudaKvCache,
+        heads: usize,
+        scale: f32,
+        device_len: Option<u64>,
+    ) -> CudaAct {
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         let rows = q.rows;
         let total = cache.len;
@@ -577,13 +634,12 @@ impl CudaBackend {
         let (Some(keys), Some(values)) = (&cache.keys, &cache.values) else {
             return self.poisoned(rows, q.cols);
         };
-        // Few (head, token) pairs cannot fill the GPU: split each token's positions over blocks
-        // (a fixed number, so that a replayed decode graph keeps its shape as the cache grows).
-        let splits = if heads * rows < SPLIT_ATTENTION_PAIRS {
-            ATTENTION_SPLITS
-        } else {
-            1
-        };
+        let plan = Self::attend_plan(rows, heads, kvh, hd);
+        let splits = plan.unwrap_or(1);
+        assert!(
+            device_len.is_none() || splits > 1,
+            "the device length is for split decode"
+        );
         let (partial, done) = if splits > 1 {
             let (Some(p), Some(c)) = (
                 self.d
@@ -597,19 +653,11 @@ impl CudaBackend {
             (None, None)
         };
         let group = heads / kvh;
-        // (Head size 256 measured slower this way on an H100: 413 us vs ~380 per layer of the
-        // 35B shape's 512-token prefill, so it keeps the one-row kernel.)
-        let rows_kernel = match hd {
-            64 => Some(0),
-            128 => Some(1),
-            _ => None,
+        let (Some(qp), Some(o)) = (q.ptr(), out.ptr()) else {
+            return out;
         };
-        if let (Some(qp), Some(o), Some(which), true) = (
-            q.ptr(),
-            out.ptr(),
-            rows_kernel,
-            rows >= 16 && 8 % group == 0,
-        ) {
+        if plan.is_none() {
+            let which = usize::from(hd == 128);
             // Prefill: 8 query rows of one kv head per block, keys and values shared.
             self.d.launch(
                 &self.d.k.attention_rows[which],
@@ -627,7 +675,10 @@ impl CudaBackend {
                     Arg::F32(scale),
                 ],
             );
-        } else if let (Some(qp), Some(o)) = (q.ptr(), out.ptr()) {
+        } else {
+            let all_done = done
+                .as_ref()
+                .map_or(0, |d| d.ptr + 4 * ALL_DONE_COUNTER as u64);
             self.d.launch(
                 &self.d.k.attention,
                 (heads as u32, rows as u32, splits as u32),
@@ -640,11 +691,13 @@ impl CudaBackend {
                     Arg::I32(heads as i32),
                     Arg::I32(kvh as i32),
                     Arg::I32(hd as i32),
-                    Arg::I32(total as i32),
+                    Arg::I32((if device_len.is_some() { rows } else { total }) as i32),
                     Arg::I32(rows as i32),
                     Arg::F32(scale),
                     Arg::Ptr(partial.as_ref().map_or(0, DevBuf::ptr)),
                     Arg::Ptr(done.as_ref().map_or(0, |d| d.ptr)),
+                    Arg::Ptr(device_len.unwrap_or(0)),
+                    Arg::Ptr(if device_len.is_some() { all_done } else { 0 }),
                 ],
             );
         }
@@ -790,6 +843,8 @@ impl Backend for CudaBackend {
             capacity: 0,
             kv_heads,
             head_dim,
+            device_len: None,
+            device_len_value: None,
             device: self.d.clone(),
         })
     }
@@ -1164,7 +1219,7 @@ impl Backend for CudaBackend {
             );
         }
         cache.len = total;
-        self.attend(q, cache, heads, scale)
+        self.attend(q, cache, heads, scale, None)
     }
 
     fn attention_rope(
@@ -1202,6 +1257,10 @@ impl Backend for CudaBackend {
             return self.poisoned(rows, q.cols);
         }
         let q_rot = self.act(rows, q.cols);
+        let device_len = match Self::attend_plan(rows, heads, kvh, hd) {
+            Some(splits) if splits > 1 => self.device_len(cache),
+            _ => None,
+        };
         let (Some(keys), Some(values), Some(freq)) = (
             &cache.keys,
             &cache.values,
@@ -1229,12 +1288,21 @@ impl Backend for CudaBackend {
                     Arg::I32(heads as i32),
                     Arg::I32(kvh as i32),
                     Arg::I32(rotary_dim as i32),
-                    Arg::I32(first as i32),
+                    Arg::I32(if device_len.is_some() {
+                        0
+                    } else {
+                        first as i32
+                    }),
+                    Arg::Ptr(device_len.unwrap_or(0)),
                 ],
             );
         }
         cache.len = first + rows;
-        self.attend(&q_rot, cache, heads, scale)
+        let out = self.attend(&q_rot, cache, heads, scale, device_len);
+        if device_len.is_some() {
+            cache.device_len_value = Some(cache.len);
+        }
+        out
     }
 
     fn sigmoid_mul(&self, x: &mut CudaAct, gate: &CudaAct) {
@@ -1429,6 +1497,65 @@ impl Backend for CudaBackend {
             ],
         );
         self.d.download(&ids, rows)
+    }
+
+    fn top_logits(
+        &self,
+        logits: &CudaAct,
+        row: usize,
+        n: usize,
+        cols: &[u32],
+    ) -> Result<TopLogits, BackendError> {
+        let (rows, width) = (logits.rows, logits.cols);
+        assert!(row < rows, "top_logits: row {row} of {rows}");
+        let n = n.min(width);
+        if n == 0 || n > TOP_LOGITS_MAX || width > i32::MAX as usize || cols.len() > 1 << 20 {
+            // Beyond the kernel (a sampler asking for this many reads the row anyway).
+            let host = self.to_host(logits)?;
+            return Ok(sluice_backend::reference::top_logits(
+                &host[row * width..(row + 1) * width],
+                n,
+                cols,
+            ));
+        }
+        let lost = || {
+            self.d
+                .peek_error()
+                .unwrap_or_else(|| BackendError::Device("logits lost to an earlier failure".into()))
+        };
+        let xp = logits.ptr().ok_or_else(lost)?;
+        let at = if cols.is_empty() {
+            None
+        } else {
+            Some(self.d.upload(cols, "top_logits columns")?)
+        };
+        let words = 2 * n + cols.len();
+        let out = self
+            .d
+            .alloc_or_record(words * 4, "top_logits")
+            .ok_or_else(lost)?;
+        self.d.launch(
+            &self.d.k.top_logits,
+            (1, 1, 1),
+            (1024, 1, 1),
+            &[
+                Arg::Ptr(xp + (row * width * 4) as u64),
+                Arg::I32(width as i32),
+                Arg::I32(n as i32),
+                Arg::Ptr(at.as_ref().map_or(0, DevBuf::ptr)),
+                Arg::I32(cols.len() as i32),
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(out.ptr + 4 * n as u64),
+                Arg::Ptr(out.ptr + 8 * n as u64),
+            ],
+        );
+        let got: Vec<u32> = self.d.download(&out, words)?;
+        Ok(TopLogits {
+            top: (0..n)
+                .map(|i| (got[i], f32::from_bits(got[n + i])))
+                .collect(),
+            at: got[2 * n..].iter().map(|&v| f32::from_bits(v)).collect(),
+        })
     }
 
     fn read_routing(&self, routing: &CudaRouting) -> Result<HostRouting, BackendError> {

@@ -16,7 +16,9 @@ use crate::mat::{Mat, MatSet};
 
 /// Freed device memory kept for reuse, by size. Everything runs on one stream, so a buffer
 /// dropped on the host may be handed to the next allocation at once: the kernels that used it
-/// come earlier in the stream than any that will.
+/// come earlier in the stream than any that will. The lowest free address of a size is handed
+/// out first, so that steps which allocate alike get the same buffers (last-in-first-out made
+/// them wander from step to step, and a replayed graph then updates most of its nodes).
 pub(crate) struct BufCache {
     stream: Arc<CudaStream>,
     free: Mutex<HashMap<usize, Vec<u64>>>,
@@ -50,9 +52,10 @@ pub(crate) struct DevBuf {
 impl Drop for DevBuf {
     fn drop(&mut self) {
         let mut free = self.cache.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.entry(size_class(self.bytes))
-            .or_default()
-            .push(self.ptr);
+        // Kept in descending order, so that `pop` gives the lowest address.
+        let list = free.entry(size_class(self.bytes)).or_default();
+        let at = list.partition_point(|&p| p > self.ptr);
+        list.insert(at, self.ptr);
     }
 }
 
@@ -138,6 +141,8 @@ pub(crate) struct Device {
 #[derive(Default)]
 struct GraphStats {
     per: HashMap<&'static str, (u64, f64)>,
+    /// Nodes updated by replays, per kernel name.
+    updated: HashMap<String, u64>,
     gpu: Vec<(&'static str, CudaEvent, CudaEvent)>,
 }
 
@@ -246,6 +251,14 @@ impl Device {
                         Flushed::Replayed => "replayed as a graph",
                     };
                     let mut stats = stats.lock().unwrap_or_else(|p| p.into_inner());
+                    if how == Flushed::Replayed {
+                        for f in &g.updated {
+                            let kernel = self
+                                .k
+                                .name_of(&format!("{:?}", *f as cudarc::driver::sys::CUfunction));
+                            *stats.updated.entry(kernel).or_default() += 1;
+                        }
+                    }
                     let e = stats.per.entry(name).or_default();
                     e.0 += 1;
                     e.1 += start.elapsed().as_secs_f64();
@@ -275,6 +288,22 @@ impl Device {
             *gpu.entry(name).or_default() += a.elapsed_ms(b).unwrap_or(0.0) as f64;
         }
         let mut out = String::from("CUDA launch batches:\n");
+        let replays = stats
+            .per
+            .get("replayed as a graph")
+            .map_or(0, |r| r.0)
+            .max(1);
+        let mut updated: Vec<_> = stats.updated.into_iter().collect();
+        updated.sort_by(|a, b| b.1.cmp(&a.1));
+        out += &format!(
+            "  nodes updated per replay: {:.1} ({})\n",
+            updated.iter().map(|u| u.1).sum::<u64>() as f64 / replays as f64,
+            updated
+                .iter()
+                .map(|(k, n)| format!("{k} {:.1}", *n as f64 / replays as f64))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         for (name, (n, host)) in stats.per {
             out += &format!(
                 "  {name:24} {n:7}  host {:8.3} ms each  GPU {:8.3} ms each\n",

@@ -156,6 +156,15 @@ impl Graph {
         Ok(g)
     }
 
+    /// How many nodes would need new arguments to run `launches` (same shape).
+    fn differing(&self, launches: &[Launch]) -> usize {
+        self.launches
+            .iter()
+            .zip(launches)
+            .filter(|(a, b)| a.args != b.args)
+            .count()
+    }
+
     fn matches(&self, launches: &[Launch]) -> bool {
         self.launches.len() == launches.len()
             && self
@@ -165,10 +174,17 @@ impl Graph {
                 .all(|(a, b)| a.same_shape(b))
     }
 
-    /// Brings the nodes' arguments to those of `launches` (same shape) and launches the graph.
-    fn replay(&mut self, launches: Vec<Launch>, stream: CUstream) -> Result<(), DriverError> {
+    /// Brings the nodes' arguments to those of `launches` (same shape) and launches the graph;
+    /// the functions of the nodes it updated go to `updated`.
+    fn replay(
+        &mut self,
+        launches: Vec<Launch>,
+        stream: CUstream,
+        updated: &mut Vec<usize>,
+    ) -> Result<(), DriverError> {
         for ((node, old), new) in self.nodes.iter().zip(&mut self.launches).zip(launches) {
             if old.args != new.args {
+                updated.push(new.f.cu_function() as usize);
                 let mut params = new.param_ptrs();
                 let p = new.node_params(&mut params);
                 // SAFETY: `node` belongs to the graph `exec` was instantiated from, and the new
@@ -185,7 +201,14 @@ impl Graph {
 /// Batches shorter than this are issued launch by launch: a graph would not pay for itself.
 const MIN_GRAPH_LAUNCHES: usize = 16;
 /// Graphs kept (least recently used dropped first).
-const MAX_GRAPHS: usize = 8;
+const MAX_GRAPHS: usize = 12;
+/// Graphs of one shape kept for different arguments: the buffers of consecutive decode steps
+/// may alternate between a few sets, and updating a node costs the host microseconds while
+/// the GPU waits.
+const MAX_VARIANTS: usize = 3;
+/// A replay that would update more nodes than this builds another variant (up to
+/// `MAX_VARIANTS`) instead.
+const MAX_UPDATES: usize = 8;
 /// Shapes remembered as seen once.
 const MAX_SEEN: usize = 64;
 
@@ -197,6 +220,8 @@ pub(crate) struct Graphs {
     graphs: VecDeque<Graph>,
     seen: HashSet<u64>,
     seen_order: VecDeque<u64>,
+    /// Functions of the nodes that the last replay updated (for `SLUICE_CUDA_GRAPHS=stats`).
+    pub updated: Vec<usize>,
 }
 
 /// How a flush ran its launches.
@@ -232,17 +257,22 @@ impl Graphs {
         let mut h = DefaultHasher::new();
         launches.iter().for_each(|l| l.shape_hash(&mut h));
         let shape = h.finish();
-        if let Some(i) = self
+        self.updated.clear();
+        let variants: Vec<(usize, usize)> = self
             .graphs
             .iter()
-            .position(|g| g.shape == shape && g.matches(&launches))
-        {
-            let mut g = self.graphs.remove(i).expect("index from position");
-            let r = g.replay(launches, stream);
-            self.graphs.push_back(g);
-            return r.map(|_| Flushed::Replayed);
-        }
-        if !self.seen.contains(&shape) {
+            .enumerate()
+            .filter(|(_, g)| g.shape == shape && g.matches(&launches))
+            .map(|(i, g)| (g.differing(&launches), i))
+            .collect();
+        if let Some(&(differing, i)) = variants.iter().min() {
+            if differing <= MAX_UPDATES || variants.len() >= MAX_VARIANTS {
+                let mut g = self.graphs.remove(i).expect("index from position");
+                let r = g.replay(launches, stream, &mut self.updated);
+                self.graphs.push_back(g);
+                return r.map(|_| Flushed::Replayed);
+            }
+        } else if !self.seen.contains(&shape) {
             // First sight: most shapes (a prompt's prefill) never come back.
             self.seen.insert(shape);
             self.seen_order.push_back(shape);

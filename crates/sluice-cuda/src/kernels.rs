@@ -63,6 +63,8 @@ pub(crate) struct Kernels {
     pub argmax_parts: CudaFunction,
     pub qkv_norm_rope_append: CudaFunction,
     pub argmax_finish: CudaFunction,
+    /// The best few columns of a row, sorted, and the values at named columns (one block).
+    pub top_logits: CudaFunction,
     pub moe_down_q4_w: CudaFunction,
     /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
     /// and the weighted sum per token.
@@ -170,6 +172,7 @@ impl Kernels {
             argmax_parts: f("argmax_parts")?,
             qkv_norm_rope_append: f("qkv_norm_rope_append")?,
             argmax_finish: f("argmax_finish")?,
+            top_logits: f("top_logits")?,
             moe_down_q4_w: f("moe_down_q4_w")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,
