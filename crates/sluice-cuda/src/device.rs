@@ -294,7 +294,7 @@ impl Device {
             .map_or(0, |r| r.0)
             .max(1);
         let mut updated: Vec<_> = stats.updated.into_iter().collect();
-        updated.sort_by(|a, b| b.1.cmp(&a.1));
+        updated.sort_by_key(|u| std::cmp::Reverse(u.1));
         out += &format!(
             "  nodes updated per replay: {:.1} ({})\n",
             updated.iter().map(|u| u.1).sum::<u64>() as f64 / replays as f64,
