@@ -366,6 +366,64 @@ pub fn matmul<B: Backend>(b: &B, tol: Tolerance) {
                 );
             }
         }
+        // A shared expert with its one-row gate, added onto an output: against the reference,
+        // and bit for bit the backend's own calls one by one (a fused version keeps them).
+        let (hidden, inter) = (256, 128);
+        let parts = [
+            (inter, hidden),
+            (inter, hidden),
+            (hidden, inter),
+            (1, hidden),
+        ]
+        .map(|(o, i)| random_matrix(&mut rng, *format, o, i));
+        let Ok(ws) = parts
+            .iter()
+            .map(|m| b.weight(m.clone()))
+            .collect::<Result<Vec<_>, _>>()
+        else {
+            continue;
+        };
+        let mut ws = ws.into_iter();
+        let mut next = || ws.next().expect("four weights");
+        let ffn = FfnWeights {
+            gate: next(),
+            up: next(),
+            down: next(),
+        };
+        let shared_gate = &next();
+        let (gate, up, down) = (&ffn.gate, &ffn.up, &ffn.down);
+        for rows in [1, 2, 8, 9] {
+            let x = rng.vec(rows * hidden, -1.0, 1.0);
+            let y0 = rng.vec(rows * hidden, -1.0, 1.0);
+            let xa = b.act_from_host(&x, rows, hidden);
+            let mut got = b.act_from_host(&y0, rows, hidden);
+            b.add_shared_expert(&mut got, &xa, &ffn, shared_gate);
+            let mut own = b.act_from_host(&y0, rows, hidden);
+            let [g, u] = b.matmuls(&xa, [gate, up]);
+            let mut s = b.matmul(&b.swiglu(&g, &u), down);
+            b.sigmoid_mul(&mut s, &b.matmul(&xa, shared_gate));
+            b.add_assign(&mut own, &s);
+            let got = host(b, &got);
+            assert_eq!(
+                got,
+                host(b, &own),
+                "add_shared_expert {format}, {rows} rows: the same bits as its parts"
+            );
+            let h = reference::swiglu(
+                &reference::matmul(&x, rows, &parts[0].as_ref()),
+                &reference::matmul(&x, rows, &parts[1].as_ref()),
+            );
+            let mut s = reference::matmul(&h, rows, &parts[2].as_ref());
+            let sg = reference::matmul(&x, rows, &parts[3].as_ref());
+            reference::sigmoid_mul(&mut s, hidden, &sg, 1);
+            let want: Vec<f32> = y0.iter().zip(&s).map(|(a, b)| a + b).collect();
+            assert_close(
+                &format!("add_shared_expert {format}, {rows} rows"),
+                &got,
+                &want,
+                tol.matmul,
+            );
+        }
     }
 }
 

@@ -357,6 +357,20 @@ pub trait Backend: Send + Sync {
         let [gate, up] = self.matmuls(x, [&w.gate, &w.up]);
         self.matmul(&self.swiglu(&gate, &up), &w.down)
     }
+    /// `y += sigmoid(x gate^T) * ffn(x)`: a shared expert scaled by its one-row `gate`, added to
+    /// the routed experts' output (Qwen3.5, Qwen3-Next). A backend may fuse the SwiGLU, the gate
+    /// and the sum into the down projection; the default is those calls one by one.
+    fn add_shared_expert(
+        &self,
+        y: &mut Self::Act,
+        x: &Self::Act,
+        w: &FfnWeights<Self::Weight>,
+        gate: &Self::Weight,
+    ) {
+        let mut s = self.ffn(x, w);
+        self.sigmoid_mul(&mut s, &self.matmul(x, gate));
+        self.add_assign(y, &s);
+    }
 
     // ---- Gated DeltaNet (Qwen3.5, Qwen3-Next) ------------------------------------------------
     //

@@ -777,17 +777,21 @@ extern "C" __global__ void add_assign(float* x, const float* y, long n) {
     if (i < n) x[i] += y[i];
 }
 
+__device__ __forceinline__ float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) {
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    if (i < n) out[i] = swiglu1(g[i], u[i]);
 }
+
+__device__ __forceinline__ float sigmoid1(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // x *= sigmoid(gate): elementwise, or per row when gate_cols == 1.
 extern "C" __global__ void sigmoid_mul(float* x, const float* gate, long n, int cols, int gate_cols) {
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float g = gate_cols == 1 ? gate[i / cols] : gate[i];
-    x[i] *= 1.0f / (1.0f + expf(-g));
+    x[i] *= sigmoid1(g);
 }
 
 // Each chunk of `chunk` values split after `first`: a gets the first parts, b the rests.
@@ -1275,10 +1279,12 @@ __device__ int token_experts(const ExpertMats* experts, const uint32_t* present,
 // A block of 128 threads shares one output row's columns (llama.cpp's mapping): many more threads,
 // and so many more loads in flight, than a warp per row when rows are few or short.
 
-// acc[i][t] = dot(row r_i, x_t) over the block (result in thread 0), for the N rows given.
-template <int K, int T, int N>
+// acc[i][t] = dot(row r_i, x_t) over the block (result in thread 0), for the N rows given. With
+// SWIGLU, x_t is swiglu(x_t, up_t), made as it is read (as the swiglu kernel makes it).
+template <int K, int T, int N, bool SWIGLU = false>
 __device__ __forceinline__ void block_rows_dot(const Mat* m, const long* r, const float* x,
-                                               long x_stride, float acc[N][T]) {
+                                               long x_stride, float acc[N][T],
+                                               const float* up = nullptr) {
     __shared__ float red[N][T][4];
 #pragma unroll
     for (int i = 0; i < N; i++)
@@ -1293,7 +1299,15 @@ __device__ __forceinline__ void block_rows_dot(const Mat* m, const long* r, cons
 #pragma unroll
         for (int t = 0; t < T; t++) {
             const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + c);
-            const float4 a = xp[0], b = xp[1];
+            float4 a = xp[0], b = xp[1];
+            if (SWIGLU) {
+                const float4* upp = reinterpret_cast<const float4*>(up + t * x_stride + c);
+                const float4 ua = upp[0], ub = upp[1];
+                a = make_float4(swiglu1(a.x, ua.x), swiglu1(a.y, ua.y), swiglu1(a.z, ua.z),
+                                swiglu1(a.w, ua.w));
+                b = make_float4(swiglu1(b.x, ub.x), swiglu1(b.y, ub.y), swiglu1(b.z, ub.z),
+                                swiglu1(b.w, ub.w));
+            }
 #pragma unroll
             for (int i = 0; i < N; i++) {
                 float s = acc[i][t];
@@ -1340,6 +1354,36 @@ __device__ void gemv_b(const Mat& w, const float* x, float* y) {
                                                                          float* y) { \
         gemv_b<K, T>(w, x, y); \
     }
+// A shared expert's down projection with its SwiGLU and its one-row gate, added onto y:
+// y[t, r] += sigmoid(gate[t]) * (W[r] . swiglu(g_t, u_t)), T <= 8, a block of 128 per row. The
+// same arithmetic in the same order as swiglu, gemv_b, sigmoid_mul and add_assign in turn (the
+// product and the sum rounded apart, as those kernels round them).
+template <int K, int T>
+__device__ void gemv_gated_add(const Mat& w, const float* g, const float* u, const float* gate,
+                               float* y) {
+    const long r = blockIdx.x;
+    float acc[1][T];
+    block_rows_dot<K, T, 1, true>(&w, &r, g, w.cols, acc, u);
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            float* o = y + t * (long)w.rows + r;
+            *o = __fadd_rn(*o, __fmul_rn(acc[0][t], sigmoid1(gate[t])));
+        }
+    }
+}
+
+#define GEMV_GATED(K, KN, T) \
+    extern "C" __global__ void __launch_bounds__(128) gemv_gated_##KN##_t##T( \
+        Mat w, const float* g, const float* u, const float* gate, float* y) { \
+        gemv_gated_add<K, T>(w, g, u, gate, y); \
+    }
+#define GEMV_GATED_ALL(K, KN) \
+    GEMV_GATED(K, KN, 1) GEMV_GATED(K, KN, 2) GEMV_GATED(K, KN, 3) GEMV_GATED(K, KN, 4) \
+    GEMV_GATED(K, KN, 5) GEMV_GATED(K, KN, 6) GEMV_GATED(K, KN, 7) GEMV_GATED(K, KN, 8)
+GEMV_GATED_ALL(K_GENERIC, generic) GEMV_GATED_ALL(K_Q4, q4) GEMV_GATED_ALL(K_Q8, q8)
+GEMV_GATED_ALL(K_BF16, bf16)
+
 #define GEMV_B_ALL(K, KN) \
     GEMV_B(K, KN, 1) GEMV_B(K, KN, 2) GEMV_B(K, KN, 3) GEMV_B(K, KN, 4) GEMV_B(K, KN, 5) \
     GEMV_B(K, KN, 6) GEMV_B(K, KN, 7) GEMV_B(K, KN, 8)

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaFunction;
 use sluice_backend::{
-    Backend, BackendError, DeltaNetDims, ExpertKey, HostExpert, HostLinearState, HostMatrix,
-    HostRouting, MemoryInfo, TopLogits,
+    Backend, BackendError, DeltaNetDims, ExpertKey, FfnWeights, HostExpert, HostLinearState,
+    HostMatrix, HostRouting, MemoryInfo, TopLogits,
 };
 
 use crate::device::{grid, Arg, DevBuf, Device};
@@ -1032,6 +1032,48 @@ impl Backend for CudaBackend {
             &[Arg::MatSet(Box::new(set)), Arg::Ptr(xp)],
         );
         outs
+    }
+
+    fn add_shared_expert(
+        &self,
+        y: &mut CudaAct,
+        x: &CudaAct,
+        w: &FfnWeights<CudaWeight>,
+        gate: &CudaWeight,
+    ) {
+        let (tokens, down) = (x.rows, &w.down.mat);
+        // Where the down projection alone would run `gemv_b` (see `matmul_into`).
+        let fused = (1..=8).contains(&tokens)
+            && !(tokens == 1 && down.rows >= 8192)
+            && gate.mat.rows == 1
+            && (y.rows, y.cols) == (tokens, down.rows as usize)
+            && down.cols == w.up.mat.rows
+            && w.gate.mat.rows == w.up.mat.rows;
+        if !fused {
+            // The trait's default (an override cannot call it).
+            let [g, u] = self.matmuls(x, [&w.gate, &w.up]);
+            let mut s = self.matmul(&self.swiglu(&g, &u), &w.down);
+            self.sigmoid_mul(&mut s, &self.matmul(x, gate));
+            self.add_assign(y, &s);
+            return;
+        }
+        let [g, u] = self.matmuls(x, [&w.gate, &w.up]);
+        let scale = self.matmul(x, gate);
+        match (y.ptr(), g.ptr(), u.ptr(), scale.ptr()) {
+            (Some(yp), Some(gp), Some(up), Some(sp)) => self.d.launch(
+                &self.d.k.gemv_gated[down.kind()][tokens - 1],
+                (down.rows as u32, 1, 1),
+                (128, 1, 1),
+                &[
+                    Arg::Mat(*down),
+                    Arg::Ptr(gp),
+                    Arg::Ptr(up),
+                    Arg::Ptr(sp),
+                    Arg::Ptr(yp),
+                ],
+            ),
+            _ => y.buf = None,
+        }
     }
 
     fn rms_norm(&self, x: &CudaAct, weight: &CudaVector, eps: f32) -> CudaAct {

@@ -25,6 +25,9 @@ pub(crate) struct Kernels {
     /// `gemv_r2[kind]` one token, a warp per two rows (large matrices).
     pub gemv_b: Vec<Vec<CudaFunction>>,
     pub gemv_r2: Vec<CudaFunction>,
+    /// `gemv_gated[kind][t - 1]`: a shared expert's down projection with its SwiGLU and gate,
+    /// added onto the output.
+    pub gemv_gated: Vec<Vec<CudaFunction>>,
     /// `gemv_multi[kind][t - 1]`: `gemv_b` over up to four matrices of one input.
     pub gemv_multi: Vec<Vec<CudaFunction>>,
     /// Many tokens on tensor cores: 3xTF32 for any format (`gemm_tc`), exact weights by
@@ -122,6 +125,14 @@ impl Kernels {
             gemv_b: KINDS
                 .iter()
                 .map(|k| (1..=8).map(|t| f(&format!("gemv_{k}_t{t}_b"))).collect())
+                .collect::<Result<_, _>>()?,
+            gemv_gated: KINDS
+                .iter()
+                .map(|k| {
+                    (1..=8)
+                        .map(|t| f(&format!("gemv_gated_{k}_t{t}")))
+                        .collect()
+                })
                 .collect::<Result<_, _>>()?,
 
             gemm_tc: f("gemm_tc_generic")?,

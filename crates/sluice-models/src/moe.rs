@@ -96,9 +96,7 @@ impl<B: Backend> Mlp<B> {
             }
         })?;
         if let Some(shared) = &moe.shared_expert {
-            let mut s = b.ffn(x, &shared.ffn);
-            b.sigmoid_mul(&mut s, &b.matmul(x, &shared.gate));
-            b.add_assign(&mut y, &s);
+            b.add_shared_expert(&mut y, x, &shared.ffn, &shared.gate);
         }
         Ok(y)
     }
