@@ -1049,16 +1049,15 @@ impl Backend for CudaBackend {
             && (y.rows, y.cols) == (tokens, down.rows as usize)
             && down.cols == w.up.mat.rows
             && w.gate.mat.rows == w.up.mat.rows;
+        let [g, u] = self.matmuls(x, [&w.gate, &w.up]);
+        let scale = self.matmul(x, gate);
         if !fused {
-            // The trait's default (an override cannot call it).
-            let [g, u] = self.matmuls(x, [&w.gate, &w.up]);
+            // The trait's default, in steps (an override cannot call it).
             let mut s = self.matmul(&self.swiglu(&g, &u), &w.down);
-            self.sigmoid_mul(&mut s, &self.matmul(x, gate));
+            self.sigmoid_mul(&mut s, &scale);
             self.add_assign(y, &s);
             return;
         }
-        let [g, u] = self.matmuls(x, [&w.gate, &w.up]);
-        let scale = self.matmul(x, gate);
         match (y.ptr(), g.ptr(), u.ptr(), scale.ptr()) {
             (Some(yp), Some(gp), Some(up), Some(sp)) => self.d.launch(
                 &self.d.k.gemv_gated[down.kind()][tokens - 1],
