@@ -830,7 +830,8 @@ pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
         scale_dtype,
     };
     // (format, experts, hidden, expert width). The 4-bit cases beyond the first reach the
-    // column loops of wide decode kernels (a down width over 768, one under a warp's 256).
+    // column loops of wide decode kernels (a down width over 768, one under a warp's 256), and
+    // the real models' expert width (768: 48 threads per row of a column-spread kernel).
     let cases = [
         (q4(64, Dtype::Bf16), 16, 128, 64),
         (
@@ -847,6 +848,7 @@ pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
         (WeightFormat::Dense(Dtype::F16), 16, 128, 64),
         (q4(128, Dtype::Bf16), 8, 256, 1024),
         (q4(32, Dtype::F32), 8, 288, 96),
+        (q4(64, Dtype::Bf16), 16, 256, 768),
     ];
     for (layer, (format, n, h, i)) in cases.into_iter().enumerate() {
         let host_experts = random_experts(&mut rng, format, n, h, i);

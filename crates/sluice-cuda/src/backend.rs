@@ -11,7 +11,7 @@ use sluice_backend::{
 };
 
 use crate::device::{grid, Arg, DevBuf, Device};
-use crate::mat::{describe, ExpertMats, Mat, MatSet, MAT_SET_MAX};
+use crate::mat::{describe, ExpertMats, Mat, MatSet, MAT_SET_MAX, SPREAD_ROWS};
 
 /// f32 activations `[rows, cols]` in device memory; `None` after a failure (the backend reports
 /// it from the next host read).
@@ -167,6 +167,11 @@ const KIND_Q4: usize = 1;
 /// `MOE_DOWN_W_ROWS` in the kernels: output rows per block of `moe_down_q4_w`.
 const MOE_DOWN_W_ROWS: usize = 4;
 
+/// Threads per block of a dense `*_s` kernel over `w` with `groups` row groups per block.
+fn spread_block(w: &Mat, groups: usize) -> u32 {
+    (groups * w.spread_threads().unwrap_or(0)) as u32
+}
+
 /// What the MoE kernels do with their output buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MoeOut {
@@ -268,6 +273,13 @@ impl CudaBackend {
                 (256, 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
             );
+        } else if let Some(groups) = self.spread_groups(w, tokens) {
+            self.d.launch(
+                &k.gemv_q4_t1_s,
+                (grid(w.rows as usize, groups * SPREAD_ROWS), 1, 1),
+                (spread_block(w, groups), 1, 1),
+                &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
+            );
         } else if tokens <= 8 {
             self.d.launch(
                 &k.gemv_b[w.kind()][tokens - 1],
@@ -336,6 +348,16 @@ impl CudaBackend {
                 ],
             );
         }
+    }
+
+    /// Row groups per block when `matmul_into` multiplies `tokens` by `w` with `gemv_q4_t1_s`
+    /// (one token, a 4-bit matrix that fits it and is not as tall as an output head, which a warp
+    /// per two rows takes faster).
+    fn spread_groups(&self, w: &Mat, tokens: usize) -> Option<usize> {
+        if tokens != 1 || w.rows >= 8192 {
+            return None;
+        }
+        w.spread_groups()
     }
 
     fn elementwise(&self, f: &CudaFunction, n: usize, args: &[Arg]) {
@@ -433,7 +455,20 @@ impl CudaBackend {
             Arg::I32(x.cols as i32),
             Arg::I32((into == MoeOut::Add) as i32),
         ];
-        if q4_down {
+        // A block of K x (inter / 16) threads per 4 output rows, in whole warps.
+        let spread_down = sample
+            .down
+            .spread_threads()
+            .map(|g| g * routing.k)
+            .filter(|&b| q4_down && b <= 1024 && b.is_multiple_of(32));
+        if let Some(block) = spread_down {
+            self.d.launch(
+                &k.moe_down_q4_s,
+                (grid(x.cols, SPREAD_ROWS), routing.rows as u32, 1),
+                (block as u32, 1, 1),
+                &down_args,
+            );
+        } else if q4_down {
             self.d.launch(
                 &k.moe_down_q4_w,
                 (grid(x.cols, MOE_DOWN_W_ROWS), routing.rows as u32, 1),
@@ -1010,6 +1045,14 @@ impl Backend for CudaBackend {
         let Some(xp) = x.ptr() else {
             return outs;
         };
+        // One token and matrices the spread kernel takes: `first` counts its blocks, not rows
+        // (the matrices have the same width, so the same row groups per block).
+        let spread = weights
+            .iter()
+            .map(|w| w.mat.spread_groups().filter(|_| x.rows == 1))
+            .collect::<Option<Vec<_>>>()
+            .and_then(|g| g.first().copied());
+        let rows_per_block = spread.map_or(1, |g| g * SPREAD_ROWS);
         let mut set = MatSet {
             n: N as i32,
             ..MatSet::default()
@@ -1020,17 +1063,27 @@ impl Backend for CudaBackend {
             };
             set.m[i] = w.mat;
             set.out[i] = op;
-            set.first[i + 1] = set.first[i] + w.mat.rows;
+            set.first[i + 1] = set.first[i] + grid(w.mat.rows as usize, rows_per_block) as i32;
         }
         for i in N + 1..=MAT_SET_MAX {
             set.first[i] = set.first[N];
         }
-        self.d.launch(
-            &self.d.k.gemv_multi[kind.unwrap_or(0)][x.rows - 1],
-            (total as u32, 1, 1),
-            (128, 1, 1),
-            &[Arg::MatSet(Box::new(set)), Arg::Ptr(xp)],
-        );
+        let blocks = set.first[N] as u32;
+        let args = [Arg::MatSet(Box::new(set)), Arg::Ptr(xp)];
+        match spread {
+            Some(groups) => self.d.launch(
+                &self.d.k.gemv_multi_q4_t1_s,
+                (blocks, 1, 1),
+                (spread_block(&weights[0].mat, groups), 1, 1),
+                &args,
+            ),
+            None => self.d.launch(
+                &self.d.k.gemv_multi[kind.unwrap_or(0)][x.rows - 1],
+                (blocks, 1, 1),
+                (128, 1, 1),
+                &args,
+            ),
+        }
         outs
     }
 
@@ -1042,7 +1095,8 @@ impl Backend for CudaBackend {
         gate: &CudaWeight,
     ) {
         let (tokens, down) = (x.rows, &w.down.mat);
-        // Where the down projection alone would run `gemv_b` (see `matmul_into`).
+        // Where the down projection alone would run `gemv_b` or `gemv_q4_t1_s` (see
+        // `matmul_into`).
         let fused = (1..=8).contains(&tokens)
             && !(tokens == 1 && down.rows >= 8192)
             && gate.mat.rows == 1
@@ -1059,18 +1113,30 @@ impl Backend for CudaBackend {
             return;
         }
         match (y.ptr(), g.ptr(), u.ptr(), scale.ptr()) {
-            (Some(yp), Some(gp), Some(up), Some(sp)) => self.d.launch(
-                &self.d.k.gemv_gated[down.kind()][tokens - 1],
-                (down.rows as u32, 1, 1),
-                (128, 1, 1),
-                &[
+            (Some(yp), Some(gp), Some(up), Some(sp)) => {
+                let args = [
                     Arg::Mat(*down),
                     Arg::Ptr(gp),
                     Arg::Ptr(up),
                     Arg::Ptr(sp),
                     Arg::Ptr(yp),
-                ],
-            ),
+                ];
+                // The kernel `matmul_into` would run the down projection with, fused.
+                match self.spread_groups(down, tokens) {
+                    Some(groups) => self.d.launch(
+                        &self.d.k.gemv_gated_q4_t1_s,
+                        (grid(down.rows as usize, groups * SPREAD_ROWS), 1, 1),
+                        (spread_block(down, groups), 1, 1),
+                        &args,
+                    ),
+                    None => self.d.launch(
+                        &self.d.k.gemv_gated[down.kind()][tokens - 1],
+                        (down.rows as u32, 1, 1),
+                        (128, 1, 1),
+                        &args,
+                    ),
+                }
+            }
             _ => y.buf = None,
         }
     }

@@ -69,6 +69,12 @@ pub(crate) struct Kernels {
     /// The best few columns of a row, sorted, and the values at named columns (one block).
     pub top_logits: CudaFunction,
     pub moe_down_q4_w: CudaFunction,
+    /// One token's 4-bit products spread over the columns, several rows per thread (`*_s` in the
+    /// source; see `Spread` in backend.rs for the shapes they take).
+    pub gemv_q4_t1_s: CudaFunction,
+    pub gemv_gated_q4_t1_s: CudaFunction,
+    pub gemv_multi_q4_t1_s: CudaFunction,
+    pub moe_down_q4_s: CudaFunction,
     /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
     /// and the weighted sum per token.
     pub moe_group: CudaFunction,
@@ -185,6 +191,10 @@ impl Kernels {
             argmax_finish: f("argmax_finish")?,
             top_logits: f("top_logits")?,
             moe_down_q4_w: f("moe_down_q4_w")?,
+            gemv_q4_t1_s: f("gemv_q4_t1_s")?,
+            gemv_gated_q4_t1_s: f("gemv_gated_q4_t1_s")?,
+            gemv_multi_q4_t1_s: f("gemv_multi_q4_t1_s")?,
+            moe_down_q4_s: f("moe_down_q4_s")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,
             delta_prep: f("delta_prep")?,

@@ -102,7 +102,35 @@ pub(crate) fn describe(m: &HostMatrix) -> Result<Mat, BackendError> {
     })
 }
 
+/// `SPREAD_ROWS` in the kernels: rows per thread of the one-token `*_s` kernels.
+pub(crate) const SPREAD_ROWS: usize = 4;
+/// `SPREAD_CODES`: the columns a thread of the `*_s` kernels takes of each row.
+const SPREAD_CODES: usize = 16;
+/// The most threads a block of the dense `*_s` kernels has.
+const SPREAD_BLOCK: usize = 256;
+
 impl Mat {
+    /// How many threads of the one-token `*_s` kernels share a row (16 columns each), if this
+    /// matrix fits them: 4-bit affine, groups of 16 or more, a multiple of 128 columns (whole
+    /// eights of threads per row), at most 4096.
+    pub fn spread_threads(&self) -> Option<usize> {
+        let cols = self.cols as usize;
+        (self.kind() == 1
+            && self.group >= SPREAD_CODES as i32
+            && cols.is_multiple_of(128)
+            && cols / SPREAD_CODES <= SPREAD_BLOCK)
+            .then_some(cols / SPREAD_CODES)
+    }
+
+    /// Row groups per block of the dense `*_s` kernels (the most that make whole warps of at most
+    /// 256 threads), if this matrix fits them.
+    pub fn spread_groups(&self) -> Option<usize> {
+        let g = self.spread_threads()?;
+        (1..=SPREAD_BLOCK / g)
+            .rev()
+            .find(|n| (n * g).is_multiple_of(32))
+    }
+
     /// Which compiled variant of the matrix kernels runs this format (index into
     /// [`crate::kernels::KINDS`]).
     pub fn kind(&self) -> usize {
