@@ -14,6 +14,20 @@ typedef unsigned char uint8_t;
 typedef unsigned int uint32_t;
 #define INFINITY __int_as_float(0x7f800000)
 
+// Programmatic dependent launch (compute capability 9.0 on): in a graph, a kernel may start while
+// the one before it finishes, and waits for it (and its memory) at PDL_WAIT. Every kernel lets the
+// next one start at once (PDL_LAUNCH_DEPENDENTS) and waits before it touches memory that earlier
+// kernels write; a few load their weights first. The PTX targets 8.0, where these instructions do
+// not exist: they are comments here, and the loader (kernels.rs) makes them instructions on 9.0
+// and newer. Where no launch is programmatic they return at once.
+#define PDL_WAIT() asm volatile("// sluice-pdl: griddepcontrol.wait;" ::: "memory")
+#define PDL_LAUNCH_DEPENDENTS() asm volatile("// sluice-pdl: griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_START() \
+    do { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        PDL_WAIT(); \
+    } while (0)
+
 // ------------------------------------------------------------------------------------------------
 // Weights
 // ------------------------------------------------------------------------------------------------
@@ -239,7 +253,7 @@ __device__ void gemv(const Mat& w, const float* x, float* y) {
 
 #define GEMV(K, KN, T, R) \
     extern "C" __global__ void __launch_bounds__(256) gemv_##KN##_t##T##_r##R(Mat w, const float* x, \
-                                                                            float* y) { \
+                                                                            float* y) { PDL_START(); \
         gemv<K, T, R>(w, x, y); \
     }
 // One token, two rows per warp: what large matrices use (the block-per-row kernels below take the
@@ -418,7 +432,7 @@ __device__ void gemm_tc(const Mat& w, const float* x, float* y, int ntok) {
 
 #define GEMM_TC(K, KN) \
     extern "C" __global__ void __launch_bounds__(128) gemm_tc_##KN(Mat w, const float* x, float* y, \
-                                                                   int ntok) { \
+                                                                   int ntok) { PDL_START(); \
         gemm_tc<K>(w, x, y, ntok); \
     }
 GEMM_TC(K_GENERIC, generic)
@@ -662,13 +676,14 @@ __device__ void gemm_tq(const Mat& w, const float* x, float* y, int ntok, int kc
 
 #define GEMM_TQ(K, KN) \
     extern "C" __global__ void __launch_bounds__(128) gemm_tq_##KN(Mat w, const float* x, float* y, \
-                                                                   int ntok, int kc) { \
+                                                                   int ntok, int kc) { PDL_START(); \
         gemm_tq<K>(w, x, y, ntok, kc); \
     }
 GEMM_TQ(K_Q4, q4) GEMM_TQ(K_Q8, q8) GEMM_TQ(K_BF16, bf16)
 
 // out[i] = sum over z of part[z n + i], in order of z.
 extern "C" __global__ void sum_splits(const float* part, float* out, long n, int splits) {
+    PDL_START();
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         float acc = part[i];
         for (int z = 1; z < splits; z++) acc += part[z * n + i];
@@ -688,6 +703,7 @@ __device__ void embed_row(const Mat& table, long r, float* out) {
 
 // One dequantised row of `table` per token.
 extern "C" __global__ void embed(Mat table, const uint32_t* tokens, float* out) {
+    PDL_START();
     embed_row(table, tokens[blockIdx.x], out + (long)blockIdx.x * table.cols);
 }
 
@@ -698,6 +714,7 @@ struct TokenIds {
 
 // embed for at most eight tokens whose ids come as a parameter.
 extern "C" __global__ void embed_ids(Mat table, TokenIds tokens, float* out) {
+    PDL_START();
     embed_row(table, tokens.id[blockIdx.x], out + (long)blockIdx.x * table.cols);
 }
 
@@ -707,6 +724,7 @@ extern "C" __global__ void embed_ids(Mat table, TokenIds tokens, float* out) {
 
 // Device-to-device copy of n 4-byte words (16 bytes at a time when both ends allow it).
 extern "C" __global__ void copy_words(uint32_t* dst, const uint32_t* src, long n) {
+    PDL_START();
     const long stride = (long)gridDim.x * blockDim.x;
     const long i0 = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if ((((unsigned long)dst | (unsigned long)src) & 15) == 0) {
@@ -723,6 +741,7 @@ extern "C" __global__ void copy_words(uint32_t* dst, const uint32_t* src, long n
 // Two copies of n words each in one launch (a token's keys and values into the KV cache).
 extern "C" __global__ void copy_words2(uint32_t* dst_a, const uint32_t* src_a, uint32_t* dst_b,
                                        const uint32_t* src_b, long n) {
+    PDL_START();
     const long stride = (long)gridDim.x * blockDim.x;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < 2 * n; i += stride) {
         if (i < n) dst_a[i] = src_a[i];
@@ -732,12 +751,14 @@ extern "C" __global__ void copy_words2(uint32_t* dst_a, const uint32_t* src_a, u
 
 // n 4-byte words set to v.
 extern "C" __global__ void fill_words(uint32_t* dst, uint32_t v, long n) {
+    PDL_START();
     const long stride = (long)gridDim.x * blockDim.x;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = v;
 }
 
 // RMS norm of each chunk of n values (one chunk per block).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
+    PDL_START();
     const long base = (long)blockIdx.x * n;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[base + i] * x[base + i];
@@ -748,6 +769,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 // h += y, then out = rms_norm(h) per chunk of n.
 extern "C" __global__ void add_rms_norm(float* h, const float* y, const float* w, float* out, int n,
                                         float eps) {
+    PDL_START();
     const long base = (long)blockIdx.x * n;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -762,6 +784,7 @@ extern "C" __global__ void add_rms_norm(float* h, const float* y, const float* w
 // silu(z) * rms_norm(x) * w per chunk of n.
 extern "C" __global__ void rms_norm_gated(const float* x, const float* z, const float* w, float* out,
                                           int n, float eps) {
+    PDL_START();
     const long base = (long)blockIdx.x * n;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[base + i] * x[base + i];
@@ -773,6 +796,7 @@ extern "C" __global__ void rms_norm_gated(const float* x, const float* z, const 
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, long n) {
+    PDL_START();
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
@@ -780,6 +804,7 @@ extern "C" __global__ void add_assign(float* x, const float* y, long n) {
 __device__ __forceinline__ float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) {
+    PDL_START();
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = swiglu1(g[i], u[i]);
 }
@@ -788,6 +813,7 @@ __device__ __forceinline__ float sigmoid1(float g) { return 1.0f / (1.0f + expf(
 
 // x *= sigmoid(gate): elementwise, or per row when gate_cols == 1.
 extern "C" __global__ void sigmoid_mul(float* x, const float* gate, long n, int cols, int gate_cols) {
+    PDL_START();
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float g = gate_cols == 1 ? gate[i / cols] : gate[i];
@@ -797,6 +823,7 @@ extern "C" __global__ void sigmoid_mul(float* x, const float* gate, long n, int 
 // Each chunk of `chunk` values split after `first`: a gets the first parts, b the rests.
 extern "C" __global__ void split_chunks(const float* x, float* a, float* b, long n, int chunk,
                                         int first) {
+    PDL_START();
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const long c = i / chunk;
@@ -810,6 +837,7 @@ extern "C" __global__ void split_chunks(const float* x, float* a, float* b, long
 // and MLX do, so that long positions (where an ulp of frequency shows) agree; angles in f32.
 extern "C" __global__ void rope(float* x, const float* inv_freq, int rows, int cols, int head_dim,
                                 int rotary_dim, int first) {
+    PDL_START();
     const int half = rotary_dim / 2;
     const int heads = cols / head_dim;
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -855,6 +883,7 @@ __device__ void norm_rope_head(const float* x, const float* w, const float* inv_
 extern "C" __global__ void rms_norm_rope(const float* x, const float* w, const float* inv_freq,
                                          float* out, int n, float eps, int heads, int rotary_dim,
                                          int first) {
+    PDL_START();
     const long base = (long)blockIdx.x * n;
     const long r = blockIdx.x / heads;
     norm_rope_head(x + base, w, inv_freq, out + base, n, eps, rotary_dim, first + r);
@@ -872,6 +901,7 @@ extern "C" __global__ void qkv_norm_rope_append(const float* q, const float* k, 
                                                 float* values, int n, float eps, int heads,
                                                 int kv_heads, int rotary_dim, int first,
                                                 const int* cached) {
+    PDL_START();
     if (cached) first += *cached;
     const int per_row = heads + 2 * kv_heads;
     const long r = blockIdx.x / per_row;
@@ -912,6 +942,7 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
                                                             int total, int ntok, float scale,
                                                             float* partial, uint32_t* done,
                                                             int* cached, uint32_t* all_done) {
+    PDL_START();
     if (cached) total += *cached;
     const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -1105,7 +1136,7 @@ __device__ void attention_rows(const float* q, const float* keys, const float* v
 #define ATTENTION_ROWS(HPL) \
     extern "C" __global__ void __launch_bounds__(128) attention_rows_##HPL( \
         const float* q, const float* keys, const float* values, float* out, int heads, \
-        int kv_heads, int total, int ntok, float scale) { \
+        int kv_heads, int total, int ntok, float scale) { PDL_START(); \
         attention_rows<HPL>(q, keys, values, out, heads, kv_heads, total, ntok, scale); \
     }
 ATTENTION_ROWS(2) ATTENTION_ROWS(4)
@@ -1172,6 +1203,7 @@ __device__ void route_row(const float* row, int E, int k, int normalize, float* 
 extern "C" __global__ void __launch_bounds__(128) route(const float* logits, int ntok, int E, int k,
                                                         int normalize, uint32_t* ids,
                                                         float* weights) {
+    PDL_START();
     __shared__ float probs[4][1024];
     const int warp = threadIdx.x / 32;
     const long t = (long)blockIdx.x * 4 + warp;
@@ -1351,7 +1383,7 @@ __device__ void gemv_b(const Mat& w, const float* x, float* y) {
 
 #define GEMV_B(K, KN, T) \
     extern "C" __global__ void __launch_bounds__(128) gemv_##KN##_t##T##_b(Mat w, const float* x, \
-                                                                         float* y) { \
+                                                                         float* y) { PDL_START(); \
         gemv_b<K, T>(w, x, y); \
     }
 // A shared expert's down projection with its SwiGLU and its one-row gate, added onto y:
@@ -1375,7 +1407,7 @@ __device__ void gemv_gated_add(const Mat& w, const float* g, const float* u, con
 
 #define GEMV_GATED(K, KN, T) \
     extern "C" __global__ void __launch_bounds__(128) gemv_gated_##KN##_t##T( \
-        Mat w, const float* g, const float* u, const float* gate, float* y) { \
+        Mat w, const float* g, const float* u, const float* gate, float* y) { PDL_START(); \
         gemv_gated_add<K, T>(w, g, u, gate, y); \
     }
 #define GEMV_GATED_ALL(K, KN) \
@@ -1424,7 +1456,7 @@ __device__ void moe_down_b(const ExpertMats* experts, const uint32_t* present, i
 #define MOE_B(WK, KN) \
     extern "C" __global__ void __launch_bounds__(128) moe_down_##KN##_b( \
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
-        const float* weights, int K, const float* h, float* out, int hidden) { \
+        const float* weights, int K, const float* h, float* out, int hidden) { PDL_START(); \
         moe_down_b<WK>(experts, present, n_present, ids, weights, K, h, out, hidden); \
     }
 MOE_B(K_GENERIC, generic) MOE_B(K_Q4, q4) MOE_B(K_Q8, q8) MOE_B(K_BF16, bf16)
@@ -1432,7 +1464,7 @@ MOE_B(K_GENERIC, generic) MOE_B(K_Q4, q4) MOE_B(K_Q8, q8) MOE_B(K_BF16, bf16)
 #define MOE(WK, KN) \
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##KN( \
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
-        int K, const float* x, float* h) { \
+        int K, const float* x, float* h) { PDL_START(); \
         moe_gate_up<WK>(experts, present, n_present, ids, K, x, h); \
     }
 MOE(K_GENERIC, generic) MOE(K_Q4, q4) MOE(K_Q8, q8) MOE(K_BF16, bf16)
@@ -1548,6 +1580,7 @@ __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* prese
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
     const float* x, float* h) {
+    PDL_START();
     moe_gate_up_q4w(experts, present, n_present, ids, K, x, h);
 }
 
@@ -1643,6 +1676,7 @@ __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present,
 extern "C" __global__ void __launch_bounds__(128) moe_down_q4_w(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
+    PDL_START();
     moe_down_q4w(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
 }
 
@@ -1661,6 +1695,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const uint32_t* pre
                                                              const uint32_t* ids, int npairs,
                                                              int n_slots, int* offsets,
                                                              int* sorted, int* rank) {
+    PDL_START();
     __shared__ int count[1024];
     for (int s = threadIdx.x; s < n_slots; s += blockDim.x) count[s] = 0;
     __syncthreads();
@@ -1760,12 +1795,12 @@ __device__ void moe_down_tc(const ExpertMats* experts, const int* offsets, const
 #define MOE_TC(WK, KN) \
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tc_##KN( \
         const ExpertMats* experts, const int* offsets, const int* sorted, int K, const float* x, \
-        float* h) { \
+        float* h) { PDL_START(); \
         moe_gate_up_tc<WK>(experts, offsets, sorted, K, x, h); \
     } \
     extern "C" __global__ void __launch_bounds__(128) moe_down_tc_##KN( \
         const ExpertMats* experts, const int* offsets, const int* sorted, const float* h, \
-        float* d) { \
+        float* d) { PDL_START(); \
         moe_down_tc<WK>(experts, offsets, sorted, h, d); \
     }
 MOE_TC(K_GENERIC, generic)
@@ -1831,12 +1866,12 @@ __device__ void moe_down_tq(const ExpertMats* experts, const int* offsets, const
 #define MOE_TQ(WK, KN, MI, NJ) \
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tq_##KN##_n##NJ( \
         const ExpertMats* experts, const int* offsets, const int* sorted, int K, const float* x, \
-        float* hg) { \
+        float* hg) { PDL_START(); \
         moe_gate_up_tq<WK, MI, NJ>(experts, offsets, sorted, K, x, hg); \
     } \
     extern "C" __global__ void __launch_bounds__(128) moe_down_tq_##KN##_n##NJ( \
         const ExpertMats* experts, const int* offsets, const int* sorted, const float* hg, \
-        float* d) { \
+        float* d) { PDL_START(); \
         moe_down_tq<WK, MI, NJ>(experts, offsets, sorted, hg, d); \
     }
 // NJ 4: 128 rows x 32 pairs; NJ 2: 256 rows x 16 pairs.
@@ -1848,6 +1883,7 @@ MOE_TQ(K_Q4, q4, 4, 2) MOE_TQ(K_Q8, q8, 4, 2) MOE_TQ(K_BF16, bf16, 4, 2)
 extern "C" __global__ void __launch_bounds__(256) moe_combine(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* d, float* out, int hidden) {
+    PDL_START();
     __shared__ float weight[MOE_MAX_K];
     __shared__ int pair_of[MOE_MAX_K];
     __shared__ int n;
@@ -1890,7 +1926,7 @@ __device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, f
 #define ROUTE_GEMV(K, KN) \
     extern "C" __global__ void __launch_bounds__(128) route_gemv_##KN( \
         Mat w, const float* x, int k, int normalize, float* logits, uint32_t* done, \
-        uint32_t* ids, float* weights) { \
+        uint32_t* ids, float* weights) { PDL_START(); \
         route_gemv<K>(w, x, k, normalize, logits, done, ids, weights); \
     }
 ROUTE_GEMV(K_GENERIC, generic) ROUTE_GEMV(K_Q4, q4) ROUTE_GEMV(K_Q8, q8) ROUTE_GEMV(K_BF16, bf16)
@@ -1907,6 +1943,7 @@ extern "C" __global__ void __launch_bounds__(256) causal_conv1d_silu(const float
                                                                      const float* weight,
                                                                      float* window, float* out,
                                                                      int ntok, int C, int K) {
+    PDL_START();
     const int ch = blockIdx.x * 32 + threadIdx.x % 32, lane_t = threadIdx.x / 32;
     const bool active = ch < C;
     float taps[8], win[7];
@@ -1949,6 +1986,7 @@ extern "C" __global__ void gated_delta_rule(const float* qkv, const float* a, co
                                             const float* a_log, const float* dt_bias,
                                             float* state, float* y, int ntok, int hk, int hv,
                                             int dk, int dv) {
+    PDL_START();
     const int h = blockIdx.x;
     const int parts = dk / 32;
     const int i = threadIdx.x / parts;  // value row
@@ -2021,6 +2059,7 @@ extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, c
                                                             const float* b, const float* a_log,
                                                             const float* dt_bias, float* prep,
                                                             int hk, int hv, int dk, int dv) {
+    PDL_START();
     const int t = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int width = 2 * hk * dk + hv * dv;
     const float* row = qkv + (long)t * width;
@@ -2064,6 +2103,7 @@ extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, c
 extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
     const float* qkv, const float* prep, float* state, float* y, int ntok, int hk, int hv, int dk,
     int dv) {
+    PDL_START();
     __shared__ float qs[DELTA_CHUNK][8 * DELTA_LD], ks[DELTA_CHUNK][8 * DELTA_LD];
     __shared__ float vs[DELTA_CHUNK][128];
     __shared__ float gs[DELTA_CHUNK], betas[DELTA_CHUNK];
@@ -2166,6 +2206,7 @@ __device__ void block_argmax(float& v, int& i) {
 // [p chunk, (p + 1) chunk) to (pv, pi)[row * gridDim.x + p] (index INT_MAX when all NaN).
 extern "C" __global__ void __launch_bounds__(256) argmax_parts(const float* x, int cols, int chunk,
                                                               float* pv, int* pi) {
+    PDL_START();
     const long row = blockIdx.y;
     const int begin = blockIdx.x * chunk, end = min(cols, begin + chunk);
     float v = __int_as_float(0x7fc00000);
@@ -2181,6 +2222,7 @@ extern "C" __global__ void __launch_bounds__(256) argmax_parts(const float* x, i
 // Stage two: the best of each row's `parts` partial results into out[row] (0 when all NaN).
 extern "C" __global__ void __launch_bounds__(256) argmax_finish(const float* pv, const int* pi,
                                                                int parts, uint32_t* out) {
+    PDL_START();
     const long row = blockIdx.x;
     float v = __int_as_float(0x7fc00000);
     int i = 0x7fffffff;
@@ -2213,6 +2255,7 @@ extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, in
                                                               const uint32_t* at_cols, int n_at,
                                                               uint32_t* out_cols, float* out_vals,
                                                               float* out_at) {
+    PDL_START();
     __shared__ uint32_t hist[256];
     __shared__ uint32_t prefix, mask, matched;
     __shared__ int need;  // columns still wanted among those whose key matches prefix under mask
@@ -2377,7 +2420,7 @@ __device__ void gemv_multi(const MatSet& set, const float* x) {
 
 #define GEMV_MULTI(K, KN, T) \
     extern "C" __global__ void __launch_bounds__(128) gemv_multi_##KN##_t##T(MatSet set, \
-                                                                           const float* x) { \
+                                                                           const float* x) { PDL_START(); \
         gemv_multi<K, T>(set, x); \
     }
 #define GEMV_MULTI_ALL(K, KN) \
@@ -2424,6 +2467,9 @@ __device__ __forceinline__ void spread_dots(const Mat& m, long r0, int c, const 
         s[i] = load_scalar(m.scales, m.sdt, gi);
         b[i] = load_scalar(m.biases, m.sdt, gi);
     }
+    // Weights are not written by earlier kernels: a kernel that has not waited yet loads them
+    // while the one before it finishes.
+    PDL_WAIT();
     float xv[SPREAD_CODES];
     load_floats<SPREAD_CODES>(x + c, xv);
     if constexpr (SWIGLU) {
@@ -2484,17 +2530,20 @@ __device__ void spread_gemv(const Mat& m, long block, const float* x, float* y,
 }
 
 extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s(Mat w, const float* x, float* y) {
+    PDL_LAUNCH_DEPENDENTS();
     spread_gemv<false>(w, blockIdx.x, x, y);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gemv_gated_q4_t1_s(Mat w, const float* g,
                                                                      const float* u,
                                                                      const float* gate, float* y) {
+    PDL_LAUNCH_DEPENDENTS();
     spread_gemv<true>(w, blockIdx.x, g, y, u, gate);
 }
 
 // gemv_q4_t1_s over a MatSet whose `first` counts blocks: one launch for q, k and v.
 extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set, const float* x) {
+    PDL_LAUNCH_DEPENDENTS();
     int i = 0;
     while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++;
     spread_gemv<false>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]);
@@ -2508,6 +2557,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set,
 extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
+    PDL_START();
     constexpr int R = SPREAD_ROWS;
     __shared__ float part[R * 1024 / 8];
     __shared__ float dots[R][MOE_MAX_K];

@@ -182,7 +182,11 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<(), BackendError> {
 impl Device {
     pub fn new(ctx: Arc<CudaContext>) -> Result<Device, BackendError> {
         let stream = ctx.default_stream();
-        let k = Kernels::load(&ctx).map_err(|e| {
+        // Hopper and newer start a graph's next kernel before the previous one ends (see
+        // PDL_WAIT in the kernels); SLUICE_CUDA_PDL=0 turns it off.
+        let programmatic = ctx.compute_capability().is_ok_and(|(major, _)| major >= 9)
+            && !std::env::var("SLUICE_CUDA_PDL").is_ok_and(|v| v == "0");
+        let k = Kernels::load(&ctx, programmatic).map_err(|e| {
             device_error(
                 "could not load sluice's kernels (is the driver older than 550?)",
                 e,
@@ -197,7 +201,8 @@ impl Device {
             .max(1) as usize;
         let profile = std::env::var_os("SLUICE_CUDA_PROFILE").map(|_| Mutex::new(Vec::new()));
         let graphs_off = std::env::var("SLUICE_CUDA_GRAPHS").is_ok_and(|v| v == "0");
-        let graphs = (profile.is_none() && !graphs_off).then(|| Mutex::new(Graphs::default()));
+        let graphs =
+            (profile.is_none() && !graphs_off).then(|| Mutex::new(Graphs::new(programmatic)));
         let graph_stats = (graphs.is_some()
             && std::env::var("SLUICE_CUDA_GRAPHS").is_ok_and(|v| v == "stats"))
         .then(|| Mutex::new(GraphStats::default()));

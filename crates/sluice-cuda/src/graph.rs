@@ -122,8 +122,10 @@ fn check(r: sys::CUresult) -> Result<(), DriverError> {
 }
 
 impl Graph {
-    /// A graph of `launches` (its `launches` left empty for the caller to fill).
-    fn build(launches: &[Launch], shape: u64) -> Result<Graph, DriverError> {
+    /// A graph of `launches` (its `launches` left empty for the caller to fill); with
+    /// `programmatic`, each kernel may start once the one before it has started (the kernels wait
+    /// for their predecessor's results themselves: PDL_WAIT in kernels/sluice.cu).
+    fn build(launches: &[Launch], shape: u64, programmatic: bool) -> Result<Graph, DriverError> {
         let mut graph: CUgraph = std::ptr::null_mut();
         // SAFETY: `graph` is written by the driver.
         check(unsafe { sys::cuGraphCreate(&mut graph, 0) })?;
@@ -138,18 +140,27 @@ impl Graph {
             let mut params = l.param_ptrs();
             let p = l.node_params(&mut params);
             let mut node: CUgraphNode = std::ptr::null_mut();
-            let deps = g.nodes.last().map_or(std::ptr::null(), |n| n as *const _);
+            let prev = g.nodes.last().copied();
+            let deps = match (prev, programmatic) {
+                (Some(n), false) => vec![n],
+                _ => vec![],
+            };
             // SAFETY: `p` points at `params`, which points into `l.args`, all alive for the call
-            // (the driver copies the parameter values); `deps` is the previous node or none.
+            // (the driver copies the parameter values); `deps` holds the previous node or none.
             check(unsafe {
-                sys::cuGraphAddKernelNode_v2(
-                    &mut node,
-                    g.graph,
-                    deps,
-                    usize::from(!deps.is_null()),
-                    &p,
-                )
+                sys::cuGraphAddKernelNode_v2(&mut node, g.graph, deps.as_ptr(), deps.len(), &p)
             })?;
+            if let (Some(prev), true) = (prev, programmatic) {
+                let edge = sys::CUgraphEdgeData {
+                    from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+                    to_port: 0,
+                    type_: sys::CUgraphDependencyType_enum::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+                        as u8,
+                    reserved: [0; 5],
+                };
+                // SAFETY: both nodes belong to `g.graph`; the edge data is read during the call.
+                check(unsafe { sys::cuGraphAddDependencies_v2(g.graph, &prev, &node, &edge, 1) })?;
+            }
             g.nodes.push(node);
         }
         // SAFETY: `g.graph` is a complete graph; `exec` is written by the driver.
@@ -200,6 +211,8 @@ const MAX_SEEN: usize = 64;
 /// Recorded launches waiting for a flush, and the graphs built from earlier flushes.
 #[derive(Default)]
 pub(crate) struct Graphs {
+    /// Whether graphs chain their kernels with programmatic edges.
+    programmatic: bool,
     pending: Vec<Launch>,
     /// Most recently used last.
     graphs: VecDeque<Graph>,
@@ -221,6 +234,13 @@ pub(crate) enum Flushed {
 }
 
 impl Graphs {
+    pub fn new(programmatic: bool) -> Graphs {
+        Graphs {
+            programmatic,
+            ..Graphs::default()
+        }
+    }
+
     pub fn record(&mut self, launch: Launch) {
         self.pending.push(launch);
     }
@@ -264,7 +284,7 @@ impl Graphs {
             }
             return issue(launches);
         }
-        let Ok(mut g) = Graph::build(&launches, shape) else {
+        let Ok(mut g) = Graph::build(&launches, shape, self.programmatic) else {
             // A graph the driver will not build (out of memory, say) still runs launch by launch.
             return issue(launches);
         };

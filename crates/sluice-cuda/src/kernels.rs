@@ -91,9 +91,24 @@ pub(crate) struct Kernels {
     pub gated_delta_rule_rows: CudaFunction,
 }
 
+/// What the kernels' programmatic-launch markers read in the PTX (`PDL_*` in the source).
+const PDL_MARKER: &str = "// sluice-pdl: ";
+
+/// The PTX to load: as built (compute capability 8.0) or, with `programmatic` (9.0 and newer),
+/// with the markers turned into `griddepcontrol` instructions, which need that target.
+pub(crate) fn ptx(programmatic: bool) -> String {
+    if !programmatic {
+        return PTX.to_string();
+    }
+    PTX.replacen(".target sm_80", ".target sm_90", 1)
+        .replace(PDL_MARKER, "")
+}
+
 impl Kernels {
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, DriverError> {
-        let module = ctx.load_module(Ptx::from_src(PTX))?;
+    /// Loads the kernels; `programmatic`: for launches that may start before the previous
+    /// kernel ends (compute capability 9.0 and newer).
+    pub fn load(ctx: &Arc<CudaContext>, programmatic: bool) -> Result<Kernels, DriverError> {
+        let module = ctx.load_module(Ptx::from_src(ptx(programmatic)))?;
         let names = RefCell::new(HashMap::new());
         let f = |name: &str| {
             let func = module.load_function(name)?;
@@ -222,6 +237,59 @@ mod tests {
         data.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
             (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
         })
+    }
+
+    /// Every kernel waits for the kernels before it (`PDL_WAIT`, directly, through `PDL_START`, or
+    /// in `spread_dots`) before it reads what they write: with programmatic launches a kernel that
+    /// did not would race them.
+    #[test]
+    fn every_kernel_waits_for_the_previous_one() {
+        let source = include_str!("../kernels/sluice.cu");
+        let mut kernels = 0;
+        for (at, _) in source.match_indices("extern \"C\" __global__") {
+            let open = at + source[at..].find('{').expect("a kernel body");
+            let body = &source[open..];
+            let mut depth = 0;
+            let end = body
+                .char_indices()
+                .find_map(|(i, c)| {
+                    depth += match c {
+                        '{' => 1,
+                        '}' => -1,
+                        _ => 0,
+                    };
+                    (depth == 0).then_some(i)
+                })
+                .expect("a closed kernel body");
+            let body = &body[..end];
+            let name = source[at..open].split('(').next().unwrap_or_default();
+            let first = body[1..].trim_start();
+            assert!(
+                first.starts_with("PDL_START();")
+                    || (first.starts_with("PDL_LAUNCH_DEPENDENTS();")
+                        && body.contains("spread_gemv")),
+                "{name}: a kernel must begin with PDL_START() (or, if it loads weights before \
+                 waiting, PDL_LAUNCH_DEPENDENTS() and a spread_* product that waits)"
+            );
+            kernels += 1;
+        }
+        assert!(kernels > 40, "found {kernels} kernels");
+        let spread = source
+            .split("__device__ __forceinline__ void spread_dots")
+            .nth(1)
+            .expect("spread_dots");
+        let wait = spread.find("PDL_WAIT();").expect("spread_dots waits");
+        assert!(
+            wait < spread
+                .find("load_floats<SPREAD_CODES>(x")
+                .expect("activation loads"),
+            "spread_dots must wait before it reads the activations"
+        );
+        // The loader's rewrite reaches every marker and the target.
+        let patched = super::ptx(true);
+        assert!(!patched.contains(super::PDL_MARKER) && patched.contains(".target sm_90"));
+        assert!(patched.matches("griddepcontrol.wait;").count() >= kernels);
+        assert_eq!(super::ptx(false), super::PTX);
     }
 
     #[test]
