@@ -176,3 +176,55 @@ impl ExpertMats {
         (gate_up, self.down.exact_kind())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn affine(bits: i32, group: i32, cols: i32) -> Mat {
+        Mat {
+            rows: 64,
+            cols,
+            fmt: 3,
+            bits,
+            group,
+            gshift: group.trailing_zeros() as i32,
+            ..Mat::default()
+        }
+    }
+
+    /// The column-spread kernels take only the shapes their arithmetic assumes: 4-bit, 16-column
+    /// chunks inside one group, whole eights of threads per row, blocks of whole warps.
+    #[test]
+    fn spread_shapes() {
+        // (bits, group, cols) -> (threads per row, row groups per block)
+        for (bits, group, cols, want) in [
+            (4, 64, 2048, Some((128, 2))),
+            (4, 64, 4096, Some((256, 1))),
+            (4, 64, 768, Some((48, 4))),
+            (4, 32, 512, Some((32, 8))),
+            (4, 128, 640, Some((40, 4))),
+            (4, 16, 128, Some((8, 32))),
+            // 72 threads per row: no block of whole warps up to 256 threads.
+            (4, 64, 1152, None),
+            // Not a multiple of 128 columns, too wide, groups under 16 columns, 8-bit.
+            (4, 64, 1000, None),
+            (4, 64, 8192, None),
+            (4, 8, 2048, None),
+            (8, 64, 2048, None),
+        ] {
+            let m = affine(bits, group, cols);
+            let got = m.spread_threads().zip(m.spread_groups());
+            assert_eq!(got, want, "{bits}-bit, group {group}, {cols} columns");
+            if let Some((g, n)) = got {
+                assert!(g * n <= 256 && (g * n) % 32 == 0 && g % 8 == 0);
+            }
+        }
+        let dense = Mat {
+            cols: 2048,
+            fmt: 2,
+            ..Mat::default()
+        };
+        assert_eq!(dense.spread_threads(), None);
+    }
+}
