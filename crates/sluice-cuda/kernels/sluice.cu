@@ -2445,11 +2445,11 @@ GEMV_MULTI_ALL(K_BF16, bf16)
 // projections of one token over 8 experts 15.9 -> 12.8 us (expert width 768) and 10.9 -> 7.2 (512)
 // against moe_down_q4_w. The same layout for the MoE's gate and up projections was slower than
 // moe_gate_up_q4_w (20-22 us against 14 for 14 MB), with the expert read per thread or per block.
-// Needs cols % 128 == 0 (G a multiple of 8), cols <= 16 * SPREAD_MAX_G and group >= 16.
+// Needs cols % 128 == 0 (G a multiple of 8), group >= 16, and blocks of whole warps: the host
+// picks the shapes (Mat::spread in mat.rs).
 
 #define SPREAD_CODES 16
 #define SPREAD_ROWS 4
-#define SPREAD_MAX_G 256
 
 // This thread's share of rows r0 .. r0 + R (clamped to the matrix) over columns [c, c + 16):
 // acc[i] = s_i sum(q x) + b_i sum(x), where x is x[c..] or, with SWIGLU, swiglu(x, up)[c..].
@@ -2509,7 +2509,7 @@ __device__ __forceinline__ float spread_sum(const float v[N], int G, float* part
     return total;
 }
 
-// y = x W^T for one token (rows of row group blockIdx.x - first): blockDim / G row groups of
+// y = x W^T for one token, the rows of this matrix's `block`-th block: blockDim / G row groups of
 // SPREAD_ROWS rows per block. With SWIGLU, y += sigmoid(gate[0]) * (W . swiglu(x, up)) (the
 // arithmetic of gemv_gated_add).
 template <bool SWIGLU>

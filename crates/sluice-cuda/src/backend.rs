@@ -11,7 +11,7 @@ use sluice_backend::{
 };
 
 use crate::device::{grid, Arg, DevBuf, Device};
-use crate::mat::{describe, ExpertMats, Mat, MatSet, MAT_SET_MAX, SPREAD_ROWS};
+use crate::mat::{describe, ExpertMats, Mat, MatSet, Spread, MAT_SET_MAX, SPREAD_ROWS};
 
 /// f32 activations `[rows, cols]` in device memory; `None` after a failure (the backend reports
 /// it from the next host read).
@@ -167,10 +167,9 @@ const KIND_Q4: usize = 1;
 /// `MOE_DOWN_W_ROWS` in the kernels: output rows per block of `moe_down_q4_w`.
 const MOE_DOWN_W_ROWS: usize = 4;
 
-/// Threads per block of a dense `*_s` kernel over `w` with `groups` row groups per block.
-fn spread_block(w: &Mat, groups: usize) -> u32 {
-    (groups * w.spread_threads().unwrap_or(0)) as u32
-}
+/// One token's product with a matrix of at least this many rows (an output head) runs a warp per
+/// two rows (`gemv_*_t1_r2`): faster there than the column-spread and block-per-row kernels.
+const HEAD_ROWS: i32 = 8192;
 
 /// What the MoE kernels do with their output buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -266,18 +265,18 @@ impl CudaBackend {
     /// `out[tokens, w.rows] = x W^T` into `out`.
     fn matmul_into(&self, x: u64, tokens: usize, w: &Mat, out: u64) {
         let k = &self.d.k;
-        if tokens == 1 && w.rows >= 8192 {
+        if tokens == 1 && w.rows >= HEAD_ROWS {
             self.d.launch(
                 &k.gemv_r2[w.kind()],
                 (grid(w.rows as usize, 16), 1, 1),
                 (256, 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
             );
-        } else if let Some(groups) = self.spread_groups(w, tokens) {
+        } else if let Some(s) = Self::spread(w, tokens) {
             self.d.launch(
                 &k.gemv_q4_t1_s,
-                (grid(w.rows as usize, groups * SPREAD_ROWS), 1, 1),
-                (spread_block(w, groups), 1, 1),
+                (grid(w.rows as usize, s.rows_per_block()), 1, 1),
+                (s.block_threads(), 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
             );
         } else if tokens <= 8 {
@@ -350,14 +349,13 @@ impl CudaBackend {
         }
     }
 
-    /// Row groups per block when `matmul_into` multiplies `tokens` by `w` with `gemv_q4_t1_s`
-    /// (one token, a 4-bit matrix that fits it and is not as tall as an output head, which a warp
-    /// per two rows takes faster).
-    fn spread_groups(&self, w: &Mat, tokens: usize) -> Option<usize> {
-        if tokens != 1 || w.rows >= 8192 {
+    /// The layout when `matmul_into` multiplies `tokens` by `w` with `gemv_q4_t1_s` (one token, a
+    /// 4-bit matrix that fits it, not an output head).
+    fn spread(w: &Mat, tokens: usize) -> Option<Spread> {
+        if tokens != 1 || w.rows >= HEAD_ROWS {
             return None;
         }
-        w.spread_groups()
+        w.spread()
     }
 
     fn elementwise(&self, f: &CudaFunction, n: usize, args: &[Arg]) {
@@ -1047,12 +1045,11 @@ impl Backend for CudaBackend {
         };
         // One token and matrices the spread kernel takes: `first` counts its blocks, not rows
         // (the matrices have the same width, so the same row groups per block).
-        let spread = weights
-            .iter()
-            .map(|w| w.mat.spread_groups().filter(|_| x.rows == 1))
-            .collect::<Option<Vec<_>>>()
-            .and_then(|g| g.first().copied());
-        let rows_per_block = spread.map_or(1, |g| g * SPREAD_ROWS);
+        let spread = weights[0]
+            .mat
+            .spread()
+            .filter(|_| x.rows == 1 && weights.iter().all(|w| w.mat.spread().is_some()));
+        let rows_per_block = spread.map_or(1, |s| s.rows_per_block());
         let mut set = MatSet {
             n: N as i32,
             ..MatSet::default()
@@ -1071,10 +1068,10 @@ impl Backend for CudaBackend {
         let blocks = set.first[N] as u32;
         let args = [Arg::MatSet(Box::new(set)), Arg::Ptr(xp)];
         match spread {
-            Some(groups) => self.d.launch(
+            Some(s) => self.d.launch(
                 &self.d.k.gemv_multi_q4_t1_s,
                 (blocks, 1, 1),
-                (spread_block(&weights[0].mat, groups), 1, 1),
+                (s.block_threads(), 1, 1),
                 &args,
             ),
             None => self.d.launch(
@@ -1098,7 +1095,7 @@ impl Backend for CudaBackend {
         // Where the down projection alone would run `gemv_b` or `gemv_q4_t1_s` (see
         // `matmul_into`).
         let fused = (1..=8).contains(&tokens)
-            && !(tokens == 1 && down.rows >= 8192)
+            && !(tokens == 1 && down.rows >= HEAD_ROWS)
             && gate.mat.rows == 1
             && (y.rows, y.cols) == (tokens, down.rows as usize)
             && down.cols == w.up.mat.rows
@@ -1122,11 +1119,11 @@ impl Backend for CudaBackend {
                     Arg::Ptr(yp),
                 ];
                 // The kernel `matmul_into` would run the down projection with, fused.
-                match self.spread_groups(down, tokens) {
-                    Some(groups) => self.d.launch(
+                match Self::spread(down, tokens) {
+                    Some(s) => self.d.launch(
                         &self.d.k.gemv_gated_q4_t1_s,
-                        (grid(down.rows as usize, groups * SPREAD_ROWS), 1, 1),
-                        (spread_block(down, groups), 1, 1),
+                        (grid(down.rows as usize, s.rows_per_block()), 1, 1),
+                        (s.block_threads(), 1, 1),
                         &args,
                     ),
                     None => self.d.launch(

@@ -70,7 +70,7 @@ pub(crate) struct Kernels {
     pub top_logits: CudaFunction,
     pub moe_down_q4_w: CudaFunction,
     /// One token's 4-bit products spread over the columns, several rows per thread (`*_s` in the
-    /// source; see `Spread` in backend.rs for the shapes they take).
+    /// source; `Mat::spread` and `Mat::spread_threads` say which shapes they take).
     pub gemv_q4_t1_s: CudaFunction,
     pub gemv_gated_q4_t1_s: CudaFunction,
     pub gemv_multi_q4_t1_s: CudaFunction,
@@ -262,7 +262,13 @@ mod tests {
                 })
                 .expect("a closed kernel body");
             let body = &body[..end];
-            let name = source[at..open].split('(').next().unwrap_or_default();
+            // The name after `__launch_bounds__(..)`, if any.
+            let head = &source[at..open];
+            let head = head
+                .find("__launch_bounds__(")
+                .and_then(|b| head[b..].find(')').map(|e| &head[b + e + 1..]))
+                .unwrap_or(head);
+            let name = head.split('(').next().unwrap_or_default().trim();
             let first = body[1..].trim_start();
             assert!(
                 first.starts_with("PDL_START();")

@@ -109,6 +109,24 @@ const SPREAD_CODES: usize = 16;
 /// The most threads a block of the dense `*_s` kernels has.
 const SPREAD_BLOCK: usize = 256;
 
+/// A block's layout in the dense one-token `*_s` kernels: `groups` row groups of `SPREAD_ROWS`
+/// rows, each group `threads_per_row` threads wide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Spread {
+    pub threads_per_row: usize,
+    pub groups: usize,
+}
+
+impl Spread {
+    pub fn rows_per_block(&self) -> usize {
+        self.groups * SPREAD_ROWS
+    }
+
+    pub fn block_threads(&self) -> u32 {
+        (self.groups * self.threads_per_row) as u32
+    }
+}
+
 impl Mat {
     /// How many threads of the one-token `*_s` kernels share a row (16 columns each), if this
     /// matrix fits them: 4-bit affine, groups of 16 or more, a multiple of 128 columns (whole
@@ -122,13 +140,17 @@ impl Mat {
             .then_some(cols / SPREAD_CODES)
     }
 
-    /// Row groups per block of the dense `*_s` kernels (the most that make whole warps of at most
-    /// 256 threads), if this matrix fits them.
-    pub fn spread_groups(&self) -> Option<usize> {
-        let g = self.spread_threads()?;
-        (1..=SPREAD_BLOCK / g)
+    /// How the dense `*_s` kernels lay this matrix out (row groups per block: the most that make
+    /// whole warps of at most 256 threads), if it fits them.
+    pub fn spread(&self) -> Option<Spread> {
+        let threads_per_row = self.spread_threads()?;
+        let groups = (1..=SPREAD_BLOCK / threads_per_row)
             .rev()
-            .find(|n| (n * g).is_multiple_of(32))
+            .find(|n| (n * threads_per_row).is_multiple_of(32))?;
+        Some(Spread {
+            threads_per_row,
+            groups,
+        })
     }
 
     /// Which compiled variant of the matrix kernels runs this format (index into
@@ -205,7 +227,8 @@ mod tests {
             (4, 32, 512, Some((32, 8))),
             (4, 128, 640, Some((40, 4))),
             (4, 16, 128, Some((8, 32))),
-            // 72 threads per row: no block of whole warps up to 256 threads.
+            // 72 threads per row: no block of whole warps up to 256 threads (the MoE's down
+            // kernel, whose blocks hold K rows of threads, may still take it).
             (4, 64, 1152, None),
             // Not a multiple of 128 columns, too wide, groups under 16 columns, 8-bit.
             (4, 64, 1000, None),
@@ -214,10 +237,16 @@ mod tests {
             (8, 64, 2048, None),
         ] {
             let m = affine(bits, group, cols);
-            let got = m.spread_threads().zip(m.spread_groups());
+            let got = m.spread().map(|s| (s.threads_per_row, s.groups));
             assert_eq!(got, want, "{bits}-bit, group {group}, {cols} columns");
-            if let Some((g, n)) = got {
-                assert!(g * n <= 256 && (g * n) % 32 == 0 && g % 8 == 0);
+            if let Some(s) = m.spread() {
+                let threads = s.block_threads() as usize;
+                assert!(
+                    threads <= 256
+                        && threads.is_multiple_of(32)
+                        && s.threads_per_row.is_multiple_of(8)
+                );
+                assert_eq!(s.rows_per_block(), s.groups * SPREAD_ROWS);
             }
         }
         let dense = Mat {
