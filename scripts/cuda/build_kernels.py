@@ -97,9 +97,15 @@ def main() -> None:
     ptx = compile_ptx(base, source)
     OUTPUT.write_bytes(stamp + ptx)
     print(f"wrote {OUTPUT.relative_to(ROOT)} ({len(ptx)} bytes)")
-    for arch in ["sm_90", "sm_80"]:
+    # On 9.0 and newer the loader turns the marker comments into instructions (kernels.rs): assemble
+    # that text for sm_90, the PTX as built for sm_80.
+    patched = TOOLCHAIN / "sluice_sm90.ptx"
+    patched.write_bytes(
+        OUTPUT.read_bytes().replace(b".target sm_80", b".target sm_90", 1).replace(b"// sluice-pdl: ", b"")
+    )
+    for arch, ptx_file in [("sm_90", patched), ("sm_80", OUTPUT)]:
         out = subprocess.run(
-            [str(base / "cuda_nvcc/bin/ptxas"), f"-arch={arch}", "-v", str(OUTPUT), "-o", "/dev/null"],
+            [str(base / "cuda_nvcc/bin/ptxas"), f"-arch={arch}", "-v", str(ptx_file), "-o", "/dev/null"],
             capture_output=True,
             text=True,
         )
