@@ -555,7 +555,15 @@ pub fn rope<B: Backend>(b: &B, tol: Tolerance) {
 /// cloned (the clone must not share storage).
 pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
     let mut rng = Rng::new(6);
-    for (heads, kv_heads, hd) in [(8, 2, 64), (4, 4, 128), (16, 1, 32), (32, 4, 256)] {
+    // (32, 4, 128) is Qwen3-30B-A3B's layout; (16, 1, 64) a group of 16.
+    for (heads, kv_heads, hd) in [
+        (8, 2, 64),
+        (4, 4, 128),
+        (16, 1, 32),
+        (32, 4, 256),
+        (32, 4, 128),
+        (16, 1, 64),
+    ] {
         let (qw, kw) = (heads * hd, kv_heads * hd);
         let mut cache = b.kv_cache(kv_heads, hd, 64).expect("kv_cache");
         let (mut keys, mut values) = (Vec::new(), Vec::new());
@@ -604,6 +612,14 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
             &mut values,
             40,
             "prefill of 40 after 8",
+        );
+        // A longer one: many tiles of keys and of query rows, ending mid-tile.
+        step(
+            &mut cache,
+            &mut keys,
+            &mut values,
+            123,
+            "prefill of 123 after 48",
         );
         b.kv_truncate(&mut cache, 3);
         keys.truncate(3 * kw);

@@ -440,16 +440,18 @@ GEMM_TC(K_GENERIC, generic)
 // ---- exact-weight tensor-core products (4- and 8-bit affine, bf16 weights) ----
 //
 // These weights reach the tensor cores exactly: an affine code q (0..255) and a bf16 weight are bf16
-// values. Only the activation is split, into three bf16 parts (x = hi + mid + lo to 24 bits, an f32's
-// precision), and for affine weights y = sum over groups of s (q . x) + b (sum x), the q . x of a
-// group accumulated by mma.sync m16n8k16 in f32 and scaled once per group: three bf16 products per
-// 16 columns where the 3xTF32 path needs six tf32 ones, and no split of the weights. Groups must
+// values. Only the activation is split, into TQ_PARTS bf16 parts (x = hi + lo to 16 bits), and for
+// affine weights y = sum over groups of s (q . x) + b (sum x), the q . x of a group accumulated by
+// mma.sync m16n8k16 in f32 and scaled once per group: two bf16 products per 16 columns where the
+// 3xTF32 path needs six tf32 ones, and no split of the weights. Groups must
 // be multiples of the 32-column tile (mlx's 32, 64, 128). A block of 4 warps computes BM weight
 // rows x BN tokens; a warp MI 16-row slices x NJ 8-token slices; the warps lie WM x WN.
 
 #define TQ_BK 32
-// bf16 parts per activation (TQ_PARTS x 8 significant bits).
-#define TQ_PARTS 3
+// bf16 parts per activation (TQ_PARTS x 8 significant bits): two, 16 bits, a relative error of at
+// most 2^-17 per activation (a third part, f32's 24 bits, cost 9% of a 512-token prefill on an
+// H100 for error far under any tolerance the outputs are held to).
+#define TQ_PARTS 2
 // Words per shared tile row: 16 of data (32 bf16) and 4 of padding (conflict-free fragments).
 #define TQ_LD 20
 
@@ -1047,99 +1049,150 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
     }
 }
 
-// Causal attention for many query tokens (prefill), flash-style: a block of 4 warps takes one
-// kv head and 8 query rows (the heads / kv_heads query heads sharing it, times 8 / that many
-// tokens), and walks the positions in tiles of TK keys and values staged in shared memory, which
-// all 8 rows use (the one-row kernel above reads them from L2 once per row). Per row an online
-// softmax: in a tile, lane p scores position p (q read from shared memory as a broadcast), the
-// warp takes the tile's max and sum, and each lane accumulates its HPL = hd / 32 output dims.
-// Grid (kv_heads, ntok / (8 / group)), 128 threads.
-template <int HPL>
-__device__ void attention_rows(const float* q, const float* keys, const float* values, float* out,
-                               int heads, int kv_heads, int total, int ntok, float scale) {
-    constexpr int HD = 32 * HPL, TK = HPL <= 4 ? 32 : 16, ROWS = 2;  // rows per warp
-    __shared__ __align__(16) float qs[4 * ROWS][HD];
-    __shared__ __align__(16) float ks[TK][HD + 4];
-    __shared__ float vs[TK][HD];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int kv = blockIdx.x, group = heads / kv_heads, tq = 4 * ROWS / group;
-    const int t0 = blockIdx.y * tq, width = kv_heads * HD;
-    float acc[ROWS][HPL], m[ROWS], l[ROWS];
-    int n_row[ROWS];  // positions row i sees (0: no such row)
-    for (int idx = threadIdx.x; idx < 4 * ROWS * HD; idx += blockDim.x) {
-        const int rho = idx / HD, t = t0 + rho % tq, h = kv * group + rho / tq;
-        qs[rho][idx % HD] = t < ntok ? q[((long)t * heads + h) * HD + idx % HD] : 0.0f;
+// Causal attention for many query tokens (prefill), flash-style with register tiles: a block of
+// 128 threads takes one kv head and 64 query rows (the heads / kv_heads query heads sharing it,
+// times 64 / that many tokens), and walks the positions in tiles of 16 keys, which all 64 rows
+// use (the one-row kernel above reads them from L2 once per row). Per tile, with q staged transposed in
+// shared memory once: the keys are staged transposed; thread (g, j) = (tid / 8, tid % 8) scores
+// rows 4g..4g+3 against keys 2j, 2j+1 (8 dots built up over the head dims at once); the 8
+// threads of a row group share each row's max and sum by shuffles (online softmax) and write the
+// weights to shared memory; the values take the keys' place; thread (g, j) then accumulates rows
+// 4g..4g+3 at dims 4j + 32i. The blocks with the most positions (the last tokens) start first.
+// Grid (kv_heads, ceil(ntok / (64 / group))), 128 threads; group divides 64; HD 64 or 128.
+template <int HD>
+__device__ void attention_tiles(const float* q, const float* keys, const float* values,
+                                float* out, int heads, int kv_heads, int total, int ntok,
+                                float scale) {
+    constexpr int R = 64, TK = 16, RP = R + 4, KP = TK + 2, DV = HD / 32;
+    constexpr int KV_WORDS = HD * KP > TK * HD ? HD * KP : TK * HD;
+    __shared__ __align__(16) float qt[HD][RP];   // q transposed: qt[d][row]
+    __shared__ __align__(16) float kv[KV_WORDS];  // keys transposed [HD][KP], then values [TK][HD]
+    __shared__ __align__(16) float pt[TK][RP];   // weights transposed: pt[key][row]
+    const int tid = threadIdx.x, g = tid / 8, j = tid % 8;
+    const int kvh = blockIdx.x, group = heads / kv_heads, qt_tokens = R / group;
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * qt_tokens, width = kv_heads * HD;
+    for (int idx = tid; idx < R * HD / 4; idx += blockDim.x) {
+        const int rho = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
+        const int t = t0 + rho % qt_tokens, h = kvh * group + rho / qt_tokens;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (t < ntok) v = *reinterpret_cast<const float4*>(q + ((long)t * heads + h) * HD + d);
+        qt[d][rho] = v.x;
+        qt[d + 1][rho] = v.y;
+        qt[d + 2][rho] = v.z;
+        qt[d + 3][rho] = v.w;
     }
+    int n_row[4];  // positions row 4g + i sees (0: no such row)
+    float m[4], l[4], acc[4][4 * DV];
 #pragma unroll
-    for (int i = 0; i < ROWS; i++) {
-        const int t = t0 + (warp + 4 * i) % tq;
+    for (int i = 0; i < 4; i++) {
+        const int t = t0 + (4 * g + i) % qt_tokens;
         n_row[i] = t < ntok ? total - ntok + t + 1 : 0;
-#pragma unroll
-        for (int j = 0; j < HPL; j++) acc[i][j] = 0.0f;
         m[i] = -INFINITY;
         l[i] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 4 * DV; c++) acc[i][c] = 0.0f;
     }
-    // The block's last token sees the most positions.
-    const int n_block = total - ntok + min(t0 + tq, ntok);
+    const int n_block = total - ntok + min(t0 + qt_tokens, ntok);
     for (int p0 = 0; p0 < n_block; p0 += TK) {
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < TK * HD / 4; idx += blockDim.x) {
+        __syncthreads();  // the previous tile's values and weights are used up
+        for (int idx = tid; idx < TK * HD / 4; idx += blockDim.x) {
             const int p = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
-            const long at = (long)(p0 + p) * width + (long)kv * HD + d;
-            const bool in = p0 + p < n_block;
-            const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            *reinterpret_cast<float4*>(&ks[p][d]) = in ? *reinterpret_cast<const float4*>(keys + at) : z;
-            *reinterpret_cast<float4*>(&vs[p][d]) = in ? *reinterpret_cast<const float4*>(values + at) : z;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (p0 + p < n_block)
+                v = *reinterpret_cast<const float4*>(keys + (long)(p0 + p) * width + (long)kvh * HD + d);
+            kv[d * KP + p] = v.x;
+            kv[(d + 1) * KP + p] = v.y;
+            kv[(d + 2) * KP + p] = v.z;
+            kv[(d + 3) * KP + p] = v.w;
         }
         __syncthreads();
-#pragma unroll
-        for (int i = 0; i < ROWS; i++) {
-            if (p0 >= n_row[i]) continue;  // uniform in the warp
-            // Lanes past a 16-key tile score a copy, then drop it.
-            const float4* qv = reinterpret_cast<const float4*>(qs[warp + 4 * i]);
-            const float4* kr = reinterpret_cast<const float4*>(ks[lane % TK]);
-            float s = 0.0f;
+        float s[4][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll 8
-            for (int c = 0; c < HD / 4; c++) {
-                const float4 a = qv[c], b = kr[c];
-                s = fmaf(a.x, b.x, s);
-                s = fmaf(a.y, b.y, s);
-                s = fmaf(a.z, b.z, s);
-                s = fmaf(a.w, b.w, s);
-            }
-            const bool valid = lane < TK && p0 + lane < n_row[i];
-            s = valid ? s * scale : -INFINITY;
-            const float m_new = fmaxf(m[i], warp_max(s));
-            const float correction = expf(m[i] - m_new);
-            const float e = valid ? expf(s - m_new) : 0.0f;
-            l[i] = l[i] * correction + warp_sum(e);
+        for (int d = 0; d < HD; d++) {
+            const float4 a = *reinterpret_cast<const float4*>(&qt[d][4 * g]);
+            const float2 b = *reinterpret_cast<const float2*>(&kv[d * KP + 2 * j]);
+            s[0][0] = fmaf(a.x, b.x, s[0][0]); s[0][1] = fmaf(a.x, b.y, s[0][1]);
+            s[1][0] = fmaf(a.y, b.x, s[1][0]); s[1][1] = fmaf(a.y, b.y, s[1][1]);
+            s[2][0] = fmaf(a.z, b.x, s[2][0]); s[2][1] = fmaf(a.z, b.y, s[2][1]);
+            s[3][0] = fmaf(a.w, b.x, s[3][0]); s[3][1] = fmaf(a.w, b.y, s[3][1]);
+        }
+        float correction[4];
 #pragma unroll
-            for (int j = 0; j < HPL; j++) acc[i][j] *= correction;
-#pragma unroll 4
-            for (int p = 0; p < TK; p++) {
-                const float ep = __shfl_sync(0xffffffffu, e, p);
+        for (int i = 0; i < 4; i++) {
+            float mx = -INFINITY;
 #pragma unroll
-                for (int j = 0; j < HPL; j++) acc[i][j] = fmaf(ep, vs[p][lane + 32 * j], acc[i][j]);
+            for (int c = 0; c < 2; c++) {
+                const bool valid = p0 + 2 * j + c < n_row[i];
+                s[i][c] = valid ? s[i][c] * scale : -INFINITY;
+                mx = fmaxf(mx, s[i][c]);
             }
+#pragma unroll
+            for (int o = 4; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m[i], mx);
+            // A row that has seen nothing yet (or never will) keeps zeros.
+            correction[i] = m_new == -INFINITY ? 1.0f : expf(m[i] - m_new);
+            float sum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const float e = s[i][c] == -INFINITY ? 0.0f : expf(s[i][c] - m_new);
+                pt[2 * j + c][4 * g + i] = e;
+                sum += e;
+            }
+#pragma unroll
+            for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            l[i] = l[i] * correction[i] + sum;
             m[i] = m_new;
         }
+        __syncthreads();  // the keys are used up, the weights written
+        for (int idx = tid; idx < TK * HD / 4; idx += blockDim.x) {
+            const int p = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (p0 + p < n_block)
+                v = *reinterpret_cast<const float4*>(values + (long)(p0 + p) * width + (long)kvh * HD + d);
+            *reinterpret_cast<float4*>(&kv[p * HD + d]) = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int c = 0; c < 4 * DV; c++) acc[i][c] *= correction[i];
+#pragma unroll 4
+        for (int p = 0; p < TK; p++) {
+            const float4 w = *reinterpret_cast<const float4*>(&pt[p][4 * g]);
+            const float wr[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int u = 0; u < DV; u++) {
+                const float4 v = *reinterpret_cast<const float4*>(&kv[p * HD + 4 * j + 32 * u]);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    acc[i][4 * u] = fmaf(wr[i], v.x, acc[i][4 * u]);
+                    acc[i][4 * u + 1] = fmaf(wr[i], v.y, acc[i][4 * u + 1]);
+                    acc[i][4 * u + 2] = fmaf(wr[i], v.z, acc[i][4 * u + 2]);
+                    acc[i][4 * u + 3] = fmaf(wr[i], v.w, acc[i][4 * u + 3]);
+                }
+            }
+        }
     }
 #pragma unroll
-    for (int i = 0; i < ROWS; i++) {
-        const int rho = warp + 4 * i, t = t0 + rho % tq, h = kv * group + rho / tq;
+    for (int i = 0; i < 4; i++) {
+        const int rho = 4 * g + i, t = t0 + rho % qt_tokens, h = kvh * group + rho / qt_tokens;
         if (t >= ntok) continue;
+        float* o = out + ((long)t * heads + h) * HD;
 #pragma unroll
-        for (int j = 0; j < HPL; j++) out[((long)t * heads + h) * HD + lane + 32 * j] = acc[i][j] / l[i];
+        for (int u = 0; u < DV; u++)
+            *reinterpret_cast<float4*>(o + 4 * j + 32 * u) =
+                make_float4(acc[i][4 * u] / l[i], acc[i][4 * u + 1] / l[i], acc[i][4 * u + 2] / l[i],
+                            acc[i][4 * u + 3] / l[i]);
     }
 }
 
-#define ATTENTION_ROWS(HPL) \
-    extern "C" __global__ void __launch_bounds__(128) attention_rows_##HPL( \
+#define ATTENTION_TILES(HD) \
+    extern "C" __global__ void __launch_bounds__(128) attention_tiles_##HD( \
         const float* q, const float* keys, const float* values, float* out, int heads, \
         int kv_heads, int total, int ntok, float scale) { PDL_START(); \
-        attention_rows<HPL>(q, keys, values, out, heads, kv_heads, total, ntok, scale); \
+        attention_tiles<HD>(q, keys, values, out, heads, kv_heads, total, ntok, scale); \
     }
-ATTENTION_ROWS(2) ATTENTION_ROWS(4)
+ATTENTION_TILES(64) ATTENTION_TILES(128)
 
 // ------------------------------------------------------------------------------------------------
 // Routing and experts

@@ -614,9 +614,9 @@ impl CudaBackend {
     /// How `attend` runs `rows` queries: `Some(splits)` with the one-row kernel (`splits > 1`:
     /// decode), `None` with the many-row kernel (head sizes 64 and 128 only).
     fn attend_plan(rows: usize, heads: usize, kv_heads: usize, hd: usize) -> Option<usize> {
-        // (Head size 256 measured slower with the many-row kernel on an H100: 413 us vs ~380 per
-        // layer of the 35B shape's 512-token prefill, so it keeps the one-row kernel.)
-        if matches!(hd, 64 | 128) && rows >= 16 && 8 % (heads / kv_heads) == 0 {
+        // (Head size 256 keeps the one-row kernel: its query tile would not fit in shared memory,
+        // and an earlier 8-row kernel measured slower there on an H100.)
+        if matches!(hd, 64 | 128) && rows >= 16 && 64 % (heads / kv_heads) == 0 {
             return None;
         }
         // Few (head, token) pairs cannot fill the GPU: split each token's positions over blocks
@@ -691,10 +691,10 @@ impl CudaBackend {
         };
         if plan.is_none() {
             let which = usize::from(hd == 128);
-            // Prefill: 8 query rows of one kv head per block, keys and values shared.
+            // Prefill: 64 query rows of one kv head per block, keys and values shared.
             self.d.launch(
-                &self.d.k.attention_rows[which],
-                (kvh as u32, grid(rows, 8 / group), 1),
+                &self.d.k.attention_tiles[which],
+                (kvh as u32, grid(rows, 64 / group), 1),
                 (128, 1, 1),
                 &[
                     Arg::Ptr(qp),

@@ -52,8 +52,9 @@ pub(crate) struct Kernels {
     pub rope: CudaFunction,
     pub rms_norm_rope: CudaFunction,
     pub attention: CudaFunction,
-    /// Prefill attention by head size 64, 128: 8 query rows of one kv head per block.
-    pub attention_rows: Vec<CudaFunction>,
+    /// Prefill attention by head size 64, 128: 64 query rows of one kv head per block, register
+    /// tiles.
+    pub attention_tiles: Vec<CudaFunction>,
     pub route: CudaFunction,
     /// The router's product and `route` in one launch, by weight kind.
     pub route_gemv: Vec<CudaFunction>,
@@ -177,9 +178,9 @@ impl Kernels {
             rope: f("rope")?,
             rms_norm_rope: f("rms_norm_rope")?,
             attention: f("attention")?,
-            attention_rows: [2, 4]
+            attention_tiles: [64, 128]
                 .iter()
-                .map(|h| f(&format!("attention_rows_{h}")))
+                .map(|h| f(&format!("attention_tiles_{h}")))
                 .collect::<Result<_, _>>()?,
             route: f("route")?,
             route_gemv: KINDS
