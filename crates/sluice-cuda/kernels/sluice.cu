@@ -2607,10 +2607,9 @@ extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set,
 // of 16 columns; the dots are added weighted in ascending expert id, onto `out` when
 // `accumulate`, else from zero (moe_down_q4_w's order: bit-identical however the experts are split
 // over calls).
-extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
+__device__ __forceinline__ void moe_down_q4s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
-    PDL_START();
     constexpr int R = SPREAD_ROWS;
     __shared__ float part[R * 1024 / 8];
     __shared__ float dots[R][MOE_MAX_K];
@@ -2658,4 +2657,21 @@ extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
         }
         out[o] = a;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
+    PDL_START();
+    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
+}
+
+// moe_down_q4_s for blocks of at most 384 threads, four to a multiprocessor (registers capped to
+// fit): Qwen3-30B-A3B's 2048 / 4 blocks of 8 x 48 threads then run in one wave of 132 x 4 instead
+// of a wave of 132 x 3 and a partial second one.
+extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
+    PDL_START();
+    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
 }

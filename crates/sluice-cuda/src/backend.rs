@@ -164,6 +164,8 @@ const FUSED_ROUTE_TOKENS: usize = 64;
 const ALL_DONE_COUNTER: usize = SPLIT_ATTENTION_PAIRS + FUSED_ROUTE_TOKENS;
 /// `Mat::kind` of 4-bit affine weights.
 const KIND_Q4: usize = 1;
+/// The most threads a block of `moe_down_q4_s384` has (its launch bounds).
+pub(crate) const MOE_DOWN_S384: usize = 384;
 /// `MOE_DOWN_W_ROWS` in the kernels: output rows per block of `moe_down_q4_w`.
 const MOE_DOWN_W_ROWS: usize = 4;
 
@@ -460,8 +462,15 @@ impl CudaBackend {
             .map(|g| g * routing.k)
             .filter(|&b| q4_down && b <= 1024 && b.is_multiple_of(32));
         if let Some(block) = spread_down {
+            // Blocks small enough for four per multiprocessor take the kernel whose registers are
+            // capped for that (one wave instead of one and a part, for Qwen3-30B-A3B's shape).
+            let small = block <= MOE_DOWN_S384;
             self.d.launch(
-                &k.moe_down_q4_s,
+                if small {
+                    &k.moe_down_q4_s384
+                } else {
+                    &k.moe_down_q4_s
+                },
                 (grid(x.cols, SPREAD_ROWS), routing.rows as u32, 1),
                 (block as u32, 1, 1),
                 &down_args,

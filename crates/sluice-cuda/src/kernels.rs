@@ -76,6 +76,9 @@ pub(crate) struct Kernels {
     pub gemv_gated_q4_t1_s: CudaFunction,
     pub gemv_multi_q4_t1_s: CudaFunction,
     pub moe_down_q4_s: CudaFunction,
+    /// `moe_down_q4_s` for blocks of at most [`crate::backend::MOE_DOWN_S384`] threads, four to a
+    /// multiprocessor.
+    pub moe_down_q4_s384: CudaFunction,
     /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
     /// and the weighted sum per token.
     pub moe_group: CudaFunction,
@@ -211,6 +214,7 @@ impl Kernels {
             gemv_gated_q4_t1_s: f("gemv_gated_q4_t1_s")?,
             gemv_multi_q4_t1_s: f("gemv_multi_q4_t1_s")?,
             moe_down_q4_s: f("moe_down_q4_s")?,
+            moe_down_q4_s384: f("moe_down_q4_s384")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,
             delta_prep: f("delta_prep")?,
