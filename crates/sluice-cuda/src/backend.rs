@@ -1890,3 +1890,43 @@ impl Backend for CudaBackend {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Prefill attention takes the tiled kernel only where it computes the right thing: head
+    /// sizes 64 and 128, and query heads per kv head dividing its 64 rows.
+    #[test]
+    fn attention_plans() {
+        let tiles = |rows, heads, kv_heads, hd| CudaBackend::attend_plan(rows, heads, kv_heads, hd);
+        for (heads, kv_heads, hd) in [(32, 4, 128), (16, 1, 64), (64, 1, 128), (8, 8, 64)] {
+            assert_eq!(
+                tiles(512, heads, kv_heads, hd),
+                None,
+                "{heads}/{kv_heads} of {hd}"
+            );
+        }
+        // A group of 3 or 128, head sizes 256 and 32, and few rows keep the one-row kernel.
+        assert_eq!(tiles(512, 24, 8, 128), Some(1));
+        assert_eq!(tiles(512, 128, 1, 128), Some(1));
+        assert_eq!(tiles(512, 16, 2, 256), Some(1));
+        assert_eq!(tiles(512, 16, 4, 32), Some(1));
+        assert_eq!(tiles(15, 32, 4, 128), Some(1));
+        assert_eq!(tiles(15, 8, 2, 128), Some(ATTENTION_SPLITS));
+        assert_eq!(tiles(1, 32, 4, 128), Some(ATTENTION_SPLITS));
+    }
+
+    /// The block limit the host picks `moe_down_q4_s384` by is the kernel's launch bound: a larger
+    /// block would fail to launch.
+    #[test]
+    fn moe_down_s384_bounds() {
+        let source = include_str!("../kernels/sluice.cu");
+        assert!(
+            source.contains(&format!(
+                "__launch_bounds__({MOE_DOWN_S384}, 4) moe_down_q4_s384("
+            )),
+            "moe_down_q4_s384's launch bounds differ from MOE_DOWN_S384"
+        );
+    }
+}
