@@ -37,13 +37,17 @@ int main(int argc, char** argv) {
   auto gu_w = [&](int i) { moe_gate_up_q4_w<<<dim3((inter + 7) / 8, K), 128, 0, st>>>(tables[i], nullptr, -1, ids[i], K, x, h); };
   auto dn_w = [&](int i) { moe_down_q4_w<<<dim3(hidden / MOE_DOWN_W_ROWS, 1), 128, 0, st>>>(tables[i], nullptr, -1, ids[i], wts[i], K, h, out, hidden, 0); };
   auto dn_s = [&](int i) { moe_down_q4_s<<<dim3(hidden / SPREAD_ROWS, 1), K * (inter / 16), 0, st>>>(tables[i], nullptr, -1, ids[i], wts[i], K, h, out2, hidden, 0); };
+  // What the engine runs for blocks of up to 384 threads (four blocks per multiprocessor).
+  auto dn_s384 = [&](int i) { moe_down_q4_s384<<<dim3(hidden / SPREAD_ROWS, 1), K * (inter / 16), 0, st>>>(tables[i], nullptr, -1, ids[i], wts[i], K, h, out2, hidden, 0); };
   // correctness: the same down projections (to a tolerance) from both
   gu_w(0); dn_w(0); dn_s(0); CK(cudaStreamSynchronize(st));
   std::vector<float> c(hidden), d(hidden); CK(cudaMemcpy(c.data(), out, hidden * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(d.data(), out2, hidden * 4, cudaMemcpyDeviceToHost));
   double mx = 0, err = 0; for (int i = 0; i < hidden; i++) { mx = fmax(mx, fabs(c[i])); err = fmax(err, fabs(c[i] - d[i])); } printf("  down: max|w - s| / max|w| = %.1e\n", err / mx);
   for (int rep = 0; rep < 2; rep++) {
     printf("  gate_up q4_w %6.2f us\n", time_graph(st, L, gu_w));
-    printf("  down    q4_w %6.2f us   q4_s %6.2f us\n", time_graph(st, L, dn_w), time_graph(st, L, dn_s));
+    printf("  down    q4_w %6.2f us   q4_s %6.2f us", time_graph(st, L, dn_w), time_graph(st, L, dn_s));
+    if (K * (inter / 16) <= 384) printf("   q4_s384 %6.2f us", time_graph(st, L, dn_s384));
+    printf("\n");
   }
   // dense: q [4096, 2048], o [2048, 4096] (distinct per layer)
   for (auto sh : {std::make_pair(4096, 2048), std::make_pair(2048, 4096), std::make_pair(512, 2048), std::make_pair(12352, 2048), std::make_pair(151936, 2048)}) {
