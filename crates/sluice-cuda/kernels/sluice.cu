@@ -1052,9 +1052,10 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
 // Causal attention for many query tokens (prefill), flash-style with register tiles: a block of
 // 128 threads takes one kv head and 64 query rows (the heads / kv_heads query heads sharing it,
 // times 64 / that many tokens), and walks the positions in tiles of 16 keys, which all 64 rows
-// use (the one-row kernel above reads them from L2 once per row). Per tile, with q staged transposed in
-// shared memory once: the keys are staged transposed; thread (g, j) = (tid / 8, tid % 8) scores
-// rows 4g..4g+3 against keys 2j, 2j+1 (8 dots built up over the head dims at once); the 8
+// use (the one-row kernel above reads them from L2 once per row). Per tile, with q staged
+// transposed in shared memory once: the keys are staged transposed; thread (g, j) =
+// (tid / 8, tid % 8) scores rows 4g..4g+3 against keys 2j, 2j+1 (8 dots built up over the head
+// dims at once); the 8
 // threads of a row group share each row's max and sum by shuffles (online softmax) and write the
 // weights to shared memory; the values take the keys' place; thread (g, j) then accumulates rows
 // 4g..4g+3 at dims 4j + 32i. The blocks with the most positions (the last tokens) start first.
