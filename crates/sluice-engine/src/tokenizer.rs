@@ -282,10 +282,14 @@ mod tests {
         })
     }
 
+    /// Writes `v` to a file of its own: tests run in parallel threads of one process, and a
+    /// shared name let one test read another's half-written file.
     fn write_tmp(name: &str, v: &serde_json::Value) -> PathBuf {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("sluice-tok-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(name);
+        let path = dir.join(format!("{n}-{name}"));
         std::fs::write(&path, serde_json::to_vec(v).unwrap()).unwrap();
         path
     }
