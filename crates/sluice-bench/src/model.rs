@@ -60,6 +60,9 @@ pub struct LimitRates {
 #[derive(Debug, Clone, Serialize)]
 pub struct RunResult {
     pub model: PathBuf,
+    /// What the caller varied besides the other fields, e.g. the CPU kernels ("" if nothing):
+    /// shown after the model's name.
+    pub variant: String,
     pub test: String,
     pub threads: usize,
     pub experts_per_token: usize,
@@ -187,6 +190,7 @@ pub fn run_model<B: Backend + 'static>(
                     let bytes_per_token = bytes_per_token(engine, test);
                     Ok(RunResult {
                         model: dir.clone(),
+                        variant: String::new(),
                         test: test.name(),
                         threads,
                         experts_per_token: k,
@@ -295,6 +299,11 @@ pub fn markdown_table(results: &[RunResult]) -> String {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| r.model.display().to_string());
+        let name = if r.variant.is_empty() {
+            name
+        } else {
+            format!("{name} ({})", r.variant)
+        };
         let limit = match (r.limit, r.limit_gbps) {
             (l, Some(g)) => format!("{} {g:.1} GB/s", format!("{l:?}").to_lowercase()),
             (l, None) => format!("{} (not measured)", format!("{l:?}").to_lowercase()),

@@ -53,6 +53,11 @@ pub struct BenchArgs {
     /// `cuda` or `cuda:N`.
     #[arg(long, default_value = "auto", value_name = "DEVICE")]
     device: crate::device::Device,
+    /// CPU kernels to run (comma-separated, each a run of every test): `fast` (integer 4-bit
+    /// products; the default) and/or `exact` (f32). `--kernels fast,exact` compares them in one
+    /// run. No effect on a GPU.
+    #[arg(long, value_delimiter = ',', value_name = "fast|exact")]
+    kernels: Vec<sluice_cpu::Kernels>,
     /// Measure disk throughput first (O_DIRECT; sequential, and random blocks at queue depth 1
     /// and N) on --file, else on the first model's experts.bin (packed) or largest safetensors
     /// file.
@@ -106,14 +111,37 @@ impl FromStr for CacheArg {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    match crate::device::pick(a.device)? {
-        crate::device::Picked::Cpu(b) => run_on(b, a, false),
-        crate::device::Picked::Cuda(b) => run_on(b, a, true),
+    let mut kernels = a.kernels.clone();
+    if kernels.is_empty() {
+        kernels.push(sluice_cpu::Kernels::Fast);
+    }
+    match crate::device::pick(a.device, kernels[0])? {
+        crate::device::Picked::Cpu(b) => {
+            // One CPU backend per `--kernels` value; rows name theirs when there are several.
+            let mut backends = vec![(b, String::new())];
+            if kernels.len() > 1 {
+                backends = kernels
+                    .iter()
+                    .map(|&k| {
+                        let b = sluice_cpu::CpuBackend::with_kernels(k);
+                        (Arc::new(b), format!("{} kernels", k.name()))
+                    })
+                    .collect();
+            }
+            run_on(&backends, a, false)
+        }
+        crate::device::Picked::Cuda(b) => run_on(&[(b, String::new())], a, true),
     }
 }
 
-/// The benchmarks on `backend`; `gpu` picks the memory limit (`--memory`): a device copy.
-fn run_on<B: Backend + 'static>(backend: Arc<B>, mut a: BenchArgs, gpu: bool) -> Result<()> {
+/// The benchmarks on each of `backends` (with the label of its rows); `gpu` picks the memory
+/// limit (`--memory`): a device copy.
+fn run_on<B: Backend + 'static>(
+    backends: &[(Arc<B>, String)],
+    mut a: BenchArgs,
+    gpu: bool,
+) -> Result<()> {
+    let backend = &backends[0].0;
     if a.model.is_empty() && !a.memory && !a.disk {
         a.model.push(crate::model_dir(None)?);
     }
@@ -201,7 +229,10 @@ fn run_on<B: Backend + 'static>(backend: Arc<B>, mut a: BenchArgs, gpu: bool) ->
             .collect()
     };
     for dir in &a.model {
-        for cache in &caches {
+        for ((backend, variant), cache) in backends
+            .iter()
+            .flat_map(|b| caches.iter().map(move |c| (b, c)))
+        {
             let opts = LoadOptions {
                 streaming: a.stream.options(*cache)?,
                 ..LoadOptions::default()
@@ -225,10 +256,16 @@ fn run_on<B: Backend + 'static>(backend: Arc<B>, mut a: BenchArgs, gpu: bool) ->
                     s.io_description()
                 )),
             );
+            let first = results.len();
             results.extend(run_model(&mut engine, &settings, &rates, &mut |r| {
                 eprintln!(
-                    "  {} K={} threads={}: {:.2} ± {:.2} tok/s{}",
+                    "  {}{} K={} threads={}: {:.2} ± {:.2} tok/s{}",
                     r.test,
+                    if variant.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({variant})")
+                    },
                     r.experts_per_token,
                     r.threads,
                     r.tok_s,
@@ -241,6 +278,9 @@ fn run_on<B: Backend + 'static>(backend: Arc<B>, mut a: BenchArgs, gpu: bool) ->
                     ))
                 );
             })?);
+            for r in &mut results[first..] {
+                r.variant = variant.clone();
+            }
         }
     }
     if a.json {

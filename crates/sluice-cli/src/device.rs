@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 use sluice_backend::Backend as _;
-use sluice_cpu::CpuBackend;
+use sluice_cpu::{CpuBackend, Kernels};
 use sluice_cuda::CudaBackend;
 
 /// What `--device` asks for.
@@ -49,10 +49,10 @@ pub fn shape_probe() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::new())
 }
 
-/// Opens the backend `device` asks for; a GPU that cannot be used is a one-line error (or, for
-/// `auto`, a note and the CPU).
-pub fn pick(device: Device) -> Result<Picked> {
-    let cpu = || Picked::Cpu(Arc::new(CpuBackend::new()));
+/// Opens the backend `device` asks for, the CPU's with `kernels`; a GPU that cannot be used is
+/// a one-line error (or, for `auto`, a note and the CPU).
+pub fn pick(device: Device, kernels: Kernels) -> Result<Picked> {
+    let cpu = || Picked::Cpu(Arc::new(CpuBackend::with_kernels(kernels)));
     match device {
         Device::Cpu => Ok(cpu()),
         Device::Cuda(n) => sluice_cuda::open(n)
@@ -75,11 +75,11 @@ pub fn pick(device: Device) -> Result<Picked> {
     }
 }
 
-/// Binds `$backend` to the backend `$device` picks and runs `$body` with it (once per backend
-/// type, so the body can call generic functions).
+/// Binds `$backend` to the backend `$device` picks (the CPU's with `$kernels`) and runs `$body`
+/// with it (once per backend type, so the body can call generic functions).
 macro_rules! with_backend {
-    ($device:expr, |$backend:ident| $body:expr) => {
-        match $crate::device::pick($device)? {
+    ($device:expr, $kernels:expr, |$backend:ident| $body:expr) => {
+        match $crate::device::pick($device, $kernels)? {
             $crate::device::Picked::Cpu($backend) => $body,
             $crate::device::Picked::Cuda($backend) => $body,
         }
@@ -90,7 +90,7 @@ macro_rules! with_backend {
 /// the engine bound to `$engine`.
 macro_rules! with_engine {
     ($args:expr, |$engine:ident| $body:expr) => {
-        with_backend!($args.device, |backend| {
+        with_backend!($args.device, $args.kernels(), |backend| {
             let $engine = $crate::load($args, backend)?;
             $body
         })

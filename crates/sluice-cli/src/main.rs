@@ -23,6 +23,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use sluice_backend::Backend;
+use sluice_cpu::Kernels;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::sampler::SamplingParams;
 use sluice_engine::{Engine, Halt, LoadOptions, LogitsMode, TokenEvent};
@@ -80,6 +81,11 @@ pub(crate) struct ModelArgs {
     /// `cuda` or `cuda:N`.
     #[arg(long, default_value = "auto", value_name = "DEVICE")]
     pub(crate) device: device::Device,
+    /// CPU kernels for quantized weights: `fast` (4-bit products in integers against 8-bit
+    /// activations, memory-bound; the default, except for `logits`) or `exact` (f32, equal
+    /// to mlx-lm to ~1e-6). No effect on a GPU.
+    #[arg(long, value_name = "fast|exact")]
+    pub(crate) kernels: Option<Kernels>,
     /// CPU worker threads (default: all cores).
     #[arg(long, short = 't')]
     threads: Option<usize>,
@@ -93,6 +99,13 @@ pub(crate) struct ModelArgs {
     expert_cache: Option<ByteSize>,
     #[command(flatten)]
     stream: stream_args::StreamArgs,
+}
+
+impl ModelArgs {
+    /// `--kernels`, else the fast ones.
+    pub(crate) fn kernels(&self) -> Kernels {
+        self.kernels.unwrap_or(Kernels::Fast)
+    }
 }
 
 #[derive(Args)]
@@ -374,7 +387,9 @@ fn generate_on<B: Backend + 'static>(engine: Engine<B>, a: &GenerateArgs) -> Res
     Ok(())
 }
 
-fn logits(a: LogitsArgs) -> Result<()> {
+fn logits(mut a: LogitsArgs) -> Result<()> {
+    // Logits are for comparing with reference implementations: exact unless asked otherwise.
+    a.model.kernels.get_or_insert(Kernels::Exact);
     with_engine!(&a.model, |engine| logits_on(engine, &a))
 }
 

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release -p sluice-cpu --example matvec_bench \
-//!     [-- --quick --no-naive --hot --threads 1,2 --only TEXT]
+//!     [-- --quick --no-naive --hot --threads 1,2 --only TEXT --kernels fast|exact]
 //! ```
 //!
 //! Weights are cold: each case rotates over enough distinct copies (at least 256 MiB, far more
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use sluice_backend::{Dtype, MatRef, WeightFormat};
-use sluice_cpu::kernels::{self, load_scalar, MatmulJob};
+use sluice_cpu::kernels::{self, load_scalar, Kernels, MatmulJob};
 
 // ---------------------------------------------------------------------------------------------
 // The original naive kernel (the baseline)
@@ -278,6 +278,7 @@ struct Opts {
     quick: bool,
     hot: bool,
     only: Option<String>,
+    kernels: Kernels,
 }
 
 fn run_case(case: &Case, o: &Opts, rng: &mut Rng) {
@@ -312,7 +313,7 @@ fn run_case(case: &Case, o: &Opts, rng: &mut Rng) {
         if naive_path {
             naive_matmul_batch(&mut jobs);
         } else {
-            kernels::matmul_batch(&mut jobs);
+            kernels::matmul_batch(o.kernels, &mut jobs);
         }
     };
     for &t in &o.threads {
@@ -368,9 +369,17 @@ fn main() {
         hot: args.iter().any(|a| a == "--hot"),
         // `--only TEXT`: only the cases whose name contains TEXT.
         only: value("--only"),
+        // `--kernels fast|exact` (default exact).
+        kernels: value("--kernels")
+            .map(|k| k.parse().expect("--kernels fast|exact"))
+            .unwrap_or_default(),
     };
     let threads = o.threads.clone();
-    println!("SIMD level: {}", kernels::simd_level());
+    println!(
+        "SIMD level: {}, {} kernels",
+        kernels::simd_level(),
+        o.kernels.name()
+    );
     for &t in threads.iter().filter(|_| o.only.is_none()) {
         println!(
             "plain read of 512 MiB, {t} thread(s): {:.1} GB/s",

@@ -6,7 +6,7 @@ use sluice_backend::{
     HostRouting, MemoryInfo,
 };
 
-use crate::kernels::{self, MatmulJob};
+use crate::kernels::{self, Kernels, MatmulJob};
 
 /// f32 activations `[rows, cols]`, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,11 +50,23 @@ impl CpuKvCache {
 }
 
 #[derive(Debug, Default, Clone, Copy)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    kernels: Kernels,
+}
 
 impl CpuBackend {
+    /// The exact kernels: equal to the reference implementations to ~1e-6.
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend::default()
+    }
+
+    /// A backend whose quantized products run with `kernels` (see [`Kernels`]).
+    pub fn with_kernels(kernels: Kernels) -> Self {
+        CpuBackend { kernels }
+    }
+
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 }
 
@@ -70,8 +82,9 @@ impl Backend for CpuBackend {
 
     fn describe(&self) -> String {
         format!(
-            "cpu ({}, {} threads)",
+            "cpu ({}, {} kernels, {} threads)",
             kernels::simd_level(),
+            self.kernels.name(),
             rayon::current_num_threads()
         )
     }
@@ -194,7 +207,7 @@ impl Backend for CpuBackend {
         let w = w.as_ref();
         assert_eq!(x.cols, w.cols, "matmul: input width does not match weight");
         let mut out = CpuAct::zeros(x.rows, w.rows);
-        kernels::matmul(&w, &x.data, x.rows, &mut out.data);
+        kernels::matmul(self.kernels, &w, &x.data, x.rows, &mut out.data);
         out
     }
 
@@ -554,7 +567,7 @@ impl Backend for CpuBackend {
                     out: up,
                 });
             }
-            kernels::matmul_batch(&mut jobs);
+            kernels::matmul_batch(self.kernels, &mut jobs);
         }
         for (gate, up) in gates.iter_mut().zip(&ups) {
             swiglu_in_place(gate, up);
@@ -575,7 +588,7 @@ impl Backend for CpuBackend {
                     out,
                 })
                 .collect();
-            kernels::matmul_batch(&mut jobs);
+            kernels::matmul_batch(self.kernels, &mut jobs);
         }
         for (&e, down) in active.iter().zip(&downs) {
             for (j, &(r, w)) in rows_of[e].iter().enumerate() {

@@ -7,3 +7,4 @@ mod backend;
 pub mod kernels;
 
 pub use backend::{CpuAct, CpuBackend, CpuKvCache};
+pub use kernels::Kernels;

@@ -25,7 +25,11 @@
 //!   time. `SLUICE_SIMD=scalar|avx2|avx512|neon` forces a lower level; `SLUICE_GEMM_MIN_TOKENS=N`
 //!   overrides the decode/prefill threshold (for tuning).
 //! * Activations and accumulation stay f32 (the tests hold every path to 1e-5 of the largest
-//!   output against an f64 reference).
+//!   output against an f64 reference), unless the caller asks for [`Kernels::Fast`]: then 4-bit
+//!   decode quantizes each token's activations once per call to 8 bits per word of 8 values
+//!   (one scale each) and sums nibble x byte products in integers (AVX-512 VNNI `vpdpbusd`,
+//!   AVX-512 BW / AVX2 `vpmaddubsw` + `vpmaddwd`), about a quarter of the instructions of the
+//!   float path per weight byte, so the product is bound by memory instead of by the core.
 //!   Other affine widths (2, 3, 5, 6 bits) and group sizes go through a generic scalar
 //!   dequantizer and the same drivers.
 
@@ -57,19 +61,55 @@ pub struct MatmulJob<'a> {
     pub out: &'a mut [f32],
 }
 
+/// How activations meet quantized weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernels {
+    /// f32 activations and accumulation: equal to the reference implementations to ~1e-6.
+    #[default]
+    Exact,
+    /// 4-bit decode with activations quantized to 8 bits per 8 values and integer products
+    /// (see the module doc); every other product as in `Exact`. An approximation whose effect
+    /// on the logits is measured by the engine's tests.
+    Fast,
+}
+
+impl Kernels {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Exact => "exact",
+            Kernels::Fast => "fast",
+        }
+    }
+}
+
+impl std::str::FromStr for Kernels {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "exact" => Ok(Kernels::Exact),
+            "fast" => Ok(Kernels::Fast),
+            _ => Err(format!("unknown kernels `{s}` (use exact or fast)")),
+        }
+    }
+}
+
 /// `out = x W^T` with `x` `[tokens, w.cols]` and `out` `[tokens, w.rows]`.
-pub fn matmul(w: &MatRef, x: &[f32], tokens: usize, out: &mut [f32]) {
-    matmul_batch(&mut [MatmulJob {
-        w: *w,
-        x,
-        tokens,
-        out,
-    }]);
+pub fn matmul(kernels: Kernels, w: &MatRef, x: &[f32], tokens: usize, out: &mut [f32]) {
+    matmul_batch(
+        kernels,
+        &mut [MatmulJob {
+            w: *w,
+            x,
+            tokens,
+            out,
+        }],
+    );
 }
 
 /// Several independent products run as one parallel job (the experts of an MoE layer).
-pub fn matmul_batch(jobs: &mut [MatmulJob<'_>]) {
-    matmul_batch_at(level(), jobs);
+pub fn matmul_batch(kernels: Kernels, jobs: &mut [MatmulJob<'_>]) {
+    matmul_batch_at(level(), kernels, jobs);
 }
 
 /// Row `r` of `w` as f32.
@@ -328,6 +368,12 @@ enum PrepKind {
         wpb: usize,
         scaled: bool,
     },
+    /// Per-group sums and `x` quantized to 8 bits in blocks of `bpb` weight bytes (see
+    /// [`quantize_q4i`]).
+    Q4Int {
+        gs: usize,
+        bpb: usize,
+    },
 }
 
 /// Activations prepared for one or more jobs (jobs sharing the same `x` share it).
@@ -338,6 +384,11 @@ pub(crate) struct Prep {
     pub ldxp: usize,
     /// Per-group sums of `x`, `tokens` rows of `groups`.
     pub xsum: Vec<f32>,
+    /// 8-bit activations (integer 4-bit decode only), `tokens` rows of `ldxq`.
+    pub xq: Vec<i8>,
+    pub ldxq: usize,
+    /// The scale of each word (8 values) of `xq`, `tokens` rows of `ldxq / 8`.
+    pub xd: Vec<f32>,
 }
 
 /// Words per permutation block of the 4-bit decode kernel of each level (0: no permutation),
@@ -351,11 +402,28 @@ fn q4_layout(level: Level) -> (usize, bool) {
     }
 }
 
-fn prep_kind(level: Level, kind: Kind, tokens: usize) -> PrepKind {
+/// Weight bytes per block of the integer 4-bit decode kernel at `level` (0: none): AVX-512
+/// with BW takes 64, AVX2 (and AVX-512 without BW, which runs the AVX2 kernel) 32.
+pub(crate) fn q4i_block_bytes(level: Level) -> usize {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 if avx512::has_bw() => 64,
+        Level::Avx2 | Level::Avx512 => 32,
+        Level::Scalar | Level::Neon => 0,
+    }
+}
+
+fn prep_kind(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> PrepKind {
     if use_gemm(level, tokens) || level == Level::Scalar {
         return PrepKind::None;
     }
     match kind {
+        Kind::Q4 { gs, .. } if kernels == Kernels::Fast && q4i_block_bytes(level) > 0 => {
+            PrepKind::Q4Int {
+                gs,
+                bpb: q4i_block_bytes(level),
+            }
+        }
         Kind::Q4 { gs, .. } => {
             let (wpb, scaled) = q4_layout(level);
             PrepKind::Q4 { gs, wpb, scaled }
@@ -401,6 +469,38 @@ pub(crate) fn permute_q4(x: &[f32], wpb: usize, scaled: bool, dst: &mut [f32]) {
     }
 }
 
+/// `x` quantized for the integer 4-bit decode kernels. Each word's 8 values (one u32 of MLX
+/// nibbles) become `round(x / d)` with their own `d = max |x| / 127` (`xd[word]`): finer than
+/// ggml's blocks of 32, for the same cost in the kernel, which applies one scale per word lane
+/// anyway. The bytes are laid out per block of `bpb` weight bytes (`2 * bpb` values) in the
+/// order a block's nibbles come out of a vector: the even values (low nibbles) first, then the
+/// odd ones. `xq.len()` must be `x.len()` rounded up to `2 * bpb`, and `xd.len()` an eighth
+/// of it; the padding is zeros. Non-finite activations give non-finite scales, so they reach
+/// the output as they would in the exact path.
+pub(crate) fn quantize_q4i(x: &[f32], bpb: usize, xq: &mut [i8], xd: &mut [f32]) {
+    let be = 2 * bpb;
+    assert_eq!(xq.len(), x.len().div_ceil(be) * be);
+    assert_eq!(xd.len() * 8, xq.len());
+    xq.fill(0);
+    xd.fill(0.0);
+    for (w, vals) in x.chunks(8).enumerate() {
+        let amax = vals.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let amax = if vals.iter().all(|v| v.is_finite()) {
+            amax
+        } else {
+            f32::NAN
+        };
+        xd[w] = amax / 127.0;
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        for (k, &v) in vals.iter().enumerate() {
+            let e = 8 * w + k;
+            let (blk, i) = (e / be, e % be);
+            // `as` saturates (and maps NaN to 0); |v * inv| <= 127 otherwise.
+            xq[blk * be + (i % 2) * bpb + i / 2] = (v * inv).round() as i8;
+        }
+    }
+}
+
 fn prepare(pk: PrepKind, x: &[f32], tokens: usize, cols: usize) -> Prep {
     let sums = |gs: usize| {
         let mut s = Vec::with_capacity(tokens * (cols / gs));
@@ -434,6 +534,27 @@ fn prepare(pk: PrepKind, x: &[f32], tokens: usize, cols: usize) -> Prep {
                 xp,
                 ldxp,
                 xsum: sums(gs),
+                ..Prep::default()
+            }
+        }
+        PrepKind::Q4Int { gs, bpb } => {
+            let ldxq = cols.div_ceil(2 * bpb) * 2 * bpb;
+            let mut xq = vec![0i8; tokens * ldxq];
+            let mut xd = vec![0f32; tokens * ldxq / 8];
+            for t in 0..tokens {
+                quantize_q4i(
+                    &x[t * cols..(t + 1) * cols],
+                    bpb,
+                    &mut xq[t * ldxq..(t + 1) * ldxq],
+                    &mut xd[t * ldxq / 8..(t + 1) * ldxq / 8],
+                );
+            }
+            Prep {
+                xsum: sums(gs),
+                xq,
+                ldxq,
+                xd,
+                ..Prep::default()
             }
         }
     }
@@ -492,6 +613,11 @@ pub(crate) struct Ctx<'a> {
     pub ldxp: usize,
     /// Per-group sums of `x` (affine decode): `tokens` rows of `cols / group_size`.
     pub xsum: &'a [f32],
+    /// 8-bit activations and their per-word scales (integer 4-bit decode; empty otherwise):
+    /// `tokens` rows of `ldxq` and of `ldxq / 8`.
+    pub xq: &'a [i8],
+    pub ldxq: usize,
+    pub xd: &'a [f32],
     /// Prefill through the packed micro-kernel (else decode).
     gemm: bool,
     out: *mut f32,
@@ -536,6 +662,9 @@ impl<'a> Ctx<'a> {
             xp: &self.xp[(t0 * self.ldxp).min(self.xp.len())..],
             ldxp: self.ldxp,
             xsum: &self.xsum[t0 * groups..(t0 + nt) * groups],
+            xq: &self.xq[(t0 * self.ldxq).min(self.xq.len())..],
+            ldxq: self.ldxq,
+            xd: &self.xd[(t0 * self.ldxq / 8).min(self.xd.len())..],
             gemm: false,
             out: std::ptr::null_mut(),
             out_len: 0,
@@ -587,7 +716,7 @@ fn plan(ctxs: &[Ctx], threads: usize) -> (Vec<Task>, usize) {
 }
 
 /// [`matmul_batch`] at a given SIMD level (tests use this to cover every level).
-pub(crate) fn matmul_batch_at(level: Level, jobs: &mut [MatmulJob<'_>]) {
+pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [MatmulJob<'_>]) {
     assert!(
         supported(level),
         "SIMD level {} not supported",
@@ -611,7 +740,7 @@ pub(crate) fn matmul_batch_at(level: Level, jobs: &mut [MatmulJob<'_>]) {
     let mut preps: Vec<Prep> = Vec::new();
     let mut prep_of = Vec::with_capacity(jobs.len());
     for job in jobs.iter() {
-        let pk = prep_kind(level, Kind::of(job.w.format), job.tokens);
+        let pk = prep_kind(level, kernels, Kind::of(job.w.format), job.tokens);
         let key = (job.x.as_ptr() as usize, job.x.len(), job.tokens, pk);
         let i = match keys.iter().position(|k| *k == key) {
             Some(i) => i,
@@ -634,6 +763,9 @@ pub(crate) fn matmul_batch_at(level: Level, jobs: &mut [MatmulJob<'_>]) {
             xp: &preps[p].xp,
             ldxp: preps[p].ldxp,
             xsum: &preps[p].xsum,
+            xq: &preps[p].xq,
+            ldxq: preps[p].ldxq,
+            xd: &preps[p].xd,
             gemm: use_gemm(level, job.tokens),
             out_len: job.out.len(),
             out: job.out.as_mut_ptr(),

@@ -159,10 +159,11 @@ fn compare(got: &[f32], want: &[f64]) -> Result<(), String> {
     Ok(())
 }
 
-fn run(level: Level, w: &MatRef, x: &[f32], tokens: usize) -> Vec<f32> {
+fn run(level: Level, kernels: Kernels, w: &MatRef, x: &[f32], tokens: usize) -> Vec<f32> {
     let mut out = vec![f32::NAN; tokens * w.rows];
     matmul_batch_at(
         level,
+        kernels,
         &mut [MatmulJob {
             w: *w,
             x,
@@ -176,7 +177,7 @@ fn run(level: Level, w: &MatRef, x: &[f32], tokens: usize) -> Vec<f32> {
 fn check(level: Level, m: &TestMat, tokens: usize, rng: &mut Rng) {
     let w = m.view();
     let x = rng.vec(tokens * w.cols, -1.0, 1.0);
-    let got = run(level, &w, &x, tokens);
+    let got = run(level, Kernels::Exact, &w, &x, tokens);
     let want = ref_matmul(&w, &x, tokens);
     if let Err(e) = compare(&got, &want) {
         panic!(
@@ -212,7 +213,7 @@ fn comparison_detects_errors() {
     let w = m.view();
     let x = rng.vec(3 * 40, -1.0, 1.0);
     let want = ref_matmul(&w, &x, 3);
-    let mut got = run(Level::Scalar, &w, &x, 3);
+    let mut got = run(Level::Scalar, Kernels::Exact, &w, &x, 3);
     compare(&got, &want).unwrap();
     got[7] += 1e-3 * got[7].abs().max(1.0);
     assert!(compare(&got, &want).is_err());
@@ -454,7 +455,7 @@ fn batch_of_mixed_jobs() {
                     out,
                 })
                 .collect();
-            matmul_batch_at(level, &mut jobs);
+            matmul_batch_at(level, Kernels::Exact, &mut jobs);
         }
         for (i, w) in views.iter().enumerate() {
             let want = ref_matmul(w, &xs[i], tokens[i]);
@@ -479,7 +480,7 @@ fn public_matmul_many_rows_uses_threads_correctly() {
     for tokens in [1, 3, 70] {
         let x = rng.vec(tokens * w.cols, -1.0, 1.0);
         let mut out = vec![f32::NAN; tokens * w.rows];
-        matmul(&w, &x, tokens, &mut out);
+        matmul(Kernels::Exact, &w, &x, tokens, &mut out);
         compare(&out, &ref_matmul(&w, &x, tokens)).unwrap();
     }
 }
@@ -502,4 +503,194 @@ fn permutation_is_the_nibble_order() {
     assert_eq!(dst[8], 1.0 / 16.0);
     assert_eq!(dst[8 * 6 + 1], 14.0 / 16f32.powi(6));
     assert_eq!(dst[8 * 7 + 7], 63.0);
+}
+
+/// Code, scale and bias of element `[r, c]` of an affine `m`.
+fn ref_affine(m: &MatRef, r: usize, c: usize) -> (f64, f64, f64) {
+    let WeightFormat::Affine {
+        bits,
+        group_size,
+        scale_dtype,
+    } = m.format
+    else {
+        panic!("not affine");
+    };
+    let rb = m.format.row_bytes(m.cols);
+    let row = &m.data[r * rb..(r + 1) * rb];
+    let bits = bits as usize;
+    let mut q = 0u32;
+    for i in 0..bits {
+        let bit = c * bits + i;
+        q |= (((row[bit / 8] >> (bit % 8)) & 1) as u32) << i;
+    }
+    let g = r * (m.cols / group_size) + c / group_size;
+    (
+        q as f64,
+        decode64(scale_dtype, m.scales, g),
+        decode64(scale_dtype, m.biases, g),
+    )
+}
+
+/// What the integer 4-bit decode computes, in f64: the scale part against the activations as
+/// `quantize_q4i` rounds them (read back from its layout), the bias part against exact `x`.
+fn ref_matmul_q4i(m: &MatRef, x: &[f32], tokens: usize, bpb: usize) -> Vec<f64> {
+    let cols = m.cols;
+    let ld = cols.div_ceil(2 * bpb) * 2 * bpb;
+    let mut out = vec![0f64; tokens * m.rows];
+    for t in 0..tokens {
+        let xt = &x[t * cols..(t + 1) * cols];
+        let (mut xq, mut xd) = (vec![0i8; ld], vec![0f32; ld / 8]);
+        quantize_q4i(xt, bpb, &mut xq, &mut xd);
+        let xhat: Vec<f64> = (0..cols)
+            .map(|e| {
+                let (blk, i) = (e / (2 * bpb), e % (2 * bpb));
+                xq[blk * 2 * bpb + (i % 2) * bpb + i / 2] as f64 * xd[e / 8] as f64
+            })
+            .collect();
+        for r in 0..m.rows {
+            out[t * m.rows + r] = (0..cols)
+                .map(|c| {
+                    let (q, s, b) = ref_affine(m, r, c);
+                    s * q * xhat[c] + b * xt[c] as f64
+                })
+                .sum();
+        }
+    }
+    out
+}
+
+/// `Kernels::Fast` at `level`: the integer path (4-bit decode on x86) equals its own f64
+/// reference as tightly as the exact path equals the exact one, and stays within the
+/// quantization error of the exact reference; every other product is the exact path.
+fn check_fast(level: Level, m: &TestMat, tokens: usize, rng: &mut Rng) {
+    let w = m.view();
+    let x = rng.vec(tokens * w.cols, -1.0, 1.0);
+    let got = run(level, Kernels::Fast, &w, &x, tokens);
+    let exact = ref_matmul(&w, &x, tokens);
+    let what = || {
+        format!(
+            "{} [{} x {}] {tokens} tokens, level {}",
+            w.format,
+            w.rows,
+            w.cols,
+            level.name()
+        )
+    };
+    let integer = matches!(Kind::of(w.format), Kind::Q4 { .. })
+        && q4i_block_bytes(level) > 0
+        && !use_gemm(level, tokens);
+    if !integer {
+        compare(&got, &exact).unwrap_or_else(|e| panic!("{}: {e}", what()));
+        return;
+    }
+    let want = ref_matmul_q4i(&w, &x, tokens, q4i_block_bytes(level));
+    compare(&got, &want).unwrap_or_else(|e| panic!("{} (integer path): {e}", what()));
+    // Rounding moves each activation by at most half its word's step (max |x| / 127), so an
+    // output moves by at most the sum of |scale x code| times that over its row.
+    let scale = exact.iter().fold(0f64, |a, &b| a.max(b.abs()));
+    for t in 0..tokens {
+        let xt = &x[t * w.cols..(t + 1) * w.cols];
+        let half_step: Vec<f64> = xt
+            .chunks(8)
+            .map(|v| v.iter().fold(0f64, |a, &b| a.max(b.abs() as f64)) / 254.0)
+            .collect();
+        for r in 0..w.rows {
+            let bound: f64 = (0..w.cols)
+                .map(|c| {
+                    let (q, s, _) = ref_affine(&w, r, c);
+                    (s * q).abs() * half_step[c / 8]
+                })
+                .sum();
+            let (g, e) = (got[t * w.rows + r] as f64, exact[t * w.rows + r]);
+            assert!(
+                (g - e).abs() <= bound + 1e-5 * scale,
+                "{}: row {r} token {t}: {g} vs exact {e}, bound {bound}",
+                what()
+            );
+        }
+    }
+}
+
+#[test]
+fn fast_kernels_every_format_group_and_level() {
+    let mut rng = Rng(21);
+    for level in available_levels() {
+        for bits in [4, 8] {
+            for gs in [32, 64, 128] {
+                for sdt in DTYPES {
+                    let format = WeightFormat::Affine {
+                        bits,
+                        group_size: gs,
+                        scale_dtype: sdt,
+                    };
+                    for (i, (rows, ngroups)) in [(3, 1), (37, 3), (21, 9)].into_iter().enumerate() {
+                        let m = TestMat::new(format, rows, gs * ngroups, 1 + i, &mut rng);
+                        for tokens in [1, 2, 3, 4, 5, 9, 17] {
+                            check_fast(level, &m, tokens, &mut rng);
+                        }
+                    }
+                }
+            }
+        }
+        let m = TestMat::new(WeightFormat::Dense(Dtype::Bf16), 9, 80, 0, &mut rng);
+        check_fast(level, &m, 2, &mut rng);
+    }
+}
+
+#[test]
+fn fast_kernels_long_rows_and_both_avx512_flavours() {
+    let mut rng = Rng(22);
+    for (gs, cols) in [(32, 1056), (64, 2048), (64, 768), (128, 1152)] {
+        let format = WeightFormat::Affine {
+            bits: 4,
+            group_size: gs,
+            scale_dtype: Dtype::Bf16,
+        };
+        let m = TestMat::new(format, 67, cols, 2, &mut rng);
+        for level in available_levels() {
+            for tokens in [1, 4, 7] {
+                check_fast(level, &m, tokens, &mut rng);
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if available_levels().contains(&Level::Avx512) && avx512::has_bw() {
+            // VNNI (where the CPU has it) and BW sum the same integers: identical results.
+            let w = m.view();
+            let x = rng.vec(3 * w.cols, -1.0, 1.0);
+            let first = run(Level::Avx512, Kernels::Fast, &w, &x, 3);
+            avx512::AVOID_VNNI.store(true, std::sync::atomic::Ordering::Relaxed);
+            let bw = run(Level::Avx512, Kernels::Fast, &w, &x, 3);
+            avx512::AVOID_VNNI.store(false, std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(first, bw, "group {gs}, {cols} columns");
+            compare(&bw, &ref_matmul_q4i(&w, &x, 3, 64)).unwrap();
+        }
+    }
+}
+
+#[test]
+fn q4i_quantization_layout_and_non_finite_values() {
+    let x: Vec<f32> = (0..72).map(|i| i as f32 - 20.0).collect();
+    let (mut xq, mut xd) = (vec![9i8; 128], vec![9f32; 16]);
+    quantize_q4i(&x, 32, &mut xq, &mut xd);
+    // Word 0 holds -20..-13: its scale is 20/127 and -20 becomes -127.
+    assert_eq!(xd[0], 20.0 / 127.0);
+    assert_eq!(xq[0], -127);
+    // Block 0 (64 values): even values first, odd ones 32 bytes later.
+    assert_eq!(xq[1], (-18.0f32 * 127.0 / 20.0).round() as i8);
+    assert_eq!(xq[32], (-19.0f32 * 127.0 / 20.0).round() as i8);
+    // Word 7 holds 36..43: 43 is +127.
+    assert_eq!(xd[7], 43.0 / 127.0);
+    assert_eq!(xq[32 + 31], 127);
+    // Block 1 holds values 64..72 (44..51), then zero padding.
+    assert_eq!(xq[64 + 32 + 3], 127);
+    assert_eq!(xq[64 + 4], 0);
+    assert!(xd[9..].iter().all(|&d| d == 0.0));
+    // A word of zeros has scale 0; a NaN or infinity makes its word's scale NaN.
+    let mut y = vec![0f32; 64];
+    y[9] = f32::INFINITY;
+    y[20] = f32::NAN;
+    quantize_q4i(&y, 32, &mut xq[..64], &mut xd[..8]);
+    assert_eq!(xd[0], 0.0);
+    assert!(xd[1].is_nan() && xd[2].is_nan());
+    assert_eq!(xd[3], 0.0);
 }
