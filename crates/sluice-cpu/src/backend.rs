@@ -308,10 +308,9 @@ impl Backend for CpuBackend {
                 let qv = &q.data[r * q.cols + h * hd..][..hd];
                 let n = first + r + 1;
                 scores.clear();
-                scores.extend((0..n).map(|p| {
-                    let kp = &keys[p * width + kv * hd..][..hd];
-                    qv.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale
-                }));
+                scores.extend(
+                    (0..n).map(|p| kernels::dot(qv, &keys[p * width + kv * hd..][..hd]) * scale),
+                );
                 let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 let mut sum = 0.0;
                 for s in scores.iter_mut() {
@@ -319,11 +318,7 @@ impl Backend for CpuBackend {
                     sum += *s;
                 }
                 for (p, s) in scores.iter().enumerate() {
-                    let w = s / sum;
-                    let vp = &values[p * width + kv * hd..][..hd];
-                    for (a, b) in o.iter_mut().zip(vp) {
-                        *a += w * b;
-                    }
+                    kernels::axpy(s / sum, &values[p * width + kv * hd..][..hd], o);
                 }
             });
         out

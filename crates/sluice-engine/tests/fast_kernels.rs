@@ -1,10 +1,10 @@
-//! The CPU's fast kernels (`Kernels::Fast`: 4-bit decode products in integers against
-//! activations quantized to 8 bits per 8 values) against its exact ones, where generation uses
-//! them: the decode logits (one token per call, through the caches).
+//! The CPU's fast kernels (`Kernels::Fast`: 4-bit products in integers against activations
+//! quantized to 8 bits per 8 values) against its exact ones, in decode (one token per call,
+//! through the caches) and prefill (all tokens in one call).
 //!
 //! - Every reference fixture and the demo model: mean KL divergence of the fast distribution
 //!   from the exact one, argmax agreement, and max|diff| against the reference logits.
-//! - The demo model (trained): held-out perplexity within 0.5% of the exact path's.
+//! - The demo model (trained): held-out perplexity within 0.5% of the exact path's, in both.
 //!
 //! The exact path is the one held to the reference implementations (`reference_logits.rs`).
 //! These tests bound how far the default for generation moves from it.
@@ -85,9 +85,15 @@ fn decode_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
         root.join("models/demo"),
         root.join("tests/fixtures/demo-reference"),
     ));
-    eprintln!("| model | mean KL(exact || fast) | argmax agreement | fast max|diff| / max|ref| |");
-    eprintln!("|---|---|---|---|");
-    for (name, model, refs) in cases {
+    eprintln!(
+        "| model | mode | mean KL(exact || fast) | argmax agreement | fast max|diff| / max|ref| |"
+    );
+    eprintln!("|---|---|---|---|---|");
+    let modes = [LogitsMode::Decode, LogitsMode::Prefill];
+    for ((name, model, refs), mode) in cases
+        .into_iter()
+        .flat_map(|c| modes.map(|m| (c.clone(), m)))
+    {
         let text = std::fs::read_to_string(refs.join("reference.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         let tokens: Vec<u32> = v["tokens"]
@@ -98,11 +104,13 @@ fn decode_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
             .collect();
         let exact_engine = load(&model, Kernels::Exact);
         let vocab = exact_engine.model.info().vocab_size;
-        let exact = exact_engine.logits(&tokens, LogitsMode::Decode).unwrap();
-        let fast = load(&model, Kernels::Fast)
-            .logits(&tokens, LogitsMode::Decode)
-            .unwrap();
-        let (want, _) = npy::read_f32(&refs.join("logits_decode.npy")).unwrap();
+        let exact = exact_engine.logits(&tokens, mode).unwrap();
+        let fast = load(&model, Kernels::Fast).logits(&tokens, mode).unwrap();
+        let file = match mode {
+            LogitsMode::Decode => "logits_decode.npy",
+            LogitsMode::Prefill => "logits_prefill.npy",
+        };
+        let (want, _) = npy::read_f32(&refs.join(file)).unwrap();
         let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         let max_diff = fast
             .iter()
@@ -110,7 +118,7 @@ fn decode_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         let (kl, agree) = kl_and_agreement(&exact, &fast, vocab);
         eprintln!(
-            "| {name} | {kl:.2e} | {:.1}% | {:.2e} |",
+            "| {name} | {mode:?} | {kl:.2e} | {:.1}% | {:.2e} |",
             agree * 100.0,
             max_diff / max_ref
         );
@@ -130,10 +138,10 @@ fn decode_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
         } else {
             (0.1, 0.7)
         };
-        assert!(kl < max_kl, "{name}: mean KL {kl:.2e} >= {max_kl}");
+        assert!(kl < max_kl, "{name} {mode:?}: mean KL {kl:.2e} >= {max_kl}");
         assert!(
             agree >= min_agree,
-            "{name}: argmax agrees at {:.1}% < {:.0}%",
+            "{name} {mode:?}: argmax agrees at {:.1}% < {:.0}%",
             agree * 100.0,
             min_agree * 100.0
         );
@@ -152,6 +160,12 @@ fn mean_nll(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
 
 #[test]
 fn demo_model_perplexity_within_half_a_percent_of_the_exact_kernels() {
+    for mode in [LogitsMode::Decode, LogitsMode::Prefill] {
+        demo_perplexity(mode);
+    }
+}
+
+fn demo_perplexity(mode: LogitsMode) {
     let dir = repo().join("models/demo");
     let exact = load(&dir, Kernels::Exact);
     let fast = load(&dir, Kernels::Fast);
@@ -166,8 +180,8 @@ fn demo_model_perplexity_within_half_a_percent_of_the_exact_kernels() {
             .unwrap();
         tokens.truncate(192);
         let n = (tokens.len() - 1) as f64;
-        let e = exact.logits(&tokens, LogitsMode::Decode).unwrap();
-        let f = fast.logits(&tokens, LogitsMode::Decode).unwrap();
+        let e = exact.logits(&tokens, mode).unwrap();
+        let f = fast.logits(&tokens, mode).unwrap();
         nll_exact += mean_nll(&e, &tokens, vocab) * n;
         nll_fast += mean_nll(&f, &tokens, vocab) * n;
         count += tokens.len() - 1;
@@ -178,13 +192,13 @@ fn demo_model_perplexity_within_half_a_percent_of_the_exact_kernels() {
     );
     let change = ppl_fast / ppl_exact - 1.0;
     eprintln!(
-        "held-out perplexity over {count} tokens (decode path): exact {ppl_exact:.4}, fast \
+        "held-out perplexity over {count} tokens ({mode:?}): exact {ppl_exact:.4}, fast \
          {ppl_fast:.4} ({:+.3}%)",
         change * 100.0
     );
     assert!(
         change.abs() < 0.005,
-        "perplexity moved {:+.3}%",
+        "{mode:?}: perplexity moved {:+.3}%",
         change * 100.0
     );
 }

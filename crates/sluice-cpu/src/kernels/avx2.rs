@@ -69,6 +69,105 @@ pub(super) fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// `sum a[i] * b[i]` over equal lengths, in four vector accumulators.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY: every load reads elements `i..i + 8` with `i + 8 <= n` of both slices.
+    unsafe {
+        while i + 32 <= n {
+            for (u, a) in acc.iter_mut().enumerate() {
+                let j = i + 8 * u;
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(j)), _mm256_loadu_ps(pb.add(j)), *a);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i)),
+                _mm256_loadu_ps(pb.add(i)),
+                acc[0],
+            );
+            i += 8;
+        }
+    }
+    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    hsum(v) + a[i..].iter().zip(&b[i..]).map(|(x, y)| x * y).sum::<f32>()
+}
+
+/// `y += alpha * x` over equal lengths.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len());
+    let n = x.len();
+    let av = _mm256_set1_ps(alpha);
+    let mut i = 0;
+    // SAFETY: every access covers elements `i..i + 8` with `i + 8 <= n` of both slices.
+    unsafe {
+        while i + 8 <= n {
+            let py = y.as_mut_ptr().add(i);
+            _mm256_storeu_ps(
+                py,
+                _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(py)),
+            );
+            i += 8;
+        }
+    }
+    for (o, &v) in y[i..].iter_mut().zip(&x[i..]) {
+        *o += alpha * v;
+    }
+}
+
+/// [`super::quantize_q4i`] for whole words (`x.len()` a multiple of 8), with the same
+/// results: the scale and its inverse are divided as there, and `vcvtps2dq` rounds to nearest
+/// even as the scalar code does. A word with a non-finite value takes the scalar code.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `xq` and `xd` must be as `quantize_q4i` asserts.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn quantize_q4i_words(x: &[f32], bpb: usize, xq: &mut [i8], xd: &mut [f32]) {
+    let words = x.len() / 8;
+    assert!(xd.len() >= words && xq.len() >= xd.len() * 8);
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    // After packing to 16 bits, code `k` is the low byte of lane `k` (every code fits a byte):
+    // bytes 0, 4, 8, 12 are the even values', 2, 6, 10, 14 the odd ones'.
+    let order = _mm_setr_epi8(0, 4, 8, 12, 2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+    for w in 0..words {
+        // SAFETY: word `w < words` is inside `x`.
+        let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * w)) };
+        // `v - v` is 0 for finite values, NaN otherwise.
+        let finite = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(
+            _mm256_sub_ps(v, v),
+            _mm256_setzero_ps(),
+        )) == 0xFF;
+        if !finite {
+            xd[w] = super::quantize_word(&x[8 * w..8 * w + 8], bpb, w, xq);
+            continue;
+        }
+        let a = _mm256_and_ps(v, abs_mask);
+        let m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        xd[w] = amax / 127.0;
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(inv)));
+        let q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+        let bytes = _mm_shuffle_epi8(q16, order);
+        let pair = _mm_cvtsi128_si64(bytes) as u64;
+        let at = super::q4i_word_offset(bpb, w);
+        let even = (pair as u32).to_le_bytes();
+        let odd = ((pair >> 32) as u32).to_le_bytes();
+        for k in 0..4 {
+            xq[at + k] = even[k] as i8;
+            xq[at + bpb + k] = odd[k] as i8;
+        }
+    }
+}
+
 /// `out.len()` elements of `dt` from `bytes`, as f32.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn cvt_row(dt: Dtype, bytes: &[u8], out: &mut [f32]) {
@@ -129,6 +228,20 @@ pub(super) const PREFETCH: usize = 2048;
 
 /// Rows converted per batch of scales and biases in the affine decode kernels.
 pub(super) const ROW_CHUNK: usize = 16;
+
+/// Asks for the cache lines of `bytes[start..start + len]` (clamped to `bytes`) ahead of use:
+/// the integer decode kernels fetch the next chunk's scales and biases while they work on this
+/// one (the hardware prefetchers follow the weights' stream, not these short bursts).
+#[inline]
+pub(super) fn prefetch_bytes(bytes: &[u8], start: usize, len: usize) {
+    let end = (start + len).min(bytes.len());
+    let mut i = start;
+    while i < end {
+        // SAFETY: a prefetch is a hint that never faults; `i < bytes.len()` anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(i) as *const i8) };
+        i += 64;
+    }
+}
 
 macro_rules! nt_dispatch {
     ($nt:expr, $f:ident :: < $($g:tt),* > ( $($arg:expr),* )) => {
@@ -440,6 +553,8 @@ unsafe fn q4i_rows<const NT: usize, const GS: usize>(
             &mut bfb[..nc * groups],
         );
         sfb[nc * groups..nc * groups + 8].fill(0.0);
+        prefetch_bytes(w.scales, (ch + nc) * srb, ROW_CHUNK * srb);
+        prefetch_bytes(w.biases, (ch + nc) * srb, ROW_CHUNK * srb);
         for i in 0..nc {
             let r = ch + i;
             let row = &w.data[r * rb..(r + 1) * rb];

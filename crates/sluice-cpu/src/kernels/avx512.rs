@@ -8,7 +8,9 @@ use std::arch::x86_64::*;
 
 use sluice_backend::Dtype;
 
-use super::avx2::{self, cvt_row, nt_dispatch, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK};
+use super::avx2::{
+    self, cvt_row, nt_dispatch, prefetch_bytes, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK,
+};
 use super::{grow, portable, scalar, Ctx, Gemm, Kind, Scratch};
 
 /// Whether this CPU runs the code in this module (checked by the safe `Gemm` entry points).
@@ -396,6 +398,8 @@ macro_rules! q4i_rows {
                     &mut bfb[..nc * groups],
                 );
                 sfb[nc * groups..nc * groups + 16].fill(0.0);
+                prefetch_bytes(w.scales, (ch + nc) * srb, ROW_CHUNK * srb);
+                prefetch_bytes(w.biases, (ch + nc) * srb, ROW_CHUNK * srb);
                 for i in 0..nc {
                     let r = ch + i;
                     let row = &w.data[r * rb..(r + 1) * rb];
