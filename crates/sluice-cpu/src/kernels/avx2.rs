@@ -506,109 +506,140 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
     }
 }
 
-/// 4-bit rows (group size `GS`) against `NT` tokens quantized to 8 bits in blocks of 32 weight
-/// bytes (see `quantize_q4i`): `vpmaddubsw` multiplies nibbles (unsigned) by activations
-/// (signed) and adds pairs to 16 bits (at most 2 x 15 x 127, so the low and high halves add
-/// without saturating), `vpmaddwd` adds pairs to 32 bits: one lane per word, scaled per lane.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `c` must be a validated 4-bit job with group size
-/// `GS` and `NT` tokens, prepared by `quantize_q4i` with 32-byte blocks.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4i_rows<const NT: usize, const GS: usize>(
-    c: &Ctx,
-    sdt: Dtype,
-    r0: usize,
-    r1: usize,
-    res: &mut [f32],
-    s: &mut Scratch,
-) {
-    let w = &c.w;
-    let (cols, n) = (w.cols, r1 - r0);
-    let groups = cols / GS;
-    let (rb, srb) = (w.row_bytes(), groups * sdt.size());
-    let (ldxq, ldxd, xsum) = (c.ldxq, c.ldxq / 8, c.xsum);
-    let nblk = cols / 64;
-    let tail = !cols.is_multiple_of(64);
-    assert!(c.tokens == NT && r1 <= w.rows && rb * 2 == cols && cols.is_multiple_of(GS));
-    assert!(ldxq >= cols.div_ceil(64) * 64 && c.xq.len() >= NT * ldxq);
-    assert!(c.xd.len() >= NT * ldxd && xsum.len() >= NT * groups && res.len() >= NT * n);
-    // Only group size 32 can leave half a block (32 columns) over.
-    assert!(!tail || GS == 32);
-    let sfb = grow(&mut s.a, ROW_CHUNK * groups + 8);
-    let bfb = grow(&mut s.b, ROW_CHUNK * groups);
-    let nibble = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    let mut ch = r0;
-    while ch < r1 {
-        let nc = ROW_CHUNK.min(r1 - ch);
-        cvt_row(
-            sdt,
-            &w.scales[ch * srb..(ch + nc) * srb],
-            &mut sfb[..nc * groups],
-        );
-        cvt_row(
-            sdt,
-            &w.biases[ch * srb..(ch + nc) * srb],
-            &mut bfb[..nc * groups],
-        );
-        sfb[nc * groups..nc * groups + 8].fill(0.0);
-        prefetch_bytes(w.scales, (ch + nc) * srb, ROW_CHUNK * srb);
-        prefetch_bytes(w.biases, (ch + nc) * srb, ROW_CHUNK * srb);
-        for i in 0..nc {
-            let r = ch + i;
-            let row = &w.data[r * rb..(r + 1) * rb];
-            let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
-            let sf = &sfb[i * groups..(i + 1) * groups + 8];
-            let (rp, sp) = (row.as_ptr(), sf.as_ptr());
-            let (xq, xd) = (c.xq.as_ptr(), c.xd.as_ptr());
-            // SAFETY: block `b < nblk` reads row bytes `32b..32b + 32` (the row has `cols / 2
-            // >= 32 * nblk`), the tail reads the last 16. Each token's activations have `ldxq
-            // >= 64 * (nblk + 1)` bytes with a tail (else `64 * nblk`) and `ldxq / 8` scales,
-            // so block `b` reads bytes `64b..64b + 64` and scales `8b..8b + 8` inside them.
-            // Scale reads stay below `groups + 2` and `sf` has `groups + 8`.
-            unsafe {
-                let mut block = |b: usize, v: __m256i, sv: __m256| {
-                    let lo = _mm256_and_si256(v, nibble);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
-                    for (t, y) in y.iter_mut().enumerate() {
-                        let xb = xq.add(t * ldxq + 64 * b);
-                        let xe = _mm256_loadu_si256(xb as *const __m256i);
-                        let xo = _mm256_loadu_si256(xb.add(32) as *const __m256i);
-                        let pairs = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, xe),
-                            _mm256_maddubs_epi16(hi, xo),
-                        );
-                        let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                        let d = _mm256_mul_ps(sv, _mm256_loadu_ps(xd.add(t * ldxd + 8 * b)));
-                        *y = _mm256_fmadd_ps(sum, d, *y);
+/// The integer 4-bit decode (`Kernels::Fast`) in blocks of 32 weight bytes, in two flavours
+/// that differ only in how a block's 64 nibble x byte products become 8 lane sums (one lane per
+/// word, scaled per lane), so one macro writes both: `$dot(lo, hi, xe, xo)` takes the low and
+/// high nibbles as bytes and the even and odd activations.
+macro_rules! q4i_rows {
+    ($name:ident, $features:literal, $dot:ident) => {
+        /// 4-bit rows (group size `GS`) against `NT` tokens quantized to 8 bits in blocks of 32
+        /// weight bytes (see `quantize_q4i`), products summed in 32-bit integers per word.
+        ///
+        /// # Safety
+        /// The CPU must support the features enabled here; `c` must be a validated 4-bit job
+        /// with group size `GS` and `NT` tokens, prepared by `quantize_q4i` with 32-byte blocks.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $name<const NT: usize, const GS: usize>(
+            c: &Ctx,
+            sdt: Dtype,
+            r0: usize,
+            r1: usize,
+            res: &mut [f32],
+            s: &mut Scratch,
+        ) {
+            let w = &c.w;
+            let (cols, n) = (w.cols, r1 - r0);
+            let groups = cols / GS;
+            let (rb, srb) = (w.row_bytes(), groups * sdt.size());
+            let (ldxq, ldxd, xsum) = (c.ldxq, c.ldxq / 8, c.xsum);
+            let nblk = cols / 64;
+            let tail = !cols.is_multiple_of(64);
+            assert!(c.tokens == NT && r1 <= w.rows && rb * 2 == cols && cols.is_multiple_of(GS));
+            assert!(ldxq >= cols.div_ceil(64) * 64 && c.xq.len() >= NT * ldxq);
+            assert!(c.xd.len() >= NT * ldxd && xsum.len() >= NT * groups && res.len() >= NT * n);
+            // Only group size 32 can leave half a block (32 columns) over.
+            assert!(!tail || GS == 32);
+            let sfb = grow(&mut s.a, ROW_CHUNK * groups + 8);
+            let bfb = grow(&mut s.b, ROW_CHUNK * groups);
+            let nibble = _mm256_set1_epi8(0x0F);
+            let mut ch = r0;
+            while ch < r1 {
+                let nc = ROW_CHUNK.min(r1 - ch);
+                cvt_row(
+                    sdt,
+                    &w.scales[ch * srb..(ch + nc) * srb],
+                    &mut sfb[..nc * groups],
+                );
+                cvt_row(
+                    sdt,
+                    &w.biases[ch * srb..(ch + nc) * srb],
+                    &mut bfb[..nc * groups],
+                );
+                sfb[nc * groups..nc * groups + 8].fill(0.0);
+                prefetch_bytes(w.scales, (ch + nc) * srb, ROW_CHUNK * srb);
+                prefetch_bytes(w.biases, (ch + nc) * srb, ROW_CHUNK * srb);
+                for i in 0..nc {
+                    let r = ch + i;
+                    let row = &w.data[r * rb..(r + 1) * rb];
+                    let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
+                    let sf = &sfb[i * groups..(i + 1) * groups + 8];
+                    let (rp, sp) = (row.as_ptr(), sf.as_ptr());
+                    let (xq, xd) = (c.xq.as_ptr(), c.xd.as_ptr());
+                    // SAFETY: block `b < nblk` reads row bytes `32b..32b + 32` (the row has `cols / 2
+                    // >= 32 * nblk`), the tail reads the last 16. Each token's activations have `ldxq
+                    // >= 64 * (nblk + 1)` bytes with a tail (else `64 * nblk`) and `ldxq / 8` scales,
+                    // so block `b` reads bytes `64b..64b + 64` and scales `8b..8b + 8` inside them.
+                    // Scale reads stay below `groups + 2` and `sf` has `groups + 8`.
+                    unsafe {
+                        let mut block = |b: usize, v: __m256i, sv: __m256| {
+                            let lo = _mm256_and_si256(v, nibble);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+                            for (t, y) in y.iter_mut().enumerate() {
+                                let xb = xq.add(t * ldxq + 64 * b);
+                                let xe = _mm256_loadu_si256(xb as *const __m256i);
+                                let xo = _mm256_loadu_si256(xb.add(32) as *const __m256i);
+                                let sum = _mm256_cvtepi32_ps($dot(lo, hi, xe, xo));
+                                let d =
+                                    _mm256_mul_ps(sv, _mm256_loadu_ps(xd.add(t * ldxd + 8 * b)));
+                                *y = _mm256_fmadd_ps(sum, d, *y);
+                            }
+                        };
+                        for b in 0..nblk {
+                            if PREFETCH > 0 && b % 2 == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    rp.wrapping_add(32 * b + PREFETCH) as *const i8
+                                );
+                            }
+                            let v = _mm256_loadu_si256(rp.add(32 * b) as *const __m256i);
+                            block(b, v, q4_scales::<GS>(sp, b));
+                        }
+                        if tail {
+                            let v = _mm256_zextsi128_si256(_mm_loadu_si128(
+                                rp.add(32 * nblk) as *const __m128i
+                            ));
+                            // Lanes 4..8 are past the row: give them a zero scale.
+                            let sv = _mm256_blend_ps::<0xF0>(
+                                q4_scales::<GS>(sp, nblk),
+                                _mm256_setzero_ps(),
+                            );
+                            block(nblk, v, sv);
+                        }
                     }
-                };
-                for b in 0..nblk {
-                    if PREFETCH > 0 && b % 2 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(32 * b + PREFETCH) as *const i8);
+                    for t in 0..NT {
+                        res[t * n + r - r0] = hsum(y[t]);
                     }
-                    let v = _mm256_loadu_si256(rp.add(32 * b) as *const __m256i);
-                    block(b, v, q4_scales::<GS>(sp, b));
                 }
-                if tail {
-                    let v = _mm256_zextsi128_si256(_mm_loadu_si128(
-                        rp.add(32 * nblk) as *const __m128i
-                    ));
-                    // Lanes 4..8 are past the row: give them a zero scale.
-                    let sv =
-                        _mm256_blend_ps::<0xF0>(q4_scales::<GS>(sp, nblk), _mm256_setzero_ps());
-                    block(nblk, v, sv);
-                }
-            }
-            for t in 0..NT {
-                res[t * n + r - r0] = hsum(y[t]);
+                ch += nc;
             }
         }
-        ch += nc;
-    }
+    };
 }
 
+/// Lane sums of a block's products with AVX2: `vpmaddubsw` multiplies nibbles (unsigned) by
+/// activations (signed) and adds pairs to 16 bits (at most 2 x 15 x 127, so the low and high
+/// halves add without saturating), `vpmaddwd` adds pairs to 32 bits.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn dot_maddubs(lo: __m256i, hi: __m256i, xe: __m256i, xo: __m256i) -> __m256i {
+    let pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+}
+
+/// Lane sums of a block's products with AVX-512 VNNI on 256-bit vectors: four u8 x i8 products
+/// per instruction and lane. (Measured on Zen 4, 2 threads, 30B shape: 256-bit blocks decode
+/// ~9% faster than 512-bit ones, whose loads of unaligned rows split cache lines twice as often.)
+#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+#[inline]
+fn dot_vnni(lo: __m256i, hi: __m256i, xe: __m256i, xo: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo)
+}
+
+q4i_rows!(q4i_rows, "avx2,fma,f16c", dot_maddubs);
+q4i_rows!(
+    q4i_rows_vnni,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    dot_vnni
+);
 /// 8-bit rows (group size `GS`) against `NT` tokens in natural order.
 ///
 /// # Safety

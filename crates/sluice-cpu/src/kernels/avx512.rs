@@ -8,9 +8,7 @@ use std::arch::x86_64::*;
 
 use sluice_backend::Dtype;
 
-use super::avx2::{
-    self, nt_dispatch, prefetch_bytes, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK,
-};
+use super::avx2::{self, nt_dispatch, q4i_rows_vnni, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK};
 use super::{grow, portable, scalar, Ctx, Gemm, Kind, Scratch};
 
 /// Whether this CPU runs the code in this module (checked by the safe `Gemm` entry points).
@@ -20,29 +18,14 @@ fn cpu_ok() -> bool {
     *OK.get_or_init(|| avx2::cpu_ok() && is_x86_feature_detected!("avx512f"))
 }
 
-/// Whether the CPU has AVX-512 BW (byte and word integer ops: the integer 4-bit decode).
-pub(super) fn has_bw() -> bool {
+/// Whether the integer 4-bit decode can use VNNI (`vpdpbusd` on 256-bit vectors).
+pub(super) fn has_vnni() -> bool {
     use std::sync::OnceLock;
     static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| cpu_ok() && is_x86_feature_detected!("avx512bw"))
+    *OK.get_or_init(|| {
+        cpu_ok() && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni")
+    })
 }
-
-/// Whether the integer decode uses AVX-512 VNNI (`vpdpbusd`): when the CPU has it besides BW.
-fn use_vnni() -> bool {
-    use std::sync::OnceLock;
-    static OK: OnceLock<bool> = OnceLock::new();
-    #[cfg(test)]
-    if AVOID_VNNI.load(std::sync::atomic::Ordering::Relaxed) {
-        return false;
-    }
-    *OK.get_or_init(|| has_bw() && is_x86_feature_detected!("avx512vnni"))
-}
-
-/// Tests set this to cover the BW flavour on a CPU with VNNI. Both flavours sum the same
-/// integers exactly, so their results are identical and tests running meanwhile see no change.
-#[cfg(test)]
-pub(super) static AVOID_VNNI: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
 
 /// Sixteen elements of dtype `DT` at `p`, as f32.
 ///
@@ -123,16 +106,12 @@ pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32],
                 1 => dense_rows::<1, DT_BF16, 4>(c, r0, r1, res),
                 _ => nt_dispatch!(nt, dense_rows::<DT_BF16, 2>(c, r0, r1, res)),
             },
-            // Integer path (`Kernels::Fast`): prepared for the kernel `q4i_block_bytes` chose.
-            Kind::Q4 { gs, sdt } if !c.xq.is_empty() && use_vnni() => match gs {
+            // Integer path (`Kernels::Fast`): the AVX2 kernel's 32-byte blocks, with VNNI where
+            // the CPU has it.
+            Kind::Q4 { gs, sdt } if !c.xq.is_empty() && has_vnni() => match gs {
                 32 => nt_dispatch!(nt, q4i_rows_vnni::<32>(c, sdt, r0, r1, res, s)),
                 64 => nt_dispatch!(nt, q4i_rows_vnni::<64>(c, sdt, r0, r1, res, s)),
                 _ => nt_dispatch!(nt, q4i_rows_vnni::<128>(c, sdt, r0, r1, res, s)),
-            },
-            Kind::Q4 { gs, sdt } if !c.xq.is_empty() && has_bw() => match gs {
-                32 => nt_dispatch!(nt, q4i_rows_bw::<32>(c, sdt, r0, r1, res, s)),
-                64 => nt_dispatch!(nt, q4i_rows_bw::<64>(c, sdt, r0, r1, res, s)),
-                _ => nt_dispatch!(nt, q4i_rows_bw::<128>(c, sdt, r0, r1, res, s)),
             },
             Kind::Q4 { .. } if !c.xq.is_empty() => avx2::decode_rows(c, r0, r1, res, s),
             Kind::Q4 { gs, sdt } => match gs {
@@ -383,139 +362,6 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
         ch += nc;
     }
 }
-
-/// The integer 4-bit decode (`Kernels::Fast`) in two flavours that differ only in how a block's
-/// 128 nibble x byte products become 16 lane sums, so one macro writes both: `$dot(lo, hi, xe,
-/// xo)` takes the low and high nibbles as bytes and the even and odd activations.
-macro_rules! q4i_rows {
-    ($name:ident, $features:literal, $dot:ident) => {
-        /// 4-bit rows (group size `GS`) against `NT` tokens quantized to 8 bits in blocks of 64
-        /// weight bytes (see `quantize_q4i`), products summed in 32-bit integers per word.
-        ///
-        /// # Safety
-        /// The CPU must support the features enabled here; `c` must be a validated 4-bit job
-        /// with group size `GS` and `NT` tokens, prepared by `quantize_q4i` with 64-byte blocks.
-        #[target_feature(enable = $features)]
-        unsafe fn $name<const NT: usize, const GS: usize>(
-            c: &Ctx,
-            sdt: Dtype,
-            r0: usize,
-            r1: usize,
-            res: &mut [f32],
-            s: &mut Scratch,
-        ) {
-            let w = &c.w;
-            let (cols, n) = (w.cols, r1 - r0);
-            let groups = cols / GS;
-            let (rb, srb) = (w.row_bytes(), groups * sdt.size());
-            let (ldxq, ldxd, xsum) = (c.ldxq, c.ldxq / 8, c.xsum);
-            let nblk = cols / 128;
-            // Words in a last partial block (0, 4, 8 or 12: columns are a multiple of the
-            // group size).
-            let tail_words = (cols % 128) / 8;
-            assert!(c.tokens == NT && r1 <= w.rows && rb * 2 == cols && cols.is_multiple_of(GS));
-            assert!(ldxq >= cols.div_ceil(128) * 128 && c.xq.len() >= NT * ldxq);
-            assert!(c.xd.len() >= NT * ldxd && xsum.len() >= NT * groups && res.len() >= NT * n);
-            let tail_mask: __mmask16 = (1u16 << tail_words).wrapping_sub(1);
-            let sfb = grow(&mut s.a, ROW_CHUNK * groups + 16);
-            let bfb = grow(&mut s.b, ROW_CHUNK * groups);
-            let nibble = _mm512_set1_epi8(0x0F);
-            let mut ch = r0;
-            while ch < r1 {
-                let nc = ROW_CHUNK.min(r1 - ch);
-                cvt_row(
-                    sdt,
-                    &w.scales[ch * srb..(ch + nc) * srb],
-                    &mut sfb[..nc * groups],
-                );
-                cvt_row(
-                    sdt,
-                    &w.biases[ch * srb..(ch + nc) * srb],
-                    &mut bfb[..nc * groups],
-                );
-                sfb[nc * groups..nc * groups + 16].fill(0.0);
-                prefetch_bytes(w.scales, (ch + nc) * srb, ROW_CHUNK * srb);
-                prefetch_bytes(w.biases, (ch + nc) * srb, ROW_CHUNK * srb);
-                for i in 0..nc {
-                    let r = ch + i;
-                    let row = &w.data[r * rb..(r + 1) * rb];
-                    let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
-                    let sf = &sfb[i * groups..(i + 1) * groups + 16];
-                    let (rp, sp) = (row.as_ptr(), sf.as_ptr());
-                    let (xq, xd) = (c.xq.as_ptr(), c.xd.as_ptr());
-                    // SAFETY: block `b < nblk` reads row bytes `64b..64b + 64` (the row has
-                    // `cols / 2 >= 64 * nblk`); the tail's masked load reads only its
-                    // `tail_words` words, the rest of the row. Each token's activations have
-                    // `ldxq >= 128 * (nblk + 1)` bytes with a tail (else `128 * nblk`) and
-                    // `ldxq / 8` scales, so block `b` reads bytes `128b..128b + 128` and scales
-                    // `16b..16b + 16` inside them. Scale reads stay below `4 * nblk + 4 <=
-                    // groups + 4`, and `sf` has `groups + 16`.
-                    unsafe {
-                        let mut block = |b: usize, v: __m512i| {
-                            let lo = _mm512_and_si512(v, nibble);
-                            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
-                            let sv = q4_scales::<GS>(sp, b);
-                            for (t, y) in y.iter_mut().enumerate() {
-                                let xb = xq.add(t * ldxq + 128 * b);
-                                let xe = _mm512_loadu_si512(xb as *const __m512i);
-                                let xo = _mm512_loadu_si512(xb.add(64) as *const __m512i);
-                                let d =
-                                    _mm512_mul_ps(sv, _mm512_loadu_ps(xd.add(t * ldxd + 16 * b)));
-                                let sum = _mm512_cvtepi32_ps($dot(lo, hi, xe, xo));
-                                *y = _mm512_fmadd_ps(sum, d, *y);
-                            }
-                        };
-                        for b in 0..nblk {
-                            if PREFETCH > 0 {
-                                _mm_prefetch::<_MM_HINT_T0>(
-                                    rp.wrapping_add(64 * b + PREFETCH) as *const i8
-                                );
-                            }
-                            block(b, _mm512_loadu_si512(rp.add(64 * b) as *const __m512i));
-                        }
-                        if tail_words > 0 {
-                            // Lanes past the row load as zero nibbles (and meet zero padding).
-                            block(
-                                nblk,
-                                _mm512_maskz_loadu_epi32(
-                                    tail_mask,
-                                    rp.add(64 * nblk) as *const i32,
-                                ),
-                            );
-                        }
-                    }
-                    for t in 0..NT {
-                        res[t * n + r - r0] = _mm512_reduce_add_ps(y[t]);
-                    }
-                }
-                ch += nc;
-            }
-        }
-    };
-}
-
-/// Lane sums of a block's products with VNNI: four u8 x i8 products per instruction and lane.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-#[inline]
-fn dot_vnni(lo: __m512i, hi: __m512i, xe: __m512i, xo: __m512i) -> __m512i {
-    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo)
-}
-
-/// Lane sums of a block's products with BW: pairs to 16 bits (at most 2 x 15 x 127 each, so
-/// the two halves add without saturating), then to 32.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-fn dot_bw(lo: __m512i, hi: __m512i, xe: __m512i, xo: __m512i) -> __m512i {
-    let pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo));
-    _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))
-}
-
-q4i_rows!(
-    q4i_rows_vnni,
-    "avx512f,avx512bw,avx512vnni,avx2,fma,f16c",
-    dot_vnni
-);
-q4i_rows!(q4i_rows_bw, "avx512f,avx512bw,avx2,fma,f16c", dot_bw);
 
 /// 8-bit rows (group size `GS`) against `NT` tokens in natural order.
 ///
