@@ -168,20 +168,43 @@ pub(super) unsafe fn quantize_q4i_words(x: &[f32], bpb: usize, xq: &mut [i8], xd
     }
 }
 
-/// `out.len()` elements of `dt` from `bytes`, as f32.
+/// `out.len()` elements of `dt` from `bytes`, as f32 (a chunk of rows' scales or biases), with
+/// the dtype fixed outside the loop.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn cvt_row(dt: Dtype, bytes: &[u8], out: &mut [f32]) {
-    let n = out.len();
-    assert!(bytes.len() >= n * dt.size());
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: elements `i..i + 8` lie inside both `bytes` (asserted above) and `out`.
-        unsafe {
-            let v = ld8_dyn(dt, bytes.as_ptr().add(i * dt.size()));
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
-        }
-        i += 8;
+    match dt {
+        Dtype::F32 => cvt_row_as::<DT_F32>(bytes, out),
+        Dtype::F16 => cvt_row_as::<DT_F16>(bytes, out),
+        Dtype::Bf16 => cvt_row_as::<DT_BF16>(bytes, out),
     }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn cvt_row_as<const DT: u8>(bytes: &[u8], out: &mut [f32]) {
+    let (n, sz) = (out.len(), if DT == DT_F32 { 4 } else { 2 });
+    assert!(bytes.len() >= n * sz);
+    let mut i = 0;
+    // SAFETY: elements `i..i + 8` (`+ 16`) lie inside both `bytes` (asserted above) and `out`.
+    unsafe {
+        while i + 16 <= n {
+            let (src, dst) = (bytes.as_ptr().add(i * sz), out.as_mut_ptr().add(i));
+            _mm256_storeu_ps(dst, ld8::<DT>(src));
+            _mm256_storeu_ps(dst.add(8), ld8::<DT>(src.add(8 * sz)));
+            i += 16;
+        }
+        while i + 8 <= n {
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(i),
+                ld8::<DT>(bytes.as_ptr().add(i * sz)),
+            );
+            i += 8;
+        }
+    }
+    let dt = match DT {
+        DT_F32 => Dtype::F32,
+        DT_F16 => Dtype::F16,
+        _ => Dtype::Bf16,
+    };
     for (j, o) in out.iter_mut().enumerate().skip(i) {
         *o = scalar(dt, bytes, j);
     }
