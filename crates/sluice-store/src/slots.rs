@@ -150,6 +150,9 @@ impl Slot {
     }
 }
 
+/// The size of a transparent huge page on x86-64 and most arm64 kernels.
+const HUGE_PAGE: usize = 2 << 20;
+
 /// The slots' memory: one allocation, aligned for O_DIRECT.
 pub(crate) struct Slab {
     ptr: NonNull<u8>,
@@ -167,9 +170,17 @@ impl Slab {
     /// Memory for `slots` slots of `slot_bytes` each (left uninitialised: every slot is written
     /// before it is handed out).
     pub(crate) fn new(slots: usize, slot_bytes: usize) -> Result<Slab, StoreError> {
-        let layout =
-            Layout::from_size_align(slots.max(1) * slot_bytes.max(1), BLOCK_ALIGN as usize)
-                .map_err(|e| StoreError::Memory(format!("expert cache layout: {e}")))?;
+        let size = slots.max(1) * slot_bytes.max(1);
+        // Huge-page aligned when large enough to hold one, so that the kernel can back it with
+        // transparent huge pages (below): far fewer page faults while the cache first fills,
+        // and fewer TLB misses while the kernels stream cached experts.
+        let align = if size >= HUGE_PAGE {
+            HUGE_PAGE
+        } else {
+            BLOCK_ALIGN as usize
+        };
+        let layout = Layout::from_size_align(size, align)
+            .map_err(|e| StoreError::Memory(format!("expert cache layout: {e}")))?;
         // SAFETY: the layout has a non-zero size. The memory is left uninitialised: every slot is
         // written by a read before it is handed out.
         let ptr = unsafe { std::alloc::alloc(layout) };
@@ -179,6 +190,14 @@ impl Slab {
                 layout.size()
             ))
         })?;
+        #[cfg(target_os = "linux")]
+        if align == HUGE_PAGE {
+            // SAFETY: the range is exactly the allocation just made. The advice changes only
+            // how the kernel backs the pages; failure (THP disabled) leaves 4 KiB pages.
+            unsafe {
+                libc::madvise(ptr.as_ptr().cast(), layout.size(), libc::MADV_HUGEPAGE);
+            }
+        }
         Ok(Slab {
             ptr,
             layout,
