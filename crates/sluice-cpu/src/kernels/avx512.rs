@@ -8,7 +8,9 @@ use std::arch::x86_64::*;
 
 use sluice_backend::Dtype;
 
-use super::avx2::{self, nt_dispatch, q4i_rows_vnni, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK};
+use super::avx2::{
+    self, cvt_row, nt_dispatch, q4i_rows_vnni, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK,
+};
 use super::{grow, portable, scalar, Ctx, Gemm, Kind, Scratch};
 
 /// Whether this CPU runs the code in this module (checked by the safe `Gemm` entry points).
@@ -43,42 +45,6 @@ unsafe fn ld16<const DT: u8>(p: *const u8) -> __m512 {
                 _mm256_loadu_si256(p as *const __m256i),
             ))),
         }
-    }
-}
-
-/// `out.len()` elements of `dt` from `bytes`, as f32 (a chunk of rows' scales or biases),
-/// sixteen per instruction group with the dtype fixed outside the loop.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-fn cvt_row(dt: Dtype, bytes: &[u8], out: &mut [f32]) {
-    match dt {
-        Dtype::F32 => cvt_row_as::<DT_F32>(bytes, out),
-        Dtype::F16 => cvt_row_as::<DT_F16>(bytes, out),
-        Dtype::Bf16 => cvt_row_as::<DT_BF16>(bytes, out),
-    }
-}
-
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-fn cvt_row_as<const DT: u8>(bytes: &[u8], out: &mut [f32]) {
-    let (n, sz) = (out.len(), if DT == DT_F32 { 4 } else { 2 });
-    assert!(bytes.len() >= n * sz);
-    let mut i = 0;
-    while i + 16 <= n {
-        // SAFETY: elements `i..i + 16` lie inside both `bytes` (asserted above) and `out`.
-        unsafe {
-            _mm512_storeu_ps(
-                out.as_mut_ptr().add(i),
-                ld16::<DT>(bytes.as_ptr().add(i * sz)),
-            )
-        };
-        i += 16;
-    }
-    let dt = match DT {
-        DT_F32 => Dtype::F32,
-        DT_F16 => Dtype::F16,
-        _ => Dtype::Bf16,
-    };
-    for (j, o) in out.iter_mut().enumerate().skip(i) {
-        *o = scalar(dt, bytes, j);
     }
 }
 
