@@ -371,7 +371,7 @@ fn gemm_min_tokens_override() -> Option<usize> {
 /// Whether a product of `tokens` tokens runs through the packed micro-kernel at `level`.
 /// Never for the integer 4-bit path: its decode kernel, in passes of `DECODE_MAX_TOKENS`
 /// tokens over blocks of rows, outruns the f32 micro-kernel at every token count (1 thread,
-/// Zen 5, 2048 x 2048: 137 against 109 GFLOP/s at 512 tokens, 2.4x at 16-32 tokens).
+/// Zen 4, 2048 x 2048: 137 against 109 GFLOP/s at 512 tokens, 2.4x at 16-32 tokens).
 fn use_gemm(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> bool {
     if integer_q4(level, kernels, kind) {
         return false;
