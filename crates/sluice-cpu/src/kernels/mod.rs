@@ -26,10 +26,11 @@
 //!   overrides the decode/prefill threshold (for tuning).
 //! * Activations and accumulation stay f32 (the tests hold every path to 1e-5 of the largest
 //!   output against an f64 reference), unless the caller asks for [`Kernels::Fast`]: then 4-bit
-//!   decode quantizes each token's activations once per call to 8 bits per word of 8 values
-//!   (one scale each) and sums nibble x byte products in integers (AVX-512 VNNI `vpdpbusd`,
-//!   AVX-512 BW / AVX2 `vpmaddubsw` + `vpmaddwd`), about a quarter of the instructions of the
-//!   float path per weight byte, so the product is bound by memory instead of by the core.
+//!   products (decode and prefill) quantize each token's activations once per call to 8 bits
+//!   per word of 8 values (one scale each) and sum nibble x byte products in integers, 32 weight
+//!   bytes at a time (`vpdpbusd` on 256-bit vectors with AVX-512 VNNI, else AVX2 `vpmaddubsw`
+//!   + `vpmaddwd`), about a quarter of the instructions of the float path per weight byte, so
+//!   decode is bound by memory instead of by the core.
 //!   Other affine widths (2, 3, 5, 6 bits) and group sizes go through a generic scalar
 //!   dequantizer and the same drivers.
 
