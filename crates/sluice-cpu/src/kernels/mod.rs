@@ -29,8 +29,8 @@
 //!   products (decode and prefill) quantize each token's activations once per call to 8 bits
 //!   per word of 8 values (one scale each) and sum nibble x byte products in integers, 32 weight
 //!   bytes at a time (`vpdpbusd` on 256-bit vectors with AVX-512 VNNI, else AVX2 `vpmaddubsw`
-//!   + `vpmaddwd`), about a quarter of the instructions of the float path per weight byte, so
-//!   decode is bound by memory instead of by the core.
+//!   and `vpmaddwd`), about a quarter of the instructions of the float path per weight byte,
+//!   so decode is bound by memory instead of by the core.
 //!   Other affine widths (2, 3, 5, 6 bits) and group sizes go through a generic scalar
 //!   dequantizer and the same drivers.
 
