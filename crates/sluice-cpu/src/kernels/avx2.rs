@@ -252,6 +252,26 @@ pub(super) const PREFETCH: usize = 2048;
 /// Rows converted per batch of scales and biases in the affine decode kernels.
 pub(super) const ROW_CHUNK: usize = 16;
 
+/// The scales and biases of rows `ch..ch + nc` of the affine matrix `w` (scale dtype `sdt`) as
+/// f32: into `scales`, followed by `pad` zeros (for kernels that read a block's scales past a
+/// row's last group), and `biases`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn chunk_scales(
+    w: &MatRef,
+    sdt: Dtype,
+    ch: usize,
+    nc: usize,
+    pad: usize,
+    scales: &mut [f32],
+    biases: &mut [f32],
+) {
+    let srb = w.format.scale_row_bytes(w.cols);
+    let n = nc * (srb / sdt.size());
+    cvt_row(sdt, &w.scales[ch * srb..(ch + nc) * srb], &mut scales[..n]);
+    cvt_row(sdt, &w.biases[ch * srb..(ch + nc) * srb], &mut biases[..n]);
+    scales[n..n + pad].fill(0.0);
+}
+
 /// Asks for the cache lines of `bytes[start..start + len]` (clamped to `bytes`) ahead of use:
 /// the integer decode kernels fetch the next chunk's scales and biases while they work on this
 /// one (the hardware prefetchers follow the weights' stream, not these short bursts).
@@ -468,7 +488,7 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
     let w = &c.w;
     let (cols, n) = (w.cols, r1 - r0);
     let groups = cols / GS;
-    let (rb, srb) = (w.row_bytes(), groups * sdt.size());
+    let rb = w.row_bytes();
     let (xp, ldxp, xsum) = (c.xp, c.ldxp, c.xsum);
     let nblk = cols / 64;
     let tail = !cols.is_multiple_of(64);
@@ -482,17 +502,7 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
     let mut ch = r0;
     while ch < r1 {
         let nc = ROW_CHUNK.min(r1 - ch);
-        cvt_row(
-            sdt,
-            &w.scales[ch * srb..(ch + nc) * srb],
-            &mut sfb[..nc * groups],
-        );
-        cvt_row(
-            sdt,
-            &w.biases[ch * srb..(ch + nc) * srb],
-            &mut bfb[..nc * groups],
-        );
-        sfb[nc * groups..nc * groups + 8].fill(0.0);
+        chunk_scales(w, sdt, ch, nc, 8, sfb, bfb);
         for i in 0..nc {
             let r = ch + i;
             let row = &w.data[r * rb..(r + 1) * rb];
@@ -568,17 +578,7 @@ macro_rules! q4i_rows {
             let mut ch = r0;
             while ch < r1 {
                 let nc = ROW_CHUNK.min(r1 - ch);
-                cvt_row(
-                    sdt,
-                    &w.scales[ch * srb..(ch + nc) * srb],
-                    &mut sfb[..nc * groups],
-                );
-                cvt_row(
-                    sdt,
-                    &w.biases[ch * srb..(ch + nc) * srb],
-                    &mut bfb[..nc * groups],
-                );
-                sfb[nc * groups..nc * groups + 8].fill(0.0);
+                chunk_scales(w, sdt, ch, nc, 8, sfb, bfb);
                 prefetch_bytes(w.scales, (ch + nc) * srb, ROW_CHUNK * srb);
                 prefetch_bytes(w.biases, (ch + nc) * srb, ROW_CHUNK * srb);
                 for i in 0..nc {
@@ -681,7 +681,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
     let w = &c.w;
     let (cols, n) = (w.cols, r1 - r0);
     let groups = cols / GS;
-    let (rb, srb) = (w.row_bytes(), groups * sdt.size());
+    let rb = w.row_bytes();
     let xsum = c.xsum;
     assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
     assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
@@ -691,16 +691,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
     let mut ch = r0;
     while ch < r1 {
         let nc = ROW_CHUNK.min(r1 - ch);
-        cvt_row(
-            sdt,
-            &w.scales[ch * srb..(ch + nc) * srb],
-            &mut sfb[..nc * groups],
-        );
-        cvt_row(
-            sdt,
-            &w.biases[ch * srb..(ch + nc) * srb],
-            &mut bfb[..nc * groups],
-        );
+        chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
         for i in 0..nc {
             let r = ch + i;
             let row = &w.data[r * rb..(r + 1) * rb];

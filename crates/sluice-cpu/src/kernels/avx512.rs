@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 use sluice_backend::Dtype;
 
 use super::avx2::{
-    self, cvt_row, nt_dispatch, q4i_rows_vnni, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK,
+    self, chunk_scales, nt_dispatch, q4i_rows_vnni, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK,
 };
 use super::{grow, portable, scalar, Ctx, Gemm, Kind, Scratch};
 
@@ -270,7 +270,7 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
     let w = &c.w;
     let (cols, n) = (w.cols, r1 - r0);
     let groups = cols / GS;
-    let (rb, srb) = (w.row_bytes(), groups * sdt.size());
+    let rb = w.row_bytes();
     let (xp, ldxp, xsum) = (c.xp, c.ldxp, c.xsum);
     let nblk = cols / 128;
     // Words in a last partial block (0, 4, 8 or 12: columns are a multiple of the group size).
@@ -284,17 +284,7 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
     let mut ch = r0;
     while ch < r1 {
         let nc = ROW_CHUNK.min(r1 - ch);
-        cvt_row(
-            sdt,
-            &w.scales[ch * srb..(ch + nc) * srb],
-            &mut sfb[..nc * groups],
-        );
-        cvt_row(
-            sdt,
-            &w.biases[ch * srb..(ch + nc) * srb],
-            &mut bfb[..nc * groups],
-        );
-        sfb[nc * groups..nc * groups + 16].fill(0.0);
+        chunk_scales(w, sdt, ch, nc, 16, sfb, bfb);
         for i in 0..nc {
             let r = ch + i;
             let row = &w.data[r * rb..(r + 1) * rb];
@@ -346,7 +336,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
     let w = &c.w;
     let (cols, n) = (w.cols, r1 - r0);
     let groups = cols / GS;
-    let (rb, srb) = (w.row_bytes(), groups * sdt.size());
+    let rb = w.row_bytes();
     let xsum = c.xsum;
     assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
     assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
@@ -356,16 +346,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
     let mut ch = r0;
     while ch < r1 {
         let nc = ROW_CHUNK.min(r1 - ch);
-        cvt_row(
-            sdt,
-            &w.scales[ch * srb..(ch + nc) * srb],
-            &mut sfb[..nc * groups],
-        );
-        cvt_row(
-            sdt,
-            &w.biases[ch * srb..(ch + nc) * srb],
-            &mut bfb[..nc * groups],
-        );
+        chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
         for i in 0..nc {
             let r = ch + i;
             let row = &w.data[r * rb..(r + 1) * rb];
