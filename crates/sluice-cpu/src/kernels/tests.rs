@@ -236,26 +236,35 @@ fn dense_every_dtype_every_level() {
     }
 }
 
+/// 4- and 8-bit affine formats with every group size and scale dtype, and their group sizes.
+fn affine_4_and_8_bits() -> Vec<(WeightFormat, usize)> {
+    let mut v = Vec::new();
+    for bits in [4, 8] {
+        for gs in [32, 64, 128] {
+            for sdt in DTYPES {
+                let format = WeightFormat::Affine {
+                    bits,
+                    group_size: gs,
+                    scale_dtype: sdt,
+                };
+                v.push((format, gs));
+            }
+        }
+    }
+    v
+}
+
 #[test]
 fn affine_4_and_8_bits_every_group_scale_dtype_and_level() {
     let mut rng = Rng(3);
     for level in available_levels() {
-        for bits in [4, 8] {
-            for gs in [32, 64, 128] {
-                for sdt in DTYPES {
-                    let format = WeightFormat::Affine {
-                        bits,
-                        group_size: gs,
-                        scale_dtype: sdt,
-                    };
-                    // Column counts of 1, 3 and 5 groups (partial SIMD blocks, several `KC`
-                    // blocks with a short last one) and odd row counts.
-                    for (i, (rows, ngroups)) in [(3, 1), (37, 3), (45, 5)].into_iter().enumerate() {
-                        let m = TestMat::new(format, rows, gs * ngroups, 1 + i, &mut rng);
-                        for tokens in TOKENS {
-                            check(level, &m, tokens, &mut rng);
-                        }
-                    }
+        for (format, gs) in affine_4_and_8_bits() {
+            // Column counts of 1, 3 and 5 groups (partial SIMD blocks, several `KC` blocks
+            // with a short last one) and odd row counts.
+            for (i, (rows, ngroups)) in [(3, 1), (37, 3), (45, 5)].into_iter().enumerate() {
+                let m = TestMat::new(format, rows, gs * ngroups, 1 + i, &mut rng);
+                for tokens in TOKENS {
+                    check(level, &m, tokens, &mut rng);
                 }
             }
         }
@@ -613,20 +622,11 @@ fn check_fast(level: Level, m: &TestMat, tokens: usize, rng: &mut Rng) {
 fn fast_kernels_every_format_group_and_level() {
     let mut rng = Rng(21);
     for level in available_levels() {
-        for bits in [4, 8] {
-            for gs in [32, 64, 128] {
-                for sdt in DTYPES {
-                    let format = WeightFormat::Affine {
-                        bits,
-                        group_size: gs,
-                        scale_dtype: sdt,
-                    };
-                    for (i, (rows, ngroups)) in [(3, 1), (37, 3), (21, 9)].into_iter().enumerate() {
-                        let m = TestMat::new(format, rows, gs * ngroups, 1 + i, &mut rng);
-                        for tokens in [1, 2, 3, 4, 5, 9, 17, 40] {
-                            check_fast(level, &m, tokens, &mut rng);
-                        }
-                    }
+        for (format, gs) in affine_4_and_8_bits() {
+            for (i, (rows, ngroups)) in [(3, 1), (37, 3), (21, 9)].into_iter().enumerate() {
+                let m = TestMat::new(format, rows, gs * ngroups, 1 + i, &mut rng);
+                for tokens in [1, 2, 3, 4, 5, 9, 17, 40] {
+                    check_fast(level, &m, tokens, &mut rng);
                 }
             }
         }
