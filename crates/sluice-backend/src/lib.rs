@@ -31,6 +31,7 @@
 
 mod error;
 mod experts;
+mod tiers;
 mod weight;
 
 pub mod conformance;
@@ -41,6 +42,7 @@ pub use experts::{
     ExpertError, ExpertErrorKind, ExpertKey, ExpertLayer, ExpertSource, HostExpert, MatrixShape,
 };
 pub use reference::HostLinearState;
+pub use tiers::{ExpertCachePlan, ExpertCacheStats, HostPinner, PinnedRegion};
 pub use weight::{Dtype, HostBytes, HostMatrix, MatRef, WeightError, WeightFormat};
 
 /// The experts chosen for each token, in host memory: `experts[t * k + j]` with weight
@@ -151,7 +153,8 @@ pub trait Backend: Send + Sync {
     /// Makes expert `key`, fetched from an [`ExpertSource`], usable by
     /// [`Backend::moe_accumulate`]. The CPU uses the host memory in place (keeping the source's
     /// lease alive); a GPU starts an upload that later operations wait for, and may keep the
-    /// copy for later calls.
+    /// copy for later calls. A backend may hold on to `host` until its copy has finished, at the
+    /// latest until the next [`Backend::synchronize`] (or host read).
     fn stage_expert(
         &self,
         key: ExpertKey,
@@ -161,6 +164,29 @@ pub trait Backend: Send + Sync {
     /// holds it (so it needs no fetch). The CPU holds none.
     fn staged_expert(&self, key: ExpertKey) -> Option<Self::StagedExpert> {
         let _ = key;
+        None
+    }
+    /// Sets up the backend's own cache of streamed experts (a GPU keeps them in its memory
+    /// between calls, so [`Backend::staged_expert`] finds them): for experts of at most
+    /// `expert_bytes` each, `experts` of them in the model, within `budget` bytes of this
+    /// backend's memory in all (what is in use already counts; `None`: the free memory less a
+    /// margin). `None` for a backend that keeps no experts (the CPU).
+    fn plan_expert_cache(
+        &self,
+        budget: Option<u64>,
+        expert_bytes: u64,
+        experts: usize,
+    ) -> Result<Option<ExpertCachePlan>, BackendError> {
+        let _ = (budget, expert_bytes, experts);
+        Ok(None)
+    }
+    /// The counters of that cache, when there is one.
+    fn expert_cache_stats(&self) -> Option<ExpertCacheStats> {
+        None
+    }
+    /// Page-locks host memory that [`Backend::stage_expert`] will copy from (the expert store's
+    /// cache), where that makes copies faster; `None` where it does not matter (the CPU).
+    fn host_pinner(&self) -> Option<std::sync::Arc<dyn HostPinner>> {
         None
     }
 

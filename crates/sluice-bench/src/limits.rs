@@ -521,6 +521,34 @@ pub fn backend_copy_gbps<B: Backend>(b: &B, bytes: usize) -> Result<f64> {
     Ok(2.0 * (rows * cols * 4) as f64 / best / 1e9)
 }
 
+/// Host-to-device copy throughput of `bytes` (GB/s, best of five) from memory page-locked by
+/// the backend's pinner (from ordinary memory where it has none): the link streamed experts
+/// cross on a GPU.
+pub fn backend_upload_gbps<B: Backend>(b: &B, bytes: usize) -> Result<f64> {
+    let cols = 4096;
+    let rows = (bytes / (cols * 4)).max(1);
+    let host = vec![0.5f32; rows * cols];
+    // Dropped before `host`.
+    let pinned = match b.host_pinner() {
+        Some(p) => Some(
+            p.pin(host.as_ptr() as usize, host.len() * 4)
+                .context("page-locking the copy's source")?,
+        ),
+        None => None,
+    };
+    drop(b.act_from_host(&host, rows, cols));
+    b.synchronize().context("warming up the upload")?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = Instant::now();
+        drop(b.act_from_host(&host, rows, cols));
+        b.synchronize().context("timing the upload")?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    drop(pinned);
+    Ok((rows * cols * 4) as f64 / best / 1e9)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,6 +54,8 @@ pub struct LimitRates {
     /// O_DIRECT throughput of block-sized random reads with many in flight: the pattern expert
     /// streaming issues.
     pub disk_gbps: Option<f64>,
+    /// Page-locked host memory to a GPU: the link streamed experts cross there.
+    pub upload_gbps: Option<f64>,
 }
 
 /// The result of one test at one setting.
@@ -84,6 +86,23 @@ pub struct RunResult {
     pub peak_rss_bytes: Option<u64>,
     /// Expert streaming figures (packed models).
     pub streaming: Option<StreamingRun>,
+    /// The backend's own expert cache (a GPU's VRAM tier), when it keeps one.
+    pub vram: Option<VramRun>,
+}
+
+/// What the backend's expert cache did during the timed repetitions of one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct VramRun {
+    pub cache_bytes: u64,
+    pub slots: usize,
+    pub uploaded_bytes_per_token: f64,
+    /// Share of the run's wall time the device spent copying experts in.
+    pub copy_share: f64,
+    pub hit_rate: f64,
+    /// Copy throughput while copying.
+    pub upload_gbps: f64,
+    #[serde(skip)]
+    pub stats: sluice_backend::ExpertCacheStats,
 }
 
 /// What the expert store did during the timed repetitions of one run.
@@ -162,6 +181,7 @@ pub fn run_model<B: Backend + 'static>(
                     }
                     sluice_sys::reset_peak_rss();
                     let before = engine.store.as_ref().map(|s| s.stats());
+                    let vram_before = engine.model.backend().expert_cache_stats();
                     let mut samples = Vec::new();
                     let mut ttft = Vec::new();
                     for r in 0..settings.repetitions {
@@ -187,6 +207,23 @@ pub fn run_model<B: Backend + 'static>(
                             stats: d,
                         }
                     });
+                    let vram = engine
+                        .device_cache_plan
+                        .as_ref()
+                        .zip(vram_before)
+                        .zip(engine.model.backend().expert_cache_stats())
+                        .map(|((plan, before), now)| {
+                            let d = now.since(&before);
+                            VramRun {
+                                cache_bytes: plan.bytes(),
+                                slots: plan.slots,
+                                uploaded_bytes_per_token: d.bytes_uploaded as f64 / tokens,
+                                copy_share: d.upload_secs / total_secs,
+                                hit_rate: d.hit_rate(),
+                                upload_gbps: d.upload_gbps(),
+                                stats: d,
+                            }
+                        });
                     let bytes_per_token = bytes_per_token(engine, test);
                     Ok(RunResult {
                         model: dir.clone(),
@@ -208,6 +245,7 @@ pub fn run_model<B: Backend + 'static>(
                         }),
                         peak_rss_bytes: sluice_sys::peak_rss_bytes(),
                         streaming,
+                        vram,
                     })
                 })?;
                 report(&result);

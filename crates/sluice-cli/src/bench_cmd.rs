@@ -164,6 +164,10 @@ fn run_on<B: Backend + 'static>(
         let gbps = limits::backend_copy_gbps(backend.as_ref(), 2 << 30)?;
         rates.memory_read_gbps = Some(gbps);
         limits_json.insert("device_copy_gbps".into(), json!(gbps));
+        // The link streamed experts cross (page-locked host memory to the device).
+        let up = limits::backend_upload_gbps(backend.as_ref(), 1 << 30)?;
+        rates.upload_gbps = Some(up);
+        limits_json.insert("host_to_device_gbps".into(), json!(up));
     } else if a.memory {
         eprintln!("measuring DRAM read bandwidth ({max_threads} threads)...");
         let m = limits::memory_read(max_threads, limits::DEFAULT_MEMORY_BYTES);
@@ -277,6 +281,21 @@ fn run_on<B: Backend + 'static>(
                         st.read_gbps
                     ))
                 );
+                if let Some(v) = &r.vram {
+                    eprintln!(
+                        "    VRAM cache {} in {} slots: hit {:.1}%, uploaded {} per token at {:.2} GB/s while copying{}, {:.0}% of the run copying",
+                        format_bytes(v.cache_bytes),
+                        v.slots,
+                        v.stats.hit_rate() * 100.0,
+                        format_bytes(v.uploaded_bytes_per_token as u64),
+                        v.stats.upload_gbps(),
+                        rates.upload_gbps.map_or(String::new(), |l| format!(
+                            " ({:.0}% of the {l:.1} GB/s link)",
+                            v.stats.upload_gbps() / l * 100.0
+                        )),
+                        v.copy_share * 100.0,
+                    );
+                }
             })?);
             for r in &mut results[first..] {
                 r.variant = variant.clone();
@@ -297,8 +316,9 @@ fn run_on<B: Backend + 'static>(
     }
     match rates.memory_read_gbps {
         Some(g) if gpu => println!(
-            "{}: device-to-device copy {g:.0} GB/s\n",
-            backend.describe()
+            "{}: device-to-device copy {g:.0} GB/s, page-locked host to device {:.1} GB/s\n",
+            backend.describe(),
+            rates.upload_gbps.unwrap_or(0.0)
         ),
         Some(g) => println!("DRAM read, {max_threads} threads: {g:.1} GB/s\n"),
         None => {}

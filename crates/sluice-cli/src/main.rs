@@ -286,7 +286,37 @@ pub(crate) fn print_banner<B: Backend>(engine: &Engine<B>) {
             format_bytes(plan.expert_bytes),
             format_bytes(plan.resident_bytes),
         );
+        match store.pinned() {
+            Some(Ok(())) => eprintln!("expert cache page-locked for GPU copies"),
+            Some(Err(why)) => eprintln!("sluice: warning: {why}"),
+            None => {}
+        }
     }
+    if let (Some(plan), Some(cache)) = (&engine.device_cache_plan, &engine.cache_plan) {
+        eprintln!(
+            "VRAM expert cache: {} in {} slots ({}), {:.0}% of {} expert bytes",
+            format_bytes(plan.bytes()),
+            plan.slots,
+            plan.reason,
+            plan.bytes() as f64 / cache.expert_bytes.max(1) as f64 * 100.0,
+            format_bytes(cache.expert_bytes),
+        );
+    }
+}
+
+/// One line of VRAM-tier counters (`d`: a delta), for `--stats`.
+pub(crate) fn vram_line(d: &sluice_backend::ExpertCacheStats) -> String {
+    format!(
+        "VRAM hit {:.1}% ({} held, {} uploaded into slots, {} for one call), uploaded {} ({:.0}% from page-locked memory) at {:.2} GB/s while copying, {:.0} ms copying",
+        d.hit_rate() * 100.0,
+        d.hits,
+        d.misses,
+        d.bypassed,
+        format_bytes(d.bytes_uploaded),
+        d.bytes_pinned as f64 / d.bytes_uploaded.max(1) as f64 * 100.0,
+        d.upload_gbps(),
+        d.upload_secs * 1e3,
+    )
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
@@ -314,6 +344,9 @@ fn generate_on<B: Backend + 'static>(engine: Engine<B>, a: &GenerateArgs) -> Res
     print_banner(&engine);
     let start_stats = engine.store.as_ref().map(|s| s.stats());
     let mut last_stats = start_stats.clone();
+    let backend = engine.model.backend();
+    let vram_start = backend.expert_cache_stats();
+    let mut vram_last = vram_start.clone();
     let mut last_time = std::time::Instant::now();
     let mut index = 0usize;
     let mut out = std::io::stdout().lock();
@@ -339,6 +372,12 @@ fn generate_on<B: Backend + 'static>(engine: Engine<B>, a: &GenerateArgs) -> Res
                     d.prefetch_useful + d.prefetch_wasted,
                 );
                 *last = now;
+                if let Some(last) = &mut vram_last {
+                    if let Some(now) = backend.expert_cache_stats() {
+                        eprintln!("[stats]   {}", vram_line(&now.since(last)));
+                        *last = now;
+                    }
+                }
                 last_time = std::time::Instant::now();
                 index += 1;
             }
@@ -383,6 +422,9 @@ fn generate_on<B: Backend + 'static>(engine: Engine<B>, a: &GenerateArgs) -> Res
             d.io_wait_secs / total.max(1e-9) * 100.0,
             total,
         );
+    }
+    if let (Some(start), Some(now)) = (&vram_start, backend.expert_cache_stats()) {
+        eprintln!("experts on the GPU: {}", vram_line(&now.since(start)));
     }
     Ok(())
 }

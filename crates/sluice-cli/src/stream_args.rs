@@ -29,6 +29,12 @@ pub struct StreamArgs {
     /// too (buffered reads; `sluice pack` makes streaming faster).
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<ByteSize>,
+    /// GPU memory for the model (e.g. 8GiB): resident weights, KV caches and activations, and a
+    /// VRAM cache of streamed experts in the rest, with misses copied from the host cache
+    /// (--memory-budget) or read from disk. Default: the free GPU memory less 1 GiB. Unpacked
+    /// models then stream their experts too. Ignored on the CPU.
+    #[arg(long, value_name = "SIZE")]
+    pub vram_budget: Option<ByteSize>,
     /// Expert cache eviction policy.
     #[arg(long, value_enum, default_value = "frequency")]
     pub cache_policy: PolicyArg,
@@ -68,7 +74,11 @@ impl StreamArgs {
             direct: !self.buffered,
             verify: !self.no_verify,
             // Asking for a cache streams unpacked checkpoints too (packed ones always stream).
-            stream_unpacked: expert_cache.is_some() || self.memory_budget.is_some(),
+            stream_unpacked: expert_cache.is_some()
+                || self.memory_budget.is_some()
+                || self.vram_budget.is_some(),
+            vram_budget: self.vram_budget.map(ByteSize::bytes),
+            pinner: None,
         })
     }
 }

@@ -6,12 +6,14 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaFunction;
 use sluice_backend::{
-    Backend, BackendError, DeltaNetDims, ExpertKey, FfnWeights, HostExpert, HostLinearState,
-    HostMatrix, HostRouting, MemoryInfo, TopLogits,
+    Backend, BackendError, DeltaNetDims, ExpertCachePlan, ExpertCacheStats, ExpertKey, FfnWeights,
+    HostExpert, HostLinearState, HostMatrix, HostPinner, HostRouting, MemoryInfo, TopLogits,
 };
 
 use crate::device::{grid, Arg, DevBuf, Device};
+use crate::expert_cache::SlotHold;
 use crate::mat::{describe, ExpertMats, Mat, MatSet, Spread, MAT_SET_MAX, SPREAD_ROWS};
+use crate::vram_experts::{is_pinned, CudaPinner, PinnedRanges, VramExperts};
 
 /// f32 activations `[rows, cols]` in device memory; `None` after a failure (the backend reports
 /// it from the next host read).
@@ -49,10 +51,12 @@ pub struct CudaExperts {
     _parts: Vec<DevBuf>,
 }
 
-/// A streamed expert uploaded for one call.
+/// A streamed expert on the device: in a slot of the VRAM expert cache (held while this lives),
+/// or uploaded for one call.
 pub struct CudaStagedExpert {
     mats: ExpertMats,
     _parts: Vec<DevBuf>,
+    _hold: Option<SlotHold>,
 }
 
 /// The expert choice, on the device: `ids` and `weights` `[rows, k]`.
@@ -143,6 +147,10 @@ pub struct CudaBackend {
     /// Counters of finished blocks for kernels whose last block finishes the work (zero between
     /// calls): split attention's per (head, token) from 0, fused routing's per token after.
     done_counters: Mutex<Option<Arc<DevBuf>>>,
+    /// The VRAM tier of streamed experts, once planned.
+    vram: Mutex<Option<VramExperts>>,
+    /// Host memory page-locked through [`Backend::host_pinner`].
+    pinned: PinnedRanges,
 }
 
 /// Limits of the kernels (checked where the shapes are first known).
@@ -189,6 +197,8 @@ impl CudaBackend {
             description,
             inv_freq: Mutex::new(HashMap::new()),
             done_counters: Mutex::new(None),
+            vram: Mutex::new(None),
+            pinned: PinnedRanges::default(),
         }
     }
 
@@ -850,19 +860,75 @@ impl Backend for CudaBackend {
 
     fn stage_expert(
         &self,
-        _key: ExpertKey,
+        key: ExpertKey,
         host: HostExpert,
     ) -> Result<CudaStagedExpert, BackendError> {
-        let mut parts = Vec::new();
-        let mats = ExpertMats {
-            gate: self.upload_matrix(&host.gate, &mut parts)?,
-            up: self.upload_matrix(&host.up, &mut parts)?,
-            down: self.upload_matrix(&host.down, &mut parts)?,
+        let mut vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(vram) = vram.as_mut() else {
+            // No expert cache planned: an upload for this call, from memory nobody page-locked
+            // through this backend (so the copy has read it when the call returns).
+            let mut parts = Vec::new();
+            let mats = ExpertMats {
+                gate: self.upload_matrix(&host.gate, &mut parts)?,
+                up: self.upload_matrix(&host.up, &mut parts)?,
+                down: self.upload_matrix(&host.down, &mut parts)?,
+            };
+            if is_pinned(&self.pinned, host.gate.data.as_slice()) {
+                // From page-locked memory the copies may still be reading `host`.
+                self.d.sync()?;
+            }
+            return Ok(CudaStagedExpert {
+                mats,
+                _parts: parts,
+                _hold: None,
+            });
         };
+        let pinned = is_pinned(&self.pinned, host.gate.data.as_slice());
+        let s = vram.stage(&self.d, key, host, pinned)?;
         Ok(CudaStagedExpert {
-            mats,
-            _parts: parts,
+            mats: s.mats,
+            _parts: s.parts,
+            _hold: s.hold,
         })
+    }
+
+    fn staged_expert(&self, key: ExpertKey) -> Option<CudaStagedExpert> {
+        let mut vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());
+        let s = vram.as_mut()?.find(key)?;
+        Some(CudaStagedExpert {
+            mats: s.mats,
+            _parts: s.parts,
+            _hold: s.hold,
+        })
+    }
+
+    fn plan_expert_cache(
+        &self,
+        budget: Option<u64>,
+        expert_bytes: u64,
+        experts: usize,
+    ) -> Result<Option<ExpertCachePlan>, BackendError> {
+        let mut vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());
+        // A new plan replaces the old cache (its memory freed first, so that it can be reused).
+        *vram = None;
+        let (cache, plan) = VramExperts::plan(&self.d, budget, expert_bytes, experts)?;
+        *vram = Some(cache);
+        Ok(Some(plan))
+    }
+
+    fn expert_cache_stats(&self) -> Option<ExpertCacheStats> {
+        let mut vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());
+        Some(vram.as_mut()?.stats(&self.d))
+    }
+
+    fn host_pinner(&self) -> Option<Arc<dyn HostPinner>> {
+        if std::env::var("SLUICE_CUDA_PIN").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        Some(Arc::new(CudaPinner {
+            ctx: self.d.context().clone(),
+            ranges: self.pinned.clone(),
+        }))
     }
 
     fn kv_cache(

@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
@@ -135,6 +136,9 @@ pub(crate) struct Device {
     graphs: Option<Mutex<Graphs>>,
     /// `SLUICE_CUDA_GRAPHS=stats`: how flushes ran, with host and GPU time.
     graph_stats: Option<Mutex<GraphStats>>,
+    /// Completed synchronisations of the stream: work issued before the `n`-th has finished
+    /// once this exceeds `n - 1` (host memory lent to an asynchronous copy may then go back).
+    syncs: AtomicU64,
 }
 
 /// Per kind of flush: count, host seconds, and the GPU time of each (events read at the end).
@@ -220,6 +224,7 @@ impl Device {
             profile,
             graphs,
             graph_stats,
+            syncs: AtomicU64::new(0),
         })
     }
 
@@ -339,7 +344,7 @@ impl Device {
         self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn bind(&self) -> Result<(), BackendError> {
+    pub(crate) fn bind(&self) -> Result<(), BackendError> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| device_error("binding the context", e))
@@ -444,7 +449,44 @@ impl Device {
         self.bind()?;
         self.stream
             .synchronize()
-            .map_err(|e| device_error("synchronising", e))
+            .map_err(|e| device_error("synchronising", e))?;
+        self.syncs.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Synchronisations so far (see `syncs`).
+    pub(crate) fn sync_count(&self) -> u64 {
+        self.syncs.load(Ordering::Acquire)
+    }
+
+    /// Starts copying `src` to device memory at `dst` (room for it, owned by the caller), after
+    /// every deferred launch (which may still read the old contents). The copy is asynchronous:
+    /// from page-locked memory it may still be reading `src` after the call, so the caller keeps
+    /// `src` alive and unchanged until the next [`Device::sync`].
+    pub(crate) fn copy_to_device(&self, dst: u64, src: &[u8]) -> Result<(), BackendError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.flush();
+        self.bind()?;
+        // SAFETY: the caller owns `src.len()` bytes of device memory at `dst` and keeps `src`
+        // alive until the stream has synchronised (see above).
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| device_error("copying to the device", e))
+    }
+
+    /// An event recorded on the stream now (for timing work between two of them).
+    pub(crate) fn timing_event(&self) -> Option<CudaEvent> {
+        let e = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .ok()?;
+        e.record(&self.stream).ok()?;
+        Some(e)
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
     /// Copies `bytes` (a multiple of 4) between live allocations of this backend. A kernel, not

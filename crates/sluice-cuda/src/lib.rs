@@ -16,9 +16,11 @@
 
 mod backend;
 mod device;
+mod expert_cache;
 mod graph;
 mod kernels;
 mod mat;
+mod vram_experts;
 
 use cudarc::driver::CudaContext;
 use sluice_backend::BackendError;
@@ -27,6 +29,7 @@ pub use backend::{
     CudaAct, CudaBackend, CudaExperts, CudaKvCache, CudaLinearState, CudaRouting, CudaStagedExpert,
     CudaVector, CudaWeight,
 };
+pub use vram_experts::RESERVE_BYTES as VRAM_RESERVE_BYTES;
 
 fn unusable(msg: String) -> BackendError {
     BackendError::Unsupported(msg)

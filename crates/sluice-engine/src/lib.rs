@@ -193,6 +193,8 @@ pub struct Engine<B: Backend> {
     pub store: Option<sluice_store::ExpertStore>,
     /// How the expert cache was sized (streamed experts).
     pub cache_plan: Option<streaming::CachePlan>,
+    /// How the backend's own expert cache (a GPU's) was sized, when it keeps one.
+    pub device_cache_plan: Option<sluice_backend::ExpertCachePlan>,
 }
 
 impl<B: Backend + 'static> Engine<B> {
@@ -203,15 +205,20 @@ impl<B: Backend + 'static> Engine<B> {
             .experts_per_token
             .max(opts.experts_per_token.unwrap_or(0))
             .max(1);
+        // The store's cache page-locked where the backend copies from it (a GPU).
+        let streaming = streaming::StreamingOptions {
+            pinner: backend.host_pinner().map(sluice_store::Pinner),
+            ..opts.streaming.clone()
+        };
         let (store, cache_plan) = match sluice_store::Manifest::open(&dir.path)
             .map_err(sluice_store::StoreError::from)?
         {
             Some(manifest) => {
-                let (store, plan) = streaming::open_store(&dir.path, manifest, &opts.streaming, k)?;
+                let (store, plan) = streaming::open_store(&dir.path, manifest, &streaming, k)?;
                 (Some(store), Some(plan))
             }
             None if opts.streaming.stream_unpacked => {
-                match streaming::open_unpacked_store(&dir, &opts.streaming, k)? {
+                match streaming::open_unpacked_store(&dir, &streaming, k)? {
                     Some((store, plan)) => (Some(store), Some(plan)),
                     None => (None, None),
                 }
@@ -219,7 +226,20 @@ impl<B: Backend + 'static> Engine<B> {
             None => (None, None),
         };
         let source = store.clone().map(|s| Arc::new(s) as Arc<dyn ExpertSource>);
-        let mut model = sluice_models::load_with_experts(&dir, backend, source)?;
+        let mut model = sluice_models::load_with_experts(&dir, backend.clone(), source)?;
+        // The backend's own expert cache (VRAM) gets what the resident weights leave.
+        let device_cache_plan = match &store {
+            Some(store) => {
+                let manifest = store.manifest();
+                let experts = manifest.layers.iter().map(|l| l.experts).sum();
+                backend.plan_expert_cache(
+                    opts.streaming.vram_budget,
+                    manifest.max_stride(),
+                    experts,
+                )?
+            }
+            None => None,
+        };
         if let Some(k) = opts.experts_per_token {
             model.set_experts_per_token(k)?;
         }
@@ -263,6 +283,7 @@ impl<B: Backend + 'static> Engine<B> {
             defaults,
             store,
             cache_plan,
+            device_cache_plan,
         })
     }
 

@@ -31,6 +31,11 @@ pub struct StreamingOptions {
     /// slices) instead of keeping them all memory-mapped. Set when the user asks for a cache
     /// (`--expert-cache` or `--memory-budget`).
     pub stream_unpacked: bool,
+    /// The most device memory a GPU backend may use in all, its expert cache getting what the
+    /// rest leaves (`None`: the free memory less a margin). Ignored by the CPU.
+    pub vram_budget: Option<u64>,
+    /// Page-locks the expert cache for the backend's copies (set by [`crate::Engine::load`]).
+    pub pinner: Option<sluice_store::Pinner>,
 }
 
 impl Default for StreamingOptions {
@@ -44,6 +49,8 @@ impl Default for StreamingOptions {
             direct: true,
             verify: true,
             stream_unpacked: false,
+            vram_budget: None,
+            pinner: None,
         }
     }
 }
@@ -125,6 +132,7 @@ pub fn open_store(
             },
             verify: opts.verify,
             min_slots: experts_per_token,
+            pinner: opts.pinner.clone(),
         },
     )?;
     Ok((store, plan))
@@ -158,6 +166,7 @@ pub fn open_unpacked_store(
             },
             verify: false,
             min_slots: experts_per_token,
+            pinner: opts.pinner.clone(),
         },
     )?;
     Ok(Some((store, plan)))

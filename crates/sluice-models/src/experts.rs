@@ -49,6 +49,7 @@ impl<B: Backend> Experts<B> {
         let mut then = Some(then);
         let max_fetch = source.max_fetch().max(1);
         let mut rest = used.as_slice();
+        let mut first_run = true;
         while !rest.is_empty() {
             // The next run: experts up to the `max_fetch`-th that needs fetching.
             let mut run: Vec<(u32, Option<B::StagedExpert>)> = Vec::new();
@@ -64,6 +65,12 @@ impl<B: Backend> Experts<B> {
                 run.push((expert, held));
             }
             rest = &rest[run.len()..];
+            if !first_run && !missing.is_empty() {
+                // The backend may still hold the last run's host copies (a GPU's upload in
+                // flight): let them go before the source reuses its slots.
+                b.synchronize()?;
+            }
+            first_run = false;
             let mut fetched = if missing.is_empty() {
                 Vec::new()
             } else {

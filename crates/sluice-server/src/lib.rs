@@ -259,9 +259,10 @@ async fn get_model<B: Backend + 'static>(
 
 async fn metrics_text<B: Backend + 'static>(State(app): State<Arc<App<B>>>) -> Response {
     let store = app.engine.store.as_ref().map(|s| s.stats());
+    let vram = app.engine.model.backend().expert_cache_stats();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        app.metrics.render(store.as_ref()),
+        app.metrics.render(store.as_ref(), vram.as_ref()),
     )
         .into_response()
 }

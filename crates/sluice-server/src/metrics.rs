@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
+use sluice_backend::ExpertCacheStats;
 use sluice_store::StoreStats;
 
 /// Updated by the handlers and the model thread; read by `/metrics`.
@@ -54,7 +55,7 @@ impl Metrics {
     }
 
     /// The exposition text; `store` adds the expert cache's counters when experts stream.
-    pub fn render(&self, store: Option<&StoreStats>) -> String {
+    pub fn render(&self, store: Option<&StoreStats>, vram: Option<&ExpertCacheStats>) -> String {
         let mut out = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
             let _ = writeln!(out, "# HELP sluice_{name} {help}");
@@ -189,6 +190,44 @@ impl Metrics {
                 "counter",
                 "Failed expert reads and checksum mismatches.",
                 s.errors as f64,
+            );
+        }
+        if let Some(v) = vram {
+            metric(
+                "vram_expert_hits_total",
+                "counter",
+                "Streamed experts found in the GPU's expert cache.",
+                v.hits as f64,
+            );
+            metric(
+                "vram_expert_uploads_total",
+                "counter",
+                "Streamed experts copied to the GPU (into a cache slot or for one call).",
+                (v.misses + v.bypassed) as f64,
+            );
+            metric(
+                "vram_expert_hit_rate",
+                "gauge",
+                "Share of streamed experts the GPU's expert cache held.",
+                v.hit_rate(),
+            );
+            metric(
+                "vram_expert_upload_bytes_total",
+                "counter",
+                "Bytes of experts copied to the GPU.",
+                v.bytes_uploaded as f64,
+            );
+            metric(
+                "vram_expert_upload_gbps",
+                "gauge",
+                "Expert copy throughput to the GPU while copying, GB/s.",
+                v.upload_gbps(),
+            );
+            metric(
+                "vram_expert_upload_seconds_total",
+                "counter",
+                "Time the GPU spent copying experts in.",
+                v.upload_secs,
             );
         }
         out

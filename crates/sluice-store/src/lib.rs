@@ -51,5 +51,5 @@ pub use manifest::{
 pub use pack::{pack, PackError, PackOptions, PackSummary};
 pub use policy::Policy;
 pub use stats::StoreStats;
-pub use store::{ExpertStore, FetchedExpert, StoreOptions};
+pub use store::{ExpertStore, FetchedExpert, Pinner, StoreOptions};
 pub use unpacked::UnpackedLayout;

@@ -158,6 +158,8 @@ pub(crate) struct Slab {
     ptr: NonNull<u8>,
     layout: Layout,
     slot_bytes: usize,
+    /// Page-locked for a device's copies (see [`Slab::pin`]); unlocked before the memory is freed.
+    pinned: Option<Box<dyn sluice_backend::PinnedRegion>>,
 }
 
 // SAFETY: the slab is plain memory; which thread may touch which slot is governed by the store's
@@ -202,7 +204,18 @@ impl Slab {
             ptr,
             layout,
             slot_bytes,
+            pinned: None,
         })
+    }
+
+    /// Page-locks the whole slab with `pinner` (a GPU backend's), so that experts copy from it
+    /// to the device at the link's full speed.
+    pub(crate) fn pin(&mut self, pinner: &dyn sluice_backend::HostPinner) -> Result<(), String> {
+        let region = pinner
+            .pin(self.ptr.as_ptr() as usize, self.layout.size())
+            .map_err(|e| e.to_string())?;
+        self.pinned = Some(region);
+        Ok(())
     }
 
     pub(crate) fn slot_bytes(&self) -> usize {
@@ -223,6 +236,8 @@ impl Slab {
 
 impl Drop for Slab {
     fn drop(&mut self) {
+        // Unlocked while the memory is still allocated.
+        drop(self.pinned.take());
         // SAFETY: allocated in `Slab::new` with exactly this layout; no lease outlives the
         // store's Inner, which owns the slab (leases hold an Arc to it).
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use sluice_backend::{HostBytes, HostMatrix};
+use sluice_backend::{HostBytes, HostMatrix, HostPinner};
 
 use crate::error::StoreError;
 use crate::io::{Completion, ReadRequest, ReaderOptions};
@@ -39,6 +39,18 @@ pub struct StoreOptions {
     pub verify: bool,
     /// Smallest number of slots accepted (the experts one token needs in one layer).
     pub min_slots: usize,
+    /// Page-locks the cache's memory for a device's copies (a GPU backend's pinner).
+    pub pinner: Option<Pinner>,
+}
+
+/// A backend's [`HostPinner`], for [`StoreOptions`].
+#[derive(Clone)]
+pub struct Pinner(pub Arc<dyn HostPinner>);
+
+impl std::fmt::Debug for Pinner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pinner")
+    }
 }
 
 /// Slot assignments, use counts and counters, behind the store's one lock.
@@ -69,6 +81,8 @@ struct Inner {
     layer_index: HashMap<usize, usize>,
     source: Source,
     slab: Slab,
+    /// Whether the slab was page-locked, when asked to be.
+    pinned: Option<Result<(), String>>,
     verify: bool,
     policy: Policy,
     state: Mutex<State>,
@@ -175,7 +189,9 @@ impl ExpertStore {
         let total_blocks: usize = manifest.layers.iter().map(|l| l.experts).sum();
         let slots = Self::slots_for(opts.cache_bytes, slot_bytes as u64, opts.min_slots)
             .min(total_blocks.max(1));
-        let slab = Slab::new(slots, slot_bytes)?;
+        let mut slab = Slab::new(slots, slot_bytes)?;
+        // Not pinning costs speed, not correctness: the failure is kept for the banner.
+        let pinned = opts.pinner.as_ref().map(|p| slab.pin(p.0.as_ref()));
         let layer_index = manifest
             .layers
             .iter()
@@ -200,6 +216,7 @@ impl ExpertStore {
                 layer_index,
                 source,
                 slab,
+                pinned,
                 verify,
                 policy: opts.policy,
                 state: Mutex::new(state),
@@ -230,6 +247,12 @@ impl ExpertStore {
     /// Bytes of cache memory.
     pub fn cache_bytes(&self) -> u64 {
         self.inner.slab.size() as u64
+    }
+
+    /// Whether the cache memory is page-locked for a device's copies: `None` when nobody asked,
+    /// else whether it worked (and why not).
+    pub fn pinned(&self) -> Option<Result<(), String>> {
+        self.inner.pinned.clone()
     }
 
     /// A description of the I/O path, e.g. `io_uring, O_DIRECT`.

@@ -181,6 +181,7 @@ mod tests {
             },
             verify: true, // ignored: no checksums
             min_slots: 1,
+            pinner: None,
         }
     }
 

@@ -42,6 +42,7 @@ fn open(dir: &Path, slots: usize, policy: Policy) -> ExpertStore {
         },
         verify: true,
         min_slots: 1,
+        pinner: None,
     };
     ExpertStore::open(dir, &opts).unwrap()
 }
@@ -132,4 +133,116 @@ fn a_request_refused_for_lack_of_slots_leaves_its_misses_readable() {
     let got = store.fetch(0, &[1]).expect("expert 1 was read, not lost");
     assert_eq!(got[0].gate.data.as_slice()[0], 1);
     assert_eq!(store.stats().errors, 0);
+}
+
+/// A pinner that records what it locks and when each region is let go (or refuses).
+struct FakePinner {
+    log: Arc<Mutex<Vec<String>>>,
+    refuse: bool,
+}
+
+struct FakeRegion {
+    log: Arc<Mutex<Vec<String>>>,
+    addr: usize,
+    len: usize,
+}
+
+impl sluice_backend::PinnedRegion for FakeRegion {}
+
+impl Drop for FakeRegion {
+    fn drop(&mut self) {
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("unpin {:#x} {}", self.addr, self.len));
+    }
+}
+
+impl HostPinner for FakePinner {
+    fn pin(
+        &self,
+        addr: usize,
+        len: usize,
+    ) -> Result<Box<dyn sluice_backend::PinnedRegion>, sluice_backend::BackendError> {
+        if self.refuse {
+            return Err(sluice_backend::BackendError::Device(
+                "no locked memory left".into(),
+            ));
+        }
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("pin {addr:#x} {len}"));
+        Ok(Box::new(FakeRegion {
+            log: self.log.clone(),
+            addr,
+            len,
+        }))
+    }
+}
+
+fn open_pinned(dir: &Path, slots: usize, pinner: FakePinner) -> ExpertStore {
+    let m = Manifest::open(dir).unwrap().unwrap();
+    let opts = StoreOptions {
+        cache_bytes: slots as u64 * m.max_stride(),
+        policy: Policy::Frequency,
+        io: ReaderOptions {
+            kind: IoKind::Auto,
+            direct: true,
+            queue_depth: 4,
+        },
+        verify: true,
+        min_slots: 1,
+        pinner: Some(Pinner(Arc::new(pinner))),
+    };
+    ExpertStore::open(dir, &opts).unwrap()
+}
+
+#[test]
+fn the_cache_is_pinned_whole_and_unpinned_when_the_store_goes() {
+    let (dir, m) = tiny_store(4);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let store = open_pinned(
+        dir.path(),
+        3,
+        FakePinner {
+            log: log.clone(),
+            refuse: false,
+        },
+    );
+    assert_eq!(store.pinned(), Some(Ok(())));
+    {
+        let l = log.lock().unwrap();
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].ends_with(&format!(" {}", store.cache_bytes())),
+            "the whole slab: {l:?}"
+        );
+        assert!(store.cache_bytes() >= 3 * m.max_stride());
+    }
+    let got = store.fetch(0, &[2]).unwrap();
+    assert_eq!(got[0].gate.data.as_slice()[0], 2);
+    drop(got);
+    drop(store);
+    let l = log.lock().unwrap();
+    assert_eq!(l.len(), 2, "{l:?}");
+    assert_eq!(l[1].replace("unpin", "pin"), l[0], "the same region let go");
+}
+
+#[test]
+fn a_refused_pin_is_reported_and_the_store_still_works() {
+    let (dir, _) = tiny_store(4);
+    let store = open_pinned(
+        dir.path(),
+        2,
+        FakePinner {
+            log: Arc::new(Mutex::new(Vec::new())),
+            refuse: true,
+        },
+    );
+    let why = store.pinned().unwrap().unwrap_err();
+    assert!(why.contains("no locked memory left"), "{why}");
+    let got = store.fetch(0, &[1, 3]).unwrap();
+    assert_eq!(got[1].down.data.as_slice()[0], 3);
+    assert_eq!(open(dir.path(), 2, Policy::Lru).pinned(), None);
 }

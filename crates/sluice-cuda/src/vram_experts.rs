@@ -1,0 +1,382 @@
+//! Streamed experts on the GPU: the VRAM expert cache (tier 1, slots in one device allocation,
+//! kept between calls) over the expert store's host cache (tier 2, page-locked by
+//! [`CudaPinner`] so that copies run at the link's full speed) over the packed file (tier 3,
+//! the store's reads).
+//!
+//! Copies run on the backend's one stream, so they are ordered after every launch that may still
+//! read a slot they overwrite, and before the launches that use them; the host memory they read
+//! is kept (the store's lease) until the stream has synchronised.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent};
+use sluice_backend::{
+    BackendError, ExpertCachePlan, ExpertCacheStats, ExpertKey, HostExpert, HostMatrix, HostPinner,
+    PinnedRegion,
+};
+
+use crate::device::{DevBuf, Device};
+use crate::expert_cache::{Claim, SlotHold, SlotTable};
+use crate::mat::{describe, ExpertMats, Mat};
+
+/// Device memory left for activations, KV caches and kernels' scratch when the expert cache is
+/// sized.
+pub const RESERVE_BYTES: u64 = 1 << 30;
+/// Parts of an expert in a slot start on this boundary.
+const PART_ALIGN: usize = 256;
+
+/// An upload whose host memory must stay put until the stream has synchronised.
+struct Pending {
+    /// `Device::sync_count` when it was issued.
+    issued_at: u64,
+    _host: HostExpert,
+    timing: Option<(CudaEvent, CudaEvent)>,
+}
+
+/// The VRAM tier: slots, what each holds, and the counters.
+pub(crate) struct VramExperts {
+    table: SlotTable,
+    memory: Option<DevBuf>,
+    slot_bytes: usize,
+    /// The description of each slot's expert (valid while the table says it holds one).
+    mats: Vec<ExpertMats>,
+    pending: Vec<Pending>,
+    stats: ExpertCacheStats,
+}
+
+/// An expert made usable on the device: in a slot (held while this lives) or uploaded for one
+/// call.
+pub(crate) struct Staged {
+    pub mats: ExpertMats,
+    pub parts: Vec<DevBuf>,
+    pub hold: Option<SlotHold>,
+}
+
+/// The nine parts of an expert, in slot order.
+fn parts(e: &HostExpert) -> [&HostMatrix; 3] {
+    [&e.gate, &e.up, &e.down]
+}
+
+/// Offsets of the parts in a slot and the bytes they take.
+fn slot_layout(e: &HostExpert) -> ([[usize; 3]; 3], usize) {
+    let mut at = 0;
+    let mut offsets = [[0; 3]; 3];
+    for (m, off) in parts(e).iter().zip(&mut offsets) {
+        for (bytes, o) in [m.data.as_slice(), m.scales.as_slice(), m.biases.as_slice()]
+            .iter()
+            .zip(off.iter_mut())
+        {
+            *o = at;
+            at = (at + bytes.len()).next_multiple_of(PART_ALIGN);
+        }
+    }
+    (offsets, at)
+}
+
+impl VramExperts {
+    /// Sizes the cache (see [`sluice_backend::Backend::plan_expert_cache`]) and allocates it.
+    pub(crate) fn plan(
+        d: &Device,
+        budget: Option<u64>,
+        expert_bytes: u64,
+        experts: usize,
+    ) -> Result<(VramExperts, ExpertCachePlan), BackendError> {
+        // Each of the nine parts may need up to one alignment's padding.
+        let slot_bytes = (expert_bytes as usize + 9 * PART_ALIGN).next_multiple_of(PART_ALIGN);
+        let mem = d.memory();
+        let used = mem.total.saturating_sub(mem.free);
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let (bytes, reason) = match budget {
+            Some(b) => {
+                let need = used + RESERVE_BYTES;
+                if b < need {
+                    return Err(BackendError::Unsupported(format!(
+                        "--vram-budget {:.2} GiB is less than the GPU memory in use with the resident \
+                         weights ({:.2} GiB) plus {:.0} GiB for activations and caches: give at least \
+                         {:.2} GiB",
+                        gib(b),
+                        gib(used),
+                        gib(RESERVE_BYTES),
+                        gib(need)
+                    )));
+                }
+                (
+                    b - need,
+                    format!(
+                        "--vram-budget {:.2} GiB minus {:.2} GiB in use and {:.0} GiB reserved",
+                        gib(b),
+                        gib(used),
+                        gib(RESERVE_BYTES)
+                    ),
+                )
+            }
+            None => (
+                mem.free.saturating_sub(RESERVE_BYTES),
+                format!(
+                    "free GPU memory {:.2} GiB minus {:.0} GiB reserved (--vram-budget to set)",
+                    gib(mem.free),
+                    gib(RESERVE_BYTES)
+                ),
+            ),
+        };
+        let disabled = std::env::var("SLUICE_CUDA_EXPERT_CACHE").is_ok_and(|v| v == "0");
+        let slots = if disabled {
+            0
+        } else {
+            (bytes / slot_bytes as u64).min(experts as u64) as usize
+        };
+        let reason = if disabled {
+            "off (SLUICE_CUDA_EXPERT_CACHE=0)".to_string()
+        } else {
+            reason
+        };
+        let memory = match slots {
+            0 => None,
+            n => Some(d.alloc(n * slot_bytes, "the VRAM expert cache")?),
+        };
+        Ok((
+            VramExperts {
+                table: SlotTable::new(slots),
+                memory,
+                slot_bytes,
+                mats: vec![ExpertMats::default(); slots],
+                pending: Vec::new(),
+                stats: ExpertCacheStats::default(),
+            },
+            ExpertCachePlan {
+                slots,
+                slot_bytes: slot_bytes as u64,
+                reason,
+            },
+        ))
+    }
+
+    pub(crate) fn stats(&mut self, d: &Device) -> ExpertCacheStats {
+        self.release(d);
+        self.stats.clone()
+    }
+
+    /// `key` if a slot holds it (one use counted either way).
+    pub(crate) fn find(&mut self, key: ExpertKey) -> Option<Staged> {
+        self.table.touch(key);
+        let (slot, hold) = self.table.lookup(key)?;
+        self.stats.hits += 1;
+        Some(Staged {
+            mats: self.mats[slot],
+            parts: Vec::new(),
+            hold: Some(hold),
+        })
+    }
+
+    /// Uploads `host` into a slot, or for this call only when the cache decides against keeping
+    /// it (or it does not fit a slot).
+    pub(crate) fn stage(
+        &mut self,
+        d: &Device,
+        key: ExpertKey,
+        host: HostExpert,
+        pinned: bool,
+    ) -> Result<Staged, BackendError> {
+        self.release(d);
+        let (offsets, bytes) = slot_layout(&host);
+        let claim = match &self.memory {
+            Some(_) if bytes <= self.slot_bytes => self.table.claim(key),
+            _ => Claim::Bypass,
+        };
+        let start = d.timing_event();
+        let staged = match claim {
+            Claim::Slot { slot, evicted } => {
+                let base =
+                    self.memory.as_ref().map_or(0, DevBuf::ptr) + (slot * self.slot_bytes) as u64;
+                match upload_into(d, &host, base, &offsets) {
+                    Ok(mats) => {
+                        self.stats.misses += 1;
+                        self.stats.evictions += evicted.is_some() as u64;
+                        self.mats[slot] = mats;
+                        Staged {
+                            mats,
+                            parts: Vec::new(),
+                            hold: Some(self.table.hold(slot)),
+                        }
+                    }
+                    Err(e) => {
+                        self.table.clear(slot);
+                        return Err(e);
+                    }
+                }
+            }
+            Claim::Bypass => {
+                let mut parts = Vec::with_capacity(9);
+                let mut mats = [Mat::default(); 3];
+                for (m, mat) in self::parts(&host).iter().zip(&mut mats) {
+                    *mat = describe(m)?;
+                    let mut ptrs = [0u64; 3];
+                    for (bytes, p) in [m.data.as_slice(), m.scales.as_slice(), m.biases.as_slice()]
+                        .iter()
+                        .zip(&mut ptrs)
+                    {
+                        if bytes.is_empty() {
+                            continue;
+                        }
+                        let buf = d.alloc(bytes.len(), "a streamed expert")?;
+                        d.copy_to_device(buf.ptr, bytes)?;
+                        *p = buf.ptr;
+                        parts.push(buf);
+                    }
+                    (mat.data, mat.scales, mat.biases) = (ptrs[0], ptrs[1], ptrs[2]);
+                }
+                self.stats.bypassed += 1;
+                Staged {
+                    mats: ExpertMats {
+                        gate: mats[0],
+                        up: mats[1],
+                        down: mats[2],
+                    },
+                    parts,
+                    hold: None,
+                }
+            }
+        };
+        let end = d.timing_event();
+        let moved: u64 = parts(&host)
+            .iter()
+            .map(|m| (m.data.len() + m.scales.len() + m.biases.len()) as u64)
+            .sum();
+        self.stats.bytes_uploaded += moved;
+        if pinned {
+            self.stats.bytes_pinned += moved;
+        }
+        self.pending.push(Pending {
+            issued_at: d.sync_count(),
+            _host: host,
+            timing: start.zip(end),
+        });
+        Ok(staged)
+    }
+
+    /// Lets go of the host memory of uploads that have finished (the stream synchronised since),
+    /// adding their copy time to the counters.
+    fn release(&mut self, d: &Device) {
+        // Reading the events needs the context on this thread (a server's metrics thread).
+        if d.bind().is_err() {
+            return;
+        }
+        let now = d.sync_count();
+        self.pending.retain(|p| {
+            if p.issued_at >= now {
+                return true;
+            }
+            if let Some((a, b)) = &p.timing {
+                if let Ok(ms) = a.elapsed_ms(b) {
+                    self.stats.upload_secs += ms as f64 / 1e3;
+                }
+            }
+            false
+        });
+    }
+}
+
+/// Copies the nine parts of `host` into the slot at `base` and describes them there.
+fn upload_into(
+    d: &Device,
+    host: &HostExpert,
+    base: u64,
+    offsets: &[[usize; 3]; 3],
+) -> Result<ExpertMats, BackendError> {
+    let mut mats = [Mat::default(); 3];
+    for ((m, off), mat) in parts(host).iter().zip(offsets).zip(&mut mats) {
+        m.as_ref().validate()?;
+        *mat = describe(m)?;
+        let mut ptrs = [0u64; 3];
+        for ((bytes, o), p) in [m.data.as_slice(), m.scales.as_slice(), m.biases.as_slice()]
+            .iter()
+            .zip(off)
+            .zip(&mut ptrs)
+        {
+            if bytes.is_empty() {
+                continue;
+            }
+            *p = base + *o as u64;
+            d.copy_to_device(*p, bytes)?;
+        }
+        (mat.data, mat.scales, mat.biases) = (ptrs[0], ptrs[1], ptrs[2]);
+    }
+    Ok(ExpertMats {
+        gate: mats[0],
+        up: mats[1],
+        down: mats[2],
+    })
+}
+
+/// Host ranges (address, length) page-locked by a [`CudaPinner`] and not yet unlocked.
+pub(crate) type PinnedRanges = Arc<Mutex<Vec<(usize, usize)>>>;
+
+/// Whether `bytes` lies in one of `ranges`.
+pub(crate) fn is_pinned(ranges: &PinnedRanges, bytes: &[u8]) -> bool {
+    let (a, n) = (bytes.as_ptr() as usize, bytes.len());
+    let r = ranges.lock().unwrap_or_else(|p| p.into_inner());
+    r.iter()
+        .any(|&(start, len)| a >= start && a + n <= start + len)
+}
+
+/// Page-locks host memory with the driver (`cuMemHostRegister`).
+pub(crate) struct CudaPinner {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) ranges: PinnedRanges,
+}
+
+struct CudaPinned {
+    ctx: Arc<CudaContext>,
+    addr: usize,
+    ranges: PinnedRanges,
+}
+
+impl PinnedRegion for CudaPinned {}
+
+impl Drop for CudaPinned {
+    fn drop(&mut self) {
+        self.ranges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|r| r.0 != self.addr);
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `addr` was registered by `CudaPinner::pin` and not yet unregistered; the
+            // owner of the memory drops this region before freeing it.
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.addr as *mut _) };
+        }
+    }
+}
+
+impl HostPinner for CudaPinner {
+    fn pin(&self, addr: usize, len: usize) -> Result<Box<dyn PinnedRegion>, BackendError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| BackendError::Device(format!("CUDA binding the context: {e}")))?;
+        // SAFETY: the caller owns `len` bytes at `addr` and keeps them allocated while the
+        // returned region lives (it unregisters them when dropped).
+        unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(
+                addr as *mut _,
+                len,
+                cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()
+        .map_err(|e| {
+            BackendError::Device(format!(
+                "could not page-lock the {:.2} GiB expert cache for GPU copies ({e}); copies \
+                 from it will be slower",
+                len as f64 / (1u64 << 30) as f64
+            ))
+        })?;
+        self.ranges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((addr, len));
+        Ok(Box::new(CudaPinned {
+            ctx: self.ctx.clone(),
+            addr,
+            ranges: self.ranges.clone(),
+        }))
+    }
+}

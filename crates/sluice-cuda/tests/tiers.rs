@@ -1,0 +1,169 @@
+//! Experts tiered over VRAM, host RAM and disk on CUDA device 0 give the same logits as the same
+//! model with every expert resident on the GPU: bit-identical (the same kernels add each row's
+//! experts in ascending id however they are split over calls), whatever the VRAM cache's size,
+//! with the host cache page-locked.
+//!
+//! It needs an NVIDIA GPU: without one these tests are reported as ignored, not passed. On a GPU
+//! machine: `cargo test -p sluice-cuda --test tiers -- --ignored`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sluice_backend::Backend;
+use sluice_cuda::CudaBackend;
+use sluice_engine::streaming::StreamingOptions;
+use sluice_engine::{Engine, LoadOptions, LogitsMode};
+use sluice_store::{pack, PackOptions};
+
+fn fixture(name: &str) -> PathBuf {
+    let repo = std::env::var_os("SLUICE_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
+    repo.join("tests/fixtures").join(name)
+}
+
+fn gpu() -> Arc<CudaBackend> {
+    Arc::new(sluice_cuda::open(0).unwrap_or_else(|e| panic!("CUDA device 0: {e}")))
+}
+
+fn load(dir: &Path, streaming: StreamingOptions) -> Engine<CudaBackend> {
+    let opts = LoadOptions {
+        streaming,
+        ..LoadOptions::default()
+    };
+    Engine::load(dir, gpu(), &opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+fn assert_bit_identical(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!(
+            "{what}: logits differ first at {i}: {} vs {}",
+            got[i], want[i]
+        );
+    }
+}
+
+const TOKENS: [u32; 12] = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 26, 43];
+
+/// Re-plans the engine's VRAM cache to hold about `slots` experts.
+fn shrink_vram_cache(e: &Engine<CudaBackend>, slots: u64) -> usize {
+    let b = e.model.backend();
+    let plan = e
+        .device_cache_plan
+        .as_ref()
+        .expect("a CUDA engine plans a VRAM cache");
+    let mem = b.memory();
+    let used = mem.total - mem.free;
+    let budget =
+        used + sluice_cuda::VRAM_RESERVE_BYTES + slots * plan.slot_bytes + plan.slot_bytes / 2;
+    let manifest = e.store.as_ref().unwrap().manifest();
+    let experts = manifest.layers.iter().map(|l| l.experts).sum();
+    let plan = b
+        .plan_expert_cache(Some(budget), manifest.max_stride(), experts)
+        .unwrap()
+        .unwrap();
+    plan.slots
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored"]
+fn tiered_logits_are_bit_identical_to_resident() {
+    for name in [
+        "qwen3_moe-q4",
+        "qwen3_moe-hf",
+        "qwen3_5_moe-q4",
+        "qwen3_next-bf16",
+    ] {
+        let resident = load(&fixture(name), StreamingOptions::default());
+        assert!(resident.store.is_none());
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("m");
+        pack(
+            &fixture(name),
+            &dir,
+            &PackOptions { force: false },
+            &|_, _| {},
+        )
+        .unwrap_or_else(|e| panic!("packing {name}: {e}"));
+        for mode in [LogitsMode::Decode, LogitsMode::Prefill] {
+            let want = resident.logits(&TOKENS, mode).unwrap();
+            // Host cache: every expert, or K slots (prefill then fetches a layer in several
+            // runs). VRAM cache: every expert (the default here), or a few slots (evictions,
+            // and experts uploaded for one call when the slots are all in use).
+            for (host_cache, vram_slots) in [
+                (u64::MAX, None),
+                (1, None),
+                (u64::MAX, Some(3)),
+                (1, Some(2)),
+            ] {
+                let what =
+                    format!("{name} {mode:?} host cache {host_cache} VRAM slots {vram_slots:?}");
+                let e = load(
+                    &dir,
+                    StreamingOptions {
+                        expert_cache: Some(host_cache),
+                        ..StreamingOptions::default()
+                    },
+                );
+                let store = e.store.as_ref().expect("packed dirs stream");
+                assert_eq!(
+                    store.pinned(),
+                    Some(Ok(())),
+                    "{what}: host cache page-locked"
+                );
+                if let Some(n) = vram_slots {
+                    let got = shrink_vram_cache(&e, n);
+                    assert!((1..=n as usize).contains(&got), "{what}: {got} slots");
+                }
+                // Twice: the second pass finds what the first left in VRAM.
+                for pass in 0..2 {
+                    let got = e.logits(&TOKENS, mode).unwrap();
+                    assert_bit_identical(&got, &want, &format!("{what} pass {pass}"));
+                }
+                let s = e.model.backend().expert_cache_stats().unwrap();
+                assert!(s.bytes_uploaded > 0, "{what}: {s:?}");
+                assert_eq!(
+                    s.bytes_pinned, s.bytes_uploaded,
+                    "{what}: every copy from locked memory"
+                );
+                if vram_slots.is_none() {
+                    assert!(s.hits > 0 && s.bypassed == 0, "{what}: {s:?}");
+                } else {
+                    assert!(s.evictions > 0 || s.bypassed > 0, "{what}: {s:?}");
+                }
+                eprintln!("{what}: {s:?}");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored"]
+fn a_vram_budget_below_the_resident_weights_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    pack(
+        &fixture("qwen3_moe-q4"),
+        &dir,
+        &PackOptions { force: false },
+        &|_, _| {},
+    )
+    .unwrap();
+    let opts = LoadOptions {
+        streaming: StreamingOptions {
+            vram_budget: Some(1 << 20),
+            ..StreamingOptions::default()
+        },
+        ..LoadOptions::default()
+    };
+    let err = match Engine::load(&dir, gpu(), &opts) {
+        Ok(_) => panic!("a 1 MiB VRAM budget was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("--vram-budget") && err.contains("at least"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "one line: {err}");
+}
