@@ -127,6 +127,22 @@ impl HostBytes {
         &(*self.owner).as_ref()[self.range.clone()]
     }
 
+    /// Whether `self` and `other` are ranges of the same buffer (say one expert's parts in one
+    /// block of an expert cache).
+    pub fn same_buffer(&self, other: &HostBytes) -> bool {
+        Arc::ptr_eq(&self.owner, &other.owner)
+    }
+
+    /// The range of the buffer this is a part of.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// Bytes `range` of the buffer this is a part of (see [`HostBytes::range`]).
+    pub fn buffer_slice(&self, range: Range<usize>) -> &[u8] {
+        &(*self.owner).as_ref()[range]
+    }
+
     /// A sub-range, relative to this one.
     pub fn slice(&self, range: Range<usize>) -> HostBytes {
         assert!(range.start <= range.end && range.end <= self.len());

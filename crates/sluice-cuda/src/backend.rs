@@ -202,6 +202,13 @@ impl CudaBackend {
         }
     }
 
+    /// Lets go of the host memory of expert uploads that have finished.
+    fn release_uploads(&self) {
+        if let Some(v) = self.vram.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            v.release(&self.d);
+        }
+    }
+
     /// The finished-block counters, zeroed when first made.
     fn done_counters(&self) -> Option<Arc<DevBuf>> {
         let mut slot = self.done_counters.lock().unwrap_or_else(|p| p.into_inner());
@@ -811,6 +818,7 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self) -> Result<(), BackendError> {
         let synced = self.d.sync();
+        self.release_uploads();
         match self.d.take_error() {
             Some(e) => Err(e),
             None => synced,
@@ -1744,11 +1752,15 @@ impl Backend for CudaBackend {
                 BackendError::Device("routing lost to an earlier failure".into())
             }));
         };
-        Ok(HostRouting {
+        let routing = HostRouting {
             k: routing.k,
             experts: self.d.download(ids, n)?,
             weights: self.d.download(w, n)?,
-        })
+        };
+        // The stream has synchronised: the expert source's memory that earlier uploads read
+        // goes back before it is asked for this layer's experts.
+        self.release_uploads();
+        Ok(routing)
     }
 
     fn moe(&self, x: &CudaAct, routing: &CudaRouting, experts: &CudaExperts) -> CudaAct {

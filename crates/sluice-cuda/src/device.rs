@@ -454,6 +454,26 @@ impl Device {
         Ok(())
     }
 
+    /// Returns every cached and pooled buffer no allocation holds to the driver, so that the
+    /// driver's free memory counts only what is in use (before sizing the VRAM expert cache).
+    pub(crate) fn trim(&self) -> Result<(), BackendError> {
+        use cudarc::driver::sys;
+        self.sync()?;
+        self.cache.release();
+        self.stream
+            .synchronize()
+            .map_err(|e| device_error("synchronising", e))?;
+        let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+        // SAFETY: `pool` is written by the driver before it is read; trimming releases only
+        // memory no allocation holds.
+        unsafe {
+            sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), self.ctx.cu_device())
+                .result()
+                .and_then(|_| sys::cuMemPoolTrimTo(pool.assume_init(), 0).result())
+        }
+        .map_err(|e| device_error("trimming the memory pool", e))
+    }
+
     /// Synchronisations so far (see `syncs`).
     pub(crate) fn sync_count(&self) -> u64 {
         self.syncs.load(Ordering::Acquire)

@@ -83,6 +83,8 @@ impl VramExperts {
     ) -> Result<(VramExperts, ExpertCachePlan), BackendError> {
         // Each of the nine parts may need up to one alignment's padding.
         let slot_bytes = (expert_bytes as usize + 9 * PART_ALIGN).next_multiple_of(PART_ALIGN);
+        // Buffers freed earlier (loading, a bandwidth probe) would otherwise count as in use.
+        d.trim()?;
         let mem = d.memory();
         let used = mem.total.saturating_sub(mem.free);
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -188,7 +190,15 @@ impl VramExperts {
             Claim::Slot { slot, evicted } => {
                 let base =
                     self.memory.as_ref().map_or(0, DevBuf::ptr) + (slot * self.slot_bytes) as u64;
-                match upload_into(d, &host, base, &offsets) {
+                // One copy for the whole block where the parts lie together (the store's layout);
+                // from pageable memory the driver stages it anyway.
+                let copied = match block_span(&host) {
+                    Some(span) if pinned && span.len() <= self.slot_bytes => {
+                        upload_block(d, &host, base, span)
+                    }
+                    _ => upload_into(d, &host, base, &offsets),
+                };
+                match copied {
                     Ok(mats) => {
                         self.stats.misses += 1;
                         self.stats.evictions += evicted.is_some() as u64;
@@ -256,7 +266,7 @@ impl VramExperts {
 
     /// Lets go of the host memory of uploads that have finished (the stream synchronised since),
     /// adding their copy time to the counters.
-    fn release(&mut self, d: &Device) {
+    pub(crate) fn release(&mut self, d: &Device) {
         // Reading the events needs the context on this thread (a server's metrics thread).
         if d.bind().is_err() {
             return;
@@ -274,6 +284,56 @@ impl VramExperts {
             false
         });
     }
+}
+
+/// The block holding all of `host`'s parts (from the first to the end of the last), when they
+/// are ranges of one buffer with little between them, as the expert store keeps them.
+fn block_span(host: &HostExpert) -> Option<std::ops::Range<usize>> {
+    let all: Vec<&sluice_backend::HostBytes> = parts(host)
+        .iter()
+        .flat_map(|m| [&m.data, &m.scales, &m.biases])
+        .filter(|b| !b.is_empty())
+        .collect();
+    let first = all.first()?;
+    if !all.iter().all(|b| b.same_buffer(first)) {
+        return None;
+    }
+    let start = all.iter().map(|b| b.range().start).min()?;
+    let end = all.iter().map(|b| b.range().end).max()?;
+    let total: usize = all.iter().map(|b| b.len()).sum();
+    // Only alignment padding between parts (the store aligns each to 64 bytes), and each part
+    // where the kernels' widest loads may read it (16-byte aligned in the slot).
+    let aligned = all.iter().all(|b| (b.range().start - start) % 16 == 0);
+    (aligned && end - start <= total + 64 * all.len()).then_some(start..end)
+}
+
+/// Copies the block `span` of `host`'s buffer into the slot at `base` in one copy, and
+/// describes each part at its offset there.
+fn upload_block(
+    d: &Device,
+    host: &HostExpert,
+    base: u64,
+    span: std::ops::Range<usize>,
+) -> Result<ExpertMats, BackendError> {
+    d.copy_to_device(base, host.gate.data.buffer_slice(span.clone()))?;
+    let at = |b: &sluice_backend::HostBytes| -> u64 {
+        if b.is_empty() {
+            0
+        } else {
+            base + (b.range().start - span.start) as u64
+        }
+    };
+    let mut mats = [Mat::default(); 3];
+    for (m, mat) in parts(host).iter().zip(&mut mats) {
+        m.as_ref().validate()?;
+        *mat = describe(m)?;
+        (mat.data, mat.scales, mat.biases) = (at(&m.data), at(&m.scales), at(&m.biases));
+    }
+    Ok(ExpertMats {
+        gate: mats[0],
+        up: mats[1],
+        down: mats[2],
+    })
 }
 
 /// Copies the nine parts of `host` into the slot at `base` and describes them there.
