@@ -117,4 +117,9 @@ pub trait ExpertSource: Send + Sync {
     /// Starts reading experts `experts` of `layer` so that a later fetch finds them; a hint that
     /// may be ignored.
     fn prefetch(&self, layer: usize, experts: &[u32]);
+    /// `layer` was served without a fetch (its backend held every expert it needed): what a
+    /// prefetch holds for it is let go, as a fetch would.
+    fn release_prefetch(&self, layer: usize) {
+        let _ = layer;
+    }
 }

@@ -166,6 +166,11 @@ pub trait Backend: Send + Sync {
         let _ = key;
         None
     }
+    /// Whether [`Backend::staged_expert`] would find `key` (without counting a use).
+    fn holds_expert(&self, key: ExpertKey) -> bool {
+        let _ = key;
+        false
+    }
     /// Sets up the backend's own cache of streamed experts (a GPU keeps them in its memory
     /// between calls, so [`Backend::staged_expert`] finds them): for experts of at most
     /// `expert_bytes` each, `experts` of them in the model, within `budget` bytes of this

@@ -390,7 +390,7 @@ impl CudaBackend {
         x: &CudaAct,
         routing: &CudaRouting,
         table: u64,
-        present: Option<&DevBuf>,
+        present: Option<u64>,
         slots: usize,
         sample: &ExpertMats,
         out: &CudaAct,
@@ -405,7 +405,7 @@ impl CudaBackend {
         };
         let pairs = routing.rows * routing.k;
         let (present_ptr, n_present) = match present {
-            Some(b) => (b.ptr, slots as i32),
+            Some(p) => (p, slots as i32),
             None => (0, -1),
         };
         // The 4-bit kernels write a fresh output themselves; every other path adds onto zeros.
@@ -908,6 +908,11 @@ impl Backend for CudaBackend {
             _parts: s.parts,
             _hold: s.hold,
         })
+    }
+
+    fn holds_expert(&self, key: ExpertKey) -> bool {
+        let vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());
+        vram.as_ref().is_some_and(|v| v.holds(key))
     }
 
     fn plan_expert_cache(
@@ -1752,10 +1757,11 @@ impl Backend for CudaBackend {
                 BackendError::Device("routing lost to an earlier failure".into())
             }));
         };
+        let (experts, weights) = self.d.download2(ids, n, w, n)?;
         let routing = HostRouting {
             k: routing.k,
-            experts: self.d.download(ids, n)?,
-            weights: self.d.download(w, n)?,
+            experts,
+            weights,
         };
         // The stream has synchronised: the expert source's memory that earlier uploads read
         // goes back before it is asked for this layer's experts.
@@ -1792,14 +1798,16 @@ impl Backend for CudaBackend {
         let Some(first) = experts.first() else {
             return;
         };
-        let ids: Vec<u32> = experts.iter().map(|e| e.0).collect();
-        let mats: Vec<ExpertMats> = experts.iter().map(|e| e.1.mats).collect();
-        let (table, present) = match (
-            self.d.upload(&mats, "the expert table"),
-            self.d.upload(&ids, "expert ids"),
-        ) {
-            (Ok(t), Ok(p)) => (t, p),
-            (Err(e), _) | (_, Err(e)) => {
+        // The expert table and the ids after it, in one upload.
+        let mut words: Vec<u32> = Vec::with_capacity(experts.len() * (ExpertMats::WORDS + 1));
+        for (_, s) in experts {
+            s.mats.push_words(&mut words);
+        }
+        let table_bytes = words.len() * 4;
+        words.extend(experts.iter().map(|e| e.0));
+        let both = match self.d.upload(&words, "the expert table") {
+            Ok(b) => b,
+            Err(e) => {
                 self.d.record(e);
                 out.buf = None;
                 return;
@@ -1808,9 +1816,9 @@ impl Backend for CudaBackend {
         self.moe_into(
             x,
             routing,
-            table.ptr,
-            Some(&present),
-            ids.len(),
+            both.ptr,
+            Some(both.ptr + table_bytes as u64),
+            experts.len(),
             &first.1.mats,
             out,
             MoeOut::Add,

@@ -444,6 +444,33 @@ impl Device {
         Ok(out)
     }
 
+    /// `len_a` values of `a` and `len_b` of `b`, read back with one synchronisation.
+    pub fn download2<T: Copy + Default, U: Copy + Default>(
+        &self,
+        a: &DevBuf,
+        len_a: usize,
+        b: &DevBuf,
+        len_b: usize,
+    ) -> Result<(Vec<T>, Vec<U>), BackendError> {
+        self.flush();
+        if let Some(e) = self.peek_error() {
+            return Err(e);
+        }
+        assert!(len_a * size_of::<T>() <= a.bytes && len_b * size_of::<U>() <= b.bytes);
+        self.bind()?;
+        let mut out_a = vec![T::default(); len_a];
+        let mut out_b = vec![U::default(); len_b];
+        // SAFETY: each output has room for its length, each buffer holds at least as many bytes;
+        // the stream is synchronised before either output is read.
+        unsafe {
+            result::memcpy_dtoh_async(&mut out_a, a.ptr, self.stream.cu_stream())
+                .and_then(|_| result::memcpy_dtoh_async(&mut out_b, b.ptr, self.stream.cu_stream()))
+        }
+        .map_err(|e| device_error("copying to the host", e))?;
+        self.sync()?;
+        Ok((out_a, out_b))
+    }
+
     pub fn sync(&self) -> Result<(), BackendError> {
         self.flush();
         self.bind()?;

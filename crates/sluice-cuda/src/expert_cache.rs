@@ -82,6 +82,11 @@ impl SlotTable {
         Some((slot, self.holds[slot].clone()))
     }
 
+    /// Whether a slot holds `key` (nothing counted).
+    pub(crate) fn holds(&self, key: ExpertKey) -> bool {
+        self.index.contains_key(&key)
+    }
+
     fn in_use(&self, slot: usize) -> bool {
         Arc::strong_count(&self.holds[slot]) > 1
     }

@@ -51,6 +51,39 @@ pub(crate) struct ExpertMats {
 // SAFETY: three `Mat`s, as the kernels declare.
 unsafe impl DeviceRepr for ExpertMats {}
 
+impl Mat {
+    /// Appends the kernels' view of this description (`struct Mat`: three pointers, eight
+    /// ints, little-endian) as 32-bit words.
+    fn push_words(&self, out: &mut Vec<u32>) {
+        for p in [self.data, self.scales, self.biases] {
+            out.extend([p as u32, (p >> 32) as u32]);
+        }
+        let ints = [
+            self.rows,
+            self.cols,
+            self.fmt,
+            self.bits,
+            self.group,
+            self.sdt,
+            self.gshift,
+            self.pad,
+        ];
+        out.extend(ints.map(|v| v as u32));
+    }
+}
+
+impl ExpertMats {
+    /// 32-bit words of one `struct ExpertMats` (168 bytes: no padding).
+    pub(crate) const WORDS: usize = size_of::<ExpertMats>() / 4;
+
+    /// Appends this table entry as [`ExpertMats::WORDS`] words (see [`Mat::push_words`]).
+    pub(crate) fn push_words(&self, out: &mut Vec<u32>) {
+        for m in [&self.gate, &self.up, &self.down] {
+            m.push_words(out);
+        }
+    }
+}
+
 fn dtype_code(d: Dtype) -> i32 {
     match d {
         Dtype::F32 => 0,
@@ -217,6 +250,39 @@ mod tests {
 
     /// The column-spread kernels take only the shapes their arithmetic assumes: 4-bit, 16-column
     /// chunks inside one group, whole eights of threads per row, blocks of whole warps.
+    #[test]
+    fn expert_table_words_are_the_struct_bytes() {
+        let m = |base: u64| Mat {
+            data: base,
+            scales: base + 0x1_0000_0004,
+            biases: u64::MAX - base,
+            rows: -3,
+            cols: 2048,
+            fmt: 3,
+            bits: 4,
+            group: 64,
+            sdt: 2,
+            gshift: 6,
+            pad: 0,
+        };
+        let e = ExpertMats {
+            gate: m(0x7f00_1234_5678),
+            up: m(1),
+            down: m(0xdead_beef_0000),
+        };
+        let mut words = Vec::new();
+        e.push_words(&mut words);
+        assert_eq!(words.len(), ExpertMats::WORDS);
+        assert_eq!(ExpertMats::WORDS * 4, 168);
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        assert_eq!(size_of::<ExpertMats>(), 168);
+        // SAFETY: `e` is a live `repr(C)` value of plain integers, 168 bytes with no padding
+        // (three Mats of three u64 and eight i32, asserted above); read as bytes only.
+        let memory =
+            unsafe { std::slice::from_raw_parts(&e as *const ExpertMats as *const u8, 168) };
+        assert_eq!(bytes, memory, "the words are the struct the kernels read");
+    }
+
     #[test]
     fn spread_shapes() {
         // (bits, group, cols) -> (threads per row, row groups per block)

@@ -158,6 +158,10 @@ impl VramExperts {
         self.stats.clone()
     }
 
+    pub(crate) fn holds(&self, key: ExpertKey) -> bool {
+        self.table.holds(key)
+    }
+
     /// `key` if a slot holds it (one use counted either way).
     pub(crate) fn find(&mut self, key: ExpertKey) -> Option<Staged> {
         self.table.touch(key);

@@ -50,6 +50,7 @@ impl<B: Backend> Experts<B> {
         let max_fetch = source.max_fetch().max(1);
         let mut rest = used.as_slice();
         let mut first_run = true;
+        let mut fetched_any = false;
         while !rest.is_empty() {
             // The next run: experts up to the `max_fetch`-th that needs fetching.
             let mut run: Vec<(u32, Option<B::StagedExpert>)> = Vec::new();
@@ -74,6 +75,7 @@ impl<B: Backend> Experts<B> {
             let mut fetched = if missing.is_empty() {
                 Vec::new()
             } else {
+                fetched_any = true;
                 source.fetch(layer, &missing)?
             }
             .into_iter();
@@ -105,21 +107,40 @@ impl<B: Backend> Experts<B> {
             b.moe_accumulate(x, routing, &pairs, &mut out);
             // `staged` drops here, releasing the run's hold on the source's cache.
         }
+        if !fetched_any {
+            // The backend held them all: what a prefetch holds for this layer would otherwise
+            // stay held until the layer next fetches.
+            source.release_prefetch(layer);
+        }
         Ok(out)
     }
 
-    /// Starts reading the experts the router `gate` picks for `x` (a guess at this layer's
-    /// routing made one layer early); a no-op for resident experts and for large batches.
-    pub fn prefetch(&self, b: &B, gate: &B::Weight, x: &B::Act, k: usize, normalize: bool) {
+    /// Whether a guess at this layer's routing for `x` is worth computing: streamed experts, and
+    /// a batch small enough not to route to most experts anyway.
+    pub fn wants_prefetch(&self, b: &B, x: &B::Act) -> bool {
+        self.is_streamed() && b.shape(x).0 <= PREFETCH_MAX_ROWS
+    }
+
+    /// Starts reading the experts of `guess` (this layer's routing guessed one layer early)
+    /// that the backend does not hold; a no-op for resident experts.
+    pub fn prefetch(&self, b: &B, guess: &B::Routing) {
         let Experts::Streamed { source, layer } = self else {
             return;
         };
-        if b.shape(x).0 > PREFETCH_MAX_ROWS {
-            return;
-        }
         // A failed read of the guess is not this token's failure: the fetch will report it.
-        if let Ok(routing) = b.read_routing(&b.route(&b.matmul(x, gate), k, normalize)) {
-            source.prefetch(*layer, &routing.distinct());
+        if let Ok(routing) = b.read_routing(guess) {
+            // Nothing to read for what the backend already holds.
+            let wanted: Vec<u32> = routing
+                .distinct()
+                .into_iter()
+                .filter(|&expert| {
+                    !b.holds_expert(ExpertKey {
+                        layer: *layer,
+                        expert,
+                    })
+                })
+                .collect();
+            source.prefetch(*layer, &wanted);
         }
     }
 

@@ -88,11 +88,17 @@ impl<B: Backend> Mlp<B> {
             Mlp::Sparse(moe) => moe,
         };
         let routing = b.route_matmul(x, &moe.gate, k, moe.norm_topk_prob);
+        // The next router applied to this layer's input: a guess at its experts one layer early,
+        // computed with this layer's routing so that one read brings both back.
+        let guess = match next {
+            Some(Mlp::Sparse(next)) if next.experts.wants_prefetch(b, x) => {
+                Some((next, b.route_matmul(x, &next.gate, k, next.norm_topk_prob)))
+            }
+            _ => None,
+        };
         let mut y = moe.experts.run(b, x, &routing, &mut || {
-            if let Some(Mlp::Sparse(next)) = next {
-                // The next router applied to this layer's input: a guess one layer early.
-                next.experts
-                    .prefetch(b, &next.gate, x, k, next.norm_topk_prob);
+            if let Some((next, guess)) = &guess {
+                next.experts.prefetch(b, guess);
             }
         })?;
         if let Some(shared) = &moe.shared_expert {

@@ -74,4 +74,8 @@ impl ExpertSource for ExpertStore {
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         ExpertStore::prefetch(self, layer, experts)
     }
+
+    fn release_prefetch(&self, layer: usize) {
+        ExpertStore::release_prefetch(self, layer);
+    }
 }

@@ -508,6 +508,28 @@ impl ExpertStore {
         // call wants; then drop this layer's prefetch holds; then assign the misses.
         let hits = self.pin_hits(&mut st, li, experts);
         self.release_prefetched(&mut st, li, experts);
+        // A slot whose read is still in flight for nobody (a prefetch let go) is reusable once
+        // the read lands: wait for those when the misses need the room.
+        let misses = hits.iter().filter(|h| h.is_none()).count();
+        loop {
+            let unheld = |s: &&Slot| s.pins == 0;
+            let free = st
+                .slots
+                .iter()
+                .filter(unheld)
+                .filter(|s| !s.is_loading())
+                .count();
+            let draining = st.slots.iter().filter(unheld).any(|s| s.is_loading());
+            if free >= misses || !draining {
+                break;
+            }
+            drop(st);
+            let any = self.wait_any();
+            st = self.inner.lock();
+            if !any {
+                break;
+            }
+        }
         let slots = self.assign_misses(&mut st, layer, li, experts, &hits)?;
         let mut st = self.wait_ready(st, &slots);
         self.fail_request(&mut st, layer, li, experts, &slots)?;
@@ -676,6 +698,16 @@ impl ExpertStore {
                 }
             })
             .collect()
+    }
+
+    /// Lets go of what a prefetch holds for decoder layer `layer` without fetching (its
+    /// experts were found elsewhere, say in a GPU's memory); counted as wasted prefetches.
+    pub fn release_prefetch(&self, layer: usize) {
+        let Ok((li, _)) = self.layer(layer) else {
+            return;
+        };
+        let mut st = self.inner.lock();
+        self.release_prefetched(&mut st, li, &[]);
     }
 
     /// Starts reading the blocks of `experts` of decoder layer `layer` that are not cached,

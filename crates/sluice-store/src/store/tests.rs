@@ -246,3 +246,17 @@ fn a_refused_pin_is_reported_and_the_store_still_works() {
     assert_eq!(got[1].down.data.as_slice()[0], 3);
     assert_eq!(open(dir.path(), 2, Policy::Lru).pinned(), None);
 }
+
+#[test]
+fn a_layer_served_elsewhere_lets_its_prefetch_go() {
+    let (dir, _) = tiny_store(8);
+    let store = open(dir.path(), 2, Policy::Frequency);
+    store.prefetch(0, &[1, 2]);
+    // Both slots are held for layer 0's next fetch; that layer was served without one (a GPU
+    // held its experts), so the holds go and the next token's other experts find room.
+    store.release_prefetch(0);
+    let got = store.fetch(0, &[5, 6]).unwrap();
+    assert_eq!(got[1].gate.data.as_slice()[0], 6);
+    let s = store.stats();
+    assert_eq!((s.prefetch_issued, s.prefetch_wasted), (2, 2));
+}
