@@ -140,6 +140,11 @@ pub trait Backend: Send + Sync {
     fn describe(&self) -> String;
     /// Free and total bytes of the memory this backend allocates from.
     fn memory(&self) -> MemoryInfo;
+    /// Whether this backend computes in memory of its own (a GPU's), apart from host RAM: where
+    /// a VRAM budget applies.
+    fn has_device_memory(&self) -> bool {
+        false
+    }
     /// Waits until queued work has finished and reports the first failure since the last call.
     fn synchronize(&self) -> Result<(), BackendError>;
 

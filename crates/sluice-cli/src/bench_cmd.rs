@@ -238,7 +238,7 @@ fn run_on<B: Backend + 'static>(
             .flat_map(|b| caches.iter().map(move |c| (b, c)))
         {
             let opts = LoadOptions {
-                streaming: a.stream.options(*cache)?,
+                streaming: a.stream.options_on(*cache, backend.as_ref())?,
                 ..LoadOptions::default()
             };
             let mut engine = Engine::load(dir, backend.clone(), &opts)

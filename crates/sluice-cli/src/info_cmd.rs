@@ -28,6 +28,14 @@ pub struct InfoArgs {
     /// Expert cache size (overrides --memory-budget).
     #[arg(long, value_name = "SIZE")]
     expert_cache: Option<ByteSize>,
+    /// GPU memory for the model: prints the VRAM tier a GPU run would plan (resident weights,
+    /// a reserve, and a VRAM expert cache in the rest).
+    #[arg(long, value_name = "SIZE")]
+    vram_budget: Option<ByteSize>,
+    /// Page-locked host-to-GPU copy bandwidth in GB/s for that estimate (PCIe 4.0 x16 ~25,
+    /// 5.0 x16 ~50; `sluice bench --device cuda --memory` measures it).
+    #[arg(long, value_name = "GB/S", default_value_t = 25.0)]
+    pcie_gbps: f64,
     /// DRAM read bandwidth in GB/s (default: measured now, ~1 s).
     #[arg(long, value_name = "GB/S")]
     memory_gbps: Option<f64>,
@@ -151,7 +159,59 @@ pub fn run(a: InfoArgs) -> Result<()> {
         1.0 / (t_mem + t_disk),
         1.0 / t_mem.max(t_disk)
     );
+    if let Some(budget) = a.vram_budget {
+        vram_plan(
+            budget.bytes(),
+            resident,
+            experts_total,
+            // One layer's expert (every layer of these families has routed experts).
+            per_expert / (if packed { moe_layers } else { info.layers }).max(1) as f64,
+            experts_per_token,
+            a.pcie_gbps,
+        );
+    }
     Ok(())
+}
+
+/// The VRAM tier a GPU run would plan within `budget`: what stays resident, the expert cache
+/// in the rest, and the copies a token needs under uniform routing.
+fn vram_plan(
+    budget: u64,
+    resident: u64,
+    experts_total: u64,
+    block: f64,
+    experts_per_token: f64,
+    pcie_gbps: f64,
+) {
+    let reserve = sluice_cuda::VRAM_RESERVE_BYTES;
+    let need = resident + reserve;
+    if budget < need {
+        println!(
+            "  VRAM budget {}: too small: the resident weights ({}) and the {} reserve need at \
+             least {} (the CUDA context takes a few hundred MB more)",
+            format_bytes(budget),
+            format_bytes(resident),
+            format_bytes(reserve),
+            format_bytes(need)
+        );
+        return;
+    }
+    let cache = (budget - need).min(experts_total);
+    let share = cache as f64 / experts_total.max(1) as f64;
+    let copied = (1.0 - share) * experts_per_token;
+    println!(
+        "  VRAM budget {}: resident {} + reserve {}, expert cache {} = {:.0}% of the experts \
+         (~{} slots; less the CUDA context's few hundred MB); per token {} copied to the GPU at \
+         {pcie_gbps:.0} GB/s = {:.1} ms if routing were uniform",
+        format_bytes(budget),
+        format_bytes(resident),
+        format_bytes(reserve),
+        format_bytes(cache),
+        share * 100.0,
+        (cache as f64 / block.max(1.0)) as u64,
+        format_bytes(copied as u64),
+        copied / (pcie_gbps * 1e9) * 1e3,
+    );
 }
 
 /// What a GGUF file holds: architecture, the shape metadata, tensor types and sizes.

@@ -257,7 +257,9 @@ pub(crate) fn load<B: Backend + 'static>(args: &ModelArgs, backend: Arc<B>) -> R
     }
     let opts = LoadOptions {
         experts_per_token: args.experts_per_token,
-        streaming: args.stream.options(args.expert_cache)?,
+        streaming: args
+            .stream
+            .options_on(args.expert_cache, backend.as_ref())?,
     };
     Ok(Engine::load(&model, backend, &opts)?)
 }

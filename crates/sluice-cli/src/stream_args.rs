@@ -53,6 +53,26 @@ pub struct StreamArgs {
 }
 
 impl StreamArgs {
+    /// [`StreamArgs::options`] for a run on `backend`: a VRAM budget applies to a GPU (and then
+    /// streams an unpacked model's experts too, into the VRAM cache); the CPU ignores it, saying
+    /// so.
+    pub fn options_on<B: sluice_backend::Backend>(
+        &self,
+        expert_cache: Option<ByteSize>,
+        backend: &B,
+    ) -> Result<StreamingOptions> {
+        let mut opts = self.options(expert_cache)?;
+        if opts.vram_budget.is_some() {
+            if backend.has_device_memory() {
+                opts.stream_unpacked = true;
+            } else {
+                eprintln!("sluice: --vram-budget is ignored on the CPU");
+                opts.vram_budget = None;
+            }
+        }
+        Ok(opts)
+    }
+
     /// The engine's options, with `expert_cache` if given.
     pub fn options(&self, expert_cache: Option<ByteSize>) -> Result<StreamingOptions> {
         if self.queue_depth == 0 {
@@ -74,9 +94,7 @@ impl StreamArgs {
             direct: !self.buffered,
             verify: !self.no_verify,
             // Asking for a cache streams unpacked checkpoints too (packed ones always stream).
-            stream_unpacked: expert_cache.is_some()
-                || self.memory_budget.is_some()
-                || self.vram_budget.is_some(),
+            stream_unpacked: expert_cache.is_some() || self.memory_budget.is_some(),
             vram_budget: self.vram_budget.map(ByteSize::bytes),
             pinner: None,
         })

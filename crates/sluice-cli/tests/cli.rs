@@ -625,6 +625,38 @@ fn info_shows_the_plan_with_its_arithmetic() {
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("sluice pack"), "{stdout}");
+    // A VRAM budget: the GPU plan, with the cache it leaves; too small a budget says so.
+    let info = |budget: &str| {
+        let out = sluice(&[
+            "info",
+            "-m",
+            p,
+            "--vram-budget",
+            budget,
+            "--pcie-gbps",
+            "50",
+            "--memory-gbps",
+            "20",
+            "--disk-gbps",
+            "1",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let fits = info("2GiB");
+    assert!(
+        fits.contains("VRAM budget") && fits.contains("= 100% of the experts"),
+        "{fits}"
+    );
+    let small = info("100MiB");
+    assert!(
+        small.contains("too small") && small.contains("need at least"),
+        "{small}"
+    );
 }
 
 /// `sluice chat` with the given stdin (not a terminal: plain line reading).
@@ -737,4 +769,30 @@ fn sluice_model_names_the_default_model() {
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("qwen3_moe-q4"), "{stderr}");
     assert!(!stderr.contains("bundled demo model"), "{stderr}");
+}
+
+#[test]
+fn a_vram_budget_on_the_cpu_is_ignored_and_said_so() {
+    let m = fixture("qwen3_moe-q4");
+    let run = sluice(&[
+        "generate",
+        "-m",
+        m.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--vram-budget",
+        "8GiB",
+        "-p",
+        "hi",
+        "-n",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--vram-budget is ignored on the CPU"),
+        "{stderr}"
+    );
+    // Nothing streams because of it: the unpacked model keeps its experts mapped.
+    assert!(!stderr.contains("streaming experts from"), "{stderr}");
 }

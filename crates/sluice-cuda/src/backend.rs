@@ -816,6 +816,10 @@ impl Backend for CudaBackend {
         self.d.memory()
     }
 
+    fn has_device_memory(&self) -> bool {
+        true
+    }
+
     fn synchronize(&self) -> Result<(), BackendError> {
         let synced = self.d.sync();
         self.release_uploads();
