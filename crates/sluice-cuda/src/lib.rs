@@ -10,6 +10,10 @@
 //! recorded and issued when the host needs a result; a batch of launches seen before (a decode
 //! step) is replayed as a CUDA graph with its changed parameters updated (`src/graph.rs`).
 //!
+//! Streamed experts (a model larger than the GPU) are kept in a VRAM expert cache of fixed slots
+//! between calls, copied in from the expert store's page-locked host cache on a miss
+//! (`src/vram_experts.rs`; the slot bookkeeping in `src/expert_cache.rs`).
+//!
 //! The driver (`libcuda`) is loaded when a backend is opened, not linked: building needs no CUDA
 //! toolkit, and the same binary runs on the CPU where there is no GPU. [`open`] turns every way
 //! of failing there (no driver, no device, an old GPU or driver) into a one-line error.
