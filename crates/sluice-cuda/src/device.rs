@@ -241,17 +241,10 @@ impl Device {
         if let Err(e) = self.bind() {
             return self.record(e);
         }
-        let timing = self.graph_stats.as_ref().map(|_| {
-            let event = || {
-                let e = self
-                    .ctx
-                    .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                    .ok()?;
-                e.record(&self.stream).ok()?;
-                Some(e)
-            };
-            (std::time::Instant::now(), event())
-        });
+        let timing = self
+            .graph_stats
+            .as_ref()
+            .map(|_| (std::time::Instant::now(), self.timing_event()));
         match g.flush(self.stream.cu_stream()) {
             Ok(how) => {
                 if let (Some(stats), Some((start, event))) = (&self.graph_stats, timing) {
@@ -272,11 +265,7 @@ impl Device {
                     let e = stats.per.entry(name).or_default();
                     e.0 += 1;
                     e.1 += start.elapsed().as_secs_f64();
-                    let end = self
-                        .ctx
-                        .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                        .ok()
-                        .filter(|e| e.record(&self.stream).is_ok());
+                    let end = self.timing_event();
                     if let (Some(a), Some(b)) = (event, end) {
                         if stats.gpu.len() < MAX_TIMED_FLUSHES {
                             stats.gpu.push((name, a, b));

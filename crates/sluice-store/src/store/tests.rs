@@ -31,6 +31,10 @@ fn tiny_store(experts: usize) -> (tempfile::TempDir, Manifest) {
 }
 
 fn open(dir: &Path, slots: usize, policy: Policy) -> ExpertStore {
+    open_with(dir, slots, policy, None)
+}
+
+fn open_with(dir: &Path, slots: usize, policy: Policy, pinner: Option<Pinner>) -> ExpertStore {
     let m = Manifest::open(dir).unwrap().unwrap();
     let opts = StoreOptions {
         cache_bytes: slots as u64 * m.max_stride(),
@@ -42,7 +46,7 @@ fn open(dir: &Path, slots: usize, policy: Policy) -> ExpertStore {
         },
         verify: true,
         min_slots: 1,
-        pinner: None,
+        pinner,
     };
     ExpertStore::open(dir, &opts).unwrap()
 }
@@ -182,20 +186,12 @@ impl HostPinner for FakePinner {
 }
 
 fn open_pinned(dir: &Path, slots: usize, pinner: FakePinner) -> ExpertStore {
-    let m = Manifest::open(dir).unwrap().unwrap();
-    let opts = StoreOptions {
-        cache_bytes: slots as u64 * m.max_stride(),
-        policy: Policy::Frequency,
-        io: ReaderOptions {
-            kind: IoKind::Auto,
-            direct: true,
-            queue_depth: 4,
-        },
-        verify: true,
-        min_slots: 1,
-        pinner: Some(Pinner(Arc::new(pinner))),
-    };
-    ExpertStore::open(dir, &opts).unwrap()
+    open_with(
+        dir,
+        slots,
+        Policy::Frequency,
+        Some(Pinner(Arc::new(pinner))),
+    )
 }
 
 #[test]
