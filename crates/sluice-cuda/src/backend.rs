@@ -926,7 +926,9 @@ impl Backend for CudaBackend {
         experts: usize,
     ) -> Result<Option<ExpertCachePlan>, BackendError> {
         let mut vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());
-        // A new plan replaces the old cache (its memory freed first, so that it can be reused).
+        // A new plan replaces the old cache (its memory freed first, so that it can be reused),
+        // once no copy into it or from the host memory it holds is in flight.
+        self.d.sync()?;
         *vram = None;
         let (cache, plan) = VramExperts::plan(&self.d, budget, expert_bytes, experts)?;
         *vram = Some(cache);

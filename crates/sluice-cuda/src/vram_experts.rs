@@ -223,6 +223,7 @@ impl VramExperts {
                 let mut parts = Vec::with_capacity(9);
                 let mut mats = [Mat::default(); 3];
                 for (m, mat) in self::parts(&host).iter().zip(&mut mats) {
+                    m.as_ref().validate()?;
                     *mat = describe(m)?;
                     let mut ptrs = [0u64; 3];
                     for (bytes, p) in [m.data.as_slice(), m.scales.as_slice(), m.biases.as_slice()]
