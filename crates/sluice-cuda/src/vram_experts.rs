@@ -445,3 +445,64 @@ impl HostPinner for CudaPinner {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_backend::{Dtype, FfnWeights, HostBytes, WeightFormat};
+
+    /// A bf16 matrix `[rows, cols]` at `start` of `buffer`.
+    fn bf16(buffer: &Arc<Vec<u8>>, start: usize, rows: usize, cols: usize) -> HostMatrix {
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = buffer.clone();
+        HostMatrix::new(
+            WeightFormat::Dense(Dtype::Bf16),
+            rows,
+            cols,
+            HostBytes::new(owner, start..start + rows * cols * 2),
+            HostBytes::empty(),
+            HostBytes::empty(),
+        )
+        .unwrap()
+    }
+
+    /// An expert of three [8, 16] bf16 parts (256 bytes each) at `starts` of one buffer.
+    fn expert_at(starts: [usize; 3]) -> HostExpert {
+        let buffer = Arc::new(vec![0u8; 4096]);
+        FfnWeights {
+            gate: bf16(&buffer, starts[0], 8, 16),
+            up: bf16(&buffer, starts[1], 8, 16),
+            down: bf16(&buffer, starts[2], 8, 16),
+        }
+    }
+
+    #[test]
+    fn a_block_is_one_span_from_its_first_part_to_its_last() {
+        // The store's layout: parts one after another, 64-byte aligned.
+        assert_eq!(block_span(&expert_at([128, 384, 640])), Some(128..896));
+        // Alignment padding between parts is allowed.
+        assert_eq!(block_span(&expert_at([0, 320, 640])), Some(0..896));
+    }
+
+    #[test]
+    fn scattered_or_misaligned_parts_are_copied_one_by_one() {
+        // Far apart: the span would copy mostly bytes that are no part.
+        assert_eq!(block_span(&expert_at([0, 1024, 3072])), None);
+        // A part the kernels could not load from its offset in the slot.
+        assert_eq!(block_span(&expert_at([0, 264, 520])), None);
+        // Parts of different buffers.
+        let mut e = expert_at([0, 256, 512]);
+        e.up = bf16(&Arc::new(vec![0u8; 512]), 0, 8, 16);
+        assert_eq!(block_span(&e), None);
+    }
+
+    #[test]
+    fn the_slot_layout_aligns_every_part() {
+        let (offsets, bytes) = slot_layout(&expert_at([0, 256, 512]));
+        // Data only (bf16 has no scales or biases): 256 bytes each, on 256-byte boundaries.
+        assert_eq!(offsets[0][0], 0);
+        assert_eq!(offsets[1][0], 256);
+        assert_eq!(offsets[2][0], 512);
+        assert!(offsets.iter().flatten().all(|o| o % PART_ALIGN == 0));
+        assert_eq!(bytes, 768);
+    }
+}
