@@ -789,6 +789,8 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        // Copies may still be reading host memory the expert store is about to free.
+        let _ = self.d.sync();
         if let Some(report) = self.d.profile_report() {
             eprint!("{report}");
         }
