@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent};
 use sluice_backend::{
     BackendError, ExpertCachePlan, ExpertCacheStats, ExpertKey, HostExpert, HostMatrix, HostPinner,
-    PinnedRegion,
+    MemoryInfo, PinnedRegion,
 };
 
 use crate::device::{DevBuf, Device};
@@ -57,6 +57,47 @@ fn parts(e: &HostExpert) -> [&HostMatrix; 3] {
     [&e.gate, &e.up, &e.down]
 }
 
+/// The bytes the expert cache may take, and why: `budget` less what is in use (`mem`, after
+/// freed buffers went back) and the reserve, or the free memory less the reserve; a budget below
+/// what is in use plus the reserve is an error that names the least that would do.
+fn cache_bytes(budget: Option<u64>, mem: MemoryInfo) -> Result<(u64, String), BackendError> {
+    let used = mem.total.saturating_sub(mem.free);
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    match budget {
+        Some(b) => {
+            let need = used + RESERVE_BYTES;
+            if b < need {
+                return Err(BackendError::Unsupported(format!(
+                    "--vram-budget {:.2} GiB is less than the GPU memory in use with the resident \
+                     weights ({:.2} GiB) plus {:.0} GiB for activations and caches: give at least \
+                     {:.2} GiB",
+                    gib(b),
+                    gib(used),
+                    gib(RESERVE_BYTES),
+                    gib(need)
+                )));
+            }
+            Ok((
+                b - need,
+                format!(
+                    "--vram-budget {:.2} GiB minus {:.2} GiB in use and {:.0} GiB reserved",
+                    gib(b),
+                    gib(used),
+                    gib(RESERVE_BYTES)
+                ),
+            ))
+        }
+        None => Ok((
+            mem.free.saturating_sub(RESERVE_BYTES),
+            format!(
+                "free GPU memory {:.2} GiB minus {:.0} GiB reserved (--vram-budget to set)",
+                gib(mem.free),
+                gib(RESERVE_BYTES)
+            ),
+        )),
+    }
+}
+
 /// Offsets of the parts in a slot and the bytes they take.
 fn slot_layout(e: &HostExpert) -> ([[usize; 3]; 3], usize) {
     let mut at = 0;
@@ -85,42 +126,7 @@ impl VramExperts {
         let slot_bytes = (expert_bytes as usize + 9 * PART_ALIGN).next_multiple_of(PART_ALIGN);
         // Buffers freed earlier (loading, a bandwidth probe) would otherwise count as in use.
         d.trim()?;
-        let mem = d.memory();
-        let used = mem.total.saturating_sub(mem.free);
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let (bytes, reason) = match budget {
-            Some(b) => {
-                let need = used + RESERVE_BYTES;
-                if b < need {
-                    return Err(BackendError::Unsupported(format!(
-                        "--vram-budget {:.2} GiB is less than the GPU memory in use with the resident \
-                         weights ({:.2} GiB) plus {:.0} GiB for activations and caches: give at least \
-                         {:.2} GiB",
-                        gib(b),
-                        gib(used),
-                        gib(RESERVE_BYTES),
-                        gib(need)
-                    )));
-                }
-                (
-                    b - need,
-                    format!(
-                        "--vram-budget {:.2} GiB minus {:.2} GiB in use and {:.0} GiB reserved",
-                        gib(b),
-                        gib(used),
-                        gib(RESERVE_BYTES)
-                    ),
-                )
-            }
-            None => (
-                mem.free.saturating_sub(RESERVE_BYTES),
-                format!(
-                    "free GPU memory {:.2} GiB minus {:.0} GiB reserved (--vram-budget to set)",
-                    gib(mem.free),
-                    gib(RESERVE_BYTES)
-                ),
-            ),
-        };
+        let (bytes, reason) = cache_bytes(budget, d.memory())?;
         let disabled = std::env::var("SLUICE_CUDA_EXPERT_CACHE").is_ok_and(|v| v == "0");
         let slots = if disabled {
             0
@@ -493,6 +499,36 @@ mod tests {
         let mut e = expert_at([0, 256, 512]);
         e.up = bf16(&Arc::new(vec![0u8; 512]), 0, 8, 16);
         assert_eq!(block_span(&e), None);
+    }
+
+    #[test]
+    fn the_cache_gets_what_the_budget_leaves() {
+        const GIB: u64 = 1 << 30;
+        // 80 GiB card, 3 GiB in use (context and resident weights), 77 free.
+        let mem = MemoryInfo {
+            free: 77 * GIB,
+            total: 80 * GIB,
+        };
+        let (bytes, why) = cache_bytes(Some(8 * GIB), mem).unwrap();
+        assert_eq!(bytes, 8 * GIB - 3 * GIB - RESERVE_BYTES);
+        assert!(
+            why.contains("--vram-budget 8.00 GiB minus 3.00 GiB in use"),
+            "{why}"
+        );
+        let (bytes, why) = cache_bytes(None, mem).unwrap();
+        assert_eq!(bytes, 77 * GIB - RESERVE_BYTES);
+        assert!(why.contains("free GPU memory"), "{why}");
+        // Exactly what is in use plus the reserve: an empty cache, not an error.
+        assert_eq!(
+            cache_bytes(Some(3 * GIB + RESERVE_BYTES), mem).unwrap().0,
+            0
+        );
+        let err = cache_bytes(Some(2 * GIB), mem).unwrap_err().to_string();
+        assert!(err.contains("give at least 4.00 GiB"), "{err}");
+        assert!(
+            !err.contains('\n') && !err.contains("  "),
+            "one tidy line: {err}"
+        );
     }
 
     #[test]

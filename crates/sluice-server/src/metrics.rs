@@ -233,3 +233,34 @@ impl Metrics {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gpu_tier_is_rendered_only_where_there_is_one() {
+        let m = Metrics::default();
+        let plain = m.render(None, None);
+        assert!(!plain.contains("vram"), "{plain}");
+        let v = ExpertCacheStats {
+            hits: 30,
+            misses: 8,
+            bypassed: 2,
+            bytes_uploaded: 4_000_000_000,
+            upload_secs: 0.1,
+            ..ExpertCacheStats::default()
+        };
+        let text = m.render(None, Some(&v));
+        for want in [
+            "sluice_vram_expert_hits_total 30",
+            "sluice_vram_expert_uploads_total 10",
+            "sluice_vram_expert_hit_rate 0.75",
+            "sluice_vram_expert_upload_bytes_total 4000000000",
+            "sluice_vram_expert_upload_gbps 40",
+            "# TYPE sluice_vram_expert_upload_seconds_total counter",
+        ] {
+            assert!(text.contains(want), "missing `{want}` in:\n{text}");
+        }
+    }
+}
