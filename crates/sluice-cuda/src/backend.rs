@@ -13,7 +13,7 @@ use sluice_backend::{
 use crate::device::{grid, Arg, DevBuf, Device};
 use crate::expert_cache::SlotHold;
 use crate::mat::{describe, ExpertMats, Mat, MatSet, Spread, MAT_SET_MAX, SPREAD_ROWS};
-use crate::vram_experts::{is_pinned, CudaPinner, PinnedRanges, VramExperts};
+use crate::vram_experts::{is_pinned, CudaPinner, PinnedRanges, Staged, VramExperts};
 
 /// f32 activations `[rows, cols]` in device memory; `None` after a failure (the backend reports
 /// it from the next host read).
@@ -57,6 +57,16 @@ pub struct CudaStagedExpert {
     mats: ExpertMats,
     _parts: Vec<DevBuf>,
     _hold: Option<SlotHold>,
+}
+
+impl From<Staged> for CudaStagedExpert {
+    fn from(s: Staged) -> Self {
+        CudaStagedExpert {
+            mats: s.mats,
+            _parts: s.parts,
+            _hold: s.hold,
+        }
+    }
 }
 
 /// The expert choice, on the device: `ids` and `weights` `[rows, k]`.
@@ -898,22 +908,12 @@ impl Backend for CudaBackend {
             });
         };
         let pinned = is_pinned(&self.pinned, host.gate.data.as_slice());
-        let s = vram.stage(&self.d, key, host, pinned)?;
-        Ok(CudaStagedExpert {
-            mats: s.mats,
-            _parts: s.parts,
-            _hold: s.hold,
-        })
+        Ok(vram.stage(&self.d, key, host, pinned)?.into())
     }
 
     fn staged_expert(&self, key: ExpertKey) -> Option<CudaStagedExpert> {
         let mut vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());
-        let s = vram.as_mut()?.find(key)?;
-        Some(CudaStagedExpert {
-            mats: s.mats,
-            _parts: s.parts,
-            _hold: s.hold,
-        })
+        Some(vram.as_mut()?.find(key)?.into())
     }
 
     fn holds_expert(&self, key: ExpertKey) -> bool {
