@@ -111,6 +111,11 @@ pub trait ExpertSource: Send + Sync {
     fn layer(&self, layer: usize) -> Option<ExpertLayer>;
     /// Most experts one [`ExpertSource::fetch`] can return at once.
     fn max_fetch(&self) -> usize;
+    /// Whether every expert of every layer fits the source's memory at once, so that all of
+    /// them may stay fetched (see [`crate::Backend::experts_in_host`]).
+    fn can_hold_all(&self) -> bool {
+        false
+    }
     /// The experts `experts` (ascending, distinct, at most [`ExpertSource::max_fetch`]) of
     /// `layer`, in that order.
     fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<HostExpert>, ExpertError>;

@@ -199,6 +199,20 @@ pub trait Backend: Send + Sync {
     fn host_pinner(&self) -> Option<std::sync::Arc<dyn HostPinner>> {
         None
     }
+    /// The routed experts of decoder layer `layer` kept in `source`'s host memory and computed
+    /// from there (a GPU reading page-locked memory over its link in place, the most used of
+    /// them cached in its own memory), when `source` can hold every expert at once and this
+    /// backend can read its memory: then a call needs no routing read and no copy of its own.
+    /// The result keeps the source's experts held while it lives. `None` (the default): the
+    /// caller streams them through [`Backend::stage_expert`] instead.
+    fn experts_in_host(
+        &self,
+        source: &std::sync::Arc<dyn ExpertSource>,
+        layer: usize,
+    ) -> Result<Option<Self::Experts>, BackendError> {
+        let _ = (source, layer);
+        Ok(None)
+    }
 
     // ---- per-request caches ------------------------------------------------------------------
 

@@ -36,6 +36,14 @@ pub struct ExpertCacheStats {
     pub bytes_pinned: u64,
     /// Seconds the device spent on those copies.
     pub upload_secs: f64,
+    /// Experts the kernels read in place from host memory, not held (experts kept in host
+    /// memory: [`crate::Backend::experts_in_host`]); one per routed (token, expert) pair.
+    pub read_in_place: u64,
+    /// The bytes of those reads (over the host link).
+    pub bytes_read_in_place: u64,
+    /// Experts kept in host memory copied into a slot between calls (counted in
+    /// `bytes_uploaded`; not requests, so not in the hit rate).
+    pub placed: u64,
 }
 
 impl ExpertCacheStats {
@@ -49,12 +57,15 @@ impl ExpertCacheStats {
             bytes_uploaded: self.bytes_uploaded - earlier.bytes_uploaded,
             bytes_pinned: self.bytes_pinned - earlier.bytes_pinned,
             upload_secs: self.upload_secs - earlier.upload_secs,
+            read_in_place: self.read_in_place - earlier.read_in_place,
+            bytes_read_in_place: self.bytes_read_in_place - earlier.bytes_read_in_place,
+            placed: self.placed - earlier.placed,
         }
     }
 
     /// Share of experts asked for that were already held.
     pub fn hit_rate(&self) -> f64 {
-        let asked = self.hits + self.misses + self.bypassed;
+        let asked = self.hits + self.misses + self.bypassed + self.read_in_place;
         if asked == 0 {
             return 0.0;
         }

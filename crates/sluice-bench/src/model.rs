@@ -96,6 +96,8 @@ pub struct VramRun {
     pub cache_bytes: u64,
     pub slots: usize,
     pub uploaded_bytes_per_token: f64,
+    /// Bytes of experts the kernels read in host memory per token (experts kept there).
+    pub read_in_place_bytes_per_token: f64,
     /// Share of the run's wall time the device spent copying experts in.
     pub copy_share: f64,
     pub hit_rate: f64,
@@ -218,6 +220,8 @@ pub fn run_model<B: Backend + 'static>(
                                 cache_bytes: plan.bytes(),
                                 slots: plan.slots,
                                 uploaded_bytes_per_token: d.bytes_uploaded as f64 / tokens,
+                                read_in_place_bytes_per_token: d.bytes_read_in_place as f64
+                                    / tokens,
                                 copy_share: d.upload_secs / total_secs,
                                 hit_rate: d.hit_rate(),
                                 upload_gbps: d.upload_gbps(),

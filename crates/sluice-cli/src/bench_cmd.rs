@@ -283,10 +283,18 @@ fn run_on<B: Backend + 'static>(
                 );
                 if let Some(v) = &r.vram {
                     eprintln!(
-                        "    VRAM cache {} in {} slots: hit {:.1}%, uploaded {} per token at {:.2} GB/s while copying{}, {:.0}% of the run copying",
+                        "    VRAM cache {} in {} slots: hit {:.1}%{}, uploaded {} per token at {:.2} GB/s while copying{}, {:.0}% of the run copying",
                         format_bytes(v.cache_bytes),
                         v.slots,
                         v.stats.hit_rate() * 100.0,
+                        if v.stats.read_in_place > 0 {
+                            format!(
+                                ", read in place from host memory {} per token",
+                                format_bytes(v.read_in_place_bytes_per_token as u64)
+                            )
+                        } else {
+                            String::new()
+                        },
                         format_bytes(v.uploaded_bytes_per_token as u64),
                         v.stats.upload_gbps(),
                         rates.upload_gbps.map_or(String::new(), |l| format!(

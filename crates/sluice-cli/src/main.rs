@@ -308,6 +308,20 @@ pub(crate) fn print_banner<B: Backend>(engine: &Engine<B>) {
 
 /// One line of VRAM-tier counters (`d`: a delta), for `--stats`.
 pub(crate) fn vram_line(d: &sluice_backend::ExpertCacheStats) -> String {
+    if d.read_in_place > 0 || d.placed > 0 {
+        // Experts kept in host memory: the kernels read them there or in a slot.
+        return format!(
+            "VRAM hit {:.1}% ({} from slots, {} read in place from host memory: {}), {} copied into slots ({}, {} evicted) at {:.2} GB/s while copying",
+            d.hit_rate() * 100.0,
+            d.hits,
+            d.read_in_place,
+            format_bytes(d.bytes_read_in_place),
+            d.placed,
+            format_bytes(d.bytes_uploaded),
+            d.evictions,
+            d.upload_gbps(),
+        );
+    }
     format!(
         "VRAM hit {:.1}% ({} held, {} uploaded into slots, {} for one call), uploaded {} ({:.0}% from page-locked memory) at {:.2} GB/s while copying, {:.0} ms copying",
         d.hit_rate() * 100.0,

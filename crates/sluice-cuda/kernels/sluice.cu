@@ -758,6 +758,14 @@ extern "C" __global__ void fill_words(uint32_t* dst, uint32_t v, long n) {
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = v;
 }
 
+// counts[id] += 1 for each of the n routed expert ids: which experts of a layer whose table
+// points into host memory are worth a VRAM slot (read back every few forward passes).
+extern "C" __global__ void count_experts(const uint32_t* ids, int n, uint32_t* counts) {
+    PDL_START();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        atomicAdd(&counts[ids[i]], 1u);
+}
+
 // RMS norm of each chunk of n values (one chunk per block).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
     PDL_START();

@@ -6,14 +6,18 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaFunction;
 use sluice_backend::{
-    Backend, BackendError, DeltaNetDims, ExpertCachePlan, ExpertCacheStats, ExpertKey, FfnWeights,
-    HostExpert, HostLinearState, HostMatrix, HostPinner, HostRouting, MemoryInfo, TopLogits,
+    Backend, BackendError, DeltaNetDims, ExpertCachePlan, ExpertCacheStats, ExpertKey,
+    ExpertSource, FfnWeights, HostExpert, HostLinearState, HostMatrix, HostPinner, HostRouting,
+    MemoryInfo, TopLogits,
 };
 
 use crate::device::{grid, Arg, DevBuf, Device};
 use crate::expert_cache::SlotHold;
+use crate::in_place::{InPlace, InPlaceLayer};
 use crate::mat::{describe, ExpertMats, Mat, MatSet, Spread, MAT_SET_MAX, SPREAD_ROWS};
-use crate::vram_experts::{is_pinned, CudaPinner, PinnedRanges, Staged, VramExperts};
+use crate::vram_experts::{
+    device_address, is_pinned, size_slots, CudaPinner, PinnedRanges, Staged, VramExperts,
+};
 
 /// f32 activations `[rows, cols]` in device memory; `None` after a failure (the backend reports
 /// it from the next host read).
@@ -44,11 +48,25 @@ pub struct CudaVector {
 /// The routed experts of one layer: every expert's matrices, and a device table of their
 /// descriptions the MoE kernels index by expert id.
 pub struct CudaExperts {
-    table: DevBuf,
+    /// The device table of `ExpertMats`, one entry per expert (a layer kept in host memory
+    /// owns its own: `in_place`).
+    table: Option<DevBuf>,
     count: usize,
     /// The first expert's matrices: the shapes and formats of all.
     sample: ExpertMats,
     _parts: Vec<DevBuf>,
+    /// Experts read in place from host memory (see `in_place`).
+    in_place: Option<Arc<InPlaceLayer>>,
+}
+
+impl CudaExperts {
+    fn table_ptr(&self) -> u64 {
+        match (&self.in_place, &self.table) {
+            (Some(l), _) => l.table.ptr(),
+            (None, Some(t)) => t.ptr(),
+            (None, None) => 0,
+        }
+    }
 }
 
 /// A streamed expert on the device: in a slot of the VRAM expert cache (held while this lives),
@@ -161,6 +179,8 @@ pub struct CudaBackend {
     vram: Mutex<Option<VramExperts>>,
     /// Host memory page-locked through [`Backend::host_pinner`].
     pinned: PinnedRanges,
+    /// Layers whose experts the kernels read in host memory, and their VRAM tier.
+    in_place: Mutex<InPlace>,
 }
 
 /// Limits of the kernels (checked where the shapes are first known).
@@ -201,6 +221,36 @@ enum MoeOut {
 }
 
 impl CudaBackend {
+    /// `e` described where the device reads it in host memory, when all of it is page-locked
+    /// and mapped.
+    fn mapped_mats(&self, e: &HostExpert) -> Result<Option<ExpertMats>, BackendError> {
+        let mut mats = [Mat::default(); 3];
+        for (m, mat) in [&e.gate, &e.up, &e.down].into_iter().zip(&mut mats) {
+            m.as_ref().validate()?;
+            *mat = describe(m)?;
+            let mut ptrs = [0u64; 3];
+            for (bytes, p) in [m.data.as_slice(), m.scales.as_slice(), m.biases.as_slice()]
+                .into_iter()
+                .zip(&mut ptrs)
+            {
+                if bytes.is_empty() {
+                    continue;
+                }
+                // The kernels' widest loads are of 16 bytes.
+                match device_address(&self.pinned, bytes) {
+                    Some(at) if at % 16 == 0 => *p = at,
+                    _ => return Ok(None),
+                }
+            }
+            (mat.data, mat.scales, mat.biases) = (ptrs[0], ptrs[1], ptrs[2]);
+        }
+        Ok(Some(ExpertMats {
+            gate: mats[0],
+            up: mats[1],
+            down: mats[2],
+        }))
+    }
+
     pub(crate) fn with_device(d: Device, description: String) -> Self {
         CudaBackend {
             d: Arc::new(d),
@@ -209,6 +259,7 @@ impl CudaBackend {
             done_counters: Mutex::new(None),
             vram: Mutex::new(None),
             pinned: PinnedRanges::default(),
+            in_place: Mutex::new(InPlace::default()),
         }
     }
 
@@ -875,10 +926,11 @@ impl Backend for CudaBackend {
             )));
         }
         Ok(CudaExperts {
-            table: self.d.upload(&table, "the expert table")?,
+            table: Some(self.d.upload(&table, "the expert table")?),
             count: table.len(),
             sample: table.first().copied().unwrap_or_default(),
             _parts: parts,
+            in_place: None,
         })
     }
 
@@ -932,14 +984,78 @@ impl Backend for CudaBackend {
         // once no copy into it or from the host memory it holds is in flight.
         self.d.sync()?;
         *vram = None;
+        let mut in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
+        if !in_place.is_empty() {
+            // The experts stay in host memory: the slots cache the most used of them.
+            let mut plan = size_slots(&self.d, budget, expert_bytes, experts)?;
+            in_place.plan(&self.d, plan.slots, plan.slot_bytes as usize)?;
+            plan.reason += "; the rest read in place from page-locked host memory";
+            return Ok(Some(plan));
+        }
         let (cache, plan) = VramExperts::plan(&self.d, budget, expert_bytes, experts)?;
         *vram = Some(cache);
         Ok(Some(plan))
     }
 
     fn expert_cache_stats(&self) -> Option<ExpertCacheStats> {
+        let in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
+        if in_place.has_tier() {
+            return Some(in_place.stats());
+        }
+        drop(in_place);
         let mut vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());
         Some(vram.as_mut()?.stats(&self.d))
+    }
+
+    fn experts_in_host(
+        &self,
+        source: &Arc<dyn ExpertSource>,
+        layer: usize,
+    ) -> Result<Option<CudaExperts>, BackendError> {
+        let off = std::env::var("SLUICE_CUDA_IN_PLACE").is_ok_and(|v| v == "0");
+        let Some(info) = source.layer(layer) else {
+            return Ok(None);
+        };
+        if off || !source.can_hold_all() || info.experts > MAX_ROUTED_EXPERTS {
+            return Ok(None);
+        }
+        let ids: Vec<u32> = (0..info.experts as u32).collect();
+        let mut host = Vec::with_capacity(ids.len());
+        for run in ids.chunks(source.max_fetch().max(1)) {
+            host.extend(source.fetch(layer, run).map_err(|e| {
+                BackendError::Device(format!("{}: layer {layer}: {e}", source.name()))
+            })?);
+        }
+        let mut in_host = Vec::with_capacity(host.len());
+        for e in &host {
+            match self.mapped_mats(e)? {
+                Some(m) => in_host.push(m),
+                // Memory the device cannot read in place: stream the layer instead.
+                None => return Ok(None),
+            }
+        }
+        if in_host.len() != info.experts {
+            return Err(BackendError::Device(format!(
+                "{}: layer {layer}: {} experts fetched of {}",
+                source.name(),
+                in_host.len(),
+                info.experts
+            )));
+        }
+        let table = self.d.upload(&in_host, "the expert table")?;
+        let sample = in_host[0];
+        let layer = self
+            .in_place
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .register(host, in_host, table);
+        Ok(Some(CudaExperts {
+            table: None,
+            count: info.experts,
+            sample,
+            _parts: Vec::new(),
+            in_place: Some(layer),
+        }))
     }
 
     fn host_pinner(&self) -> Option<Arc<dyn HostPinner>> {
@@ -1778,11 +1894,18 @@ impl Backend for CudaBackend {
     }
 
     fn moe(&self, x: &CudaAct, routing: &CudaRouting, experts: &CudaExperts) -> CudaAct {
+        if let (Some(layer), Some(ids)) = (&experts.in_place, &routing.ids) {
+            let mut in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = in_place.before_call(&self.d, layer, ids.ptr, routing.rows * routing.k)
+            {
+                self.d.record(e);
+            }
+        }
         let out = self.act(x.rows, x.cols);
         self.moe_into(
             x,
             routing,
-            experts.table.ptr,
+            experts.table_ptr(),
             None,
             experts.count,
             &experts.sample,

@@ -22,6 +22,7 @@ mod backend;
 mod device;
 mod expert_cache;
 mod graph;
+mod in_place;
 mod kernels;
 mod mat;
 mod vram_experts;

@@ -98,8 +98,39 @@ fn cache_bytes(budget: Option<u64>, mem: MemoryInfo) -> Result<(u64, String), Ba
     }
 }
 
+/// How many slots of the VRAM expert cache `budget` buys (see
+/// [`sluice_backend::Backend::plan_expert_cache`]), nothing allocated yet.
+pub(crate) fn size_slots(
+    d: &Device,
+    budget: Option<u64>,
+    expert_bytes: u64,
+    experts: usize,
+) -> Result<ExpertCachePlan, BackendError> {
+    // Each of the nine parts may need up to one alignment's padding.
+    let slot_bytes = (expert_bytes as usize + 9 * PART_ALIGN).next_multiple_of(PART_ALIGN);
+    // Buffers freed earlier (loading, a bandwidth probe) would otherwise count as in use.
+    d.trim()?;
+    let (bytes, reason) = cache_bytes(budget, d.memory())?;
+    let disabled = std::env::var("SLUICE_CUDA_EXPERT_CACHE").is_ok_and(|v| v == "0");
+    let slots = if disabled {
+        0
+    } else {
+        (bytes / slot_bytes as u64).min(experts as u64) as usize
+    };
+    let reason = if disabled {
+        "off (SLUICE_CUDA_EXPERT_CACHE=0)".to_string()
+    } else {
+        reason
+    };
+    Ok(ExpertCachePlan {
+        slots,
+        slot_bytes: slot_bytes as u64,
+        reason,
+    })
+}
+
 /// Offsets of the parts in a slot and the bytes they take.
-fn slot_layout(e: &HostExpert) -> ([[usize; 3]; 3], usize) {
+pub(crate) fn slot_layout(e: &HostExpert) -> ([[usize; 3]; 3], usize) {
     let mut at = 0;
     let mut offsets = [[0; 3]; 3];
     for (m, off) in parts(e).iter().zip(&mut offsets) {
@@ -122,22 +153,8 @@ impl VramExperts {
         expert_bytes: u64,
         experts: usize,
     ) -> Result<(VramExperts, ExpertCachePlan), BackendError> {
-        // Each of the nine parts may need up to one alignment's padding.
-        let slot_bytes = (expert_bytes as usize + 9 * PART_ALIGN).next_multiple_of(PART_ALIGN);
-        // Buffers freed earlier (loading, a bandwidth probe) would otherwise count as in use.
-        d.trim()?;
-        let (bytes, reason) = cache_bytes(budget, d.memory())?;
-        let disabled = std::env::var("SLUICE_CUDA_EXPERT_CACHE").is_ok_and(|v| v == "0");
-        let slots = if disabled {
-            0
-        } else {
-            (bytes / slot_bytes as u64).min(experts as u64) as usize
-        };
-        let reason = if disabled {
-            "off (SLUICE_CUDA_EXPERT_CACHE=0)".to_string()
-        } else {
-            reason
-        };
+        let plan = size_slots(d, budget, expert_bytes, experts)?;
+        let (slots, slot_bytes) = (plan.slots, plan.slot_bytes as usize);
         let memory = match slots {
             0 => None,
             n => Some(d.alloc(n * slot_bytes, "the VRAM expert cache")?),
@@ -151,11 +168,7 @@ impl VramExperts {
                 pending: Vec::new(),
                 stats: ExpertCacheStats::default(),
             },
-            ExpertCachePlan {
-                slots,
-                slot_bytes: slot_bytes as u64,
-                reason,
-            },
+            plan,
         ))
     }
 
@@ -299,7 +312,7 @@ impl VramExperts {
 
 /// The block holding all of `host`'s parts (from the first to the end of the last), when they
 /// are ranges of one buffer with little between them, as the expert store keeps them.
-fn block_span(host: &HostExpert) -> Option<std::ops::Range<usize>> {
+pub(crate) fn block_span(host: &HostExpert) -> Option<std::ops::Range<usize>> {
     let all: Vec<&sluice_backend::HostBytes> = parts(host)
         .iter()
         .flat_map(|m| [&m.data, &m.scales, &m.biases])
@@ -320,7 +333,7 @@ fn block_span(host: &HostExpert) -> Option<std::ops::Range<usize>> {
 
 /// Copies the block `span` of `host`'s buffer into the slot at `base` in one copy, and
 /// describes each part at its offset there.
-fn upload_block(
+pub(crate) fn upload_block(
     d: &Device,
     host: &HostExpert,
     base: u64,
@@ -348,7 +361,7 @@ fn upload_block(
 }
 
 /// Copies the nine parts of `host` into the slot at `base` and describes them there.
-fn upload_into(
+pub(crate) fn upload_into(
     d: &Device,
     host: &HostExpert,
     base: u64,
@@ -379,15 +392,28 @@ fn upload_into(
     })
 }
 
-/// Host ranges (address, length) page-locked by a [`CudaPinner`] and not yet unlocked.
-pub(crate) type PinnedRanges = Arc<Mutex<Vec<(usize, usize)>>>;
+/// Host memory page-locked by a [`CudaPinner`] and not yet unlocked: (address, length, the
+/// address the device reads it at when the driver mapped it).
+pub(crate) type PinnedRanges = Arc<Mutex<Vec<(usize, usize, Option<u64>)>>>;
 
-/// Whether `bytes` lies in one of `ranges`.
-pub(crate) fn is_pinned(ranges: &PinnedRanges, bytes: &[u8]) -> bool {
+/// The range of `ranges` that holds all of `bytes`.
+fn pinned_range(ranges: &PinnedRanges, bytes: &[u8]) -> Option<(usize, usize, Option<u64>)> {
     let (a, n) = (bytes.as_ptr() as usize, bytes.len());
     let r = ranges.lock().unwrap_or_else(|p| p.into_inner());
     r.iter()
-        .any(|&(start, len)| a >= start && a + n <= start + len)
+        .find(|&&(start, len, _)| a >= start && a + n <= start + len)
+        .copied()
+}
+
+/// Whether `bytes` lies in one of `ranges`.
+pub(crate) fn is_pinned(ranges: &PinnedRanges, bytes: &[u8]) -> bool {
+    pinned_range(ranges, bytes).is_some()
+}
+
+/// Where the device reads `bytes` in place, when they lie in one of `ranges` and it is mapped.
+pub(crate) fn device_address(ranges: &PinnedRanges, bytes: &[u8]) -> Option<u64> {
+    let (start, _, device) = pinned_range(ranges, bytes)?;
+    Some(device? + (bytes.as_ptr() as usize - start) as u64)
 }
 
 /// Page-locks host memory with the driver (`cuMemHostRegister`).
@@ -423,27 +449,30 @@ impl HostPinner for CudaPinner {
         self.ctx
             .bind_to_thread()
             .map_err(|e| BackendError::Device(format!("CUDA binding the context: {e}")))?;
+        use cudarc::driver::sys;
+        // Mapped too, so that kernels can read experts in place (see `in_place`).
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller owns `len` bytes at `addr` and keeps them allocated while the
         // returned region lives (it unregisters them when dropped).
-        unsafe {
-            cudarc::driver::sys::cuMemHostRegister_v2(
-                addr as *mut _,
-                len,
-                cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        }
-        .result()
-        .map_err(|e| {
-            BackendError::Device(format!(
-                "could not page-lock the {:.2} GiB expert cache for GPU copies ({e}); copies \
-                 from it will be slower",
-                len as f64 / (1u64 << 30) as f64
-            ))
-        })?;
-        self.ranges
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((addr, len));
+        unsafe { sys::cuMemHostRegister_v2(addr as *mut _, len, flags) }
+            .result()
+            .map_err(|e| {
+                BackendError::Device(format!(
+                    "could not page-lock the {:.2} GiB expert cache for GPU copies ({e}); copies \
+                     from it will be slower",
+                    len as f64 / (1u64 << 30) as f64
+                ))
+            })?;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `addr` was registered with DEVICEMAP just above; the driver writes `device`.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, addr as *mut _, 0) }
+            .result()
+            .is_ok();
+        self.ranges.lock().unwrap_or_else(|p| p.into_inner()).push((
+            addr,
+            len,
+            mapped.then_some(device),
+        ));
         Ok(Box::new(CudaPinned {
             ctx: self.ctx.clone(),
             addr,

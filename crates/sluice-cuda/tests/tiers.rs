@@ -1,7 +1,8 @@
 //! Experts tiered over VRAM, host RAM and disk on CUDA device 0 give the same logits as the same
 //! model with every expert resident on the GPU: bit-identical (the same kernels add each row's
-//! experts in ascending id however they are split over calls), whatever the VRAM cache's size,
-//! with the host cache page-locked.
+//! experts in ascending id however they are split over calls, and read the same bytes in VRAM or
+//! in host memory), whatever the VRAM cache's size, with the host cache page-locked: streamed
+//! (a host cache smaller than the experts) or read in place (a host cache that holds them all).
 //!
 //! It needs an NVIDIA GPU: without one these tests are reported as ignored, not passed. On a GPU
 //! machine: `cargo test -p sluice-cuda --test tiers -- --ignored`.
@@ -88,15 +89,18 @@ fn tiered_logits_are_bit_identical_to_resident() {
         .unwrap_or_else(|e| panic!("packing {name}: {e}"));
         for mode in [LogitsMode::Decode, LogitsMode::Prefill] {
             let want = resident.logits(&TOKENS, mode).unwrap();
-            // Host cache: every expert, or K slots (prefill then fetches a layer in several
-            // runs). VRAM cache: every expert (the default here), or a few slots (evictions,
-            // and experts uploaded for one call when the slots are all in use).
+            // Host cache: every expert (then the kernels read the experts in place there, the
+            // most used copied into VRAM slots every few passes), or K slots (streamed: prefill
+            // then fetches a layer in several runs). VRAM cache: every expert (the default
+            // here), or a few slots (evictions, and for streamed experts uploads for one call
+            // when the slots are all in use).
             for (host_cache, vram_slots) in [
                 (u64::MAX, None),
                 (1, None),
                 (u64::MAX, Some(3)),
                 (1, Some(2)),
             ] {
+                let in_place = host_cache == u64::MAX;
                 let what =
                     format!("{name} {mode:?} host cache {host_cache} VRAM slots {vram_slots:?}");
                 let e = load(
@@ -116,8 +120,10 @@ fn tiered_logits_are_bit_identical_to_resident() {
                     let got = shrink_vram_cache(&e, n);
                     assert!((1..=n as usize).contains(&got), "{what}: {got} slots");
                 }
-                // Twice: the second pass finds what the first left in VRAM.
-                for pass in 0..2 {
+                // Streamed: the second pass finds what the first left in VRAM. In place: enough
+                // passes for the slots to be filled (and, when few, reassigned) on the way.
+                let passes = if in_place { 20 } else { 2 };
+                for pass in 0..passes {
                     let got = e.logits(&TOKENS, mode).unwrap();
                     assert_bit_identical(&got, &want, &format!("{what} pass {pass}"));
                 }
@@ -127,7 +133,14 @@ fn tiered_logits_are_bit_identical_to_resident() {
                     s.bytes_pinned, s.bytes_uploaded,
                     "{what}: every copy from locked memory"
                 );
-                if vram_slots.is_none() {
+                if in_place {
+                    // Counted on the device: what was read from host memory, what from slots.
+                    assert!(s.read_in_place > 0 && s.placed > 0, "{what}: {s:?}");
+                    assert_eq!(s.misses + s.bypassed, 0, "{what}: nothing streamed: {s:?}");
+                    if vram_slots.is_none() {
+                        assert!(s.hits > 0, "{what}: {s:?}");
+                    }
+                } else if vram_slots.is_none() {
                     assert!(s.hits > 0 && s.bypassed == 0, "{what}: {s:?}");
                 } else {
                     assert!(s.evictions > 0 || s.bypassed > 0, "{what}: {s:?}");

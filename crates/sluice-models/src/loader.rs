@@ -200,7 +200,19 @@ impl<'a, B: Backend> Loader<'a, B> {
         let bytes = (l.bytes_per_expert * l.experts as u64) as usize;
         self.bytes += bytes;
         self.expert_bytes += bytes;
-        Ok(Experts::Streamed { source, layer })
+        // Every expert held in the source's memory and computed from there (a GPU reading it in
+        // place): no routing read per call.
+        let in_host = self
+            .backend
+            .experts_in_host(&source, layer)
+            .map_err(|source| ModelError::Weight {
+                tensor: format!("{mlp} experts"),
+                source,
+            })?;
+        Ok(match in_host {
+            Some(experts) => Experts::Resident(experts),
+            None => Experts::Streamed { source, layer },
+        })
     }
 
     /// The routed experts under `mlp`, from whichever layout the checkpoint uses (found by

@@ -202,8 +202,9 @@ impl Metrics {
             metric(
                 "vram_expert_uploads_total",
                 "counter",
-                "Streamed experts copied to the GPU (into a cache slot or for one call).",
-                (v.misses + v.bypassed) as f64,
+                "Streamed experts copied to the GPU (into a cache slot, for one call, or placed \
+                 in a slot between calls).",
+                (v.misses + v.bypassed + v.placed) as f64,
             );
             metric(
                 "vram_expert_hit_rate",
@@ -228,6 +229,18 @@ impl Metrics {
                 "counter",
                 "Time the GPU spent copying experts in.",
                 v.upload_secs,
+            );
+            metric(
+                "vram_expert_read_in_place_total",
+                "counter",
+                "Experts kept in host memory that the GPU read there (not held in VRAM).",
+                v.read_in_place as f64,
+            );
+            metric(
+                "vram_expert_read_in_place_bytes_total",
+                "counter",
+                "Bytes of experts the GPU read in host memory over its link.",
+                v.bytes_read_in_place as f64,
             );
         }
         out

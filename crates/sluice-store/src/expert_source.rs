@@ -58,6 +58,11 @@ impl ExpertSource for ExpertStore {
         ExpertStore::max_fetch(self)
     }
 
+    fn can_hold_all(&self) -> bool {
+        let all: usize = self.manifest().layers.iter().map(|l| l.experts).sum();
+        self.slots() >= all
+    }
+
     fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<HostExpert>, ExpertError> {
         let fetched =
             ExpertStore::fetch(self, layer, experts).map_err(|e| ExpertError::new(kind(&e), e))?;
