@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
 use sluice_backend::{BackendError, MemoryInfo};
@@ -139,6 +139,19 @@ pub(crate) struct Device {
     /// Completed synchronisations of the stream: work issued before the `n`-th has finished
     /// once this exceeds `n - 1` (host memory lent to an asynchronous copy may then go back).
     syncs: AtomicU64,
+    /// A second stream for copies that run beside the compute (the VRAM tier's placements of
+    /// experts read in place), made on first use. Nothing orders it with the compute stream
+    /// but events.
+    copy_lane: OnceLock<Arc<CudaStream>>,
+}
+
+/// The stream a copy runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lane {
+    /// After every launch so far, before every later one.
+    Compute,
+    /// Beside the compute stream (see `Device::copy_lane`).
+    Copy,
 }
 
 /// Per kind of flush: count, host seconds, and the GPU time of each (events read at the end).
@@ -225,6 +238,7 @@ impl Device {
             graphs,
             graph_stats,
             syncs: AtomicU64::new(0),
+            copy_lane: OnceLock::new(),
         })
     }
 
@@ -509,6 +523,67 @@ impl Device {
         // alive until the stream has synchronised (see above).
         unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
             .map_err(|e| device_error("copying to the device", e))
+    }
+
+    /// [`Device::copy_to_device`] on `lane`.
+    pub(crate) fn copy_to_device_in(
+        &self,
+        lane: Lane,
+        dst: u64,
+        src: &[u8],
+    ) -> Result<(), BackendError> {
+        match lane {
+            Lane::Compute => self.copy_to_device(dst, src),
+            Lane::Copy => self.copy_to_device_beside(dst, src),
+        }
+    }
+
+    /// Starts copying `src` to device memory at `dst` on the copy lane, beside the compute
+    /// stream: the caller orders it with the compute stream through events ([`Device::event`])
+    /// and keeps `src` alive and unchanged until an event recorded after it has completed.
+    pub(crate) fn copy_to_device_beside(&self, dst: u64, src: &[u8]) -> Result<(), BackendError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        let lane = self.lane(Lane::Copy)?;
+        // SAFETY: the caller owns `src.len()` bytes of device memory at `dst` that no launch
+        // uses until an event after this copy has completed, and keeps `src` alive until then.
+        unsafe { result::memcpy_htod_async(dst, src, lane.cu_stream()) }
+            .map_err(|e| device_error("copying to the device", e))
+    }
+
+    fn lane(&self, lane: Lane) -> Result<&Arc<CudaStream>, BackendError> {
+        match lane {
+            Lane::Compute => Ok(&self.stream),
+            Lane::Copy => {
+                if let Some(s) = self.copy_lane.get() {
+                    return Ok(s);
+                }
+                let s = self
+                    .ctx
+                    .new_stream()
+                    .map_err(|e| device_error("creating a copy stream", e))?;
+                Ok(self.copy_lane.get_or_init(|| s))
+            }
+        }
+    }
+
+    /// A timing event recorded on `lane` after everything issued there so far (deferred
+    /// launches included).
+    pub(crate) fn event(&self, lane: Lane) -> Result<CudaEvent, BackendError> {
+        if lane == Lane::Compute {
+            self.flush();
+        }
+        self.bind()?;
+        let stream = self.lane(lane)?;
+        let e = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| device_error("creating an event", e))?;
+        e.record(stream)
+            .map_err(|e| device_error("recording an event", e))?;
+        Ok(e)
     }
 
     /// An event recorded on the stream now (for timing work between two of them).

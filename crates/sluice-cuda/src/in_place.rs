@@ -18,37 +18,83 @@ use std::sync::{Arc, Weak};
 use cudarc::driver::CudaEvent;
 use sluice_backend::{BackendError, ExpertCacheStats, HostExpert};
 
-use crate::device::{grid, Arg, DevBuf, Device};
+use crate::device::{grid, Arg, DevBuf, Device, Lane};
 use crate::mat::ExpertMats;
 use crate::vram_experts::{block_span, slot_layout, upload_block, upload_into};
 
-/// Forward passes between two reads of the counts.
-pub(crate) const REBALANCE_EVERY: u64 = 8;
-/// Each rebalance multiplies the scores by this (a half-life of 8 rebalances, 64 passes).
-const DECAY: f64 = 0.917;
-/// An expert takes an occupied slot only when its score beats the occupant's by this factor
-/// (and by one routing): no swaps back and forth between experts used about as often.
-const SWAP_MARGIN: f64 = 1.25;
-/// Bytes copied into slots per rebalance while slots are free (filling the cache) ...
+/// The tier's knobs: defaults measured on an H100 (Qwen3-30B-A3B shape, 8 GiB budget);
+/// `SLUICE_CUDA_PLACE=EVERY,MB,HALF_LIFE` overrides them for experiments.
+#[derive(Debug, Clone, Copy)]
+struct Knobs {
+    /// Forward passes between two reads of the counts.
+    every: u64,
+    /// Bytes evicted (and so, a rebalance later, copied in) per rebalance once every slot is
+    /// taken; while slots are free, [`FILL_BYTES`] are copied in.
+    swap_bytes: u64,
+    /// Rebalances over which a score halves.
+    half_life: f64,
+}
+
+impl Knobs {
+    fn get() -> Knobs {
+        Knobs::parse(std::env::var("SLUICE_CUDA_PLACE").ok().as_deref())
+    }
+
+    fn parse(v: Option<&str>) -> Knobs {
+        let default = Knobs {
+            every: 1,
+            swap_bytes: 32 << 20,
+            half_life: 16.0,
+        };
+        let Some(v) = v else {
+            return default;
+        };
+        let parts: Vec<f64> = v.split(',').filter_map(|p| p.trim().parse().ok()).collect();
+        match parts.as_slice() {
+            [every, mb, half_life] if *every >= 1.0 && *mb >= 0.0 && *half_life > 0.0 => Knobs {
+                every: *every as u64,
+                swap_bytes: (*mb * (1u64 << 20) as f64) as u64,
+                half_life: *half_life,
+            },
+            _ => default,
+        }
+    }
+}
+
+/// Bytes copied into free slots per rebalance (filling the cache).
 const FILL_BYTES: u64 = 1 << 30;
-/// ... and when every slot is taken (replacing experts): ~1.2 ms of a PCIe 5 link per
-/// `REBALANCE_EVERY` passes.
-const SWAP_BYTES: u64 = 64 << 20;
+/// An expert displaces a slot's occupant only when its score beats the occupant's by this
+/// factor (and by one routing): no swaps back and forth between experts used about as often.
+const SWAP_MARGIN: f64 = 1.25;
 
 /// An expert of a registered layer: (registry index of the layer, expert id).
 pub(crate) type Key = (usize, u32);
 
-/// One change of the VRAM tier: `admitted` goes into `slot`, replacing `evicted`.
+/// What a VRAM slot is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Move {
-    pub slot: usize,
-    pub evicted: Option<Key>,
-    pub admitted: Key,
+enum SlotState {
+    Free,
+    /// Its expert's table entry points back at host memory; launches issued before that may
+    /// still read the slot.
+    Draining,
+    /// An expert is being copied in; its table entry still points at host memory.
+    Loading(Key),
+    /// Its expert's table entry points here.
+    Held(Key),
+}
+
+/// A rebalance's changes ([`Placement::plan`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Free slots to copy these experts into.
+    pub fills: Vec<(usize, Key)>,
+    /// Held experts to read from host memory again, their slots draining.
+    pub evictions: Vec<(usize, Key)>,
 }
 
 /// Which expert each VRAM slot holds, and every expert's decayed use count.
 pub(crate) struct Placement {
-    slots: Vec<Option<Key>>,
+    slots: Vec<SlotState>,
     slot_of: HashMap<Key, usize>,
     score: HashMap<Key, f64>,
 }
@@ -56,14 +102,17 @@ pub(crate) struct Placement {
 impl Placement {
     pub fn new(slots: usize) -> Placement {
         Placement {
-            slots: vec![None; slots],
+            slots: vec![SlotState::Free; slots],
             slot_of: HashMap::new(),
             score: HashMap::new(),
         }
     }
 
-    pub fn slot_of(&self, key: Key) -> Option<usize> {
-        self.slot_of.get(&key).copied()
+    /// Whether `key`'s table entry points at a slot.
+    pub fn held(&self, key: Key) -> bool {
+        self.slot_of
+            .get(&key)
+            .is_some_and(|&s| self.slots[s] == SlotState::Held(key))
     }
 
     /// Ages every score by `factor` (forgetting those that fall to nothing).
@@ -83,10 +132,12 @@ impl Placement {
         self.score.get(&key).copied().unwrap_or(0.0)
     }
 
-    /// The moves toward holding the highest scores: free slots to the hottest experts not held
-    /// (at most `max_fills`), then occupied slots from the coldest occupants to hotter experts
-    /// by [`SWAP_MARGIN`] (at most `max_swaps`). The moves are applied here; the caller copies.
-    pub fn plan(&mut self, max_fills: usize, max_swaps: usize) -> Vec<Move> {
+    /// Free slots to the hottest experts in no slot (at most `max_fills`); then, for the next
+    /// hottest, the coldest held experts out, when the newcomer's score beats theirs by
+    /// [`SWAP_MARGIN`] (at most `max_evictions`: their slots are filled once drained). The
+    /// states change here; the caller copies, and reports back with [`Placement::loaded`] and
+    /// [`Placement::drained`].
+    pub fn plan(&mut self, max_fills: usize, max_evictions: usize) -> Plan {
         let mut wanted: Vec<(Key, f64)> = self
             .score
             .iter()
@@ -96,65 +147,76 @@ impl Placement {
         // Hottest first; ties to the lower key, so that a plan does not depend on hash order.
         wanted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut wanted = wanted.into_iter().peekable();
-        let mut moves = Vec::new();
+        let mut plan = Plan::default();
         let free: Vec<usize> = (0..self.slots.len())
-            .filter(|&s| self.slots[s].is_none())
+            .filter(|&s| self.slots[s] == SlotState::Free)
+            .take(max_fills)
             .collect();
-        for slot in free.into_iter().take(max_fills) {
-            let Some((admitted, _)) = wanted.next() else {
+        for slot in free {
+            let Some((key, _)) = wanted.next() else {
                 break;
             };
-            moves.push(Move {
-                slot,
-                evicted: None,
-                admitted,
-            });
+            self.slots[slot] = SlotState::Loading(key);
+            self.slot_of.insert(key, slot);
+            plan.fills.push((slot, key));
         }
-        let mut victims: Vec<(usize, Key, f64)> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(s, k)| k.map(|k| (s, k, self.score(k))))
+        let mut victims: Vec<(usize, Key, f64)> = (0..self.slots.len())
+            .filter_map(|s| match self.slots[s] {
+                SlotState::Held(k) => Some((s, k, self.score(k))),
+                _ => None,
+            })
             .collect();
         victims.sort_by(|a, b| a.2.total_cmp(&b.2).then(a.1.cmp(&b.1)));
-        for (slot, victim, cold) in victims.into_iter().take(max_swaps) {
-            match wanted.peek() {
-                Some(&(admitted, hot)) if hot > cold * SWAP_MARGIN + 1.0 => {
-                    wanted.next();
-                    moves.push(Move {
-                        slot,
-                        evicted: Some(victim),
-                        admitted,
-                    });
+        for (slot, victim, cold) in victims.into_iter().take(max_evictions) {
+            match wanted.next() {
+                Some((_, hot)) if hot > cold * SWAP_MARGIN + 1.0 => {
+                    self.slots[slot] = SlotState::Draining;
+                    self.slot_of.remove(&victim);
+                    plan.evictions.push((slot, victim));
                 }
                 _ => break,
             }
         }
-        for m in &moves {
-            if let Some(e) = m.evicted {
-                self.slot_of.remove(&e);
-            }
-            self.slots[m.slot] = Some(m.admitted);
-            self.slot_of.insert(m.admitted, m.slot);
-        }
-        moves
+        plan
     }
 
-    /// Empties `slot` (its copy failed, or its layer is gone).
+    /// `slot`'s copy has landed and its expert's entry points at it.
+    pub fn loaded(&mut self, slot: usize) {
+        if let SlotState::Loading(k) = self.slots[slot] {
+            self.slots[slot] = SlotState::Held(k);
+        }
+    }
+
+    /// No launch reads `slot` any more.
+    pub fn drained(&mut self, slot: usize) {
+        if self.slots[slot] == SlotState::Draining {
+            self.slots[slot] = SlotState::Free;
+        }
+    }
+
+    /// Empties `slot` at once (its copy failed before anything used it).
     pub fn clear(&mut self, slot: usize) {
-        if let Some(k) = self.slots[slot].take() {
+        if let SlotState::Loading(k) | SlotState::Held(k) = self.slots[slot] {
             self.slot_of.remove(&k);
         }
+        self.slots[slot] = SlotState::Free;
     }
 
-    /// Forgets every expert of registry layer `layer` (a model dropped).
+    /// Forgets every expert of registry layer `layer` (its model dropped): their slots drain.
     pub fn forget_layer(&mut self, layer: usize) {
         for s in 0..self.slots.len() {
-            if self.slots[s].is_some_and(|k| k.0 == layer) {
-                self.clear(s);
+            if let SlotState::Loading(k) | SlotState::Held(k) = self.slots[s] {
+                if k.0 == layer {
+                    self.slot_of.remove(&k);
+                    self.slots[s] = SlotState::Draining;
+                }
             }
         }
         self.score.retain(|k, _| k.0 != layer);
+    }
+
+    fn draining(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.slots.len()).filter(|&s| self.slots[s] == SlotState::Draining)
     }
 }
 
@@ -193,6 +255,7 @@ struct Tier {
     slots: Option<DevBuf>,
     slot_bytes: usize,
     placement: Placement,
+    knobs: Knobs,
     /// One counter per expert of every layer registered at planning, layer `i` from
     /// `offsets[i]`.
     counts: DevBuf,
@@ -200,8 +263,12 @@ struct Tier {
     offsets: Vec<usize>,
     /// Forward passes since planning (counted at the first live layer).
     passes: u64,
-    /// Copy timings and table words not yet known finished (until the next rebalance's sync).
-    timing: Vec<(CudaEvent, CudaEvent)>,
+    /// Copies into slots in flight on the copy lane: (slot, the expert's entry there, the
+    /// batch's index in `batches`).
+    loading: Vec<(usize, ExpertMats, usize)>,
+    /// Each batch of copies on the copy lane: events before and after it.
+    batches: Vec<(CudaEvent, CudaEvent)>,
+    /// Table words written, kept until the stream has passed them.
     words: Vec<Vec<u8>>,
 }
 
@@ -235,17 +302,27 @@ impl InPlace {
     }
 
     /// Sets up `slots` VRAM slots of `slot_bytes` (replacing an earlier tier) and the counters.
-    pub fn plan(
-        &mut self,
-        d: &Device,
-        slots: usize,
-        slot_bytes: usize,
-    ) -> Result<(), BackendError> {
+    pub fn plan(&mut self, d: &Device, slots: usize, slot_bytes: usize) -> Result<(), BackendError> {
         if let Some(old) = self.tier.take() {
-            // Point every table back at host memory before the slots go.
-            for k in old.placement.slots.iter().flatten() {
-                self.point_at_host(d, *k, &mut Vec::new())?;
+            // Every table back at host memory, and no copy in flight, before the slots go.
+            for (_, done) in &old.batches {
+                done.synchronize()
+                    .map_err(|e| BackendError::Device(format!("CUDA waiting for a copy: {e}")))?;
             }
+            let held: Vec<Key> = old
+                .placement
+                .slots
+                .iter()
+                .filter_map(|s| match s {
+                    SlotState::Held(k) => Some(*k),
+                    _ => None,
+                })
+                .collect();
+            let mut keep = Vec::new();
+            for k in held {
+                self.point_at_host(d, k, &mut keep)?;
+            }
+            d.sync()?;
         }
         let mut offsets = Vec::with_capacity(self.layers.len());
         let mut total = 0;
@@ -263,11 +340,13 @@ impl InPlace {
             slots: slots_mem,
             slot_bytes,
             placement: Placement::new(slots),
+            knobs: Knobs::get(),
             counts,
             counters: total,
             offsets,
             passes: 0,
-            timing: Vec::new(),
+            loading: Vec::new(),
+            batches: Vec::new(),
             words: Vec::new(),
         });
         Ok(())
@@ -289,7 +368,7 @@ impl InPlace {
     }
 
     /// Before a call of `layer`'s experts routed by `ids` (`n` of them): counts them on the
-    /// device, and every [`REBALANCE_EVERY`] forward passes moves experts into slots.
+    /// device, and every few forward passes rebalances the slots.
     pub fn before_call(
         &mut self,
         d: &Device,
@@ -307,7 +386,7 @@ impl InPlace {
         };
         if first_live == Some(layer.id) {
             tier.passes += 1;
-            if tier.passes.is_multiple_of(REBALANCE_EVERY) {
+            if tier.passes.is_multiple_of(tier.knobs.every) {
                 self.rebalance(d)?;
             }
         }
@@ -327,7 +406,6 @@ impl InPlace {
         Ok(())
     }
 
-    /// Reads the counts, scores them, and moves the hottest experts into slots.
     fn rebalance(&mut self, d: &Device) -> Result<(), BackendError> {
         let Some(mut tier) = self.tier.take() else {
             return Ok(());
@@ -337,18 +415,61 @@ impl InPlace {
         result
     }
 
+    /// Reads the counts and scores them; points the entries of experts whose copies have
+    /// landed at their slots; frees the slots drained since the last time; then evicts the
+    /// coldest held experts for hotter ones and starts copying the hottest into free slots
+    /// on the copy lane, beside the compute.
     fn rebalance_with(&mut self, d: &Device, tier: &mut Tier) -> Result<(), BackendError> {
+        // A synchronisation: every launch issued before has finished, so slots drained before
+        // now are free and the table words written before may go.
         let counts: Vec<u32> = d.download(&tier.counts, tier.counters)?;
-        // The download synchronised: earlier copies and table writes are done.
-        for (a, b) in tier.timing.drain(..) {
-            if let Ok(ms) = a.elapsed_ms(&b) {
-                self.stats.upload_secs += ms as f64 / 1e3;
+        tier.words.clear();
+        let drained: Vec<usize> = tier.placement.draining().collect();
+        for slot in drained {
+            tier.placement.drained(slot);
+        }
+        d.zero(&tier.counts);
+        let live: Vec<Option<Arc<InPlaceLayer>>> =
+            self.layers.iter().map(Weak::upgrade).collect();
+        // Landed copies: their experts are read from the slots from the next launch on.
+        let landed: Vec<bool> = tier.batches.iter().map(|b| b.1.is_complete()).collect();
+        let mut still = Vec::new();
+        for (slot, mats, batch) in tier.loading.drain(..) {
+            if !landed[batch] {
+                still.push((slot, mats, batch));
+                continue;
+            }
+            let SlotState::Loading(key) = tier.placement.slots[slot] else {
+                continue;
+            };
+            if let Some(l) = live.get(key.0).cloned().flatten() {
+                let bytes = entry_bytes(&mats);
+                let e = key.1 as usize;
+                d.copy_to_device(l.table.ptr() + (e * bytes.len()) as u64, &bytes)?;
+                tier.words.push(bytes);
+                tier.placement.loaded(slot);
             }
         }
-        tier.words.clear();
-        d.zero(&tier.counts);
-        tier.placement.decay(DECAY);
-        let live: Vec<Option<Arc<InPlaceLayer>>> = self.layers.iter().map(Weak::upgrade).collect();
+        // Batches are renumbered: the landed ones are timed and dropped.
+        let mut renumber = vec![usize::MAX; landed.len()];
+        let mut kept = Vec::new();
+        for (i, (a, b)) in tier.batches.drain(..).enumerate() {
+            if landed[i] {
+                if let Ok(ms) = a.elapsed_ms(&b) {
+                    self.stats.upload_secs += ms as f64 / 1e3;
+                }
+            } else {
+                renumber[i] = kept.len();
+                kept.push((a, b));
+            }
+        }
+        tier.batches = kept;
+        tier.loading = still
+            .into_iter()
+            .map(|(slot, mats, batch)| (slot, mats, renumber[batch]))
+            .collect();
+        tier.placement
+            .decay(0.5f64.powf(1.0 / tier.knobs.half_life));
         for (id, l) in live.iter().enumerate() {
             let (Some(l), Some(&offset)) = (l, tier.offsets.get(id)) else {
                 tier.placement.forget_layer(id);
@@ -360,7 +481,7 @@ impl InPlace {
                     continue;
                 }
                 let key = (id, e as u32);
-                if tier.placement.slot_of(key).is_some() {
+                if tier.placement.held(key) {
                     self.stats.hits += uses as u64;
                 } else {
                     self.stats.read_in_place += uses as u64;
@@ -373,54 +494,55 @@ impl InPlace {
             return Ok(());
         };
         let per_slot = tier.slot_bytes.max(1) as u64;
-        let moves = tier.placement.plan(
+        let plan = tier.placement.plan(
             (FILL_BYTES / per_slot).max(1) as usize,
-            (SWAP_BYTES / per_slot).max(1) as usize,
+            (tier.knobs.swap_bytes / per_slot) as usize,
         );
-        if moves.is_empty() {
+        for &(_, evicted) in &plan.evictions {
+            // Read from host memory from the next launch on; the slot drains by the next
+            // rebalance's synchronisation.
+            self.point_at_host(d, evicted, &mut tier.words)?;
+            self.stats.evictions += 1;
+        }
+        if plan.fills.is_empty() {
             return Ok(());
         }
-        let start = d.timing_event();
-        for m in moves {
-            if let Some(evicted) = m.evicted {
-                // The evicted expert is read from host memory from now on.
-                self.point_at_host(d, evicted, &mut tier.words)?;
-                self.stats.evictions += 1;
-            }
-            let Some(l) = live.get(m.admitted.0).cloned().flatten() else {
-                tier.placement.clear(m.slot);
+        // The copy lane waits for nothing: a free slot is read by no launch.
+        let start = d.event(Lane::Copy)?;
+        let batch = tier.batches.len();
+        for (slot, key) in plan.fills {
+            let Some(l) = live.get(key.0).cloned().flatten() else {
+                tier.placement.clear(slot);
                 continue;
             };
-            let e = m.admitted.1 as usize;
+            let e = key.1 as usize;
             let host = &l.host[e];
-            let base = slots.ptr() + (m.slot * tier.slot_bytes) as u64;
+            let base = slots.ptr() + (slot * tier.slot_bytes) as u64;
             let (offsets, bytes) = slot_layout(host);
             if bytes > tier.slot_bytes {
-                tier.placement.clear(m.slot);
+                tier.placement.clear(slot);
                 continue;
             }
             let mats = match block_span(host) {
-                Some(span) if span.len() <= tier.slot_bytes => upload_block(d, host, base, span),
-                _ => upload_into(d, host, base, &offsets),
+                Some(span) if span.len() <= tier.slot_bytes => {
+                    upload_block(d, Lane::Copy, host, base, span)
+                }
+                _ => upload_into(d, Lane::Copy, host, base, &offsets),
             };
             let mats = match mats {
                 Ok(m) => m,
                 Err(err) => {
-                    tier.placement.clear(m.slot);
+                    tier.placement.clear(slot);
                     return Err(err);
                 }
             };
-            let bytes = entry_bytes(&mats);
-            d.copy_to_device(l.table.ptr() + (e * bytes.len()) as u64, &bytes)?;
-            tier.words.push(bytes);
             let moved = l.expert_bytes(e);
             self.stats.placed += 1;
             self.stats.bytes_uploaded += moved;
             self.stats.bytes_pinned += moved;
+            tier.loading.push((slot, mats, batch));
         }
-        if let (Some(a), Some(b)) = (start, d.timing_event()) {
-            tier.timing.push((a, b));
-        }
+        tier.batches.push((start, d.event(Lane::Copy)?));
         Ok(())
     }
 
@@ -445,85 +567,98 @@ mod tests {
         p
     }
 
-    #[test]
-    fn free_slots_go_to_the_most_used_experts() {
-        let mut p = placement(2, &[((0, 1), 3), ((0, 2), 9), ((1, 0), 5), ((1, 1), 0)]);
-        let moves = p.plan(8, 8);
-        assert_eq!(
-            moves,
-            vec![
-                Move {
-                    slot: 0,
-                    evicted: None,
-                    admitted: (0, 2)
-                },
-                Move {
-                    slot: 1,
-                    evicted: None,
-                    admitted: (1, 0)
-                },
-            ]
-        );
-        assert_eq!(p.slot_of((0, 2)), Some(0));
-        assert_eq!(p.slot_of((0, 1)), None);
-        // Nothing hotter than what is held: no more moves.
-        assert!(p.plan(8, 8).is_empty());
+    /// Plans and completes every copy and drain at once.
+    fn settle(p: &mut Placement, max_fills: usize, max_evictions: usize) -> Plan {
+        let plan = p.plan(max_fills, max_evictions);
+        for &(slot, _) in &plan.fills {
+            p.loaded(slot);
+        }
+        for &(slot, _) in &plan.evictions {
+            p.drained(slot);
+        }
+        plan
     }
 
     #[test]
-    fn an_occupant_goes_only_for_a_clearly_hotter_expert() {
+    fn free_slots_go_to_the_most_used_experts() {
+        let mut p = placement(2, &[((0, 1), 3), ((0, 2), 9), ((1, 0), 5), ((1, 1), 0)]);
+        let plan = p.plan(8, 8);
+        assert_eq!(plan.fills, vec![(0, (0, 2)), (1, (1, 0))]);
+        assert!(plan.evictions.is_empty(), "nothing held yet");
+        // Loading: planned for, but read from host memory until the copy lands.
+        assert!(!p.held((0, 2)));
+        assert!(p.plan(8, 8).fills.is_empty(), "not copied twice");
+        p.loaded(0);
+        assert!(p.held((0, 2)) && !p.held((0, 1)));
+    }
+
+    #[test]
+    fn an_occupant_goes_only_for_a_clearly_hotter_expert_and_its_slot_drains_first() {
         let mut p = placement(1, &[((0, 0), 10)]);
-        p.plan(1, 1);
+        settle(&mut p, 1, 1);
         // About as hot: stays.
         p.observe((0, 1), 12);
-        assert!(p.plan(1, 1).is_empty());
-        // Far hotter: swapped in, the occupant evicted.
+        assert_eq!(p.plan(1, 1), Plan::default());
+        // Far hotter: the occupant is evicted; the slot is filled only once drained.
         p.observe((0, 1), 20);
-        assert_eq!(
-            p.plan(1, 1),
-            vec![Move {
-                slot: 0,
-                evicted: Some((0, 0)),
-                admitted: (0, 1)
-            }]
-        );
-        assert_eq!(p.slot_of((0, 0)), None);
+        let plan = p.plan(1, 1);
+        assert_eq!(plan.evictions, vec![(0, (0, 0))]);
+        assert!(plan.fills.is_empty());
+        assert!(!p.held((0, 0)));
+        assert!(p.plan(1, 1).fills.is_empty(), "still draining");
+        p.drained(0);
+        assert_eq!(p.plan(1, 1).fills, vec![(0, (0, 1))]);
     }
 
     #[test]
     fn moves_per_rebalance_are_bounded() {
         let uses: Vec<(Key, u32)> = (0..10).map(|e| ((0, e), 10 + e)).collect();
         let mut p = placement(4, &uses);
-        assert_eq!(p.plan(3, 0).len(), 3);
-        // The fourth free slot, then no swaps allowed.
-        assert_eq!(p.plan(1, 0).len(), 1);
-        assert!(p.plan(0, 0).is_empty());
-        // Experts 0..3 turn far hotter than the held 6..9: at most `max_swaps` per plan.
+        assert_eq!(settle(&mut p, 3, 0).fills.len(), 3);
+        // The fourth free slot, then nothing: no evictions allowed.
+        assert_eq!(settle(&mut p, 1, 0).fills.len(), 1);
+        assert_eq!(settle(&mut p, 0, 0), Plan::default());
+        // Experts 0..3 turn far hotter than the held 6..9: at most `max_evictions` per plan,
+        // the coldest occupants first.
         for e in 0..3 {
             p.observe((0, e), 1000);
         }
-        let swaps = p.plan(0, 2);
-        assert_eq!(swaps.len(), 2);
-        assert!(swaps.iter().all(|m| m.evicted.is_some() && m.admitted.1 < 3));
-        // The coldest occupants went first.
-        let evicted: Vec<u32> = swaps.iter().map(|m| m.evicted.unwrap().1).collect();
+        let plan = settle(&mut p, 0, 2);
+        let evicted: Vec<u32> = plan.evictions.iter().map(|e| e.1 .1).collect();
         assert_eq!(evicted, vec![6, 7]);
-        assert_eq!(p.plan(0, 2).len(), 1, "the third hot expert");
+        // Their slots go to two of the hot experts, and the third evicts one more.
+        let plan = settle(&mut p, 4, 2);
+        assert_eq!(plan.fills.len(), 2);
+        assert!(plan.fills.iter().all(|f| f.1 .1 < 3));
+        assert_eq!(plan.evictions.len(), 1);
     }
 
     #[test]
-    fn scores_fade_and_a_dropped_layer_frees_its_slots() {
+    fn scores_fade_and_a_dropped_layer_drains_its_slots() {
         let mut p = placement(2, &[((0, 0), 4), ((1, 0), 4)]);
-        p.plan(2, 0);
+        settle(&mut p, 2, 0);
         for _ in 0..200 {
-            p.decay(DECAY);
+            p.decay(0.9);
         }
         assert_eq!(p.score((0, 0)), 0.0, "faded to nothing");
         p.forget_layer(1);
-        assert_eq!(p.slot_of((1, 0)), None);
-        assert!(p.slot_of((0, 0)).is_some());
-        // The freed slot is filled again.
+        assert!(!p.held((1, 0)));
+        assert!(p.held((0, 0)));
         p.observe((2, 5), 1);
-        assert_eq!(p.plan(2, 0).len(), 1);
+        assert!(p.plan(2, 0).fills.is_empty(), "the dropped layer's slot drains first");
+        let drained: Vec<usize> = p.draining().collect();
+        assert_eq!(drained.len(), 1);
+        p.drained(drained[0]);
+        assert_eq!(p.plan(2, 0).fills, vec![(drained[0], (2, 5))]);
+    }
+
+    #[test]
+    fn knobs_are_overridden_only_when_well_formed() {
+        let k = Knobs::parse(Some("2,64,8"));
+        assert_eq!((k.every, k.swap_bytes, k.half_life), (2, 64 << 20, 8.0));
+        for bad in [None, Some(""), Some("0,64,8"), Some("1,64"), Some("1,x,8")] {
+            let k = Knobs::parse(bad);
+            assert_eq!((k.every, k.swap_bytes), (1, 32 << 20), "{bad:?}");
+        }
     }
 }

@@ -15,7 +15,7 @@ use sluice_backend::{
     MemoryInfo, PinnedRegion,
 };
 
-use crate::device::{DevBuf, Device};
+use crate::device::{DevBuf, Device, Lane};
 use crate::expert_cache::{Claim, SlotHold, SlotTable};
 use crate::mat::{describe, ExpertMats, Mat};
 
@@ -217,9 +217,9 @@ impl VramExperts {
                 // from pageable memory the driver stages it anyway.
                 let copied = match block_span(&host) {
                     Some(span) if pinned && span.len() <= self.slot_bytes => {
-                        upload_block(d, &host, base, span)
+                        upload_block(d, Lane::Compute, &host, base, span)
                     }
-                    _ => upload_into(d, &host, base, &offsets),
+                    _ => upload_into(d, Lane::Compute, &host, base, &offsets),
                 };
                 match copied {
                     Ok(mats) => {
@@ -335,11 +335,12 @@ pub(crate) fn block_span(host: &HostExpert) -> Option<std::ops::Range<usize>> {
 /// describes each part at its offset there.
 pub(crate) fn upload_block(
     d: &Device,
+    lane: Lane,
     host: &HostExpert,
     base: u64,
     span: std::ops::Range<usize>,
 ) -> Result<ExpertMats, BackendError> {
-    d.copy_to_device(base, host.gate.data.buffer_slice(span.clone()))?;
+    d.copy_to_device_in(lane, base, host.gate.data.buffer_slice(span.clone()))?;
     let at = |b: &sluice_backend::HostBytes| -> u64 {
         if b.is_empty() {
             0
@@ -363,6 +364,7 @@ pub(crate) fn upload_block(
 /// Copies the nine parts of `host` into the slot at `base` and describes them there.
 pub(crate) fn upload_into(
     d: &Device,
+    lane: Lane,
     host: &HostExpert,
     base: u64,
     offsets: &[[usize; 3]; 3],
@@ -381,7 +383,7 @@ pub(crate) fn upload_into(
                 continue;
             }
             *p = base + *o as u64;
-            d.copy_to_device(*p, bytes)?;
+            d.copy_to_device_in(lane, *p, bytes)?;
         }
         (mat.data, mat.scales, mat.biases) = (ptrs[0], ptrs[1], ptrs[2]);
     }
