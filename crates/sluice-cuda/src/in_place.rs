@@ -145,7 +145,15 @@ impl Placement {
             .map(|(&k, &s)| (k, s))
             .collect();
         // Hottest first; ties to the lower key, so that a plan does not depend on hash order.
-        wanted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // Only the first `max_fills + max_evictions` can be used: sort just those (this runs
+        // every pass over thousands of experts, with the GPU waiting).
+        let hotter = |a: &(Key, f64), b: &(Key, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let take = (max_fills + max_evictions).min(wanted.len());
+        if take > 0 && take < wanted.len() {
+            wanted.select_nth_unstable_by(take - 1, hotter);
+            wanted.truncate(take);
+        }
+        wanted.sort_by(hotter);
         let mut wanted = wanted.into_iter().peekable();
         let mut plan = Plan::default();
         let free: Vec<usize> = (0..self.slots.len())
@@ -166,7 +174,14 @@ impl Placement {
                 _ => None,
             })
             .collect();
-        victims.sort_by(|a, b| a.2.total_cmp(&b.2).then(a.1.cmp(&b.1)));
+        let colder = |a: &(usize, Key, f64), b: &(usize, Key, f64)| {
+            a.2.total_cmp(&b.2).then(a.1.cmp(&b.1))
+        };
+        if max_evictions > 0 && max_evictions < victims.len() {
+            victims.select_nth_unstable_by(max_evictions - 1, colder);
+            victims.truncate(max_evictions);
+        }
+        victims.sort_by(colder);
         for (slot, victim, cold) in victims.into_iter().take(max_evictions) {
             match wanted.next() {
                 Some((_, hot)) if hot > cold * SWAP_MARGIN + 1.0 => {
