@@ -19,10 +19,11 @@ usage: bench/gpu_tiers.sh --sluice BIN [--work DIR] [--preset NAME] [--vram GiB]
                   peak GPU memory fits the same budget is the baseline
   -n N, -r N      generated tokens and repetitions (default 64, 3)
 
-Packs the checkpoint (once), then runs sluice bench with the budget and the experts in
-page-locked host RAM (a first tg256 fills the caches), the same without the VRAM cache
-(SLUICE_CUDA_EXPERT_CACHE=0), and llama-bench at each --n-cpu-moe, sampling GPU memory with
-nvidia-smi every 250 ms to report each run's peak.
+Packs the checkpoint (once), then runs llama-bench at each --n-cpu-moe, sluice bench with the
+budget and the experts in page-locked host RAM (read there in place, the most used in VRAM; a
+first tg256 fills the caches), the same streamed through the VRAM cache as before
+(SLUICE_CUDA_IN_PLACE=0), and in place with no VRAM cache (SLUICE_CUDA_EXPERT_CACHE=0), sampling
+GPU memory with nvidia-smi every 250 ms to report each run's peak.
 EOF
 }
 
@@ -63,8 +64,9 @@ run() {
 
 common=(--device cuda -m "$model-packed" -p 0 -n "256,$n" -r "$r" --no-warmup
         --memory-budget 1000GiB --vram-budget "${vram}GiB")
-run "$sluice" bench "${common[@]}" --memory
-run env SLUICE_CUDA_EXPERT_CACHE=0 "$sluice" bench "${common[@]}"
 for c in $cpumoe; do
     run "$llama" -m "$model.gguf" -ngl 99 --n-cpu-moe "$c" -p 0 -n "$n" -r "$r" -o md
 done
+run "$sluice" bench "${common[@]}" --memory
+run env SLUICE_CUDA_IN_PLACE=0 "$sluice" bench "${common[@]}"
+run env SLUICE_CUDA_EXPERT_CACHE=0 "$sluice" bench "${common[@]}"
