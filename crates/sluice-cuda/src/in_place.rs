@@ -179,9 +179,8 @@ impl Placement {
                 _ => None,
             })
             .collect();
-        let colder = |a: &(usize, Key, f64), b: &(usize, Key, f64)| {
-            a.2.total_cmp(&b.2).then(a.1.cmp(&b.1))
-        };
+        let colder =
+            |a: &(usize, Key, f64), b: &(usize, Key, f64)| a.2.total_cmp(&b.2).then(a.1.cmp(&b.1));
         if max_evictions > 0 && max_evictions < victims.len() {
             victims.select_nth_unstable_by(max_evictions - 1, colder);
             victims.truncate(max_evictions);
@@ -322,7 +321,12 @@ impl InPlace {
     }
 
     /// Sets up `slots` VRAM slots of `slot_bytes` (replacing an earlier tier) and the counters.
-    pub fn plan(&mut self, d: &Device, slots: usize, slot_bytes: usize) -> Result<(), BackendError> {
+    pub fn plan(
+        &mut self,
+        d: &Device,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<(), BackendError> {
         if let Some(old) = self.tier.take() {
             // Every table back at host memory, and no copy in flight, before the slots go.
             for (_, done) in &old.batches {
@@ -449,8 +453,7 @@ impl InPlace {
             tier.placement.drained(slot);
         }
         d.zero(&tier.counts);
-        let live: Vec<Option<Arc<InPlaceLayer>>> =
-            self.layers.iter().map(Weak::upgrade).collect();
+        let live: Vec<Option<Arc<InPlaceLayer>>> = self.layers.iter().map(Weak::upgrade).collect();
         // Landed copies: their experts are read from the slots from the next launch on.
         let landed: Vec<bool> = tier.batches.iter().map(|b| b.1.is_complete()).collect();
         let mut still = Vec::new();
@@ -665,7 +668,10 @@ mod tests {
         assert!(!p.held((1, 0)));
         assert!(p.held((0, 0)));
         p.observe((2, 5), 1);
-        assert!(p.plan(2, 0).fills.is_empty(), "the dropped layer's slot drains first");
+        assert!(
+            p.plan(2, 0).fills.is_empty(),
+            "the dropped layer's slot drains first"
+        );
         let drained: Vec<usize> = p.draining().collect();
         assert_eq!(drained.len(), 1);
         p.drained(drained[0]);

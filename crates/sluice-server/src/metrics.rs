@@ -262,13 +262,18 @@ mod tests {
             bypassed: 2,
             bytes_uploaded: 4_000_000_000,
             upload_secs: 0.1,
+            read_in_place: 10,
+            bytes_read_in_place: 123,
+            placed: 5,
             ..ExpertCacheStats::default()
         };
         let text = m.render(None, Some(&v));
         for want in [
             "sluice_vram_expert_hits_total 30",
-            "sluice_vram_expert_uploads_total 10",
-            "sluice_vram_expert_hit_rate 0.75",
+            "sluice_vram_expert_uploads_total 15",
+            "sluice_vram_expert_hit_rate 0.6",
+            "sluice_vram_expert_read_in_place_total 10",
+            "sluice_vram_expert_read_in_place_bytes_total 123",
             "sluice_vram_expert_upload_bytes_total 4000000000",
             "sluice_vram_expert_upload_gbps 40",
             "# TYPE sluice_vram_expert_upload_seconds_total counter",

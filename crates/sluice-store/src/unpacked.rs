@@ -220,6 +220,21 @@ mod tests {
     }
 
     #[test]
+    fn the_store_can_hold_all_only_with_a_slot_for_every_expert() {
+        use sluice_backend::ExpertSource;
+        let dir = checkpoint();
+        let t = Tensors::open_dir(dir.path()).unwrap();
+        for (slots, all) in [(E as u64, true), (E as u64 - 1, false), (1, false)] {
+            let layout = UnpackedLayout::plan(&t, None).unwrap();
+            let stride = layout.manifest.max_stride();
+            let store =
+                ExpertStore::from_unpacked(dir.path(), layout, &opts(slots, stride)).unwrap();
+            assert_eq!(store.slots() as u64, slots);
+            assert_eq!(store.can_hold_all(), all, "{slots} slots for {E} experts");
+        }
+    }
+
+    #[test]
     fn a_shard_truncated_after_load_fails_the_request_naming_it() {
         let dir = checkpoint();
         let file = dir.path().join("model.safetensors");
