@@ -851,7 +851,7 @@ impl CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Copies may still be reading host memory the expert store is about to free.
-        let _ = self.d.sync();
+        let _ = self.d.sync_all();
         if let Some(report) = self.d.profile_report() {
             eprint!("{report}");
         }
@@ -1048,7 +1048,7 @@ impl Backend for CudaBackend {
             .in_place
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .register(host, in_host, table);
+            .register(&self.d, host, in_host, table);
         Ok(Some(CudaExperts {
             table: None,
             count: info.experts,

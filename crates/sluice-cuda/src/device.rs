@@ -484,6 +484,17 @@ impl Device {
         Ok(())
     }
 
+    /// [`Device::sync`], and waits for the copies beside the compute too (before host memory
+    /// they may read goes back).
+    pub(crate) fn sync_all(&self) -> Result<(), BackendError> {
+        self.sync()?;
+        if let Some(lane) = self.copy_lane.get() {
+            lane.synchronize()
+                .map_err(|e| device_error("synchronising the copy stream", e))?;
+        }
+        Ok(())
+    }
+
     /// Returns every cached and pooled buffer no allocation holds to the driver, so that the
     /// driver's free memory counts only what is in use (before sizing the VRAM expert cache).
     pub(crate) fn trim(&self) -> Result<(), BackendError> {

@@ -241,6 +241,8 @@ impl Placement {
 
 /// One layer's experts in host memory, as the device reads them.
 pub(crate) struct InPlaceLayer {
+    /// To wait, when this goes, for launches and copies that may still read its host memory.
+    d: Arc<Device>,
     /// Index in [`InPlace::layers`].
     id: usize,
     /// The store's experts, held (and page-locked) while this lives.
@@ -249,6 +251,13 @@ pub(crate) struct InPlaceLayer {
     in_host: Vec<ExpertMats>,
     /// The entries the kernels read: `in_host`, or a slot's.
     pub table: DevBuf,
+}
+
+impl Drop for InPlaceLayer {
+    fn drop(&mut self) {
+        // The store may free or reuse the memory once `host` goes.
+        let _ = self.d.sync_all();
+    }
 }
 
 impl InPlaceLayer {
@@ -306,11 +315,13 @@ impl InPlace {
     /// Registers a layer whose table (`table`, holding `in_host`) is already on the device.
     pub fn register(
         &mut self,
+        d: &Arc<Device>,
         host: Vec<HostExpert>,
         in_host: Vec<ExpertMats>,
         table: DevBuf,
     ) -> Arc<InPlaceLayer> {
         let layer = Arc::new(InPlaceLayer {
+            d: d.clone(),
             id: self.layers.len(),
             host,
             in_host,
