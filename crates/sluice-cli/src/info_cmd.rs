@@ -201,8 +201,9 @@ fn vram_plan(
     let copied = (1.0 - share) * experts_per_token;
     println!(
         "  VRAM budget {}: resident {} + reserve {}, expert cache {} = {:.0}% of the experts \
-         (~{} slots; less the CUDA context's few hundred MB); per token {} copied to the GPU at \
-         {pcie_gbps:.0} GB/s = {:.1} ms if routing were uniform",
+         (~{} slots; less the CUDA context's few hundred MB); per token {} over the link at \
+         {pcie_gbps:.0} GB/s = {:.1} ms if routing were uniform (read in place from host RAM \
+         when --memory-budget holds every expert, else copied in as they stream)",
         format_bytes(budget),
         format_bytes(resident),
         format_bytes(reserve),
