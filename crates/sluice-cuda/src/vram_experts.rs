@@ -563,6 +563,29 @@ mod tests {
     }
 
     #[test]
+    fn host_bytes_are_found_in_their_locked_range_and_mapped_at_its_offset() {
+        let buf = vec![0u8; 4096];
+        let base = buf.as_ptr() as usize;
+        let ranges = PinnedRanges::default();
+        ranges
+            .lock()
+            .unwrap()
+            .extend([(base, 1024, Some(0x7000_0000)), (base + 2048, 1024, None)]);
+        // Inside the mapped range: the device address at the same offset.
+        assert_eq!(
+            device_address(&ranges, &buf[100..200]),
+            Some(0x7000_0000 + 100)
+        );
+        assert!(is_pinned(&ranges, &buf[100..200]));
+        // Running past the range's end: not locked as a whole.
+        assert_eq!(device_address(&ranges, &buf[1000..1100]), None);
+        assert!(!is_pinned(&ranges, &buf[1000..1100]));
+        // Locked but not mapped: copies are fast, the kernels cannot read it in place.
+        assert!(is_pinned(&ranges, &buf[2048..2100]));
+        assert_eq!(device_address(&ranges, &buf[2048..2100]), None);
+    }
+
+    #[test]
     fn the_slot_layout_aligns_every_part() {
         let (offsets, bytes) = slot_layout(&expert_at([0, 256, 512]));
         // Data only (bf16 has no scales or biases): 256 bytes each, on 256-byte boundaries.
