@@ -30,9 +30,10 @@ pub struct StreamArgs {
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<ByteSize>,
     /// GPU memory for the model (e.g. 8GiB): resident weights, KV caches and activations, and a
-    /// VRAM cache of streamed experts in the rest, with misses copied from the host cache
-    /// (--memory-budget) or read from disk. Default: the free GPU memory less 1 GiB. Unpacked
-    /// models then stream their experts too. Ignored on the CPU.
+    /// VRAM cache of the most used experts in the rest. When the host cache (--memory-budget)
+    /// holds every expert, the GPU reads the others there in place over PCIe; else they are
+    /// copied in from the host cache or read from disk as they stream. Default: the free GPU
+    /// memory less 1 GiB. Unpacked models then stream their experts too. Ignored on the CPU.
     #[arg(long, value_name = "SIZE")]
     pub vram_budget: Option<ByteSize>,
     /// Expert cache eviction policy.
