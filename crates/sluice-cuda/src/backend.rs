@@ -1016,21 +1016,29 @@ impl Backend for CudaBackend {
         let Some(info) = source.layer(layer) else {
             return Ok(None);
         };
-        if off || !source.can_hold_all() || info.experts > MAX_ROUTED_EXPERTS {
+        if off || !source.can_hold_all() || info.experts == 0 || info.experts > MAX_ROUTED_EXPERTS {
             return Ok(None);
         }
         let ids: Vec<u32> = (0..info.experts as u32).collect();
-        let mut host = Vec::with_capacity(ids.len());
-        for run in ids.chunks(source.max_fetch().max(1)) {
-            host.extend(source.fetch(layer, run).map_err(|e| {
-                BackendError::Device(format!("{}: layer {layer}: {e}", source.name()))
-            })?);
+        let fetch = |run: &[u32]| {
+            source
+                .fetch(layer, run)
+                .map_err(|e| BackendError::Device(format!("{}: layer {layer}: {e}", source.name())))
+        };
+        // One expert first: memory the device cannot read in place (not page-locked, or not
+        // mapped) is known before the whole layer is read. Then stream the layer instead.
+        let mut host = fetch(&ids[..1])?;
+        match host.first() {
+            Some(first) if self.mapped_mats(first)?.is_some() => {}
+            _ => return Ok(None),
+        }
+        for run in ids[1..].chunks(source.max_fetch().max(1)) {
+            host.extend(fetch(run)?);
         }
         let mut in_host = Vec::with_capacity(host.len());
         for e in &host {
             match self.mapped_mats(e)? {
                 Some(m) => in_host.push(m),
-                // Memory the device cannot read in place: stream the layer instead.
                 None => return Ok(None),
             }
         }
