@@ -282,24 +282,28 @@ mod tests {
         })
     }
 
-    /// Writes `v` to a file of its own: tests run in parallel threads of one process, and a
-    /// shared name let one test read another's half-written file.
-    fn write_tmp(name: &str, v: &serde_json::Value) -> PathBuf {
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("sluice-tok-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{n}-{name}"));
+    /// Writes `v` to `name` in a directory of its own (tests run in parallel threads of one
+    /// process; a shared name let one test read another's half-written file), removed when the
+    /// returned guard drops.
+    fn write_tmp(name: &str, v: &serde_json::Value) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(name);
         std::fs::write(&path, serde_json::to_vec(v).unwrap()).unwrap();
-        path
+        (dir, path)
+    }
+
+    /// The tokenizer of `v` (read whole at load, so its file may go at once).
+    fn from_json(name: &str, v: &serde_json::Value) -> Tokenizer {
+        let (_dir, path) = write_tmp(name, v);
+        Tokenizer::from_file(&path).unwrap()
     }
 
     fn byte_level() -> Tokenizer {
-        Tokenizer::from_file(&write_tmp("byte_level.json", &byte_level_json())).unwrap()
+        from_json("byte_level.json", &byte_level_json())
     }
 
     fn sentencepiece() -> Tokenizer {
-        Tokenizer::from_file(&write_tmp("sentencepiece.json", &sentencepiece_json())).unwrap()
+        from_json("sentencepiece.json", &sentencepiece_json())
     }
 
     const TEXTS: [&str; 6] = [
@@ -424,7 +428,7 @@ mod tests {
             msg.starts_with("cannot load tokenizer /nonexistent/dir/tokenizer.json: "),
             "{msg}"
         );
-        let bad = write_tmp(
+        let (_dir, bad) = write_tmp(
             "bad.json",
             &json!({"version": "1.0", "model": {"type": "BPE", "vocab": 3}}),
         );
