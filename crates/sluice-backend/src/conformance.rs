@@ -621,6 +621,33 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
             123,
             "prefill of 123 after 48",
         );
+        // Decode past 128 positions (a backend may split them over blocks), and for two layouts
+        // past 2048 (many positions per block).
+        for i in 0..2 {
+            step(
+                &mut cache,
+                &mut keys,
+                &mut values,
+                1,
+                &format!("decode step {i} after 171"),
+            );
+        }
+        if heads <= 8 {
+            step(
+                &mut cache,
+                &mut keys,
+                &mut values,
+                1900,
+                "prefill of 1900 after 173",
+            );
+            step(
+                &mut cache,
+                &mut keys,
+                &mut values,
+                1,
+                "decode step after 2073",
+            );
+        }
         b.kv_truncate(&mut cache, 3);
         keys.truncate(3 * kw);
         values.truncate(3 * kw);
@@ -676,7 +703,7 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
             );
             assert_eq!(b.kv_len(fused), b.kv_len(plain), "attention_rope kv_len");
         };
-        for rows in [5, 1, 1, 40, 1, 3, 1] {
+        for rows in [5, 1, 1, 40, 1, 3, 1, 100, 1, 1] {
             step(&mut fused, &mut plain, rows);
         }
         b.kv_truncate(&mut fused, 6);

@@ -864,28 +864,39 @@ extern "C" __global__ void rope(float* x, const float* inv_freq, int rows, int c
     head[k + half] = b * c + a * s;
 }
 
-// rms_norm of one head of n values x (n <= 256, every thread of the block calls it), then `rope`
-// on its first rotary_dim values at position pos, into out. The same arithmetic as the two
-// kernels above.
+// 1 / rms(x) of one head of n values (n <= 256), eps added, as every warp computes it: lane j sums
+// x[j]^2, x[j + 32]^2, ... in order, then the warp adds its lanes. Every kernel that normalises
+// heads (rms_norm_rope, qkv_norm_rope_append, the fused decode attention) gets the same bits.
+__device__ __forceinline__ float head_inv_rms(const float* x, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x % 32; i < n; i += 32) ss = fmaf(x[i], x[i], ss);
+    return 1.0f / sqrtf(warp_sum(ss) / n + eps);
+}
+
+// Value i of a head normalised (y = x * inv * w) and rotated: the first rotary_dim values by pairs
+// (i, i + rotary_dim / 2) through the angle pos * inv_freq[i mod rotary_dim / 2]. Rounded step by
+// step (no contractions), so that every kernel that inlines it gets the same bits.
+__device__ __forceinline__ float norm_rope_at(const float* x, const float* w, const float* inv_freq,
+                                              float inv, int i, int rotary_dim, long pos) {
+    const float y = __fmul_rn(__fmul_rn(x[i], inv), w[i]);
+    if (i >= rotary_dim) return y;
+    const int half = rotary_dim / 2;
+    const bool first = i < half;
+    const int k = first ? i : i - half, p = first ? i + half : i - half;
+    const float yp = __fmul_rn(__fmul_rn(x[p], inv), w[p]);
+    float s, c;
+    sincosf((float)pos * inv_freq[k], &s, &c);
+    return first ? __fsub_rn(__fmul_rn(y, c), __fmul_rn(yp, s))
+                 : __fadd_rn(__fmul_rn(y, c), __fmul_rn(yp, s));
+}
+
+// rms_norm of one head of n values x (n <= 256; every thread of the block calls it, in whole
+// warps), then rope on its first rotary_dim values at position pos, into out (not x).
 __device__ void norm_rope_head(const float* x, const float* w, const float* inv_freq, float* out,
                                int n, float eps, int rotary_dim, long pos) {
-    __shared__ float y[256];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
-    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i] * inv * w[i];
-    __syncthreads();
-    const int half = rotary_dim / 2;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = y[i];
-        if (i < rotary_dim) {
-            const int k = i < half ? i : i - half;
-            float s, c;
-            sincosf((float)pos * inv_freq[k], &s, &c);
-            v = i < half ? y[i] * c - y[i + half] * s : y[i] * c + y[i - half] * s;
-        }
-        out[i] = v;
-    }
+    const float inv = head_inv_rms(x, n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        out[i] = norm_rope_at(x, w, inv_freq, inv, i, rotary_dim, pos);
 }
 
 // rms_norm of each head of n values (a block per head; n <= 256), then `rope` on its first
@@ -1056,6 +1067,182 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
         out[((long)t * heads + h) * hd + d] = o / sum;
     }
 }
+
+// Split decode attention (few query tokens), head size HD: grid (heads, T, splits), 8 warps. A
+// token's positions are cut into splits of at least a pass (8 warps x PR positions: the fewer
+// blocks the shorter the chain; up to a pass, one block writes the output and nothing is
+// combined); blocks past the last needed split only count themselves. Each warp takes PR
+// positions at a time, its lanes across the head (HD / 32 values each): every key and value of
+// the PR positions is loaded at once (coalesced), the PR scores summed over the warp, an online
+// softmax kept per warp. The warps, then the splits (as in `attention`: (max, sum, unnormalised
+// output) in `partial`, the last block of a (head, token) to finish combines them), meet in that
+// order. Fused (k non-null, one token): q is raw and is normalised and rotated here
+// (norm_rope_at: the arithmetic of rms_norm_rope), the new key and value too, in the blocks that
+// score the new position; the first query head of each kv head's group writes them into the
+// caches. `cached` and `all_done` as in `attention`.
+#define ATTN_WARPS 8
+template <int HD>
+__device__ void attention_decode(const float* q, const float* k, const float* v, const float* wq,
+                                 const float* wk, const float* inv_freq, float eps, int rotary_dim,
+                                 float* keys, float* values, float* out, int heads, int kv_heads,
+                                 int total, int ntok, float scale, float* partial, uint32_t* done,
+                                 int* cached, uint32_t* all_done) {
+    constexpr int DPL = HD / 32, PR = HD > 128 ? 4 : 8, PASS = ATTN_WARPS * PR;
+    __shared__ __align__(16) float qs[HD], ks[HD], vs[HD];
+    __shared__ __align__(16) float accs[ATTN_WARPS][HD];
+    __shared__ float ms[ATTN_WARPS], ls[ATTN_WARPS];
+    __shared__ bool last;
+    if (cached) total += *cached;
+    const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int group = heads / kv_heads, kv = h / group;
+    const long width = (long)kv_heads * HD;
+    const int n = total - ntok + t + 1, pos = n - 1;
+    const int per = max(PASS, (n + splits - 1) / splits);
+    const int active = (n + per - 1) / per;
+    const int p0 = split * per, p1 = min(n, p0 + per);
+    const bool fused = k != nullptr;
+    float* const mine = partial + ((long)t * heads + h) * splits * (HD + 2);
+    if (split < active) {
+        const float* qh = q + ((long)t * heads + h) * HD;
+        const bool has_new = fused && p1 == n;
+        if (fused) {
+            const float inv = head_inv_rms(qh, HD, eps);
+            for (int i = threadIdx.x; i < HD; i += blockDim.x)
+                qs[i] = norm_rope_at(qh, wq, inv_freq, inv, i, rotary_dim, pos);
+            if (has_new) {
+                const float* kh = k + (long)kv * HD;
+                const float kinv = head_inv_rms(kh, HD, eps);
+                for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+                    ks[i] = norm_rope_at(kh, wk, inv_freq, kinv, i, rotary_dim, pos);
+                    vs[i] = v[(long)kv * HD + i];
+                    if (h % group == 0) {
+                        keys[pos * width + (long)kv * HD + i] = ks[i];
+                        values[pos * width + (long)kv * HD + i] = vs[i];
+                    }
+                }
+            }
+        } else {
+            for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = qh[i];
+        }
+        __syncthreads();
+        float qv[DPL], acc[DPL];
+#pragma unroll
+        for (int j = 0; j < DPL; j++) {
+            qv[j] = qs[lane * DPL + j];
+            acc[j] = 0.0f;
+        }
+        float m = -INFINITY, l = 0.0f;
+        for (int base = p0 + warp * PR; base < p1; base += PASS) {
+            float kk[PR][DPL], vv[PR][DPL];
+#pragma unroll
+            for (int i = 0; i < PR; i++) {
+                const int p = min(base + i, p1 - 1);
+                const bool here = has_new && p == pos;
+                const float* kp = (here ? ks : keys + (long)p * width + (long)kv * HD) + lane * DPL;
+                const float* vp = (here ? vs : values + (long)p * width + (long)kv * HD) + lane * DPL;
+#pragma unroll
+                for (int j = 0; j < DPL; j += 2) {
+                    const float2 a = *reinterpret_cast<const float2*>(kp + j);
+                    const float2 b = *reinterpret_cast<const float2*>(vp + j);
+                    kk[i][j] = a.x;
+                    kk[i][j + 1] = a.y;
+                    vv[i][j] = b.x;
+                    vv[i][j + 1] = b.y;
+                }
+            }
+            float sc[PR];
+            float mx = m;
+#pragma unroll
+            for (int i = 0; i < PR; i++) {
+                float d = 0.0f;
+#pragma unroll
+                for (int j = 0; j < DPL; j++) d = fmaf(qv[j], kk[i][j], d);
+                sc[i] = base + i < p1 ? warp_sum(d) * scale : -INFINITY;
+                mx = fmaxf(mx, sc[i]);
+            }
+            // Position `base` is always scored: mx is finite.
+            const float correction = expf(m - mx);
+            l *= correction;
+#pragma unroll
+            for (int j = 0; j < DPL; j++) acc[j] *= correction;
+#pragma unroll
+            for (int i = 0; i < PR; i++) {
+                const float e = expf(sc[i] - mx);
+                l += e;
+#pragma unroll
+                for (int j = 0; j < DPL; j++) acc[j] = fmaf(e, vv[i][j], acc[j]);
+            }
+            m = mx;
+        }
+        if (lane == 0) {
+            ms[warp] = m;
+            ls[warp] = l;
+        }
+#pragma unroll
+        for (int j = 0; j < DPL; j++) accs[warp][lane * DPL + j] = acc[j];
+        __syncthreads();
+        float mx = -INFINITY;
+        for (int w = 0; w < ATTN_WARPS; w++) mx = fmaxf(mx, ms[w]);
+        float total_l = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++) total_l += ms[w] == -INFINITY ? 0.0f : ls[w] * expf(ms[w] - mx);
+        float* part = mine + split * (HD + 2);
+        if (active > 1 && threadIdx.x == 0) {
+            part[0] = mx;
+            part[1] = total_l;
+        }
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+            float o = 0.0f;
+            for (int w = 0; w < ATTN_WARPS; w++)
+                if (ms[w] != -INFINITY) o += accs[w][d] * expf(ms[w] - mx);
+            if (active > 1) part[2 + d] = o;
+            else out[((long)t * heads + h) * HD + d] = o / total_l;
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = split < active && active > 1 && atomicAdd(done + t * heads + h, 1u) == (uint32_t)active - 1;
+        if (last) done[t * heads + h] = 0;
+        // Every block read *cached before counting itself here.
+        if (cached && atomicAdd(all_done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
+            *all_done = 0;
+            *cached = total;
+        }
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    __shared__ float factor[32];
+    __shared__ float sum;
+    if (threadIdx.x < 32) {
+        const int s = threadIdx.x;
+        const float m = s < active ? __ldcg(mine + s * (HD + 2)) : -INFINITY;
+        const float top = warp_max(m);
+        const float f = m == -INFINITY ? 0.0f : expf(m - top);
+        factor[s] = f;
+        const float l = warp_sum(s < active && f > 0.0f ? __ldcg(mine + s * (HD + 2) + 1) * f : 0.0f);
+        if (s == 0) sum = l;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < active; s++)
+            if (factor[s] > 0.0f) o += __ldcg(mine + s * (HD + 2) + 2 + d) * factor[s];
+        out[((long)t * heads + h) * HD + d] = o / sum;
+    }
+}
+
+#define ATTENTION_DECODE(HD) \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32, 1) attention_decode_##HD( \
+        const float* q, const float* k, const float* v, const float* wq, const float* wk, \
+        const float* inv_freq, float eps, int rotary_dim, float* keys, float* values, float* out, \
+        int heads, int kv_heads, int total, int ntok, float scale, float* partial, uint32_t* done, \
+        int* cached, uint32_t* all_done) { PDL_START(); \
+        attention_decode<HD>(q, k, v, wq, wk, inv_freq, eps, rotary_dim, keys, values, out, heads, \
+                             kv_heads, total, ntok, scale, partial, done, cached, all_done); \
+    }
+ATTENTION_DECODE(64) ATTENTION_DECODE(128) ATTENTION_DECODE(256)
 
 // Causal attention for many query tokens (prefill), flash-style with register tiles: a block of
 // 128 threads takes one kv head and 64 query rows (the heads / kv_heads query heads sharing it,
@@ -1985,10 +2172,28 @@ __device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, f
     route_row(logits + (long)t * E, E, k, normalize, probs, ids + (long)t * k, weights + (long)t * k);
 }
 
+// Asks L2 for row r of m (codes or values, scales, biases): issued before a kernel waits for its
+// inputs, the weights arrive while the previous kernel finishes.
+__device__ __forceinline__ void prefetch_row(const Mat& m, long r) {
+    const bool affine = m.fmt == FMT_AFFINE;
+    const long row_bytes = affine ? (long)m.cols * m.bits / 8 : (long)m.cols * (m.fmt == FMT_F32 ? 4 : 2);
+    const uint8_t* p = m.data + r * row_bytes;
+    for (long o = threadIdx.x * 128L; o < row_bytes; o += blockDim.x * 128L)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+    if (affine && threadIdx.x < 2) {
+        const long bytes = (long)(m.cols >> m.gshift) * (m.sdt == SDT_F32 ? 4 : 2);
+        const uint8_t* sp = (threadIdx.x == 0 ? m.scales : m.biases) + r * bytes;
+        for (long o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(sp + o));
+    }
+}
+
 #define ROUTE_GEMV(K, KN) \
     extern "C" __global__ void __launch_bounds__(128) route_gemv_##KN( \
         Mat w, const float* x, int k, int normalize, float* logits, uint32_t* done, \
-        uint32_t* ids, float* weights) { PDL_START(); \
+        uint32_t* ids, float* weights) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        prefetch_row(w, blockIdx.x); \
+        PDL_WAIT(); \
         route_gemv<K>(w, x, k, normalize, logits, done, ids, weights); \
     }
 ROUTE_GEMV(K_GENERIC, generic) ROUTE_GEMV(K_Q4, q4) ROUTE_GEMV(K_Q8, q8) ROUTE_GEMV(K_BF16, bf16)
@@ -2684,3 +2889,4 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
     PDL_START();
     moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
 }
+

@@ -14,6 +14,7 @@ use sluice_backend::{
 use crate::device::{grid, Arg, DevBuf, Device};
 use crate::expert_cache::SlotHold;
 use crate::in_place::{InPlace, InPlaceLayer};
+use crate::kernels::DECODE_HEAD_DIMS;
 use crate::mat::{describe, ExpertMats, Mat, MatSet, Spread, MAT_SET_MAX, SPREAD_ROWS};
 use crate::vram_experts::{
     device_address, is_pinned, size_slots, CudaPinner, PinnedRanges, Staged, VramExperts,
@@ -193,6 +194,25 @@ const MAX_EXPERTS_PER_TOKEN: usize = 16;
 const MAX_CONV_KERNEL: usize = 8;
 /// Blocks each token's attention is split over when few tokens are decoded ...
 const ATTENTION_SPLITS: usize = 16;
+/// What `attention_decode` applies itself to one token's raw q and new key and value (device
+/// addresses; none: q is ready and the cache holds the key and value).
+#[derive(Default)]
+struct Prelude {
+    k: u64,
+    v: u64,
+    q_norm: u64,
+    k_norm: u64,
+    inv_freq: u64,
+    eps: f32,
+    rotary_dim: usize,
+}
+
+/// Blocks a token's positions are split over by `attention_decode` (each at least a pass of
+/// 64-128 positions: up to a pass, one block and no combining). Measured on an H100 (Qwen3-30B-A3B
+/// shape): 4 and 8 equal at 128 and 1024 positions, 16 slower.
+const DECODE_SPLITS: usize = 8;
+/// Threads of a block of `attention_decode` (`ATTN_WARPS` warps in the source).
+const ATTENTION_DECODE_THREADS: u32 = 256;
 /// ... that is, when there are fewer (head, token) pairs than this.
 const SPLIT_ATTENTION_PAIRS: usize = 256;
 /// Router product and routing run as one launch for at most this many tokens.
@@ -708,10 +728,12 @@ impl CudaBackend {
         }
         // Few (head, token) pairs cannot fill the GPU: split each token's positions over blocks
         // (a fixed number, so that a replayed decode graph keeps its shape as the cache grows).
-        Some(if heads * rows < SPLIT_ATTENTION_PAIRS {
-            ATTENTION_SPLITS
-        } else {
+        Some(if heads * rows >= SPLIT_ATTENTION_PAIRS {
             1
+        } else if DECODE_HEAD_DIMS.contains(&hd) {
+            DECODE_SPLITS
+        } else {
+            ATTENTION_SPLITS
         })
     }
 
@@ -799,29 +821,105 @@ impl CudaBackend {
             let all_done = done
                 .as_ref()
                 .map_or(0, |d| d.ptr + 4 * ALL_DONE_COUNTER as u64);
-            self.d.launch(
-                &self.d.k.attention,
-                (heads as u32, rows as u32, splits as u32),
-                (128, 1, 1),
-                &[
-                    Arg::Ptr(qp),
-                    Arg::Ptr(keys.ptr),
-                    Arg::Ptr(values.ptr),
-                    Arg::Ptr(o),
-                    Arg::I32(heads as i32),
-                    Arg::I32(kvh as i32),
-                    Arg::I32(hd as i32),
-                    Arg::I32((if device_len.is_some() { rows } else { total }) as i32),
-                    Arg::I32(rows as i32),
-                    Arg::F32(scale),
-                    Arg::Ptr(partial.as_ref().map_or(0, DevBuf::ptr)),
-                    Arg::Ptr(done.as_ref().map_or(0, |d| d.ptr)),
-                    Arg::Ptr(device_len.unwrap_or(0)),
-                    Arg::Ptr(if device_len.is_some() { all_done } else { 0 }),
-                ],
-            );
+            let total = (if device_len.is_some() { rows } else { total }) as i32;
+            let partial = partial.as_ref().map_or(0, DevBuf::ptr);
+            let done = done.as_ref().map_or(0, |d| d.ptr);
+            let all_done = if device_len.is_some() { all_done } else { 0 };
+            match self.decode_kernel(hd).filter(|_| splits > 1) {
+                Some(kernel) => self.launch_attention_decode(
+                    kernel,
+                    (heads, rows, splits),
+                    qp,
+                    None,
+                    cache,
+                    o,
+                    total,
+                    scale,
+                    (partial, done),
+                    (device_len.unwrap_or(0), all_done),
+                ),
+                None => self.d.launch(
+                    &self.d.k.attention,
+                    (heads as u32, rows as u32, splits as u32),
+                    (128, 1, 1),
+                    &[
+                        Arg::Ptr(qp),
+                        Arg::Ptr(keys.ptr),
+                        Arg::Ptr(values.ptr),
+                        Arg::Ptr(o),
+                        Arg::I32(heads as i32),
+                        Arg::I32(kvh as i32),
+                        Arg::I32(hd as i32),
+                        Arg::I32(total),
+                        Arg::I32(rows as i32),
+                        Arg::F32(scale),
+                        Arg::Ptr(partial),
+                        Arg::Ptr(done),
+                        Arg::Ptr(device_len.unwrap_or(0)),
+                        Arg::Ptr(all_done),
+                    ],
+                ),
+            }
         }
         out
+    }
+
+    /// Runs `attention_decode` (`kernel`, from `decode_kernel`) for `rows` queries at `q` over
+    /// `cache` into `out`, its positions split over `splits` blocks per (head, row); with a
+    /// `prelude` q is raw and the kernel normalises and rotates it, and the new key and value
+    /// (one row), writing them into the cache. `total`, `partial`/`done` and the device length
+    /// with its counter as the `attention` kernel takes them.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attention_decode(
+        &self,
+        kernel: &CudaFunction,
+        (heads, rows, splits): (usize, usize, usize),
+        q: u64,
+        prelude: Option<Prelude>,
+        cache: &CudaKvCache,
+        out: u64,
+        total: i32,
+        scale: f32,
+        (partial, done): (u64, u64),
+        (device_len, all_done): (u64, u64),
+    ) {
+        let (Some(keys), Some(values)) = (&cache.keys, &cache.values) else {
+            return;
+        };
+        let p = prelude.unwrap_or_default();
+        self.d.launch(
+            kernel,
+            (heads as u32, rows as u32, splits as u32),
+            (ATTENTION_DECODE_THREADS, 1, 1),
+            &[
+                Arg::Ptr(q),
+                Arg::Ptr(p.k),
+                Arg::Ptr(p.v),
+                Arg::Ptr(p.q_norm),
+                Arg::Ptr(p.k_norm),
+                Arg::Ptr(p.inv_freq),
+                Arg::F32(p.eps),
+                Arg::I32(p.rotary_dim as i32),
+                Arg::Ptr(keys.ptr),
+                Arg::Ptr(values.ptr),
+                Arg::Ptr(out),
+                Arg::I32(heads as i32),
+                Arg::I32(cache.kv_heads as i32),
+                Arg::I32(total),
+                Arg::I32(rows as i32),
+                Arg::F32(scale),
+                Arg::Ptr(partial),
+                Arg::Ptr(done),
+                Arg::Ptr(device_len),
+                Arg::Ptr(all_done),
+            ],
+        );
+    }
+
+    /// The split decode attention kernel for head size `hd`, if it is compiled for it.
+    fn decode_kernel(&self, hd: usize) -> Option<&CudaFunction> {
+        let i = DECODE_HEAD_DIMS.iter().position(|&d| d == hd)?;
+        self.d.k.attention_decode.get(i)
     }
 
     fn ensure_capacity(&self, cache: &mut CudaKvCache, needed: usize) -> bool {
@@ -1580,7 +1678,6 @@ impl Backend for CudaBackend {
         if !self.ensure_capacity(cache, first + rows) {
             return self.poisoned(rows, q.cols);
         }
-        let q_rot = self.act(rows, q.cols);
         let device_len = match Self::attend_plan(rows, heads, kvh, hd) {
             Some(splits) if splits > 1 => self.device_len(cache),
             _ => None,
@@ -1592,6 +1689,60 @@ impl Backend for CudaBackend {
         ) else {
             return self.poisoned(rows, q.cols);
         };
+        // One token: the norms, rotations and cache writes inside the attention kernel.
+        let fused_kernel = match Self::attend_plan(rows, heads, kvh, hd) {
+            Some(splits) if rows == 1 && splits > 1 => {
+                self.decode_kernel(hd).map(|kernel| (kernel, splits))
+            }
+            _ => None,
+        };
+        if let Some((kernel, splits)) = fused_kernel {
+            let out = self.act(rows, q.cols);
+            let (Some(partial), Some(done)) = (
+                self.d
+                    .alloc_or_record(rows * heads * splits * (hd + 2) * 4, "attention splits"),
+                self.done_counters(),
+            ) else {
+                return self.poisoned(rows, q.cols);
+            };
+            if let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), out.ptr())
+            {
+                let prelude = Prelude {
+                    k: kp,
+                    v: vp,
+                    q_norm: self.vec_ptr(norms.0),
+                    k_norm: self.vec_ptr(norms.1),
+                    inv_freq: freq.ptr,
+                    eps,
+                    rotary_dim,
+                };
+                self.launch_attention_decode(
+                    kernel,
+                    (heads, rows, splits),
+                    qp,
+                    Some(prelude),
+                    cache,
+                    o,
+                    (if device_len.is_some() {
+                        rows
+                    } else {
+                        first + rows
+                    }) as i32,
+                    scale,
+                    (partial.ptr, done.ptr),
+                    (
+                        device_len.unwrap_or(0),
+                        device_len.map_or(0, |_| done.ptr + 4 * ALL_DONE_COUNTER as u64),
+                    ),
+                );
+            }
+            cache.len = first + rows;
+            if device_len.is_some() {
+                cache.device_len_value = Some(cache.len);
+            }
+            return out;
+        }
+        let q_rot = self.act(rows, q.cols);
         if let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), q_rot.ptr()) {
             self.d.launch(
                 &self.d.k.qkv_norm_rope_append,
@@ -2138,8 +2289,11 @@ mod tests {
         assert_eq!(tiles(512, 16, 2, 256), Some(1));
         assert_eq!(tiles(512, 16, 4, 32), Some(1));
         assert_eq!(tiles(15, 32, 4, 128), Some(1));
-        assert_eq!(tiles(15, 8, 2, 128), Some(ATTENTION_SPLITS));
-        assert_eq!(tiles(1, 32, 4, 128), Some(ATTENTION_SPLITS));
+        assert_eq!(tiles(15, 8, 2, 128), Some(DECODE_SPLITS));
+        assert_eq!(tiles(1, 32, 4, 128), Some(DECODE_SPLITS));
+        // Head sizes `attention_decode` is not compiled for keep the older split kernel.
+        assert_eq!(tiles(1, 32, 4, 96), Some(ATTENTION_SPLITS));
+        assert_eq!(tiles(1, 16, 2, 256), Some(DECODE_SPLITS));
     }
 
     /// The block limit the host picks `moe_down_q4_s384` by is the kernel's launch bound: a larger

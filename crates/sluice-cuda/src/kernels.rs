@@ -11,6 +11,9 @@ use cudarc::nvrtc::Ptx;
 /// The committed PTX; its first line records the hash of the source it was built from.
 pub(crate) const PTX: &str = include_str!("../kernels/sluice.ptx");
 
+/// The head sizes `attention_decode` is compiled for.
+pub(crate) const DECODE_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
 /// The weight kinds the matrix kernels are compiled for (`K_*` in the source).
 pub(crate) const KINDS: [&str; 4] = ["generic", "q4", "q8", "bf16"];
 
@@ -56,6 +59,9 @@ pub(crate) struct Kernels {
     /// Prefill attention by head size 64, 128: 64 query rows of one kv head per block, register
     /// tiles.
     pub attention_tiles: Vec<CudaFunction>,
+    /// Split decode attention by head size 64, 128, 256 (`DECODE_HEAD_DIMS`), optionally with
+    /// the q/k norms, rotations and cache writes fused in.
+    pub attention_decode: Vec<CudaFunction>,
     pub route: CudaFunction,
     /// The router's product and `route` in one launch, by weight kind.
     pub route_gemv: Vec<CudaFunction>,
@@ -187,6 +193,10 @@ impl Kernels {
                 .iter()
                 .map(|h| f(&format!("attention_tiles_{h}")))
                 .collect::<Result<_, _>>()?,
+            attention_decode: DECODE_HEAD_DIMS
+                .iter()
+                .map(|h| f(&format!("attention_decode_{h}")))
+                .collect::<Result<_, _>>()?,
             route: f("route")?,
             route_gemv: KINDS
                 .iter()
@@ -276,13 +286,26 @@ mod tests {
                 .and_then(|b| head[b..].find(')').map(|e| &head[b + e + 1..]))
                 .unwrap_or(head);
             let name = head.split('(').next().unwrap_or_default().trim();
-            let first = body[1..].trim_start();
+            // (A macro's body may begin with a line continuation.)
+            let first = body[1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+            // Statements after the first, whitespace and line continuations left out.
+            let then: String = first
+                .split_once(';')
+                .map_or("", |(_, rest)| rest)
+                .chars()
+                .filter(|c| !c.is_whitespace() && *c != '\\')
+                .collect();
+            let prefetches_then_waits = then.starts_with("prefetch_row(")
+                && then
+                    .split_once(';')
+                    .is_some_and(|(_, r)| r.starts_with("PDL_WAIT();"));
             assert!(
                 first.starts_with("PDL_START();")
                     || (first.starts_with("PDL_LAUNCH_DEPENDENTS();")
-                        && body.contains("spread_gemv")),
-                "{name}: a kernel must begin with PDL_START() (or, if it loads weights before \
-                 waiting, PDL_LAUNCH_DEPENDENTS() and a spread_* product that waits)"
+                        && (body.contains("spread_gemv") || prefetches_then_waits)),
+                "{name}: a kernel must begin with PDL_START() (or, if it loads or prefetches \
+                 weights before waiting, PDL_LAUNCH_DEPENDENTS() then a spread_* product that \
+                 waits, or prefetch_row then PDL_WAIT())"
             );
             kernels += 1;
         }
