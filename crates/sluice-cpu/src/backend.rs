@@ -1,12 +1,15 @@
-//! [`Backend`] on the host CPU, threaded with rayon's global pool.
+//! [`Backend`] on the host CPU, its parallel steps run by a team of spinning threads
+//! ([`crate::team`]).
 
-use rayon::prelude::*;
 use sluice_backend::{
     Backend, BackendError, ExpertKey, FfnWeights, HostExpert, HostLinearState, HostMatrix,
     HostRouting, MemoryInfo,
 };
 
+use std::sync::Mutex;
+
 use crate::kernels::{self, Kernels, MatmulJob};
+use crate::team;
 
 /// f32 activations `[rows, cols]`, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -196,10 +199,9 @@ impl Backend for CpuBackend {
     fn embed(&self, table: &HostMatrix, tokens: &[u32]) -> CpuAct {
         let w = table.as_ref();
         let mut out = CpuAct::zeros(tokens.len(), w.cols);
-        out.data
-            .par_chunks_mut(w.cols)
-            .zip(tokens)
-            .for_each(|(row, &t)| kernels::dequantize_row(&w, t as usize, row));
+        team::chunks_mut(&mut out.data, w.cols, |i, row| {
+            kernels::dequantize_row(&w, tokens[i] as usize, row)
+        });
         out
     }
 
@@ -218,7 +220,7 @@ impl Backend for CpuBackend {
             "rms_norm: width is not a multiple of the norm size"
         );
         let mut out = x.clone();
-        out.data.par_chunks_mut(n).for_each(|v| {
+        team::chunks_mut(&mut out.data, n, |_, v| {
             let ms = v.iter().map(|a| a * a).sum::<f32>() / n as f32;
             let inv = 1.0 / (ms + eps).sqrt();
             for (a, w) in v.iter_mut().zip(weight) {
@@ -261,21 +263,18 @@ impl Backend for CpuBackend {
             .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32))
             .collect();
         let cols = x.cols;
-        x.data
-            .par_chunks_mut(cols)
-            .enumerate()
-            .for_each(|(r, row)| {
-                let pos = (first_position + r) as f32;
-                let (sin, cos): (Vec<f32>, Vec<f32>) =
-                    inv_freq.iter().map(|f| (pos * f).sin_cos()).unzip();
-                for head in row.chunks_mut(head_dim) {
-                    for i in 0..half {
-                        let (a, b) = (head[i], head[i + half]);
-                        head[i] = a * cos[i] - b * sin[i];
-                        head[i + half] = b * cos[i] + a * sin[i];
-                    }
+        team::chunks_mut(&mut x.data, cols, |r, row| {
+            let pos = (first_position + r) as f32;
+            let (sin, cos): (Vec<f32>, Vec<f32>) =
+                inv_freq.iter().map(|f| (pos * f).sin_cos()).unzip();
+            for head in row.chunks_mut(head_dim) {
+                for i in 0..half {
+                    let (a, b) = (head[i], head[i + half]);
+                    head[i] = a * cos[i] - b * sin[i];
+                    head[i + half] = b * cos[i] + a * sin[i];
                 }
-            });
+            }
+        });
     }
 
     fn attention(
@@ -299,28 +298,24 @@ impl Backend for CpuBackend {
         let group = heads / kvh;
         let mut out = CpuAct::zeros(q.rows, q.cols);
         // One task per (row, head): each attends to positions 0..=first + row.
-        out.data
-            .par_chunks_mut(hd)
-            .enumerate()
-            .for_each_init(Vec::new, |scores, (i, o)| {
-                let (r, h) = (i / heads, i % heads);
-                let kv = h / group;
-                let qv = &q.data[r * q.cols + h * hd..][..hd];
-                let n = first + r + 1;
-                scores.clear();
-                scores.extend(
-                    (0..n).map(|p| kernels::dot(qv, &keys[p * width + kv * hd..][..hd]) * scale),
-                );
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                let mut sum = 0.0;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                for (p, s) in scores.iter().enumerate() {
-                    kernels::axpy(s / sum, &values[p * width + kv * hd..][..hd], o);
-                }
-            });
+        team::chunks_mut(&mut out.data, hd, |i, o| {
+            let (r, h) = (i / heads, i % heads);
+            let kv = h / group;
+            let qv = &q.data[r * q.cols + h * hd..][..hd];
+            let n = first + r + 1;
+            let mut scores: Vec<f32> = (0..n)
+                .map(|p| kernels::dot(qv, &keys[p * width + kv * hd..][..hd]) * scale)
+                .collect();
+            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let mut sum = 0.0;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            for (p, s) in scores.iter().enumerate() {
+                kernels::axpy(s / sum, &values[p * width + kv * hd..][..hd], o);
+            }
+        });
         out
     }
 
@@ -365,7 +360,7 @@ impl Backend for CpuBackend {
         let mut input = std::mem::take(&mut state.conv);
         input.extend_from_slice(&x.data);
         let mut out = CpuAct::zeros(x.rows, c);
-        out.data.par_chunks_mut(c).enumerate().for_each(|(t, row)| {
+        team::chunks_mut(&mut out.data, c, |t, row| {
             for (ch, o) in row.iter_mut().enumerate() {
                 let taps = &weight[ch * k..(ch + 1) * k];
                 let acc: f32 = (0..k).map(|j| taps[j] * input[(t + j) * c + ch]).sum();
@@ -394,11 +389,9 @@ impl Backend for CpuBackend {
         let q_scale = 1.0 / (dk as f32).sqrt();
         let mut out = CpuAct::zeros(qkv.rows, hv * dv);
         // Heads are independent: each carries its own state through all rows.
-        let heads: Vec<(usize, &mut [f32])> =
-            state.recurrent.chunks_mut(dv * dk).enumerate().collect();
-        let ys: Vec<Vec<f32>> = heads
-            .into_par_iter()
-            .map(|(h, s)| {
+        let ys: Vec<Mutex<Vec<f32>>> = (0..hv).map(|_| Mutex::new(Vec::new())).collect();
+        team::chunks_mut(&mut state.recurrent, dv * dk, |h, s| {
+            *ys[h].lock().unwrap_or_else(|p| p.into_inner()) = {
                 let kh = h / group;
                 let mut y = vec![0.0; qkv.rows * dv];
                 let (mut q, mut k) = (vec![0.0; dk], vec![0.0; dk]);
@@ -426,9 +419,10 @@ impl Backend for CpuBackend {
                     }
                 }
                 y
-            })
-            .collect();
+            };
+        });
         for (h, y) in ys.iter().enumerate() {
+            let y = y.lock().unwrap_or_else(|p| p.into_inner());
             for t in 0..qkv.rows {
                 out.data[t * hv * dv + h * dv..][..dv].copy_from_slice(&y[t * dv..(t + 1) * dv]);
             }

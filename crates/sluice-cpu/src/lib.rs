@@ -5,6 +5,7 @@
 
 mod backend;
 pub mod kernels;
+mod team;
 
 pub use backend::{CpuAct, CpuBackend, CpuKvCache};
 pub use kernels::Kernels;

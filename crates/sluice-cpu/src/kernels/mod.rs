@@ -51,7 +51,6 @@ mod tests;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
 use sluice_backend::{Dtype, MatRef, WeightFormat};
 
 /// One `out = x W^T` product: `x` is `[tokens, w.cols]`, `out` is `[tokens, w.rows]`.
@@ -869,7 +868,7 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
     if threads <= 1 || tasks.len() <= 1 || total < SERIAL_COST {
         tasks.iter().for_each(run);
     } else {
-        tasks.par_iter().with_max_len(1).for_each(run);
+        crate::team::for_each(tasks.len(), &|i| run(&tasks[i]));
     }
 }
 

@@ -1,0 +1,336 @@
+//! A team of worker threads that stay awake between the many small parallel steps of a decode
+//! step (a layer has six to ten), so that handing out work costs no system call: rayon parks its
+//! idle workers, and then every parallel step pays a wake-up on each side. The calling thread
+//! works too; workers spin for a while after each step, then sleep until the next one.
+//!
+//! The team has `rayon::current_num_threads()` threads counting the caller (`-t`, or the pool a
+//! benchmark installs), rebuilt when that changes. A call made while the team is busy (a nested
+//! call, or another thread's) runs on the calling thread alone.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
+use std::thread::JoinHandle;
+
+/// Spins of an idle worker (each a pause of some tens of cycles) before it sleeps: ~0.1 ms, well
+/// above the gaps between the steps of a layer and far below those between tokens.
+const SPINS: u32 = 20_000;
+
+/// One parallel step: `f(i)` for every `i < n`, handed out one index at a time.
+struct Job<'a> {
+    f: &'a (dyn Fn(usize) + Sync),
+    n: usize,
+}
+
+struct Shared {
+    /// Bumped for each job (workers watch it).
+    generation: AtomicUsize,
+    /// The current job while one runs, else null.
+    job: AtomicPtr<Job<'static>>,
+    next: AtomicUsize,
+    /// Workers done with the current job.
+    finished: AtomicUsize,
+    panicked: AtomicBool,
+    stop: AtomicBool,
+    /// Workers asleep, and what wakes them.
+    asleep: Mutex<usize>,
+    wake: Condvar,
+}
+
+struct Team {
+    threads: usize,
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Team {
+    fn new(threads: usize) -> Team {
+        let shared = Arc::new(Shared {
+            generation: AtomicUsize::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            next: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            asleep: Mutex::new(0),
+            wake: Condvar::new(),
+        });
+        let workers = (1..threads)
+            .filter_map(|i| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("sluice-cpu-{i}"))
+                    .spawn(move || work(&shared, 0))
+                    .ok()
+            })
+            .collect();
+        Team {
+            threads,
+            shared,
+            workers,
+        }
+    }
+
+    /// Runs `job` over the team; whether a task panicked.
+    fn run(&self, job: &Job<'_>) -> bool {
+        let s = &self.shared;
+        s.next.store(0, Ordering::Relaxed);
+        s.finished.store(0, Ordering::Relaxed);
+        // SAFETY: the pointer is erased to 'static only while this call runs: workers use it
+        // between reading a new generation and counting themselves finished, and this function
+        // waits for every worker's count and clears the pointer before it returns.
+        let ptr = job as *const Job<'_> as *mut Job<'static>;
+        s.job.store(ptr, Ordering::Release);
+        s.generation.fetch_add(1, Ordering::AcqRel);
+        if *s.asleep.lock().unwrap_or_else(|p| p.into_inner()) > 0 {
+            s.wake.notify_all();
+        }
+        if panic::catch_unwind(AssertUnwindSafe(|| take_indices(s, job))).is_err() {
+            s.panicked.store(true, Ordering::Relaxed);
+        }
+        let workers = self.workers.len();
+        while s.finished.load(Ordering::Acquire) < workers {
+            std::hint::spin_loop();
+        }
+        s.job.store(std::ptr::null_mut(), Ordering::Release);
+        s.panicked.swap(false, Ordering::Relaxed)
+    }
+}
+
+impl Drop for Team {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.generation.fetch_add(1, Ordering::AcqRel);
+        {
+            let _asleep = self.shared.asleep.lock().unwrap_or_else(|p| p.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+fn take_indices(s: &Shared, job: &Job<'_>) {
+    loop {
+        let i = s.next.fetch_add(1, Ordering::Relaxed);
+        if i >= job.n {
+            return;
+        }
+        (job.f)(i);
+    }
+}
+
+/// A worker's loop; `seen` is the generation when the team was made (a job may start before this
+/// thread does).
+fn work(s: &Shared, mut seen: usize) {
+    // Tests start workers late, so that a new team's first job always begins before they do.
+    #[cfg(test)]
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    loop {
+        let mut spins = 0;
+        let generation = loop {
+            let g = s.generation.load(Ordering::Acquire);
+            if g != seen {
+                break g;
+            }
+            if spins < SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut asleep = s.asleep.lock().unwrap_or_else(|p| p.into_inner());
+            *asleep += 1;
+            // Checked under the lock the caller takes before it wakes sleepers: no wake-up lost.
+            while s.generation.load(Ordering::Acquire) == seen {
+                asleep = s.wake.wait(asleep).unwrap_or_else(|p| p.into_inner());
+            }
+            *asleep -= 1;
+            spins = 0;
+        };
+        seen = generation;
+        if s.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let ptr = s.job.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer is the caller's job, alive until every worker (this one
+        // included) has counted itself finished below.
+        if let Some(job) = unsafe { ptr.as_ref() } {
+            if panic::catch_unwind(AssertUnwindSafe(|| take_indices(s, job))).is_err() {
+                s.panicked.store(true, Ordering::Relaxed);
+            }
+        }
+        s.finished.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+static TEAM: OnceLock<Mutex<Option<Team>>> = OnceLock::new();
+
+/// `f(i)` for every `i < n`, spread over the team (the calling thread works too); returns once
+/// all are done. A panic in `f` is raised again here.
+pub(crate) fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
+    let threads = rayon::current_num_threads();
+    if n <= 1 || threads <= 1 {
+        (0..n).for_each(f);
+        return;
+    }
+    let team = TEAM.get_or_init(|| Mutex::new(None));
+    let mut guard = match team.try_lock() {
+        Ok(guard) => guard,
+        Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(TryLockError::WouldBlock) => {
+            // Busy: a nested call, or another thread's step.
+            (0..n).for_each(f);
+            return;
+        }
+    };
+    if guard.as_ref().is_none_or(|t| t.threads != threads) {
+        *guard = None;
+        *guard = Some(Team::new(threads));
+    }
+    let panicked = guard.as_ref().is_some_and(|t| t.run(&Job { f, n }));
+    drop(guard);
+    if panicked {
+        panic!("a task of a parallel step panicked");
+    }
+}
+
+/// A pointer that may be shared between the team's threads (each task derives a disjoint part).
+struct SharedPtr<T>(*mut T);
+// SAFETY: only used by `chunks_mut`, whose tasks each touch their own chunk.
+unsafe impl<T: Send> Sync for SharedPtr<T> {}
+// SAFETY: as above: the pointee is `Send`, and each task touches its own chunk.
+unsafe impl<T: Send> Send for SharedPtr<T> {}
+
+/// `f(i, chunk)` for each `chunk`-long piece of `data` (the last may be shorter), over the team.
+pub(crate) fn chunks_mut<T: Send>(
+    data: &mut [T],
+    chunk: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    assert!(chunk > 0, "chunks of zero length");
+    let (len, base) = (data.len(), SharedPtr(data.as_mut_ptr()));
+    let base = &base;
+    for_each(len.div_ceil(chunk), &|i| {
+        let start = i * chunk;
+        let end = (start + chunk).min(len);
+        // SAFETY: index i gets the elements [start, end) of `data`, which no other index
+        // overlaps, and `data` stays borrowed mutably until for_each returns.
+        let part = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), end - start) };
+        f(i, part);
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    fn in_pool(threads: usize, f: impl FnOnce() + Send) {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool")
+            .install(f);
+    }
+
+    #[test]
+    fn every_index_runs_once() {
+        for threads in [1, 2, 3, 8] {
+            in_pool(threads, || {
+                for n in [0, 1, 2, 7, 1000] {
+                    let counts: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+                    for_each(n, &|i| {
+                        counts[i].fetch_add(1, Ordering::Relaxed);
+                    });
+                    assert!(
+                        counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                        "{threads} threads, {n} tasks"
+                    );
+                }
+            });
+        }
+    }
+
+    /// A team's first job may start before its workers do: they must still take it.
+    #[test]
+    fn a_new_team_takes_its_first_job() {
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for round in 0..200 {
+                in_pool(2 + round % 2, || {
+                    let total = AtomicU32::new(0);
+                    for_each(3, &|_| {
+                        total.fetch_add(1, Ordering::Relaxed);
+                    });
+                    assert_eq!(total.load(Ordering::Relaxed), 3);
+                });
+            }
+            let _ = done.send(());
+        });
+        assert!(
+            finished
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .is_ok(),
+            "200 new teams did not finish their first jobs within a minute"
+        );
+    }
+
+    #[test]
+    fn chunks_cover_the_slice() {
+        in_pool(4, || {
+            let mut v = vec![0usize; 103];
+            chunks_mut(&mut v, 10, |i, c| c.iter_mut().for_each(|x| *x += i + 1));
+            for (j, x) in v.iter().enumerate() {
+                assert_eq!(*x, j / 10 + 1);
+            }
+        });
+    }
+
+    #[test]
+    fn nested_and_concurrent_calls_finish() {
+        in_pool(3, || {
+            let total = AtomicU32::new(0);
+            for_each(4, &|_| {
+                for_each(5, &|_| {
+                    total.fetch_add(1, Ordering::Relaxed);
+                });
+            });
+            assert_eq!(total.load(Ordering::Relaxed), 20);
+        });
+        let total = AtomicU32::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    in_pool(2, || {
+                        for _ in 0..50 {
+                            for_each(9, &|_| {
+                                total.fetch_add(1, Ordering::Relaxed);
+                            });
+                        }
+                    })
+                });
+            }
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 4 * 50 * 9);
+    }
+
+    #[test]
+    fn a_panic_reaches_the_caller_and_the_team_goes_on() {
+        in_pool(2, || {
+            let r = panic::catch_unwind(|| {
+                for_each(64, &|i| {
+                    if i == 33 {
+                        panic!("task 33");
+                    }
+                })
+            });
+            assert!(r.is_err());
+            let total = AtomicU32::new(0);
+            for_each(10, &|_| {
+                total.fetch_add(1, Ordering::Relaxed);
+            });
+            assert_eq!(total.load(Ordering::Relaxed), 10);
+        });
+    }
+}
