@@ -49,14 +49,17 @@ pub fn shape_probe() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::new())
 }
 
-/// Opens the backend `device` asks for, the CPU's with `kernels`; a GPU that cannot be used is
-/// a one-line error (or, for `auto`, a note and the CPU).
+/// Opens the backend `device` asks for with `kernels` (the CPU's; on a GPU, `fast` is the
+/// prefill's 8-bit activations); a GPU that cannot be used is a one-line error (or, for `auto`,
+/// a note and the CPU).
 pub fn pick(device: Device, kernels: Kernels) -> Result<Picked> {
     let cpu = || Picked::Cpu(Arc::new(CpuBackend::with_kernels(kernels)));
+    let gpu =
+        |b: CudaBackend| Picked::Cuda(Arc::new(b.with_fast_prefill(kernels == Kernels::Fast)));
     match device {
         Device::Cpu => Ok(cpu()),
         Device::Cuda(n) => sluice_cuda::open(n)
-            .map(|b| Picked::Cuda(Arc::new(b)))
+            .map(gpu)
             .map_err(|e| anyhow!("--device cuda:{n}: {e}")),
         Device::Auto if sluice_cuda::device_count() == 0 => Ok(cpu()),
         Device::Auto => match sluice_cuda::open(0) {
@@ -65,7 +68,7 @@ pub fn pick(device: Device, kernels: Kernels) -> Result<Picked> {
                     "sluice: --device auto: using {} (--device cpu for the CPU)",
                     b.describe()
                 );
-                Ok(Picked::Cuda(Arc::new(b)))
+                Ok(gpu(b))
             }
             Err(e) => {
                 eprintln!("sluice: --device auto: the GPU is not usable ({e}); using the CPU");

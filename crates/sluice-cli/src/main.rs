@@ -81,9 +81,11 @@ pub(crate) struct ModelArgs {
     /// `cuda` or `cuda:N`.
     #[arg(long, default_value = "auto", value_name = "DEVICE")]
     pub(crate) device: device::Device,
-    /// CPU kernels for quantized weights: `fast` (4-bit products in integers against 8-bit
-    /// activations, memory-bound; the default, except for `logits`) or `exact` (f32, equal
-    /// to mlx-lm to ~1e-6). No effect on a GPU.
+    /// Kernels for quantized weights: `fast` (the default, except for `logits`) or `exact`
+    /// (f32, equal to mlx-lm to ~1e-6). `fast` on the CPU: 4-bit decode products in integers
+    /// against 8-bit activations (memory-bound); on a GPU: prompt products of 4- and 8-bit
+    /// weights against activations quantized to 8 bits per 32 columns on integer tensor cores
+    /// (llama.cpp's arithmetic), decode unchanged.
     #[arg(long, value_name = "fast|exact")]
     pub(crate) kernels: Option<Kernels>,
     /// CPU worker threads (default: all cores).

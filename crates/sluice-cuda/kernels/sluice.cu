@@ -2890,3 +2890,271 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
     moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// 8-bit-activation tensor-core products (prefill with the `fast` kernels)
+// ------------------------------------------------------------------------------------------------
+//
+// llama.cpp's arithmetic for many tokens (its MMQ kernels): the activations are quantized to 8
+// bits per 32 columns (scale d = max|x| / 127, and the sum of the values for the bias term), the
+// 4- or 8-bit codes meet them in integer mma.sync m16n8k32, and each 32 columns' integer dot is
+// scaled once: y += s (d q.xq) + b sum(x). Four times fewer tensor-core instructions than the
+// exact path's two bf16 parts at k16, and a quarter of its shared-memory traffic. An
+// approximation (each activation to within d / 2): tests/fast_prefill.rs bounds its effect on
+// the logits.
+
+#define IQ_BLOCK 32
+#define IQ_BK 64
+// Words per shared tile row: 16 of data (64 codes) and 4 of padding (conflict-free fragments).
+#define IQ_LD 20
+
+// Rows of x ([n, cols], or with GLU [n, 2 cols] gate | up, quantizing silu(gate) * up) as 8-bit
+// values q [n, cols] with, per 32 columns, the scale d and the sum of the unrounded values s
+// ([n, cols / 32] each). A warp per 32 columns.
+extern "C" __global__ void __launch_bounds__(256) quant_q8_rows(const float* x, long n, int cols,
+                                                                int glu, signed char* q, float* d,
+                                                                float* s) {
+    PDL_START();
+    const int lane = threadIdx.x % 32;
+    const long blocks_per_row = cols / IQ_BLOCK;
+    const long b = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (b >= n * blocks_per_row) return;
+    const long row = b / blocks_per_row, c = (b % blocks_per_row) * IQ_BLOCK + lane;
+    float v;
+    if (glu) {
+        const float g = x[row * 2 * cols + c], u = x[row * 2 * cols + cols + c];
+        v = g / (1.0f + expf(-g)) * u;
+    } else {
+        v = x[row * cols + c];
+    }
+    const float amax = warp_max(fabsf(v)), sum = warp_sum(v);
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    q[row * cols + c] = (signed char)max(-127, min(127, __float2int_rn(v * inv)));
+    if (lane == 0) {
+        d[b] = scale;
+        s[b] = sum;
+    }
+}
+
+// c += a b for a 16x32 block of codes (u8) and 32x8 of activations (s8), in integers.
+__device__ __forceinline__ void mma_u8s8(int c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The codes of weights [c, c + 16) of row r as 16 bytes (K_Q4: nibbles widened, in order).
+template <int K>
+__device__ __forceinline__ uint4 load16_codes(const Mat& m, long r, int c) {
+    if constexpr (K == K_Q4) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint32_t*>(m.data) + r * (m.cols / 8) + c / 8));
+        const uint32_t lo0 = v.x & 0x0F0F0F0Fu, hi0 = (v.x >> 4) & 0x0F0F0F0Fu;
+        const uint32_t lo1 = v.y & 0x0F0F0F0Fu, hi1 = (v.y >> 4) & 0x0F0F0F0Fu;
+        return make_uint4(__byte_perm(lo0, hi0, 0x5140), __byte_perm(lo0, hi0, 0x7362),
+                          __byte_perm(lo1, hi1, 0x5140), __byte_perm(lo1, hi1, 0x7362));
+    } else {
+        return __ldg(reinterpret_cast<const uint4*>(m.data + r * (long)m.cols + c));
+    }
+}
+
+// The shared tiles of iq_tile: BM rows of codes and BN token rows of 8-bit values, 64 columns;
+// the weights' scales and biases and the tokens' scales and sums per 32 columns.
+template <int BM, int BN>
+struct IqTiles {
+    uint32_t a[BM][IQ_LD];
+    uint32_t b[BN][IQ_LD];
+    float ws[BM][2], wb[BM][2];
+    float xd[BN][2], xs[BN][2];
+};
+
+// The 8-bit activations a block multiplies: token row `row[n]` (-1: padding) of q [*, cols] with
+// its per-32-column d and s.
+struct IqRows {
+    const signed char* q;
+    const float* d;
+    const float* s;
+};
+
+// The block's products of rows r0 .. r0 + BM of m (4- or 8-bit affine, groups of a multiple of 32
+// columns) with the BN token rows `row` of x, over columns [k_begin, k_end) (multiples of 32).
+// acc as tq_tile's (frag_row / frag_token).
+template <int K, int MI, int NJ, int WM, int WN>
+__device__ __forceinline__ void iq_tile(const Mat& m, long r0, const IqRows& x, const int* row,
+                                        IqTiles<16 * MI * WM, 8 * NJ * WN>& s,
+                                        float acc[MI][NJ][4], int k_begin, int k_end) {
+    constexpr int BM = 16 * MI * WM, BN = 8 * NJ * WN;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const int wm = (warp / WN) * 16 * MI, wn = (warp % WN) * 8 * NJ;
+    const int cols = m.cols;
+    const long xblocks = cols / IQ_BLOCK, groups_per_row = cols >> m.gshift;
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+    for (int k0 = k_begin; k0 < k_end; k0 += IQ_BK) {
+        // 32-column steps of this tile (the last tile of a range may have one).
+        const int steps = min(2, (k_end - k0) / IQ_BLOCK);
+#pragma unroll
+        for (int it = 0; it < BM * 4 / 128; it++) {
+            const int idx = threadIdx.x + it * 128, r = idx / 4, ch = idx % 4;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (ch / 2 < steps) v = load16_codes<K>(m, min(r0 + r, (long)m.rows - 1), k0 + ch * 16);
+            *reinterpret_cast<uint4*>(&s.a[r][ch * 4]) = v;
+        }
+#pragma unroll
+        for (int it = 0; it < (BM * 2 + 127) / 128; it++) {
+            const int idx = threadIdx.x + it * 128, r = idx / 2, kb = idx % 2;
+            if (idx < BM * 2 && kb < steps) {
+                const long gi = min(r0 + r, (long)m.rows - 1) * groups_per_row + ((k0 + kb * IQ_BLOCK) >> m.gshift);
+                s.ws[r][kb] = load_scalar(m.scales, m.sdt, gi);
+                s.wb[r][kb] = load_scalar(m.biases, m.sdt, gi);
+            }
+        }
+#pragma unroll
+        for (int it = 0; it < (BN * 4 + 127) / 128; it++) {
+            const int idx = threadIdx.x + it * 128, n = idx / 4, ch = idx % 4;
+            if (idx >= BN * 4) break;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (row[n] >= 0 && ch / 2 < steps)
+                v = *reinterpret_cast<const uint4*>(x.q + row[n] * (long)cols + k0 + ch * 16);
+            *reinterpret_cast<uint4*>(&s.b[n][ch * 4]) = v;
+        }
+        if (threadIdx.x < BN * 2) {
+            const int n = threadIdx.x / 2, kb = threadIdx.x % 2;
+            const bool real = row[n] >= 0 && kb < steps;
+            const long xi = row[n] * xblocks + (k0 / IQ_BLOCK) + kb;
+            s.xd[n][kb] = real ? x.d[xi] : 0.0f;
+            s.xs[n][kb] = real ? x.s[xi] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            if (kk >= steps) break;
+            const int w0 = kk * 8 + t4, w1 = w0 + 4;
+            uint32_t bf[NJ][2];
+#pragma unroll
+            for (int j = 0; j < NJ; j++) {
+                bf[j][0] = s.b[wn + j * 8 + g][w0];
+                bf[j][1] = s.b[wn + j * 8 + g][w1];
+            }
+#pragma unroll
+            for (int i = 0; i < MI; i++) {
+                const int ra = wm + i * 16 + g, rb = ra + 8;
+                const uint32_t af[4] = {s.a[ra][w0], s.a[rb][w0], s.a[ra][w1], s.a[rb][w1]};
+                const float sa = s.ws[ra][kk], ba = s.wb[ra][kk], sb = s.ws[rb][kk], bb = s.wb[rb][kk];
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    int c[4] = {0, 0, 0, 0};
+                    mma_u8s8(c, af, bf[j]);
+                    const int n0 = wn + j * 8 + 2 * t4;
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int n = n0 + (e & 1);
+                        const float sc = e < 2 ? sa : sb, bi = e < 2 ? ba : bb;
+                        acc[i][j][e] = fmaf(sc, s.xd[n][kk] * (float)c[e], fmaf(bi, s.xs[n][kk], acc[i][j][e]));
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// y[ntok, rows] = x[ntok, cols] W^T from 8-bit x. Grid (rows / 64, ntok / 64, splits), 128
+// threads; splits as gemm_tq's.
+template <int K>
+__device__ void gemm_iq(const Mat& w, IqRows x, float* y, int ntok, int kc) {
+    __shared__ IqTiles<64, 64> s;
+    __shared__ int row[64];
+    const long r0 = (long)blockIdx.x * 64, n0 = (long)blockIdx.y * 64;
+    if (threadIdx.x < 64) row[threadIdx.x] = n0 + threadIdx.x < ntok ? (int)(n0 + threadIdx.x) : -1;
+    __syncthreads();
+    float acc[2][4][4];
+    const int k_begin = blockIdx.z * kc;
+    iq_tile<K, 2, 4, 2, 2>(w, r0, x, row, s, acc, k_begin, min(k_begin + kc, w.cols));
+    y += (long)blockIdx.z * ntok * w.rows;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long r = r0 + frag_row<2, 4, 2>(i, e), n = n0 + frag_token<2, 4, 2>(j, e);
+                if (r < w.rows && n < ntok) y[n * w.rows + r] = acc[i][j][e];
+            }
+}
+
+#define GEMM_IQ(K, KN) \
+    extern "C" __global__ void __launch_bounds__(128, 4) gemm_iq_##KN( \
+        Mat w, const signed char* xq, const float* xd, const float* xs, float* y, int ntok, int kc) { \
+        PDL_START(); \
+        gemm_iq<K>(w, IqRows{xq, xd, xs}, y, ntok, kc); \
+    }
+GEMM_IQ(K_Q4, q4) GEMM_IQ(K_Q8, q8)
+
+// The up-to-BN pairs of expert slot blockIdx.y's tile blockIdx.z and their rows of x (pair /
+// row_div; -1: padding); false when the tile is empty.
+template <int BN>
+__device__ __forceinline__ bool moe_tile_pairs(const int* offsets, const int* sorted, int row_div,
+                                               int* pair, int* row) {
+    const int slot = blockIdx.y;
+    const int begin = offsets[slot] + blockIdx.z * BN, end = offsets[slot + 1];
+    if (begin >= end) return false;
+    if (threadIdx.x < BN) {
+        const int i = begin + threadIdx.x;
+        const int p = i < end ? sorted[i] : -1;
+        pair[threadIdx.x] = p;
+        row[threadIdx.x] = p >= 0 ? p / row_div : -1;
+    }
+    __syncthreads();
+    return true;
+}
+
+// moe_gate_up_tq and moe_down_tq from 8-bit activations: gate_up writes hg[pair] = [gate | up]
+// from x's token rows; down writes d[pair] = down(h[pair]) from h quantized per pair (with
+// quant_q8_rows' GLU). Grids as theirs.
+template <int WK, int MI, int NJ>
+__device__ void moe_iq(const ExpertMats* experts, const int* offsets, const int* sorted, int K,
+                       IqRows x, float* out, bool down) {
+    constexpr int BM = 64 * MI, BN = 8 * NJ;
+    __shared__ IqTiles<BM, BN> s;
+    __shared__ int pair[BN], row[BN];
+    const ExpertMats& e = experts[blockIdx.y];
+    const int inter = e.gate.rows, gate_tiles = (inter + BM - 1) / BM;
+    const bool up = !down && blockIdx.x >= gate_tiles;
+    const Mat m = down ? e.down : (up ? e.up : e.gate);
+    const long r0 = (long)(up ? blockIdx.x - gate_tiles : blockIdx.x) * BM;
+    if (!moe_tile_pairs<BN>(offsets, sorted, down ? 1 : K, pair, row)) return;
+    float acc[MI][NJ][4];
+    iq_tile<WK, MI, NJ, 4, 1>(m, r0, x, row, s, acc, 0, m.cols);
+    const long stride = down ? m.rows : 2 * inter;
+    float* o = out + (up ? inter : 0);
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const long r = r0 + frag_row<MI, NJ, 1>(i, q);
+                const int p = pair[frag_token<MI, NJ, 1>(j, q)];
+                if (r < m.rows && p >= 0) o[(long)p * stride + r] = acc[i][j][q];
+            }
+}
+
+#define MOE_IQ(WK, KN, MI, NJ) \
+    extern "C" __global__ void __launch_bounds__(128, 4) moe_gate_up_iq_##KN##_n##NJ( \
+        const ExpertMats* experts, const int* offsets, const int* sorted, int K, \
+        const signed char* xq, const float* xd, const float* xs, float* hg) { PDL_START(); \
+        moe_iq<WK, MI, NJ>(experts, offsets, sorted, K, IqRows{xq, xd, xs}, hg, false); \
+    } \
+    extern "C" __global__ void __launch_bounds__(128, 4) moe_down_iq_##KN##_n##NJ( \
+        const ExpertMats* experts, const int* offsets, const int* sorted, \
+        const signed char* hq, const float* hd, const float* hs, float* d) { PDL_START(); \
+        moe_iq<WK, MI, NJ>(experts, offsets, sorted, 1, IqRows{hq, hd, hs}, d, true); \
+    }
+MOE_IQ(K_Q4, q4, 2, 4) MOE_IQ(K_Q8, q8, 2, 4) MOE_IQ(K_Q4, q4, 4, 2) MOE_IQ(K_Q8, q8, 4, 2)

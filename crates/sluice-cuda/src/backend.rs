@@ -14,7 +14,7 @@ use sluice_backend::{
 use crate::device::{grid, Arg, DevBuf, Device};
 use crate::expert_cache::SlotHold;
 use crate::in_place::{InPlace, InPlaceLayer};
-use crate::kernels::DECODE_HEAD_DIMS;
+use crate::kernels::{DECODE_HEAD_DIMS, INT8_KINDS};
 use crate::mat::{describe, ExpertMats, Mat, MatSet, Spread, MAT_SET_MAX, SPREAD_ROWS};
 use crate::vram_experts::{
     device_address, is_pinned, size_slots, CudaPinner, PinnedRanges, Staged, VramExperts,
@@ -182,6 +182,9 @@ pub struct CudaBackend {
     pinned: PinnedRanges,
     /// Layers whose experts the kernels read in host memory, and their VRAM tier.
     in_place: Mutex<InPlace>,
+    /// Many-token products of 4- and 8-bit weights with activations quantized to 8 bits
+    /// (`gemm_iq`, `moe_*_iq`: llama.cpp's arithmetic) instead of exactly (`*_tq`).
+    fast_prefill: bool,
 }
 
 /// Limits of the kernels (checked where the shapes are first known).
@@ -280,7 +283,60 @@ impl CudaBackend {
             vram: Mutex::new(None),
             pinned: PinnedRanges::default(),
             in_place: Mutex::new(InPlace::default()),
+            fast_prefill: false,
         }
+    }
+
+    /// With `fast`, products of many tokens with 4- and 8-bit weights quantize the activations
+    /// to 8 bits per 32 columns and multiply in integers (as llama.cpp does; the CPU's `fast`
+    /// kernels do the same for decode); without, they are exact to f32 rounding (the default).
+    pub fn with_fast_prefill(mut self, fast: bool) -> Self {
+        self.fast_prefill = fast;
+        self
+    }
+
+    /// The `INT8_KINDS` index of the 8-bit-activation kernels for weights of this exact kind,
+    /// when the fast prefill is on.
+    fn int8_kind(&self, exact: usize) -> Option<usize> {
+        (self.fast_prefill && exact < INT8_KINDS.len()).then_some(exact)
+    }
+
+    /// Quantizes `rows` rows of `cols` values at `x` (with `glu`, rows of `2 cols`, gate then up,
+    /// quantizing silu(gate) * up) to 8 bits per 32 columns: the buffer, and the addresses of the
+    /// values, the scales and the sums in it.
+    fn quantize_rows(
+        &self,
+        x: u64,
+        rows: usize,
+        cols: usize,
+        glu: bool,
+    ) -> Option<(DevBuf, [u64; 3])> {
+        let values = (rows * cols).next_multiple_of(16);
+        let blocks = rows * cols / 32;
+        let buf = self
+            .d
+            .alloc_or_record(values + 2 * blocks * 4, "8-bit activations")?;
+        let parts = [
+            buf.ptr,
+            buf.ptr + values as u64,
+            buf.ptr + (values + blocks * 4) as u64,
+        ];
+        // A warp per 32 columns.
+        self.d.launch(
+            &self.d.k.quant_q8_rows,
+            (grid(blocks, 8), 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(x),
+                Arg::I64(rows as i64),
+                Arg::I32(cols as i32),
+                Arg::I32(glu as i32),
+                Arg::Ptr(parts[0]),
+                Arg::Ptr(parts[1]),
+                Arg::Ptr(parts[2]),
+            ],
+        );
+        Some((buf, parts))
     }
 
     /// Lets go of the host memory of expert uploads that have finished.
@@ -409,18 +465,23 @@ impl CudaBackend {
             } else {
                 None
             };
-            self.d.launch(
-                &k.gemm_tq[e],
-                (grid(rows, 64), grid(tokens, 64), splits as u32),
-                (128, 1, 1),
-                &[
-                    Arg::Mat(*w),
-                    Arg::Ptr(x),
-                    Arg::Ptr(part.as_ref().map_or(out, |p| p.ptr)),
-                    Arg::I32(tokens as i32),
-                    Arg::I32(kc as i32),
-                ],
-            );
+            let y = part.as_ref().map_or(out, |p| p.ptr);
+            let launch_grid = (grid(rows, 64), grid(tokens, 64), splits as u32);
+            let tail = [Arg::Ptr(y), Arg::I32(tokens as i32), Arg::I32(kc as i32)];
+            if let Some(i) = self.int8_kind(e) {
+                let Some((_q, [xq, xd, xs])) = self.quantize_rows(x, tokens, cols, false) else {
+                    return;
+                };
+                let mut args = vec![Arg::Mat(*w), Arg::Ptr(xq), Arg::Ptr(xd), Arg::Ptr(xs)];
+                args.extend(tail);
+                self.d
+                    .launch(&k.gemm_iq[i], launch_grid, (128, 1, 1), &args);
+            } else {
+                let mut args = vec![Arg::Mat(*w), Arg::Ptr(x)];
+                args.extend(tail);
+                self.d
+                    .launch(&k.gemm_tq[e], launch_grid, (128, 1, 1), &args);
+            }
             if let Some(part) = part {
                 let n = tokens * rows;
                 self.elementwise(
@@ -606,9 +667,7 @@ impl CudaBackend {
         sample: &ExpertMats,
         out: &CudaAct,
     ) {
-        let (Some(xp), Some(op), Some(ids), Some(weights)) =
-            (x.ptr(), out.ptr(), &routing.ids, &routing.weights)
-        else {
+        let (Some(xp), Some(op), Some(ids)) = (x.ptr(), out.ptr(), &routing.ids) else {
             return;
         };
         let pairs = routing.rows * routing.k;
@@ -654,6 +713,51 @@ impl CudaBackend {
         // An expert has at most one pair per token (top-k picks distinct experts).
         // Tall tiles of few pairs when experts have few (~32 at 512 tokens, 128 experts, top 8).
         let tile = usize::from(pairs < 24 * slots);
+        if let Some((g, dk)) = exact {
+            if let (Some(g), Some(dk)) = (self.int8_kind(g), self.int8_kind(dk)) {
+                let (pairs_per_tile, rows_per_tile) = [(32, 128), (16, 256)][tile];
+                let z = grid(routing.rows, pairs_per_tile);
+                let Some((_xq, [xq, xd, xs])) = self.quantize_rows(xp, routing.rows, hidden, false)
+                else {
+                    return;
+                };
+                self.d.launch(
+                    &k.moe_gate_up_iq[tile][g],
+                    (2 * grid(inter, rows_per_tile), slots as u32, z),
+                    (128, 1, 1),
+                    &[
+                        Arg::Ptr(table),
+                        Arg::Ptr(offsets),
+                        Arg::Ptr(sorted),
+                        Arg::I32(routing.k as i32),
+                        Arg::Ptr(xq),
+                        Arg::Ptr(xd),
+                        Arg::Ptr(xs),
+                        Arg::Ptr(h.ptr),
+                    ],
+                );
+                let Some((_hq, [hq, hd, hs])) = self.quantize_rows(h.ptr, pairs, inter, true)
+                else {
+                    return;
+                };
+                self.d.launch(
+                    &k.moe_down_iq[tile][dk],
+                    (grid(hidden, rows_per_tile), slots as u32, z),
+                    (128, 1, 1),
+                    &[
+                        Arg::Ptr(table),
+                        Arg::Ptr(offsets),
+                        Arg::Ptr(sorted),
+                        Arg::Ptr(hq),
+                        Arg::Ptr(hd),
+                        Arg::Ptr(hs),
+                        Arg::Ptr(d.ptr),
+                    ],
+                );
+                self.moe_combine(routing, table, (present_ptr, n_present), d.ptr, op, hidden);
+                return;
+            }
+        }
         let (gate_up, down, rows_per_tile, pairs_per_tile, gate_up_grid_x) = match exact {
             Some((g, d)) => {
                 let (pairs_per_tile, rows_per_tile) = [(32, 128), (16, 256)][tile];
@@ -700,8 +804,24 @@ impl CudaBackend {
                 Arg::Ptr(d.ptr),
             ],
         );
+        self.moe_combine(routing, table, (present_ptr, n_present), d.ptr, op, hidden);
+    }
+
+    /// out[t] += the routing-weighted down outputs `d` of token t's pairs, in ascending expert id.
+    fn moe_combine(
+        &self,
+        routing: &CudaRouting,
+        table: u64,
+        (present_ptr, n_present): (u64, i32),
+        d: u64,
+        out: u64,
+        hidden: usize,
+    ) {
+        let (Some(ids), Some(weights)) = (&routing.ids, &routing.weights) else {
+            return;
+        };
         self.d.launch(
-            &k.moe_combine,
+            &self.d.k.moe_combine,
             (routing.rows as u32, 1, 1),
             (256, 1, 1),
             &[
@@ -711,8 +831,8 @@ impl CudaBackend {
                 Arg::Ptr(ids.ptr),
                 Arg::Ptr(weights.ptr),
                 Arg::I32(routing.k as i32),
-                Arg::Ptr(d.ptr),
-                Arg::Ptr(op),
+                Arg::Ptr(d),
+                Arg::Ptr(out),
                 Arg::I32(hidden as i32),
             ],
         );

@@ -20,6 +20,10 @@ pub(crate) const KINDS: [&str; 4] = ["generic", "q4", "q8", "bf16"];
 /// The weight kinds of the exact-weight tensor-core kernels (`gemm_tq`, `moe_*_tq`).
 pub(crate) const EXACT_KINDS: [&str; 3] = ["q4", "q8", "bf16"];
 
+/// The weight kinds of the 8-bit-activation tensor-core kernels (`gemm_iq`, `moe_*_iq`): the
+/// affine ones of [`EXACT_KINDS`], at the same indices.
+pub(crate) const INT8_KINDS: [&str; 2] = ["q4", "q8"];
+
 /// Every kernel the backend launches.
 pub(crate) struct Kernels {
     /// Kernel names by function handle (`{:?}` of it), for the profile.
@@ -95,6 +99,12 @@ pub(crate) struct Kernels {
     pub moe_gate_up_tq: Vec<Vec<CudaFunction>>,
     pub moe_down_tq: Vec<Vec<CudaFunction>>,
     pub moe_combine: CudaFunction,
+    /// The `fast` prefill: activations to 8 bits per 32 columns, then integer tensor-core
+    /// products by [`INT8_KINDS`] (`gemm_iq`; the MoE's `[tile][kind]` as `moe_*_tq`).
+    pub quant_q8_rows: CudaFunction,
+    pub gemm_iq: Vec<CudaFunction>,
+    pub moe_gate_up_iq: Vec<Vec<CudaFunction>>,
+    pub moe_down_iq: Vec<Vec<CudaFunction>>,
     pub causal_conv1d_silu: CudaFunction,
     pub gated_delta_rule: CudaFunction,
     /// Many tokens: the state-free inputs of every token, then the recurrence by rows.
@@ -129,17 +139,18 @@ impl Kernels {
             Ok::<_, DriverError>(func)
         };
         // `[tile][exact kind]`: tiles of 32 pairs (NJ = 4), then of 16 (NJ = 2).
-        let by_tile_and_kind = |name: &str| -> Result<Vec<Vec<CudaFunction>>, DriverError> {
-            [4, 2]
-                .iter()
-                .map(|n| {
-                    EXACT_KINDS
-                        .iter()
-                        .map(|k| f(&format!("{name}_{k}_n{n}")))
-                        .collect()
-                })
-                .collect()
-        };
+        let by_tile_and_kind =
+            |name: &str, kinds: &[&str]| -> Result<Vec<Vec<CudaFunction>>, DriverError> {
+                [4, 2]
+                    .iter()
+                    .map(|n| {
+                        kinds
+                            .iter()
+                            .map(|k| f(&format!("{name}_{k}_n{n}")))
+                            .collect()
+                    })
+                    .collect()
+            };
         Ok(Kernels {
             names: HashMap::new(),
             gemv_r2: KINDS
@@ -209,8 +220,15 @@ impl Kernels {
             moe_group: f("moe_group")?,
             moe_gate_up_tc: f("moe_gate_up_tc_generic")?,
             moe_down_tc: f("moe_down_tc_generic")?,
-            moe_gate_up_tq: by_tile_and_kind("moe_gate_up_tq")?,
-            moe_down_tq: by_tile_and_kind("moe_down_tq")?,
+            moe_gate_up_tq: by_tile_and_kind("moe_gate_up_tq", &EXACT_KINDS)?,
+            moe_down_tq: by_tile_and_kind("moe_down_tq", &EXACT_KINDS)?,
+            quant_q8_rows: f("quant_q8_rows")?,
+            gemm_iq: INT8_KINDS
+                .iter()
+                .map(|k| f(&format!("gemm_iq_{k}")))
+                .collect::<Result<_, _>>()?,
+            moe_gate_up_iq: by_tile_and_kind("moe_gate_up_iq", &INT8_KINDS)?,
+            moe_down_iq: by_tile_and_kind("moe_down_iq", &INT8_KINDS)?,
             moe_combine: f("moe_combine")?,
             moe_down_b: KINDS
                 .iter()

@@ -1,0 +1,191 @@
+//! The GPU's fast prefill (`CudaBackend::with_fast_prefill`: products of many tokens with 4- and
+//! 8-bit weights against activations quantized to 8 bits per 32 columns, on integer tensor
+//! cores) against the exact kernels on CUDA device 0, prefill (all tokens in one call):
+//!
+//! - Every quantized reference fixture and the demo model: mean KL divergence of the fast
+//!   distribution from the exact one, argmax agreement, and max|diff| against the reference.
+//! - The demo model (trained): held-out perplexity within 0.5% of the exact path's.
+//!
+//! The exact path is the one held to the reference implementations (`reference_logits.rs`).
+//! It needs an NVIDIA GPU: without one these tests are reported as ignored, not passed. On a GPU
+//! machine: `cargo test -p sluice-cuda --test fast_prefill -- --ignored`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sluice_cuda::CudaBackend;
+use sluice_engine::{npy, Engine, LoadOptions, LogitsMode};
+
+fn repo() -> PathBuf {
+    std::env::var_os("SLUICE_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
+fn load(dir: &Path, fast: bool) -> Engine<CudaBackend> {
+    let backend = sluice_cuda::open(0)
+        .unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
+        .with_fast_prefill(fast);
+    Engine::load(dir, Arc::new(backend), &LoadOptions::default())
+        .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let lse = row
+        .iter()
+        .map(|&v| (v as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
+    row.iter().map(|&v| v as f64 - lse).collect()
+}
+
+fn argmax(row: &[f32]) -> usize {
+    (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })
+}
+
+/// Mean over positions of KL(exact || fast), and the share of positions whose argmax agrees.
+fn kl_and_agreement(exact: &[f32], fast: &[f32], vocab: usize) -> (f64, f64) {
+    let (mut kl, mut agree, mut n) = (0.0, 0, 0);
+    for (e, f) in exact.chunks(vocab).zip(fast.chunks(vocab)) {
+        let (le, lf) = (log_softmax(e), log_softmax(f));
+        kl += le
+            .iter()
+            .zip(&lf)
+            .map(|(a, b)| a.exp() * (a - b))
+            .sum::<f64>();
+        agree += usize::from(argmax(e) == argmax(f));
+        n += 1;
+    }
+    (kl / n as f64, agree as f64 / n as f64)
+}
+
+/// The fixtures with 4- or 8-bit weights (the others have nothing for the fast path to do).
+const FIXTURES: [&str; 5] = [
+    "qwen3_moe-q4",
+    "qwen3_moe-q8",
+    "qwen3_moe-q4g128",
+    "qwen3_5_moe-q4",
+    "qwen3_5_moe-q8",
+];
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored"]
+fn prefill_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
+    let root = repo();
+    let mut cases: Vec<(String, PathBuf, PathBuf)> = FIXTURES
+        .iter()
+        .map(|f| {
+            let d = root.join("tests/fixtures").join(f);
+            (f.to_string(), d.clone(), d)
+        })
+        .collect();
+    cases.push((
+        "demo".into(),
+        root.join("models/demo"),
+        root.join("tests/fixtures/demo-reference"),
+    ));
+    eprintln!("| model | mean KL(exact || fast) | argmax agreement | fast max|diff| / max|ref| |");
+    eprintln!("|---|---|---|---|");
+    for (name, model, refs) in cases {
+        let text = std::fs::read_to_string(refs.join("reference.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let tokens: Vec<u32> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert!(
+            tokens.len() > 8,
+            "{name}: too few tokens for the prefill kernels"
+        );
+        let exact_engine = load(&model, false);
+        let vocab = exact_engine.model.info().vocab_size;
+        let exact = exact_engine.logits(&tokens, LogitsMode::Prefill).unwrap();
+        drop(exact_engine);
+        let fast = load(&model, true)
+            .logits(&tokens, LogitsMode::Prefill)
+            .unwrap();
+        let (want, _) = npy::read_f32(&refs.join("logits_prefill.npy")).unwrap();
+        let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let max_diff = fast
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let (kl, agree) = kl_and_agreement(&exact, &fast, vocab);
+        eprintln!(
+            "| {name} | {kl:.2e} | {:.1}% | {:.2e} |",
+            agree * 100.0,
+            max_diff / max_ref
+        );
+        assert_ne!(exact, fast, "{name}: the fast kernels did not run");
+        // As the CPU's fast-kernel test: the fixtures' random weights and near-uniform routers
+        // make a small change flip expert choices (loose bounds; a wrong layout or scale gives
+        // a KL of order 1 and chance agreement); the trained demo model's bounds are what
+        // generation sees.
+        let (max_kl, min_agree) = if name == "demo" {
+            (1e-2, 0.9)
+        } else {
+            (0.1, 0.7)
+        };
+        assert!(kl < max_kl, "{name}: mean KL {kl:.2e} >= {max_kl}");
+        assert!(
+            agree >= min_agree,
+            "{name}: argmax agrees at {:.1}% < {:.0}%",
+            agree * 100.0,
+            min_agree * 100.0
+        );
+    }
+}
+
+/// Mean negative log-likelihood of `tokens[1..]` from full-sequence logits.
+fn mean_nll(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
+    let rows = logits.chunks(vocab).take(tokens.len() - 1);
+    let total: f64 = rows
+        .enumerate()
+        .map(|(t, row)| -log_softmax(row)[tokens[t + 1] as usize])
+        .sum();
+    total / (tokens.len() - 1) as f64
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored"]
+fn demo_model_prefill_perplexity_within_half_a_percent_of_the_exact_kernels() {
+    let dir = repo().join("models/demo");
+    let exact = load(&dir, false);
+    let fast = load(&dir, true);
+    let vocab = exact.model.info().vocab_size;
+    let heldout = std::fs::read_to_string(dir.join("eval/heldout_text.jsonl")).unwrap();
+    let (mut nll_exact, mut nll_fast, mut count) = (0.0, 0.0, 0);
+    for line in heldout.lines().filter(|l| !l.trim().is_empty()).take(6) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let mut tokens = exact
+            .tokenizer
+            .encode(v["text"].as_str().unwrap(), false)
+            .unwrap();
+        tokens.truncate(192);
+        let n = (tokens.len() - 1) as f64;
+        let e = exact.logits(&tokens, LogitsMode::Prefill).unwrap();
+        let f = fast.logits(&tokens, LogitsMode::Prefill).unwrap();
+        nll_exact += mean_nll(&e, &tokens, vocab) * n;
+        nll_fast += mean_nll(&f, &tokens, vocab) * n;
+        count += tokens.len() - 1;
+    }
+    let (ppl_exact, ppl_fast) = (
+        (nll_exact / count as f64).exp(),
+        (nll_fast / count as f64).exp(),
+    );
+    let change = ppl_fast / ppl_exact - 1.0;
+    eprintln!(
+        "held-out perplexity over {count} tokens (prefill on the GPU): exact {ppl_exact:.4}, \
+         fast {ppl_fast:.4} ({:+.3}%)",
+        change * 100.0
+    );
+    assert!(
+        change.abs() < 0.005,
+        "fast prefill perplexity {ppl_fast:.4} vs exact {ppl_exact:.4}: {:+.3}%",
+        change * 100.0
+    );
+}
