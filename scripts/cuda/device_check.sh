@@ -2,9 +2,9 @@
 # The GPU checks a change to the CUDA backend must pass, on a machine without Rust (the lent GPU
 # machine), from the bundle scripts/cuda/device_bundle.sh makes. From the repository root there:
 #   bash scripts/cuda/device_check.sh [.device/bundle.tar.xz]
-# Runs the backend conformance suite and the reference-logit suite on CUDA device 0, then the demo
-# model's greedy text on the CPU and the GPU (two prompts, and with experts streamed through a 4 MiB
-# cache), which must be identical. Prints one line per check and exits non-zero if any failed.
+# Runs the backend conformance suite, the reference-logit suite and the fast-prefill suite on CUDA
+# device 0, then the demo model's greedy text with the exact kernels on the CPU and the GPU (two
+# prompts, and with experts streamed through a 4 MiB cache), which must be identical. Prints one line per check and exits non-zero if any failed.
 set -uo pipefail
 bundle="${1:-.device/bundle.tar.xz}"
 [ -f "$bundle" ] || { echo "error: no bundle at $bundle (make it with scripts/cuda/device_bundle.sh)" >&2; exit 2; }
@@ -26,13 +26,16 @@ suite() { # name: the test binary; prints cargo's summary line
 }
 suite conformance
 suite reference_logits
+suite fast_prefill
 same() { # label, generate arguments...
     local label=$1; shift
     local cpu cuda
     # The CPU's exact kernels: its default fast ones quantize activations, and their greedy
     # text may part from the exact computation after a few tokens.
     cpu=$("$bin/sluice" generate --device cpu --kernels exact "$@" 2>/dev/null)
-    cuda=$("$bin/sluice" generate --device cuda "$@" 2>/dev/null)
+    # The GPU's exact kernels too: its default fast prefill quantizes activations (tested
+    # against the exact path by the fast_prefill suite).
+    cuda=$("$bin/sluice" generate --device cuda --kernels exact "$@" 2>/dev/null)
     if [ -n "$cpu" ] && [ "$cpu" = "$cuda" ]; then
         echo "demo greedy, $label: cpu == cuda"
     else

@@ -1940,12 +1940,18 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_q4_w(
 // offsets[s] .. offsets[s + 1] of `sorted` are the pairs (t * K + j) routed to expert slot s (in no
 // particular order: each pair's result does not depend on its neighbours); pairs whose expert is
 // absent are left out. One block of 1024 threads; n_slots <= 1024; `rank` is scratch [npairs].
+// `tiles` maps the MoE kernels' blocks to work ([3][max_tiles]): tile t of `bn` pairs is slot
+// tiles[t]'s (-1: none, past the last), its pairs sorted[tiles[max_tiles + t] ..] and
+// tiles[2 max_tiles + t] of them; the slots' tiles in turn, so that no block is launched for an
+// expert without pairs.
 extern "C" __global__ void __launch_bounds__(1024) moe_group(const uint32_t* present, int n_present,
                                                              const uint32_t* ids, int npairs,
                                                              int n_slots, int* offsets,
-                                                             int* sorted, int* rank) {
+                                                             int* sorted, int* rank, int bn,
+                                                             int max_tiles, int* tiles) {
     PDL_START();
     __shared__ int count[1024];
+    __shared__ int tile_start[1025];
     for (int s = threadIdx.x; s < n_slots; s += blockDim.x) count[s] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
@@ -1954,52 +1960,71 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const uint32_t* pre
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int total = 0;
+        int total = 0, total_tiles = 0;
         for (int s = 0; s < n_slots; s++) {
             const int c = count[s];
             count[s] = total;
             offsets[s] = total;
+            tile_start[s] = total_tiles;
             total += c;
+            total_tiles += (c + bn - 1) / bn;
         }
         offsets[n_slots] = total;
+        tile_start[n_slots] = total_tiles;
     }
     __syncthreads();
     for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
         const int r = rank[p];
         if (r >= 0) sorted[count[expert_slot(ids[p], present, n_present)] + r] = p;
     }
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
+        const int end = offsets[s + 1];
+        for (int t = tile_start[s]; t < tile_start[s + 1] && t < max_tiles; t++) {
+            const int first = offsets[s] + (t - tile_start[s]) * bn;
+            tiles[t] = s;
+            tiles[max_tiles + t] = first;
+            tiles[2 * max_tiles + t] = min(bn, end - first);
+        }
+    }
+    for (int t = tile_start[n_slots] + threadIdx.x; t < max_tiles; t += blockDim.x) tiles[t] = -1;
 }
 
-// The up-to-BN pairs of expert slot blockIdx.y's tile blockIdx.z, and their input rows (row
-// pair / row_div of `in`, `cols` wide); returns false when the tile is empty.
+// The MoE block's tile: its index in moe_group's `tiles` (y, then z: a grid's y is at most 65535)
+// and their number (max_tiles).
+__device__ __forceinline__ int moe_tile() { return blockIdx.y + gridDim.y * blockIdx.z; }
+__device__ __forceinline__ int moe_tiles() { return gridDim.y * gridDim.z; }
+
+// The expert slot of this MoE block's tile, or -1.
+__device__ __forceinline__ int moe_tile_slot(const int* tiles) { return tiles[moe_tile()]; }
+
+// The up-to-BN pairs of this block's tile (blockIdx.y of moe_group's `tiles`, of a slot that
+// has one), and their input rows (row pair / row_div of `in`, `cols` wide).
 template <int BN>
-__device__ __forceinline__ bool moe_tile_rows(const int* offsets, const int* sorted, int row_div,
+__device__ __forceinline__ void moe_tile_rows(const int* tiles, const int* sorted, int row_div,
                                               const float* in, int cols, int* pair,
                                               const float** rows) {
-    const int slot = blockIdx.y;
-    const int begin = offsets[slot] + blockIdx.z * BN, end = offsets[slot + 1];
-    if (begin >= end) return false;
+    const int first = tiles[moe_tiles() + moe_tile()], count = tiles[2 * moe_tiles() + moe_tile()];
     if (threadIdx.x < BN) {
-        const int i = begin + threadIdx.x;
-        const int p = i < end ? sorted[i] : -1;
+        const int p = (int)threadIdx.x < count ? sorted[first + threadIdx.x] : -1;
         pair[threadIdx.x] = p;
         rows[threadIdx.x] = p >= 0 ? in + (long)(p / row_div) * cols : nullptr;
     }
     __syncthreads();
-    return true;
 }
 
-// h[pair] = silu(gate(x_t)) * up(x_t) for the pairs of each expert. Grid (inter / 64, slots,
-// tokens / 64): an expert has at most one pair per token.
+// h[pair] = silu(gate(x_t)) * up(x_t) for the pairs of each expert. Grid (inter / 64, tiles of 64
+// pairs: moe_group's map).
 template <int WK>
-__device__ void moe_gate_up_tc(const ExpertMats* experts, const int* offsets, const int* sorted,
+__device__ void moe_gate_up_tc(const ExpertMats* experts, const int* tiles, const int* sorted,
                                int K, const float* x, float* h) {
     __shared__ TcTiles<2> s;
     __shared__ const float* rows[TC_BN];
     __shared__ int pair[TC_BN];
-    const Mat m[2] = {experts[blockIdx.y].gate, experts[blockIdx.y].up};
+    const int slot = moe_tile_slot(tiles);
+    if (slot < 0) return;
+    const Mat m[2] = {experts[slot].gate, experts[slot].up};
     const long r0 = (long)blockIdx.x * TC_BM;
-    if (!moe_tile_rows<TC_BN>(offsets, sorted, K, x, m[0].cols, pair, rows)) return;
+    moe_tile_rows<TC_BN>(tiles, sorted, K, x, m[0].cols, pair, rows);
     float acc[2][2][4][4];
     tc_tile<WK, 2>(m, r0, rows, s, acc);
 #pragma unroll
@@ -2017,16 +2042,18 @@ __device__ void moe_gate_up_tc(const ExpertMats* experts, const int* offsets, co
             }
 }
 
-// d[pair] = down(h[pair]) for the pairs of each expert. Grid (hidden / 64, slots, tokens / 64).
+// d[pair] = down(h[pair]) for the pairs of each expert. Grid (hidden / 64, tiles of 64 pairs).
 template <int WK>
-__device__ void moe_down_tc(const ExpertMats* experts, const int* offsets, const int* sorted,
+__device__ void moe_down_tc(const ExpertMats* experts, const int* tiles, const int* sorted,
                             const float* h, float* d) {
     __shared__ TcTiles<1> s;
     __shared__ const float* rows[TC_BN];
     __shared__ int pair[TC_BN];
-    const Mat m = experts[blockIdx.y].down;
+    const int slot = moe_tile_slot(tiles);
+    if (slot < 0) return;
+    const Mat m = experts[slot].down;
     const long r0 = (long)blockIdx.x * TC_BM;
-    if (!moe_tile_rows<TC_BN>(offsets, sorted, 1, h, m.cols, pair, rows)) return;
+    moe_tile_rows<TC_BN>(tiles, sorted, 1, h, m.cols, pair, rows);
     float acc[1][2][4][4];
     tc_tile<WK, 1>(&m, r0, rows, s, acc);
 #pragma unroll
@@ -2043,36 +2070,38 @@ __device__ void moe_down_tc(const ExpertMats* experts, const int* offsets, const
 
 #define MOE_TC(WK, KN) \
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tc_##KN( \
-        const ExpertMats* experts, const int* offsets, const int* sorted, int K, const float* x, \
+        const ExpertMats* experts, const int* tiles, const int* sorted, int K, const float* x, \
         float* h) { PDL_START(); \
-        moe_gate_up_tc<WK>(experts, offsets, sorted, K, x, h); \
+        moe_gate_up_tc<WK>(experts, tiles, sorted, K, x, h); \
     } \
     extern "C" __global__ void __launch_bounds__(128) moe_down_tc_##KN( \
-        const ExpertMats* experts, const int* offsets, const int* sorted, const float* h, \
+        const ExpertMats* experts, const int* tiles, const int* sorted, const float* h, \
         float* d) { PDL_START(); \
-        moe_down_tc<WK>(experts, offsets, sorted, h, d); \
+        moe_down_tc<WK>(experts, tiles, sorted, h, d); \
     }
 MOE_TC(K_GENERIC, generic)
 
 // The tensor-core MoE kernels for exact weights, over each expert's pairs, BN = 8 NJ pairs and
 // BM = 64 MI rows a block (warps 4 x 1: tall tiles, because an expert has few pairs, ~32 at 512
 // tokens, 128 experts, top 8). moe_gate_up_tq writes gate(x_t) and up(x_t) side by side, hg[pair]
-// = [gate | up] (grid (2 inter / BM, slots, tokens / BN): gate and up in different blocks keeps
+// = [gate | up] (grid (2 inter / BM, tiles of BN pairs): gate and up in different blocks keeps
 // the registers of one product); moe_down_tq computes d[pair] = down(silu(gate) * up) (grid
-// (hidden / BM, slots, tokens / BN)).
+// (hidden / BM, tiles)).
 template <int WK, int MI, int NJ>
-__device__ void moe_gate_up_tq(const ExpertMats* experts, const int* offsets, const int* sorted,
+__device__ void moe_gate_up_tq(const ExpertMats* experts, const int* tiles, const int* sorted,
                                int K, const float* x, float* hg) {
     constexpr int BM = 64 * MI, BN = 8 * NJ;
     __shared__ TqTiles<1, BM, BN> s;
     __shared__ const float* rows[BN];
     __shared__ int pair[BN];
-    const ExpertMats& e = experts[blockIdx.y];
+    const int slot = moe_tile_slot(tiles);
+    if (slot < 0) return;
+    const ExpertMats& e = experts[slot];
     const int inter = e.gate.rows, gate_tiles = (inter + BM - 1) / BM;
     const bool up = blockIdx.x >= gate_tiles;
     const Mat m = up ? e.up : e.gate;
     const long r0 = (long)(up ? blockIdx.x - gate_tiles : blockIdx.x) * BM;
-    if (!moe_tile_rows<BN>(offsets, sorted, K, x, m.cols, pair, rows)) return;
+    moe_tile_rows<BN>(tiles, sorted, K, x, m.cols, pair, rows);
     float acc[1][MI][NJ][4];
     tq_tile<WK, 1, MI, NJ, 4, 1>(&m, r0, rows, s, acc, 0, m.cols);
     float* out = hg + (up ? inter : 0);
@@ -2089,15 +2118,17 @@ __device__ void moe_gate_up_tq(const ExpertMats* experts, const int* offsets, co
 }
 
 template <int WK, int MI, int NJ>
-__device__ void moe_down_tq(const ExpertMats* experts, const int* offsets, const int* sorted,
+__device__ void moe_down_tq(const ExpertMats* experts, const int* tiles, const int* sorted,
                             const float* hg, float* d) {
     constexpr int BM = 64 * MI, BN = 8 * NJ;
     __shared__ TqTiles<1, BM, BN> s;
     __shared__ const float* rows[BN];
     __shared__ int pair[BN];
-    const Mat m = experts[blockIdx.y].down;
+    const int slot = moe_tile_slot(tiles);
+    if (slot < 0) return;
+    const Mat m = experts[slot].down;
     const long r0 = (long)blockIdx.x * BM;
-    if (!moe_tile_rows<BN>(offsets, sorted, 1, hg, 2 * m.cols, pair, rows)) return;
+    moe_tile_rows<BN>(tiles, sorted, 1, hg, 2 * m.cols, pair, rows);
     float acc[1][MI][NJ][4];
     tq_tile<WK, 1, MI, NJ, 4, 1, true>(&m, r0, rows, s, acc, 0, m.cols);
 #pragma unroll
@@ -2114,14 +2145,14 @@ __device__ void moe_down_tq(const ExpertMats* experts, const int* offsets, const
 
 #define MOE_TQ(WK, KN, MI, NJ) \
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tq_##KN##_n##NJ( \
-        const ExpertMats* experts, const int* offsets, const int* sorted, int K, const float* x, \
+        const ExpertMats* experts, const int* tiles, const int* sorted, int K, const float* x, \
         float* hg) { PDL_START(); \
-        moe_gate_up_tq<WK, MI, NJ>(experts, offsets, sorted, K, x, hg); \
+        moe_gate_up_tq<WK, MI, NJ>(experts, tiles, sorted, K, x, hg); \
     } \
     extern "C" __global__ void __launch_bounds__(128) moe_down_tq_##KN##_n##NJ( \
-        const ExpertMats* experts, const int* offsets, const int* sorted, const float* hg, \
+        const ExpertMats* experts, const int* tiles, const int* sorted, const float* hg, \
         float* d) { PDL_START(); \
-        moe_down_tq<WK, MI, NJ>(experts, offsets, sorted, hg, d); \
+        moe_down_tq<WK, MI, NJ>(experts, tiles, sorted, hg, d); \
     }
 // NJ 4: 128 rows x 32 pairs; NJ 2: 256 rows x 16 pairs.
 MOE_TQ(K_Q4, q4, 2, 4) MOE_TQ(K_Q8, q8, 2, 4) MOE_TQ(K_BF16, bf16, 2, 4)
@@ -2910,28 +2941,51 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
 
 // Rows of x ([n, cols], or with GLU [n, 2 cols] gate | up, quantizing silu(gate) * up) as 8-bit
 // values q [n, cols] with, per 32 columns, the scale d and the sum of the unrounded values s
-// ([n, cols / 32] each). A warp per 32 columns.
+// ([n, cols / 32] each). Eight threads per 32 columns. With `nibble_order`, each 32 columns are stored
+// in the order iq_tile reads 4-bit codes in: the even columns of each 8 first, then the odd
+// ones (column 8 t + 2 m + o at 16 o + 4 t + m): the codes' low and high nibbles are then
+// fragments as they are.
 extern "C" __global__ void __launch_bounds__(256) quant_q8_rows(const float* x, long n, int cols,
-                                                                int glu, signed char* q, float* d,
+                                                                int glu, int nibble_order,
+                                                                signed char* q, float* d,
                                                                 float* s) {
     PDL_START();
-    const int lane = threadIdx.x % 32;
+    // Eight threads per 32 columns, four consecutive values each.
+    const int sub = threadIdx.x % 8;
     const long blocks_per_row = cols / IQ_BLOCK;
-    const long b = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const long b = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 8;
+    // Whole groups of eight leave together: the shuffles below stay within live lanes.
     if (b >= n * blocks_per_row) return;
-    const long row = b / blocks_per_row, c = (b % blocks_per_row) * IQ_BLOCK + lane;
-    float v;
+    const long row = b / blocks_per_row, c0 = (b % blocks_per_row) * IQ_BLOCK, c = c0 + 4 * sub;
+    float v[4];
     if (glu) {
-        const float g = x[row * 2 * cols + c], u = x[row * 2 * cols + cols + c];
-        v = g / (1.0f + expf(-g)) * u;
+        const float4 g = *reinterpret_cast<const float4*>(x + row * 2 * cols + c);
+        const float4 u = *reinterpret_cast<const float4*>(x + row * 2 * cols + cols + c);
+        const float gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = gs[i] / (1.0f + expf(-gs[i])) * us[i];
     } else {
-        v = x[row * cols + c];
+        const float4 a = *reinterpret_cast<const float4*>(x + row * cols + c);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
     }
-    const float amax = warp_max(fabsf(v)), sum = warp_sum(v);
-    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    q[row * cols + c] = (signed char)max(-127, min(127, __float2int_rn(v * inv)));
-    if (lane == 0) {
-        d[b] = scale;
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    float sum = (v[0] + v[1]) + (v[2] + v[3]);
+    const unsigned mask = __activemask();
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+        sum += __shfl_xor_sync(mask, sum, o);
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    signed char* qb = q + row * cols + c0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int k = 4 * sub + i;
+        const int at = nibble_order ? (k & 1) * 16 + (k / 8) * 4 + (k % 8) / 2 : k;
+        qb[at] = (signed char)max(-127, min(127, __float2int_rn(v[i] * inv)));
+    }
+    if (sub == 0) {
+        d[b] = amax / 127.0f;
         s[b] = sum;
     }
 }
@@ -2945,29 +2999,20 @@ __device__ __forceinline__ void mma_u8s8(int c[4], const uint32_t a[4], const ui
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// The codes of weights [c, c + 16) of row r as 16 bytes (K_Q4: nibbles widened, in order).
-template <int K>
-__device__ __forceinline__ uint4 load16_codes(const Mat& m, long r, int c) {
-    if constexpr (K == K_Q4) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint32_t*>(m.data) + r * (m.cols / 8) + c / 8));
-        const uint32_t lo0 = v.x & 0x0F0F0F0Fu, hi0 = (v.x >> 4) & 0x0F0F0F0Fu;
-        const uint32_t lo1 = v.y & 0x0F0F0F0Fu, hi1 = (v.y >> 4) & 0x0F0F0F0Fu;
-        return make_uint4(__byte_perm(lo0, hi0, 0x5140), __byte_perm(lo0, hi0, 0x7362),
-                          __byte_perm(lo1, hi1, 0x5140), __byte_perm(lo1, hi1, 0x7362));
-    } else {
-        return __ldg(reinterpret_cast<const uint4*>(m.data + r * (long)m.cols + c));
-    }
+// Asynchronous copies global -> shared of `bytes` (4 or 16), zero-filled past `src_bytes`.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(src_bytes));
 }
-
-// The shared tiles of iq_tile: BM rows of codes and BN token rows of 8-bit values, 64 columns;
-// the weights' scales and biases and the tokens' scales and sums per 32 columns.
-template <int BM, int BN>
-struct IqTiles {
-    uint32_t a[BM][IQ_LD];
-    uint32_t b[BN][IQ_LD];
-    float ws[BM][2], wb[BM][2];
-    float xd[BN][2], xs[BN][2];
-};
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // The 8-bit activations a block multiplies: token row `row[n]` (-1: padding) of q [*, cols] with
 // its per-32-column d and s.
@@ -2977,99 +3022,172 @@ struct IqRows {
     const float* s;
 };
 
+// Tiles of 64 columns in flight per block (stages of the copy pipeline).
+#define IQ_STAGES 3
+
+// One stage of iq_tile: BM rows of stored codes (4-bit: 8 words a row, 8-bit: 16) and BN token
+// rows of 8-bit values (16 words), padded to conflict-free fragments; per 32 columns the
+// tokens' scales and sums, and the 4-byte words holding the weights' scales and biases (a
+// 2-byte scale sits in the half its index's parity says).
+template <int K, int BM, int BN>
+struct IqStage {
+    uint32_t a[BM][(K == K_Q4 ? 8 : 16) + 4];
+    uint32_t b[BN][IQ_LD];
+    float xd[BN][2], xs[BN][2];
+    uint32_t ws[BM][2], wb[BM][2];
+};
+
+// A scale or bias of type sdt from the 4-byte word holding it; `half` the index's parity.
+__device__ __forceinline__ float scale_from_word(uint32_t w, int sdt, int half) {
+    if (sdt == SDT_F32) return __uint_as_float(w);
+    const uint32_t h = (w >> (16 * half)) & 0xffffu;
+    if (sdt == SDT_F16) return __half2float(__ushort_as_half((unsigned short)h));
+    return __uint_as_float(h << 16);
+}
+
+// Issues the copies of the tile at column k0 (`steps` 32-column steps of it real, the rest and
+// padding tokens zero-filled) into `st`.
+template <int K, int BM, int BN>
+__device__ __forceinline__ void iq_issue(const Mat& m, long r0, const IqRows& x, const int* row,
+                                         int k0, int steps, IqStage<K, BM, BN>& st) {
+    constexpr int CA = K == K_Q4 ? 2 : 4;  // 16-byte chunks of a row's 64 codes
+    const int cols = m.cols;
+    const long xblocks = cols / IQ_BLOCK, groups_per_row = cols >> m.gshift;
+    const long row_bytes = K == K_Q4 ? cols / 2 : cols;
+#pragma unroll
+    for (int it = 0; it < (BM * CA + 127) / 128; it++) {
+        const int idx = threadIdx.x + it * 128, r = idx / CA, ch = idx % CA;
+        if (idx >= BM * CA) break;
+        const int kk = K == K_Q4 ? ch : ch / 2;
+        const long rr = min(r0 + r, (long)m.rows - 1);
+        const uint8_t* src = m.data + rr * row_bytes + (K == K_Q4 ? k0 / 2 : k0) + ch * 16;
+        cp_async16(&st.a[r][ch * 4], kk < steps ? src : m.data, kk < steps ? 16 : 0);
+    }
+#pragma unroll
+    for (int it = 0; it < (BN * 4 + 127) / 128; it++) {
+        const int idx = threadIdx.x + it * 128, n = idx / 4, ch = idx % 4;
+        if (idx >= BN * 4) break;
+        const bool real = row[n] >= 0 && ch / 2 < steps;
+        const signed char* src = x.q + (real ? row[n] * (long)cols + k0 + ch * 16 : 0);
+        cp_async16(&st.b[n][ch * 4], src, real ? 16 : 0);
+    }
+    if (threadIdx.x < BN * 2) {
+        const int n = threadIdx.x / 2, kb = threadIdx.x % 2;
+        const bool real = row[n] >= 0 && kb < steps;
+        const long xi = real ? row[n] * xblocks + k0 / IQ_BLOCK + kb : 0;
+        cp_async4(&st.xd[n][kb], x.d + xi, real ? 4 : 0);
+        cp_async4(&st.xs[n][kb], x.s + xi, real ? 4 : 0);
+    }
+    const int es = m.sdt == SDT_F32 ? 4 : 2;
+#pragma unroll
+    for (int it = 0; it < (BM * 2 + 127) / 128; it++) {
+        const int idx = threadIdx.x + it * 128, r = idx / 2, kb = idx % 2;
+        if (idx >= BM * 2) break;
+        const long gi = min(r0 + r, (long)m.rows - 1) * groups_per_row + ((k0 + kb * IQ_BLOCK) >> m.gshift);
+        // The aligned word holding element gi; an even 2-byte element reads only itself.
+        const long at = es == 4 ? gi * 4 : (gi & ~1L) * 2;
+        const int bytes = kb >= steps ? 0 : (es == 4 || (gi & 1)) ? 4 : 2;
+        cp_async4(&st.ws[r][kb], m.scales + at, bytes);
+        cp_async4(&st.wb[r][kb], m.biases + at, bytes);
+    }
+}
+
 // The block's products of rows r0 .. r0 + BM of m (4- or 8-bit affine, groups of a multiple of 32
-// columns) with the BN token rows `row` of x, over columns [k_begin, k_end) (multiples of 32).
-// acc as tq_tile's (frag_row / frag_token).
+// columns) with the BN token rows `row` of x (4-bit weights: x quantized in nibble order), over
+// columns [k_begin, k_end) (multiples of 32). IQ_STAGES tiles of 64 columns are in flight at
+// once (cp.async); one barrier per tile. acc as tq_tile's (frag_row / frag_token).
 template <int K, int MI, int NJ, int WM, int WN>
 __device__ __forceinline__ void iq_tile(const Mat& m, long r0, const IqRows& x, const int* row,
-                                        IqTiles<16 * MI * WM, 8 * NJ * WN>& s,
+                                        IqStage<K, 16 * MI * WM, 8 * NJ * WN> (&st)[IQ_STAGES],
                                         float acc[MI][NJ][4], int k_begin, int k_end) {
     constexpr int BM = 16 * MI * WM, BN = 8 * NJ * WN;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t4 = lane % 4;
     const int wm = (warp / WN) * 16 * MI, wn = (warp % WN) * 8 * NJ;
-    const int cols = m.cols;
-    const long xblocks = cols / IQ_BLOCK, groups_per_row = cols >> m.gshift;
+    // The parity of the first group index of each fragment row (a 2-byte scale's half).
+    const int gpr_odd = (m.cols >> m.gshift) & 1;
+    int par[MI][2];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            par[i][h] = (int)(min(r0 + wm + i * 16 + g + 8 * h, (long)m.rows - 1) & gpr_odd);
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
         for (int j = 0; j < NJ; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
-    for (int k0 = k_begin; k0 < k_end; k0 += IQ_BK) {
-        // 32-column steps of this tile (the last tile of a range may have one).
-        const int steps = min(2, (k_end - k0) / IQ_BLOCK);
+    const int tiles = (k_end - k_begin + IQ_BK - 1) / IQ_BK;
+    const auto steps_of = [&](int t) { return min(2, (k_end - k_begin - t * IQ_BK) / IQ_BLOCK); };
 #pragma unroll
-        for (int it = 0; it < BM * 4 / 128; it++) {
-            const int idx = threadIdx.x + it * 128, r = idx / 4, ch = idx % 4;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (ch / 2 < steps) v = load16_codes<K>(m, min(r0 + r, (long)m.rows - 1), k0 + ch * 16);
-            *reinterpret_cast<uint4*>(&s.a[r][ch * 4]) = v;
-        }
-#pragma unroll
-        for (int it = 0; it < (BM * 2 + 127) / 128; it++) {
-            const int idx = threadIdx.x + it * 128, r = idx / 2, kb = idx % 2;
-            if (idx < BM * 2 && kb < steps) {
-                const long gi = min(r0 + r, (long)m.rows - 1) * groups_per_row + ((k0 + kb * IQ_BLOCK) >> m.gshift);
-                s.ws[r][kb] = load_scalar(m.scales, m.sdt, gi);
-                s.wb[r][kb] = load_scalar(m.biases, m.sdt, gi);
-            }
-        }
-#pragma unroll
-        for (int it = 0; it < (BN * 4 + 127) / 128; it++) {
-            const int idx = threadIdx.x + it * 128, n = idx / 4, ch = idx % 4;
-            if (idx >= BN * 4) break;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (row[n] >= 0 && ch / 2 < steps)
-                v = *reinterpret_cast<const uint4*>(x.q + row[n] * (long)cols + k0 + ch * 16);
-            *reinterpret_cast<uint4*>(&s.b[n][ch * 4]) = v;
-        }
-        if (threadIdx.x < BN * 2) {
-            const int n = threadIdx.x / 2, kb = threadIdx.x % 2;
-            const bool real = row[n] >= 0 && kb < steps;
-            const long xi = row[n] * xblocks + (k0 / IQ_BLOCK) + kb;
-            s.xd[n][kb] = real ? x.d[xi] : 0.0f;
-            s.xs[n][kb] = real ? x.s[xi] : 0.0f;
-        }
+    for (int t = 0; t < IQ_STAGES - 1; t++) {
+        if (t < tiles) iq_issue<K, BM, BN>(m, r0, x, row, k_begin + t * IQ_BK, steps_of(t), st[t]);
+        cp_async_commit();
+    }
+    for (int t = 0; t < tiles; t++) {
+        cp_async_wait<IQ_STAGES - 2>();
+        // Tile t has landed for every thread, and tile t - 1's stage is free to refill.
         __syncthreads();
+        const int next = t + IQ_STAGES - 1;
+        if (next < tiles)
+            iq_issue<K, BM, BN>(m, r0, x, row, k_begin + next * IQ_BK, steps_of(next),
+                                st[next % IQ_STAGES]);
+        cp_async_commit();
+        const IqStage<K, BM, BN>& s = st[t % IQ_STAGES];
+        const int k0 = k_begin + t * IQ_BK, steps = steps_of(t);
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
             if (kk >= steps) break;
-            const int w0 = kk * 8 + t4, w1 = w0 + 4;
             uint32_t bf[NJ][2];
+            float xd[NJ][2], xs[NJ][2];
 #pragma unroll
             for (int j = 0; j < NJ; j++) {
-                bf[j][0] = s.b[wn + j * 8 + g][w0];
-                bf[j][1] = s.b[wn + j * 8 + g][w1];
+                const int n = wn + j * 8 + g, n0 = wn + j * 8 + 2 * t4;
+                bf[j][0] = s.b[n][kk * 8 + t4];
+                bf[j][1] = s.b[n][kk * 8 + 4 + t4];
+                xd[j][0] = s.xd[n0][kk]; xd[j][1] = s.xd[n0 + 1][kk];
+                xs[j][0] = s.xs[n0][kk]; xs[j][1] = s.xs[n0 + 1][kk];
             }
+            const int gk = ((k0 + kk * IQ_BLOCK) >> m.gshift) & 1;
 #pragma unroll
             for (int i = 0; i < MI; i++) {
                 const int ra = wm + i * 16 + g, rb = ra + 8;
-                const uint32_t af[4] = {s.a[ra][w0], s.a[rb][w0], s.a[ra][w1], s.a[rb][w1]};
-                const float sa = s.ws[ra][kk], ba = s.wb[ra][kk], sb = s.ws[rb][kk], bb = s.wb[rb][kk];
+                uint32_t af[4];
+                if constexpr (K == K_Q4) {
+                    const uint32_t wa = s.a[ra][kk * 4 + t4], wb = s.a[rb][kk * 4 + t4];
+                    af[0] = wa & 0x0F0F0F0Fu; af[1] = wb & 0x0F0F0F0Fu;
+                    af[2] = (wa >> 4) & 0x0F0F0F0Fu; af[3] = (wb >> 4) & 0x0F0F0F0Fu;
+                } else {
+                    af[0] = s.a[ra][kk * 8 + t4]; af[1] = s.a[rb][kk * 8 + t4];
+                    af[2] = s.a[ra][kk * 8 + 4 + t4]; af[3] = s.a[rb][kk * 8 + 4 + t4];
+                }
+                const int ha = par[i][0] ^ gk, hb = par[i][1] ^ gk;
+                const float sa = scale_from_word(s.ws[ra][kk], m.sdt, ha);
+                const float ba = scale_from_word(s.wb[ra][kk], m.sdt, ha);
+                const float sb = scale_from_word(s.ws[rb][kk], m.sdt, hb);
+                const float bb = scale_from_word(s.wb[rb][kk], m.sdt, hb);
 #pragma unroll
                 for (int j = 0; j < NJ; j++) {
                     int c[4] = {0, 0, 0, 0};
                     mma_u8s8(c, af, bf[j]);
-                    const int n0 = wn + j * 8 + 2 * t4;
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        const int n = n0 + (e & 1);
                         const float sc = e < 2 ? sa : sb, bi = e < 2 ? ba : bb;
-                        acc[i][j][e] = fmaf(sc, s.xd[n][kk] * (float)c[e], fmaf(bi, s.xs[n][kk], acc[i][j][e]));
+                        acc[i][j][e] = fmaf(sc, xd[j][e & 1] * (float)c[e], fmaf(bi, xs[j][e & 1], acc[i][j][e]));
                     }
                 }
             }
         }
-        __syncthreads();
     }
+    cp_async_wait<0>();
 }
 
 // y[ntok, rows] = x[ntok, cols] W^T from 8-bit x. Grid (rows / 64, ntok / 64, splits), 128
 // threads; splits as gemm_tq's.
 template <int K>
 __device__ void gemm_iq(const Mat& w, IqRows x, float* y, int ntok, int kc) {
-    __shared__ IqTiles<64, 64> s;
+    __shared__ IqStage<K, 64, 64> s[IQ_STAGES];
     __shared__ int row[64];
     const long r0 = (long)blockIdx.x * 64, n0 = (long)blockIdx.y * 64;
     if (threadIdx.x < 64) row[threadIdx.x] = n0 + threadIdx.x < ntok ? (int)(n0 + threadIdx.x) : -1;
@@ -3097,39 +3215,36 @@ __device__ void gemm_iq(const Mat& w, IqRows x, float* y, int ntok, int kc) {
     }
 GEMM_IQ(K_Q4, q4) GEMM_IQ(K_Q8, q8)
 
-// The up-to-BN pairs of expert slot blockIdx.y's tile blockIdx.z and their rows of x (pair /
-// row_div; -1: padding); false when the tile is empty.
+// moe_tile_rows giving the rows' indices (pair / row_div; -1: padding).
 template <int BN>
-__device__ __forceinline__ bool moe_tile_pairs(const int* offsets, const int* sorted, int row_div,
+__device__ __forceinline__ void moe_tile_pairs(const int* tiles, const int* sorted, int row_div,
                                                int* pair, int* row) {
-    const int slot = blockIdx.y;
-    const int begin = offsets[slot] + blockIdx.z * BN, end = offsets[slot + 1];
-    if (begin >= end) return false;
+    const int first = tiles[moe_tiles() + moe_tile()], count = tiles[2 * moe_tiles() + moe_tile()];
     if (threadIdx.x < BN) {
-        const int i = begin + threadIdx.x;
-        const int p = i < end ? sorted[i] : -1;
+        const int p = (int)threadIdx.x < count ? sorted[first + threadIdx.x] : -1;
         pair[threadIdx.x] = p;
         row[threadIdx.x] = p >= 0 ? p / row_div : -1;
     }
     __syncthreads();
-    return true;
 }
 
 // moe_gate_up_tq and moe_down_tq from 8-bit activations: gate_up writes hg[pair] = [gate | up]
 // from x's token rows; down writes d[pair] = down(h[pair]) from h quantized per pair (with
 // quant_q8_rows' GLU). Grids as theirs.
 template <int WK, int MI, int NJ>
-__device__ void moe_iq(const ExpertMats* experts, const int* offsets, const int* sorted, int K,
+__device__ void moe_iq(const ExpertMats* experts, const int* tiles, const int* sorted, int K,
                        IqRows x, float* out, bool down) {
     constexpr int BM = 64 * MI, BN = 8 * NJ;
-    __shared__ IqTiles<BM, BN> s;
+    __shared__ IqStage<WK, BM, BN> s[IQ_STAGES];
     __shared__ int pair[BN], row[BN];
-    const ExpertMats& e = experts[blockIdx.y];
+    const int slot = moe_tile_slot(tiles);
+    if (slot < 0) return;
+    const ExpertMats& e = experts[slot];
     const int inter = e.gate.rows, gate_tiles = (inter + BM - 1) / BM;
     const bool up = !down && blockIdx.x >= gate_tiles;
     const Mat m = down ? e.down : (up ? e.up : e.gate);
     const long r0 = (long)(up ? blockIdx.x - gate_tiles : blockIdx.x) * BM;
-    if (!moe_tile_pairs<BN>(offsets, sorted, down ? 1 : K, pair, row)) return;
+    moe_tile_pairs<BN>(tiles, sorted, down ? 1 : K, pair, row);
     float acc[MI][NJ][4];
     iq_tile<WK, MI, NJ, 4, 1>(m, r0, x, row, s, acc, 0, m.cols);
     const long stride = down ? m.rows : 2 * inter;
@@ -3148,13 +3263,14 @@ __device__ void moe_iq(const ExpertMats* experts, const int* offsets, const int*
 
 #define MOE_IQ(WK, KN, MI, NJ) \
     extern "C" __global__ void __launch_bounds__(128, 4) moe_gate_up_iq_##KN##_n##NJ( \
-        const ExpertMats* experts, const int* offsets, const int* sorted, int K, \
+        const ExpertMats* experts, const int* tiles, const int* sorted, int K, \
         const signed char* xq, const float* xd, const float* xs, float* hg) { PDL_START(); \
-        moe_iq<WK, MI, NJ>(experts, offsets, sorted, K, IqRows{xq, xd, xs}, hg, false); \
+        moe_iq<WK, MI, NJ>(experts, tiles, sorted, K, IqRows{xq, xd, xs}, hg, false); \
     } \
     extern "C" __global__ void __launch_bounds__(128, 4) moe_down_iq_##KN##_n##NJ( \
-        const ExpertMats* experts, const int* offsets, const int* sorted, \
+        const ExpertMats* experts, const int* tiles, const int* sorted, \
         const signed char* hq, const float* hd, const float* hs, float* d) { PDL_START(); \
-        moe_iq<WK, MI, NJ>(experts, offsets, sorted, 1, IqRows{hq, hd, hs}, d, true); \
+        moe_iq<WK, MI, NJ>(experts, tiles, sorted, 1, IqRows{hq, hd, hs}, d, true); \
     }
-MOE_IQ(K_Q4, q4, 2, 4) MOE_IQ(K_Q8, q8, 2, 4) MOE_IQ(K_Q4, q4, 4, 2) MOE_IQ(K_Q8, q8, 4, 2)
+// NJ 4: 128 rows x 32 pairs; NJ 2: 128 rows x 16 pairs.
+MOE_IQ(K_Q4, q4, 2, 4) MOE_IQ(K_Q8, q8, 2, 4) MOE_IQ(K_Q4, q4, 2, 2) MOE_IQ(K_Q8, q8, 2, 2)

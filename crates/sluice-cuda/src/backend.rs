@@ -302,14 +302,16 @@ impl CudaBackend {
     }
 
     /// Quantizes `rows` rows of `cols` values at `x` (with `glu`, rows of `2 cols`, gate then up,
-    /// quantizing silu(gate) * up) to 8 bits per 32 columns: the buffer, and the addresses of the
-    /// values, the scales and the sums in it.
+    /// quantizing silu(gate) * up) to 8 bits per 32 columns, for the `INT8_KINDS` kernels of
+    /// `kind` (4-bit weights read the values in nibble order): the buffer, and the addresses of
+    /// the values, the scales and the sums in it.
     fn quantize_rows(
         &self,
         x: u64,
         rows: usize,
         cols: usize,
         glu: bool,
+        kind: usize,
     ) -> Option<(DevBuf, [u64; 3])> {
         let values = (rows * cols).next_multiple_of(16);
         let blocks = rows * cols / 32;
@@ -321,16 +323,17 @@ impl CudaBackend {
             buf.ptr + values as u64,
             buf.ptr + (values + blocks * 4) as u64,
         ];
-        // A warp per 32 columns.
+        // Eight threads per 32 columns.
         self.d.launch(
             &self.d.k.quant_q8_rows,
-            (grid(blocks, 8), 1, 1),
+            (grid(blocks, 32), 1, 1),
             (256, 1, 1),
             &[
                 Arg::Ptr(x),
                 Arg::I64(rows as i64),
                 Arg::I32(cols as i32),
                 Arg::I32(glu as i32),
+                Arg::I32((INT8_KINDS[kind] == "q4") as i32),
                 Arg::Ptr(parts[0]),
                 Arg::Ptr(parts[1]),
                 Arg::Ptr(parts[2]),
@@ -420,6 +423,12 @@ impl CudaBackend {
 
     /// `out[tokens, w.rows] = x W^T` into `out`.
     fn matmul_into(&self, x: u64, tokens: usize, w: &Mat, out: u64) {
+        self.matmul_into_q(x, tokens, w, out, None);
+    }
+
+    /// `matmul_into`, with x already quantized for the 8-bit-activation kernels of `w`'s kind
+    /// when `quantized` holds its parts (`quantize_rows`).
+    fn matmul_into_q(&self, x: u64, tokens: usize, w: &Mat, out: u64, quantized: Option<[u64; 3]>) {
         let k = &self.d.k;
         if tokens == 1 && w.rows >= HEAD_ROWS {
             self.d.launch(
@@ -469,8 +478,16 @@ impl CudaBackend {
             let launch_grid = (grid(rows, 64), grid(tokens, 64), splits as u32);
             let tail = [Arg::Ptr(y), Arg::I32(tokens as i32), Arg::I32(kc as i32)];
             if let Some(i) = self.int8_kind(e) {
-                let Some((_q, [xq, xd, xs])) = self.quantize_rows(x, tokens, cols, false) else {
-                    return;
+                let mut _own = None;
+                let [xq, xd, xs] = match quantized {
+                    Some(parts) => parts,
+                    None => match self.quantize_rows(x, tokens, cols, false, i) {
+                        Some((buf, parts)) => {
+                            _own = Some(buf);
+                            parts
+                        }
+                        None => return,
+                    },
                 };
                 let mut args = vec![Arg::Mat(*w), Arg::Ptr(xq), Arg::Ptr(xd), Arg::Ptr(xs)];
                 args.extend(tail);
@@ -680,11 +697,28 @@ impl CudaBackend {
             _ => None,
         };
         let h_cols = if exact.is_some() { 2 * inter } else { inter };
-        // offsets [slots + 1], sorted pairs [pairs], ranks [pairs]; the activations; the down
-        // outputs.
+        let int8 = exact.and_then(|(g, d)| Some((self.int8_kind(g)?, self.int8_kind(d)?)));
+        // An expert has at most one pair per token (top-k picks distinct experts).
+        // Tall tiles of few pairs when experts have few (~32 at 512 tokens, 128 experts, top 8).
+        let tile = usize::from(pairs < 24 * slots);
+        let (pairs_per_tile, rows_per_tile) = match (int8, exact) {
+            (Some(_), _) => [(32, 128), (16, 128)][tile],
+            (None, Some(_)) => [(32, 128), (16, 256)][tile],
+            (None, None) => (64, 64),
+        };
+        // Blocks are launched per tile of pairs of an expert that has some (moe_group's map):
+        // at most this many, over grid y (at most 65535) and z.
+        let max_tiles = pairs.div_ceil(pairs_per_tile) + slots;
+        let tiles_z = max_tiles.div_ceil(65535);
+        let tiles_y = max_tiles.div_ceil(tiles_z);
+        let max_tiles = tiles_y * tiles_z;
+        // offsets [slots + 1], sorted pairs [pairs], ranks [pairs], the tile map [3 max_tiles];
+        // the activations; the down outputs.
         let (Some(groups), Some(h), Some(d)) = (
-            self.d
-                .alloc_or_record((slots + 1 + 2 * pairs) * 4, "MoE expert groups"),
+            self.d.alloc_or_record(
+                (slots + 1 + 2 * pairs + 3 * max_tiles) * 4,
+                "MoE expert groups",
+            ),
             self.d
                 .alloc_or_record(pairs * h_cols * 4, "MoE activations"),
             self.d.alloc_or_record(pairs * hidden * 4, "MoE outputs"),
@@ -694,6 +728,7 @@ impl CudaBackend {
         let offsets = groups.ptr;
         let sorted = offsets + (slots as u64 + 1) * 4;
         let ranks = sorted + pairs as u64 * 4;
+        let tiles = ranks + pairs as u64 * 4;
         let k = &self.d.k;
         self.d.launch(
             &k.moe_group,
@@ -708,80 +743,68 @@ impl CudaBackend {
                 Arg::Ptr(offsets),
                 Arg::Ptr(sorted),
                 Arg::Ptr(ranks),
+                Arg::I32(pairs_per_tile as i32),
+                Arg::I32(max_tiles as i32),
+                Arg::Ptr(tiles),
             ],
         );
-        // An expert has at most one pair per token (top-k picks distinct experts).
-        // Tall tiles of few pairs when experts have few (~32 at 512 tokens, 128 experts, top 8).
-        let tile = usize::from(pairs < 24 * slots);
-        if let Some((g, dk)) = exact {
-            if let (Some(g), Some(dk)) = (self.int8_kind(g), self.int8_kind(dk)) {
-                let (pairs_per_tile, rows_per_tile) = [(32, 128), (16, 256)][tile];
-                let z = grid(routing.rows, pairs_per_tile);
-                let Some((_xq, [xq, xd, xs])) = self.quantize_rows(xp, routing.rows, hidden, false)
-                else {
-                    return;
-                };
-                self.d.launch(
-                    &k.moe_gate_up_iq[tile][g],
-                    (2 * grid(inter, rows_per_tile), slots as u32, z),
-                    (128, 1, 1),
-                    &[
-                        Arg::Ptr(table),
-                        Arg::Ptr(offsets),
-                        Arg::Ptr(sorted),
-                        Arg::I32(routing.k as i32),
-                        Arg::Ptr(xq),
-                        Arg::Ptr(xd),
-                        Arg::Ptr(xs),
-                        Arg::Ptr(h.ptr),
-                    ],
-                );
-                let Some((_hq, [hq, hd, hs])) = self.quantize_rows(h.ptr, pairs, inter, true)
-                else {
-                    return;
-                };
-                self.d.launch(
-                    &k.moe_down_iq[tile][dk],
-                    (grid(hidden, rows_per_tile), slots as u32, z),
-                    (128, 1, 1),
-                    &[
-                        Arg::Ptr(table),
-                        Arg::Ptr(offsets),
-                        Arg::Ptr(sorted),
-                        Arg::Ptr(hq),
-                        Arg::Ptr(hd),
-                        Arg::Ptr(hs),
-                        Arg::Ptr(d.ptr),
-                    ],
-                );
-                self.moe_combine(routing, table, (present_ptr, n_present), d.ptr, op, hidden);
+        let (n_tiles, tiles_z) = (tiles_y as u32, tiles_z as u32);
+        if let Some((g, dk)) = int8 {
+            let Some((_xq, [xq, xd, xs])) = self.quantize_rows(xp, routing.rows, hidden, false, g)
+            else {
                 return;
-            }
+            };
+            self.d.launch(
+                &k.moe_gate_up_iq[tile][g],
+                (2 * grid(inter, rows_per_tile), n_tiles, tiles_z),
+                (128, 1, 1),
+                &[
+                    Arg::Ptr(table),
+                    Arg::Ptr(tiles),
+                    Arg::Ptr(sorted),
+                    Arg::I32(routing.k as i32),
+                    Arg::Ptr(xq),
+                    Arg::Ptr(xd),
+                    Arg::Ptr(xs),
+                    Arg::Ptr(h.ptr),
+                ],
+            );
+            let Some((_hq, [hq, hd, hs])) = self.quantize_rows(h.ptr, pairs, inter, true, dk)
+            else {
+                return;
+            };
+            self.d.launch(
+                &k.moe_down_iq[tile][dk],
+                (grid(hidden, rows_per_tile), n_tiles, tiles_z),
+                (128, 1, 1),
+                &[
+                    Arg::Ptr(table),
+                    Arg::Ptr(tiles),
+                    Arg::Ptr(sorted),
+                    Arg::Ptr(hq),
+                    Arg::Ptr(hd),
+                    Arg::Ptr(hs),
+                    Arg::Ptr(d.ptr),
+                ],
+            );
+            self.moe_combine(routing, table, (present_ptr, n_present), d.ptr, op, hidden);
+            return;
         }
-        let (gate_up, down, rows_per_tile, pairs_per_tile, gate_up_grid_x) = match exact {
-            Some((g, d)) => {
-                let (pairs_per_tile, rows_per_tile) = [(32, 128), (16, 256)][tile];
-                (
-                    &k.moe_gate_up_tq[tile][g],
-                    &k.moe_down_tq[tile][d],
-                    rows_per_tile,
-                    pairs_per_tile,
-                    2 * grid(inter, rows_per_tile),
-                )
-            }
-            None => (&k.moe_gate_up_tc, &k.moe_down_tc, 64, 64, grid(inter, 64)),
+        let (gate_up, down, gate_up_grid_x) = match exact {
+            Some((g, d)) => (
+                &k.moe_gate_up_tq[tile][g],
+                &k.moe_down_tq[tile][d],
+                2 * grid(inter, rows_per_tile),
+            ),
+            None => (&k.moe_gate_up_tc, &k.moe_down_tc, grid(inter, 64)),
         };
         self.d.launch(
             gate_up,
-            (
-                gate_up_grid_x,
-                slots as u32,
-                grid(routing.rows, pairs_per_tile),
-            ),
+            (gate_up_grid_x, n_tiles, tiles_z),
             (128, 1, 1),
             &[
                 Arg::Ptr(table),
-                Arg::Ptr(offsets),
+                Arg::Ptr(tiles),
                 Arg::Ptr(sorted),
                 Arg::I32(routing.k as i32),
                 Arg::Ptr(xp),
@@ -790,15 +813,11 @@ impl CudaBackend {
         );
         self.d.launch(
             down,
-            (
-                grid(hidden, rows_per_tile),
-                slots as u32,
-                grid(routing.rows, pairs_per_tile),
-            ),
+            (grid(hidden, rows_per_tile), n_tiles, tiles_z),
             (128, 1, 1),
             &[
                 Arg::Ptr(table),
-                Arg::Ptr(offsets),
+                Arg::Ptr(tiles),
                 Arg::Ptr(sorted),
                 Arg::Ptr(h.ptr),
                 Arg::Ptr(d.ptr),
@@ -1475,6 +1494,25 @@ impl Backend for CudaBackend {
                 .iter()
                 .any(|w| w.mat.cols as usize != x.cols || Some(w.mat.kind()) != kind)
         {
+            // Many tokens through the 8-bit-activation kernels: x quantized once for all.
+            let int8 = weights
+                .iter()
+                .map(|w| w.mat.exact_kind().and_then(|e| self.int8_kind(e)))
+                .reduce(|a, b| if a == b { a } else { None })
+                .flatten();
+            if let (Some(i), Some(xp), true) = (int8, x.ptr(), x.rows > 8) {
+                if weights.iter().all(|w| w.mat.cols as usize == x.cols) {
+                    if let Some((_q, parts)) = self.quantize_rows(xp, x.rows, x.cols, false, i) {
+                        return weights.map(|w| {
+                            let out = self.act(x.rows, w.mat.rows as usize);
+                            if let Some(o) = out.ptr() {
+                                self.matmul_into_q(xp, x.rows, &w.mat, o, Some(parts));
+                            }
+                            out
+                        });
+                    }
+                }
+            }
             return weights.map(|w| self.matmul(x, w));
         }
         let outs = weights.map(|w| self.act(x.rows, w.mat.rows as usize));

@@ -100,7 +100,8 @@ pub(crate) struct Kernels {
     pub moe_down_tq: Vec<Vec<CudaFunction>>,
     pub moe_combine: CudaFunction,
     /// The `fast` prefill: activations to 8 bits per 32 columns, then integer tensor-core
-    /// products by [`INT8_KINDS`] (`gemm_iq`; the MoE's `[tile][kind]` as `moe_*_tq`).
+    /// products by [`INT8_KINDS`] (`gemm_iq`; the MoE's `[tile][kind]`, tiles of 128 rows and 32 or 16
+    /// pairs).
     pub quant_q8_rows: CudaFunction,
     pub gemm_iq: Vec<CudaFunction>,
     pub moe_gate_up_iq: Vec<Vec<CudaFunction>>,
