@@ -4,7 +4,8 @@
 #   bash scripts/cuda/device_check.sh [.device/bundle.tar.xz]
 # Runs the backend conformance suite, the reference-logit suite and the fast-prefill suite on CUDA
 # device 0, then the demo model's greedy text with the exact kernels on the CPU and the GPU (two
-# prompts, and with experts streamed through a 4 MiB cache), which must be identical. Prints one line per check and exits non-zero if any failed.
+# prompts, and with experts streamed through a 4 MiB cache), which must be identical. Prints one
+# line per check and exits non-zero if any failed.
 set -uo pipefail
 bundle="${1:-.device/bundle.tar.xz}"
 [ -f "$bundle" ] || { echo "error: no bundle at $bundle (make it with scripts/cuda/device_bundle.sh)" >&2; exit 2; }
