@@ -30,36 +30,9 @@ fn load(dir: &Path, fast: bool) -> Engine<CudaBackend> {
         .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
 
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-    let lse = row
-        .iter()
-        .map(|&v| (v as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    row.iter().map(|&v| v as f64 - lse).collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })
-}
-
-/// Mean over positions of KL(exact || fast), and the share of positions whose argmax agrees.
-fn kl_and_agreement(exact: &[f32], fast: &[f32], vocab: usize) -> (f64, f64) {
-    let (mut kl, mut agree, mut n) = (0.0, 0, 0);
-    for (e, f) in exact.chunks(vocab).zip(fast.chunks(vocab)) {
-        let (le, lf) = (log_softmax(e), log_softmax(f));
-        kl += le
-            .iter()
-            .zip(&lf)
-            .map(|(a, b)| a.exp() * (a - b))
-            .sum::<f64>();
-        agree += usize::from(argmax(e) == argmax(f));
-        n += 1;
-    }
-    (kl / n as f64, agree as f64 / n as f64)
-}
+#[path = "../../sluice-engine/tests/common/compare.rs"]
+mod compare;
+use compare::{kl_and_agreement, mean_nll};
 
 /// The fixtures with 4- or 8-bit weights (the others have nothing for the fast path to do).
 const FIXTURES: [&str; 5] = [
@@ -138,16 +111,6 @@ fn prefill_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
             min_agree * 100.0
         );
     }
-}
-
-/// Mean negative log-likelihood of `tokens[1..]` from full-sequence logits.
-fn mean_nll(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
-    let rows = logits.chunks(vocab).take(tokens.len() - 1);
-    let total: f64 = rows
-        .enumerate()
-        .map(|(t, row)| -log_softmax(row)[tokens[t + 1] as usize])
-        .sum();
-    total / (tokens.len() - 1) as f64
 }
 
 #[test]
