@@ -947,6 +947,49 @@ extern "C" __global__ void qkv_norm_rope_append(const float* q, const float* k, 
 // Attention
 // ------------------------------------------------------------------------------------------------
 
+// The end of a split attention block, after it wrote its part (`mine`: the head's parts, each
+// [max, sum, hd values]): the last of the `splits` blocks counted to finish (`counted`; the
+// threadfence-reduction pattern) combines the parts into `out_row`, and with `cached` the last
+// block of the grid stores the cache's new length `total` there (every block counts itself in
+// `all_done`, zero before and after).
+__device__ __forceinline__ void split_attention_finish(bool counted, int splits, uint32_t* done,
+                                                      int* cached, uint32_t* all_done, int total,
+                                                      const float* mine, int hd, float* out_row) {
+    __shared__ bool last;
+    __shared__ float factor[32];
+    __shared__ float sum;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = counted && atomicAdd(done, 1u) == (uint32_t)splits - 1;
+        if (last) *done = 0;
+        // Every block read *cached before counting itself here.
+        if (cached && atomicAdd(all_done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
+            *all_done = 0;
+            *cached = total;
+        }
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x < 32) {
+        const int s = threadIdx.x;
+        const float m = s < splits ? __ldcg(mine + s * (hd + 2)) : -INFINITY;
+        const float top = warp_max(m);
+        const float f = m == -INFINITY ? 0.0f : expf(m - top);
+        factor[s] = f;
+        const float l = warp_sum(s < splits && f > 0.0f ? __ldcg(mine + s * (hd + 2) + 1) * f : 0.0f);
+        if (s == 0) sum = l;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < splits; s++)
+            if (factor[s] > 0.0f) o += __ldcg(mine + s * (hd + 2) + 2 + d) * factor[s];
+        out_row[d] = o / sum;
+    }
+}
+
 // Causal grouped-query attention over a cache that already holds this call's keys and values:
 // q [T, heads * hd] at positions total - T .. total - 1; keys/values [total, kv_heads * hd].
 // One block of 4 warps per (head, token, split): the token's positions are cut into gridDim.z
@@ -1032,40 +1075,8 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
         else out[((long)t * heads + h) * hd + d] = o / total_l;
     }
     if (splits == 1) return;
-    // The last split block to finish combines (the threadfence-reduction pattern).
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(done + t * heads + h, 1u) == (uint32_t)splits - 1;
-        if (last) done[t * heads + h] = 0;
-        // Every block read *cached before counting itself here.
-        if (cached && atomicAdd(all_done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
-            *all_done = 0;
-            *cached = total;
-        }
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    __shared__ float factor[32];
-    __shared__ float sum;
-    if (threadIdx.x < 32) {
-        const int s = threadIdx.x;
-        const float m = s < splits ? __ldcg(mine + s * (hd + 2)) : -INFINITY;
-        const float top = warp_max(m);
-        const float f = m == -INFINITY ? 0.0f : expf(m - top);
-        factor[s] = f;
-        const float l = warp_sum(s < splits && f > 0.0f ? __ldcg(mine + s * (hd + 2) + 1) * f : 0.0f);
-        if (s == 0) sum = l;
-    }
-    __syncthreads();
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
-        for (int s = 0; s < splits; s++)
-            if (factor[s] > 0.0f) o += __ldcg(mine + s * (hd + 2) + 2 + d) * factor[s];
-        out[((long)t * heads + h) * hd + d] = o / sum;
-    }
+    split_attention_finish(true, splits, done + t * heads + h, cached, all_done, total, mine, hd,
+                           out + ((long)t * heads + h) * hd);
 }
 
 // Split decode attention (few query tokens), head size HD: grid (heads, T, splits), 8 warps. A
@@ -1091,7 +1102,6 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
     __shared__ __align__(16) float qs[HD], ks[HD], vs[HD];
     __shared__ __align__(16) float accs[ATTN_WARPS][HD];
     __shared__ float ms[ATTN_WARPS], ls[ATTN_WARPS];
-    __shared__ bool last;
     if (cached) total += *cached;
     const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -1199,38 +1209,8 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
             else out[((long)t * heads + h) * HD + d] = o / total_l;
         }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = split < active && active > 1 && atomicAdd(done + t * heads + h, 1u) == (uint32_t)active - 1;
-        if (last) done[t * heads + h] = 0;
-        // Every block read *cached before counting itself here.
-        if (cached && atomicAdd(all_done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
-            *all_done = 0;
-            *cached = total;
-        }
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    __shared__ float factor[32];
-    __shared__ float sum;
-    if (threadIdx.x < 32) {
-        const int s = threadIdx.x;
-        const float m = s < active ? __ldcg(mine + s * (HD + 2)) : -INFINITY;
-        const float top = warp_max(m);
-        const float f = m == -INFINITY ? 0.0f : expf(m - top);
-        factor[s] = f;
-        const float l = warp_sum(s < active && f > 0.0f ? __ldcg(mine + s * (HD + 2) + 1) * f : 0.0f);
-        if (s == 0) sum = l;
-    }
-    __syncthreads();
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float o = 0.0f;
-        for (int s = 0; s < active; s++)
-            if (factor[s] > 0.0f) o += __ldcg(mine + s * (HD + 2) + 2 + d) * factor[s];
-        out[((long)t * heads + h) * HD + d] = o / sum;
-    }
+    split_attention_finish(split < active && active > 1, active, done + t * heads + h, cached,
+                           all_done, total, mine, HD, out + ((long)t * heads + h) * HD);
 }
 
 #define ATTENTION_DECODE(HD) \
