@@ -2061,6 +2061,23 @@ __device__ void moe_down_tc(const ExpertMats* experts, const int* tiles, const i
     }
 MOE_TC(K_GENERIC, generic)
 
+// Stores a tall MoE tile's results (acc as tq_tile's, warps 4 x 1): the value of row r0 + i for
+// pair p at out[p * stride + r0 + i], for rows below `rows` and real pairs.
+template <int MI, int NJ>
+__device__ __forceinline__ void moe_store_tile(const float (&acc)[MI][NJ][4], long r0, long rows,
+                                               const int* pair, float* out, long stride) {
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const long r = r0 + frag_row<MI, NJ, 1>(i, q);
+                const int p = pair[frag_token<MI, NJ, 1>(j, q)];
+                if (r < rows && p >= 0) out[(long)p * stride + r] = acc[i][j][q];
+            }
+}
+
 // The tensor-core MoE kernels for exact weights, over each expert's pairs, BN = 8 NJ pairs and
 // BM = 64 MI rows a block (warps 4 x 1: tall tiles, because an expert has few pairs, ~32 at 512
 // tokens, 128 experts, top 8). moe_gate_up_tq writes gate(x_t) and up(x_t) side by side, hg[pair]
@@ -2084,17 +2101,7 @@ __device__ void moe_gate_up_tq(const ExpertMats* experts, const int* tiles, cons
     moe_tile_rows<BN>(tiles, sorted, K, x, m.cols, pair, rows);
     float acc[1][MI][NJ][4];
     tq_tile<WK, 1, MI, NJ, 4, 1>(&m, r0, rows, s, acc, 0, m.cols);
-    float* out = hg + (up ? inter : 0);
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NJ; j++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const long r = r0 + frag_row<MI, NJ, 1>(i, q);
-                const int p = pair[frag_token<MI, NJ, 1>(j, q)];
-                if (r < inter && p >= 0) out[(long)p * 2 * inter + r] = acc[0][i][j][q];
-            }
+    moe_store_tile<MI, NJ>(acc[0], r0, inter, pair, hg + (up ? inter : 0), 2 * inter);
 }
 
 template <int WK, int MI, int NJ>
@@ -2111,16 +2118,7 @@ __device__ void moe_down_tq(const ExpertMats* experts, const int* tiles, const i
     moe_tile_rows<BN>(tiles, sorted, 1, hg, 2 * m.cols, pair, rows);
     float acc[1][MI][NJ][4];
     tq_tile<WK, 1, MI, NJ, 4, 1, true>(&m, r0, rows, s, acc, 0, m.cols);
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NJ; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const long r = r0 + frag_row<MI, NJ, 1>(i, e);
-                const int p = pair[frag_token<MI, NJ, 1>(j, e)];
-                if (r < m.rows && p >= 0) d[(long)p * m.rows + r] = acc[0][i][j][e];
-            }
+    moe_store_tile<MI, NJ>(acc[0], r0, m.rows, pair, d, m.rows);
 }
 
 #define MOE_TQ(WK, KN, MI, NJ) \
@@ -3227,18 +3225,8 @@ __device__ void moe_iq(const ExpertMats* experts, const int* tiles, const int* s
     moe_tile_pairs<BN>(tiles, sorted, down ? 1 : K, pair, row);
     float acc[MI][NJ][4];
     iq_tile<WK, MI, NJ, 4, 1>(m, r0, x, row, s, acc, 0, m.cols);
-    const long stride = down ? m.rows : 2 * inter;
-    float* o = out + (up ? inter : 0);
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NJ; j++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const long r = r0 + frag_row<MI, NJ, 1>(i, q);
-                const int p = pair[frag_token<MI, NJ, 1>(j, q)];
-                if (r < m.rows && p >= 0) o[(long)p * stride + r] = acc[i][j][q];
-            }
+    moe_store_tile<MI, NJ>(acc, r0, m.rows, pair, out + (up ? inter : 0),
+                           down ? m.rows : 2 * inter);
 }
 
 #define MOE_IQ(WK, KN, MI, NJ) \

@@ -1,6 +1,46 @@
 //! Comparisons of two models' logits ([positions, vocab] row-major), shared by the fast-kernel
 //! tests of the CPU (`fast_kernels.rs`) and the GPU (`sluice-cuda/tests/fast_prefill.rs`).
 
+use std::path::Path;
+
+/// The token ids of a reference fixture (`reference.json` in `dir`).
+pub fn reference_tokens(dir: &Path) -> Vec<u32> {
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// max|got - want| / max|want|.
+pub fn max_diff_over_max_ref(got: &[f32], want: &[f32]) -> f32 {
+    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let max_diff = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    max_diff / max_ref
+}
+
+/// The bounds the fast kernels are held to against the exact ones (`what` names the case). The
+/// fixtures have random weights and near-uniform routers: a small change flips an expert choice,
+/// which changes that token's state at every later layer, so their bounds are loose (a wrong
+/// layout or scale gives a KL of order 1 and chance agreement). The demo model is trained: its
+/// bounds are what generation sees.
+pub fn assert_fast_within_bounds(demo: bool, what: &str, kl: f64, agree: f64) {
+    let (max_kl, min_agree) = if demo { (1e-2, 0.9) } else { (0.1, 0.7) };
+    assert!(kl < max_kl, "{what}: mean KL {kl:.2e} >= {max_kl}");
+    assert!(
+        agree >= min_agree,
+        "{what}: argmax agrees at {:.1}% < {:.0}%",
+        agree * 100.0,
+        min_agree * 100.0
+    );
+}
+
 pub fn log_softmax(row: &[f32]) -> Vec<f64> {
     let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
     let lse = row
