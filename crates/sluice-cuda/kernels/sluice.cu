@@ -406,6 +406,21 @@ __device__ __forceinline__ void tc_tile(const Mat* m, long r0, const float* cons
     }
 }
 
+// Stores a block's 64 x 64 product tile (acc as tc_tile's and tq_tile's, warps 2 x 2): row r0 + i
+// of token n0 + n at y[(n0 + n) rows + r0 + i], for rows below `rows` and tokens below `ntok`.
+__device__ __forceinline__ void gemm_store_tile(const float (&acc)[2][4][4], long r0, long n0,
+                                                long rows, long ntok, float* y) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long r = r0 + frag_row<2, 4, 2>(i, e), n = n0 + frag_token<2, 4, 2>(j, e);
+                if (r < rows && n < ntok) y[n * rows + r] = acc[i][j][e];
+            }
+}
+
 // y[ntok, rows] = x[ntok, cols] W^T. Grid (rows / 64, ntok / 64), 128 threads.
 template <int K>
 __device__ void gemm_tc(const Mat& w, const float* x, float* y, int ntok) {
@@ -419,15 +434,7 @@ __device__ void gemm_tc(const Mat& w, const float* x, float* y, int ntok) {
     __syncthreads();
     float acc[1][2][4][4];
     tc_tile<K, 1>(&w, r0, xrow, s, acc);
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const long r = r0 + frag_row<2, 4, 2>(i, e), n = n0 + frag_token<2, 4, 2>(j, e);
-                if (r < w.rows && n < ntok) y[n * w.rows + r] = acc[0][i][j][e];
-            }
+    gemm_store_tile(acc[0], r0, n0, w.rows, ntok, y);
 }
 
 #define GEMM_TC(K, KN) \
@@ -665,15 +672,7 @@ __device__ void gemm_tq(const Mat& w, const float* x, float* y, int ntok, int kc
     const int k_begin = blockIdx.z * kc;
     tq_tile<K, 1, 2, 4, 2, 2>(&w, r0, xrow, s, acc, k_begin, min(k_begin + kc, w.cols));
     y += (long)blockIdx.z * ntok * w.rows;
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const long r = r0 + frag_row<2, 4, 2>(i, e), n = n0 + frag_token<2, 4, 2>(j, e);
-                if (r < w.rows && n < ntok) y[n * w.rows + r] = acc[0][i][j][e];
-            }
+    gemm_store_tile(acc[0], r0, n0, w.rows, ntok, y);
 }
 
 #define GEMM_TQ(K, KN) \
@@ -3174,15 +3173,7 @@ __device__ void gemm_iq(const Mat& w, IqRows x, float* y, int ntok, int kc) {
     const int k_begin = blockIdx.z * kc;
     iq_tile<K, 2, 4, 2, 2>(w, r0, x, row, s, acc, k_begin, min(k_begin + kc, w.cols));
     y += (long)blockIdx.z * ntok * w.rows;
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const long r = r0 + frag_row<2, 4, 2>(i, e), n = n0 + frag_token<2, 4, 2>(j, e);
-                if (r < w.rows && n < ntok) y[n * w.rows + r] = acc[i][j][e];
-            }
+    gemm_store_tile(acc, r0, n0, w.rows, ntok, y);
 }
 
 #define GEMM_IQ(K, KN) \

@@ -16,12 +16,6 @@ use std::sync::Arc;
 use sluice_cuda::CudaBackend;
 use sluice_engine::{npy, Engine, LoadOptions, LogitsMode};
 
-fn repo() -> PathBuf {
-    std::env::var_os("SLUICE_REPO")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
-}
-
 fn load(dir: &Path, fast: bool) -> Engine<CudaBackend> {
     let backend = sluice_cuda::open(0)
         .unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
@@ -32,9 +26,12 @@ fn load(dir: &Path, fast: bool) -> Engine<CudaBackend> {
 
 #[path = "../../sluice-engine/tests/common/compare.rs"]
 mod compare;
-use compare::{
-    assert_fast_within_bounds, kl_and_agreement, max_diff_over_max_ref, mean_nll, reference_tokens,
-};
+use compare::{assert_fast_within_bounds, kl_and_agreement, max_diff_over_max_ref, mean_nll};
+// Its suite macro is not used here.
+#[allow(unused_macros)]
+#[path = "../../sluice-engine/tests/common/reference.rs"]
+mod reference;
+use reference::{reference_tokens, repo};
 
 /// The fixtures with 4- or 8-bit weights (the others have nothing for the fast path to do).
 const FIXTURES: [&str; 5] = [

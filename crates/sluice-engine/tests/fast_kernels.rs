@@ -15,10 +15,6 @@ use std::sync::Arc;
 use sluice_cpu::{CpuBackend, Kernels};
 use sluice_engine::{npy, Engine, LoadOptions, LogitsMode};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn load(dir: &Path, kernels: Kernels) -> Engine<CpuBackend> {
     let backend = Arc::new(CpuBackend::with_kernels(kernels));
     Engine::load(dir, backend, &LoadOptions::default())
@@ -27,9 +23,12 @@ fn load(dir: &Path, kernels: Kernels) -> Engine<CpuBackend> {
 
 #[path = "common/compare.rs"]
 mod compare;
-use compare::{
-    assert_fast_within_bounds, kl_and_agreement, max_diff_over_max_ref, mean_nll, reference_tokens,
-};
+use compare::{assert_fast_within_bounds, kl_and_agreement, max_diff_over_max_ref, mean_nll};
+// Its suite macro is not used here.
+#[allow(unused_macros)]
+#[path = "common/reference.rs"]
+mod reference;
+use reference::{reference_tokens, repo};
 
 const FIXTURES: [&str; 11] = [
     "qwen3_moe-bf16",

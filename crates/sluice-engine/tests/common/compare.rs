@@ -1,19 +1,8 @@
 //! Comparisons of two models' logits ([positions, vocab] row-major), shared by the fast-kernel
-//! tests of the CPU (`fast_kernels.rs`) and the GPU (`sluice-cuda/tests/fast_prefill.rs`).
+//! tests of the CPU (`fast_kernels.rs`) and the GPU (`sluice-cuda/tests/fast_prefill.rs`); they
+//! include `reference.rs` beside it as `reference`.
 
-use std::path::Path;
-
-/// The token ids of a reference fixture (`reference.json` in `dir`).
-pub fn reference_tokens(dir: &Path) -> Vec<u32> {
-    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect()
-}
+use crate::reference::argmax;
 
 /// max|got - want| / max|want|.
 pub fn max_diff_over_max_ref(got: &[f32], want: &[f32]) -> f32 {
@@ -50,10 +39,6 @@ pub fn log_softmax(row: &[f32]) -> Vec<f64> {
         .ln()
         + max;
     row.iter().map(|&v| v as f64 - lse).collect()
-}
-
-pub fn argmax(row: &[f32]) -> usize {
-    (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })
 }
 
 /// Mean over positions of KL(exact || fast), and the share of positions whose argmax agrees.
