@@ -27,7 +27,8 @@ pub struct ExpertCacheStats {
     /// Experts uploaded into a slot ([`crate::Backend::stage_expert`]).
     pub misses: u64,
     /// Experts uploaded for one call only: every slot was in use by the same call, or each
-    /// unused slot held an expert used more often than this one.
+    /// unused slot held an expert used more often than this one. Experts kept in host memory:
+    /// the routed pairs of a prompt's experts staged in VRAM for its call.
     pub bypassed: u64,
     /// Slots whose expert was replaced.
     pub evictions: u64,

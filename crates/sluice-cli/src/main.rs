@@ -313,12 +313,13 @@ pub(crate) fn vram_line(d: &sluice_backend::ExpertCacheStats) -> String {
     if d.read_in_place > 0 || d.placed > 0 {
         // Experts kept in host memory: the kernels read them there or in a slot.
         return format!(
-            "VRAM hit {:.1}% ({} from slots, {} read in place from host memory: {}), {} copied into slots ({}, {} evicted) at {:.2} GB/s while copying",
+            "VRAM hit {:.1}% ({} from slots, {} read in place from host memory: {}), {} copied into slots and {} staged for prompts ({}, {} evicted) at {:.2} GB/s while copying",
             d.hit_rate() * 100.0,
             d.hits,
             d.read_in_place,
             format_bytes(d.bytes_read_in_place),
             d.placed,
+            d.bypassed,
             format_bytes(d.bytes_uploaded),
             d.evictions,
             d.upload_gbps(),

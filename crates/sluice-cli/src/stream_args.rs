@@ -31,9 +31,11 @@ pub struct StreamArgs {
     pub memory_budget: Option<ByteSize>,
     /// GPU memory for the model (e.g. 8GiB): resident weights, KV caches and activations, and a
     /// VRAM cache of the most used experts in the rest. When the host cache (--memory-budget)
-    /// holds every expert, the GPU reads the others there in place over PCIe; else they are
-    /// copied in from the host cache or read from disk as they stream. Default: the free GPU
-    /// memory less 1 GiB. Unpacked models then stream their experts too. Ignored on the CPU.
+    /// holds every expert, the GPU reads the others there in place over PCIe while decoding,
+    /// and copies a prompt's in bulk into a few staging slots (an eighth of the cache at most);
+    /// else they are copied in from the host cache or read from disk as they stream. Default:
+    /// the free GPU memory less 1 GiB. Unpacked models then stream their experts too. Ignored
+    /// on the CPU.
     #[arg(long, value_name = "SIZE")]
     pub vram_budget: Option<ByteSize>,
     /// Expert cache eviction policy.

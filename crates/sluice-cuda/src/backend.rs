@@ -227,6 +227,9 @@ const ALL_DONE_COUNTER: usize = SPLIT_ATTENTION_PAIRS + FUSED_ROUTE_TOKENS;
 const KIND_Q4: usize = 1;
 /// The most threads a block of `moe_down_q4_s384` has (its launch bounds).
 pub(crate) const MOE_DOWN_S384: usize = 384;
+/// The most tokens whose MoE runs the decode kernels; more take the grouped (prefill) ones.
+const MOE_DECODE_ROWS: usize = 8;
+
 /// `MOE_DOWN_W_ROWS` in the kernels: output rows per block of `moe_down_q4_w`.
 const MOE_DOWN_W_ROWS: usize = 4;
 
@@ -571,13 +574,13 @@ impl CudaBackend {
         let q4_gate_up =
             kinds.0 == KIND_Q4 && sample.gate.cols % 16 == 0 && sample.gate.group >= 16;
         let q4_down = kinds.1 == KIND_Q4;
-        let decode_writes = routing.rows <= 8 && q4_down;
+        let decode_writes = routing.rows <= MOE_DECODE_ROWS && q4_down;
         if into == MoeOut::Fresh && !decode_writes {
             if let Some(b) = &out.buf {
                 self.d.zero(b);
             }
         }
-        if routing.rows > 8 {
+        if routing.rows > MOE_DECODE_ROWS {
             self.moe_grouped(
                 x,
                 routing,
@@ -668,6 +671,61 @@ impl CudaBackend {
                 &down_args[..9],
             );
         }
+    }
+
+    /// The MoE of many tokens of a layer whose experts are read in place (a prompt): the routed
+    /// experts that no slot holds are copied into the staging slots in bulk and the grouped
+    /// kernels read those copies, in runs of ascending expert ids when they do not all fit
+    /// (each run adding onto the last: the same bits as one call). `None`: no staging here (the
+    /// kernels then read in place).
+    fn moe_staged(
+        &self,
+        x: &CudaAct,
+        routing: &CudaRouting,
+        experts: &CudaExperts,
+        layer: &Arc<InPlaceLayer>,
+        ids: &DevBuf,
+    ) -> Option<CudaAct> {
+        let mut in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
+        if !in_place.stages(layer) {
+            return None;
+        }
+        let out = self.act(x.rows, x.cols);
+        let result = (|| -> Result<(), BackendError> {
+            let n = routing.rows * routing.k;
+            let pairs: Vec<u32> = self.d.download(ids, n)?;
+            let mut routed = pairs.clone();
+            routed.sort_unstable();
+            routed.dedup();
+            let current: Vec<u32> = self.d.download(&layer.table, layer.table.bytes / 4)?;
+            let runs = in_place.stage_runs(layer, &routed)?;
+            for (i, run) in runs.iter().enumerate() {
+                let mut words = in_place.stage(&self.d, layer, run, &pairs, &current)?;
+                let table_bytes = words.len() * 4;
+                words.extend_from_slice(run);
+                let both = self.d.upload(&words, "a staged expert table")?;
+                self.moe_into(
+                    x,
+                    routing,
+                    both.ptr,
+                    Some(both.ptr + table_bytes as u64),
+                    run.len(),
+                    &experts.sample,
+                    &out,
+                    if i == 0 { MoeOut::Fresh } else { MoeOut::Add },
+                );
+            }
+            if runs.is_empty() {
+                if let Some(b) = &out.buf {
+                    self.d.zero(b);
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.d.record(e);
+        }
+        Some(out)
     }
 
     /// The MoE of many tokens: pairs grouped by expert on the device, then per expert tensor-core
@@ -1225,8 +1283,16 @@ impl Backend for CudaBackend {
         if !in_place.is_empty() {
             // The experts stay in host memory: the slots cache the most used of them.
             let mut plan = size_slots(&self.d, budget, expert_bytes, experts)?;
-            in_place.plan(&self.d, plan.slots, plan.slot_bytes as usize)?;
+            let staging = in_place.staging_slots(plan.slots);
+            plan.slots -= staging;
+            in_place.plan(&self.d, plan.slots, staging, plan.slot_bytes as usize)?;
             plan.reason += "; the rest read in place from page-locked host memory";
+            if staging > 0 {
+                plan.reason += &format!(
+                    "; {staging} more slots ({:.2} GiB) stage a prompt's experts",
+                    (staging as u64 * plan.slot_bytes) as f64 / (1u64 << 30) as f64
+                );
+            }
             return Ok(Some(plan));
         }
         let (cache, plan) = VramExperts::plan(&self.d, budget, expert_bytes, experts)?;
@@ -2216,6 +2282,12 @@ impl Backend for CudaBackend {
             if let Err(e) = in_place.before_call(&self.d, layer, ids.ptr, routing.rows * routing.k)
             {
                 self.d.record(e);
+            }
+            drop(in_place);
+            if routing.rows > MOE_DECODE_ROWS {
+                if let Some(out) = self.moe_staged(x, routing, experts, layer, ids) {
+                    return out;
+                }
             }
         }
         let out = self.act(x.rows, x.cols);

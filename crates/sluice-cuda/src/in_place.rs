@@ -11,6 +11,12 @@
 //! re-pointing their table entries. Copies and table writes run on the backend's one stream, so
 //! a slot is overwritten only after every launch that may still read it, and a table entry
 //! changes between launches, never under one.
+//!
+//! Prompts are different: a call of many tokens routes most of a layer's experts, and the
+//! grouped kernels would read each one in place once per tile of its pairs, in small reads
+//! across the link. Such a call instead copies the routed experts that no slot holds into a few
+//! staging slots kept for it, in bulk at the link's speed, and runs on those copies
+//! ([`InPlace::stage`]), in runs of ascending expert ids when they do not all fit.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -276,12 +282,18 @@ pub(crate) struct InPlace {
     layers: Vec<Weak<InPlaceLayer>>,
     tier: Option<Tier>,
     stats: ExpertCacheStats,
+    /// Routings of experts staged since the last read of the counts (counted on the device
+    /// like every routing, but not read in place).
+    staged_uses: HashMap<Key, u64>,
 }
 
 /// The VRAM slots over the registered layers (from [`InPlace::plan`] on).
 struct Tier {
     slots: Option<DevBuf>,
     slot_bytes: usize,
+    /// Slots of `slot_bytes` for the experts of one call of many tokens ([`InPlace::stage`]).
+    staging: Option<DevBuf>,
+    staging_slots: usize,
     placement: Placement,
     knobs: Knobs,
     /// One counter per expert of every layer registered at planning, layer `i` from
@@ -331,11 +343,30 @@ impl InPlace {
         layer
     }
 
-    /// Sets up `slots` VRAM slots of `slot_bytes` (replacing an earlier tier) and the counters.
+    /// How many of `slots` slots to keep for staging prompts' experts: a layer's worth, at most
+    /// an eighth of them (the rest cache experts for decoding); none with
+    /// `SLUICE_CUDA_STAGE=0`.
+    pub fn staging_slots(&self, slots: usize) -> usize {
+        if std::env::var("SLUICE_CUDA_STAGE").is_ok_and(|v| v == "0") {
+            return 0;
+        }
+        let per_layer = self
+            .layers
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|l| l.in_host.len())
+            .max()
+            .unwrap_or(0);
+        per_layer.min(slots / 8)
+    }
+
+    /// Sets up `slots` VRAM slots of `slot_bytes` and `staging` staging slots (replacing an
+    /// earlier tier) and the counters.
     pub fn plan(
         &mut self,
         d: &Device,
         slots: usize,
+        staging: usize,
         slot_bytes: usize,
     ) -> Result<(), BackendError> {
         if let Some(old) = self.tier.take() {
@@ -371,9 +402,15 @@ impl InPlace {
             0 => None,
             n => Some(d.alloc(n * slot_bytes, "the VRAM expert cache")?),
         };
+        let staging_mem = match staging {
+            0 => None,
+            n => Some(d.alloc(n * slot_bytes, "the staging slots of prompts' experts")?),
+        };
         self.tier = Some(Tier {
             slots: slots_mem,
             slot_bytes,
+            staging: staging_mem,
+            staging_slots: staging,
             placement: Placement::new(slots),
             knobs: Knobs::get(),
             counts,
@@ -518,12 +555,15 @@ impl InPlace {
                 if tier.placement.held(key) {
                     self.stats.hits += uses as u64;
                 } else {
-                    self.stats.read_in_place += uses as u64;
-                    self.stats.bytes_read_in_place += uses as u64 * l.expert_bytes(e);
+                    let staged = self.staged_uses.get(&key).copied().unwrap_or(0);
+                    let read = (uses as u64).saturating_sub(staged);
+                    self.stats.read_in_place += read;
+                    self.stats.bytes_read_in_place += read * l.expert_bytes(e);
                 }
                 tier.placement.observe(key, uses);
             }
         }
+        self.staged_uses.clear();
         let Some(slots) = &tier.slots else {
             return Ok(());
         };
@@ -578,6 +618,118 @@ impl InPlace {
         }
         tier.batches.push((start, d.event(Lane::Copy)?));
         Ok(())
+    }
+
+    /// Whether calls of many tokens of `layer` take [`InPlace::stage`].
+    pub fn stages(&self, layer: &InPlaceLayer) -> bool {
+        self.tier
+            .as_ref()
+            .is_some_and(|t| t.staging.is_some() && t.offsets.get(layer.id).is_some())
+    }
+
+    /// Splits the experts `routed` (ascending, distinct) of a call of many tokens of `layer`
+    /// into runs of ascending ids whose experts in no slot fit the staging slots.
+    pub fn stage_runs(
+        &self,
+        layer: &InPlaceLayer,
+        routed: &[u32],
+    ) -> Result<Vec<Vec<u32>>, BackendError> {
+        let Some(tier) = &self.tier else {
+            return Ok(vec![routed.to_vec()]);
+        };
+        let cap = tier.staging_slots.max(1);
+        let mut runs: Vec<Vec<u32>> = Vec::new();
+        let mut staged = cap;
+        for &e in routed {
+            if !tier.placement.held((layer.id, e)) {
+                if staged == cap {
+                    runs.push(Vec::new());
+                    staged = 0;
+                }
+                staged += 1;
+            }
+            match runs.last_mut() {
+                Some(run) => run.push(e),
+                None => runs.push(vec![e]),
+            }
+        }
+        Ok(runs)
+    }
+
+    /// For one run of [`InPlace::stage_runs`]: copies its experts that no slot holds into the
+    /// staging slots (on the compute stream: after every launch that may still read them) and
+    /// returns the run's table, `words` of [`ExpertMats::WORDS`] per expert: a slot's entry as
+    /// `current` (the layer's table read back) has it, else the staged copy's. `pairs`: the
+    /// call's routed ids (the staged experts' uses are not reads in place).
+    pub fn stage(
+        &mut self,
+        d: &Device,
+        layer: &InPlaceLayer,
+        run: &[u32],
+        pairs: &[u32],
+        current: &[u32],
+    ) -> Result<Vec<u32>, BackendError> {
+        let Some(tier) = &self.tier else {
+            return Err(BackendError::Device("staging without a VRAM tier".into()));
+        };
+        let Some(staging) = &tier.staging else {
+            return Err(BackendError::Device("staging without staging slots".into()));
+        };
+        let (staging, slots, slot_bytes) = (staging.ptr(), tier.staging_slots, tier.slot_bytes);
+        let held: Vec<bool> = run
+            .iter()
+            .map(|&e| tier.placement.held((layer.id, e)))
+            .collect();
+        let w = ExpertMats::WORDS;
+        let mut words = Vec::with_capacity(run.len() * w);
+        let mut next = 0;
+        let start = d.event(Lane::Compute)?;
+        for (&e, held) in run.iter().zip(held) {
+            let e = e as usize;
+            let Some(host) = layer.host.get(e) else {
+                return Err(BackendError::Device(format!(
+                    "expert {e} routed of {}",
+                    layer.host.len()
+                )));
+            };
+            if held {
+                words.extend_from_slice(&current[e * w..(e + 1) * w]);
+                continue;
+            }
+            if next == slots {
+                return Err(BackendError::Device(
+                    "a staging run larger than its slots".into(),
+                ));
+            }
+            let base = staging + (next * slot_bytes) as u64;
+            next += 1;
+            let (offsets, bytes) = slot_layout(host);
+            if bytes > slot_bytes {
+                return Err(BackendError::Device(format!(
+                    "expert {e} takes {bytes} bytes, a slot {slot_bytes}"
+                )));
+            }
+            let mats = match block_span(host) {
+                Some(span) if span.len() <= slot_bytes => {
+                    upload_block(d, Lane::Compute, host, base, span)?
+                }
+                _ => upload_into(d, Lane::Compute, host, base, &offsets)?,
+            };
+            mats.push_words(&mut words);
+            let uses = pairs.iter().filter(|&&p| p as usize == e).count() as u64;
+            *self.staged_uses.entry((layer.id, e as u32)).or_default() += uses;
+            let moved = layer.expert_bytes(e);
+            // Per routed pair, as the reads in place and the hits here.
+            self.stats.bypassed += uses;
+            self.stats.bytes_uploaded += moved;
+            self.stats.bytes_pinned += moved;
+        }
+        // Timed with the slots' copies (read at a rebalance, once complete).
+        let end = d.event(Lane::Compute)?;
+        if let Some(tier) = &mut self.tier {
+            tier.batches.push((start, end));
+        }
+        Ok(words)
     }
 
     pub fn stats(&self) -> ExpertCacheStats {

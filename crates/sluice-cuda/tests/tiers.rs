@@ -135,8 +135,16 @@ fn tiered_logits_are_bit_identical_to_resident() {
                 );
                 if in_place {
                     // Counted on the device: what was read from host memory, what from slots.
-                    assert!(s.read_in_place > 0 && s.placed > 0, "{what}: {s:?}");
-                    assert_eq!(s.misses + s.bypassed, 0, "{what}: nothing streamed: {s:?}");
+                    assert!(s.placed > 0, "{what}: {s:?}");
+                    assert_eq!(s.misses, 0, "{what}: nothing streamed: {s:?}");
+                    if mode == LogitsMode::Prefill && vram_slots.is_none() {
+                        // The prompt's experts in no slot are staged in VRAM (a few staging
+                        // slots: several runs per layer), not read in place.
+                        assert!(s.bypassed > 0 && s.read_in_place == 0, "{what}: {s:?}");
+                    } else {
+                        // Decoding, or too few slots to keep any for staging: read in place.
+                        assert!(s.read_in_place > 0 && s.bypassed == 0, "{what}: {s:?}");
+                    }
                     if vram_slots.is_none() {
                         assert!(s.hits > 0, "{what}: {s:?}");
                     }
