@@ -1301,7 +1301,7 @@ impl Backend for CudaBackend {
     }
 
     fn expert_cache_stats(&self) -> Option<ExpertCacheStats> {
-        let in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
+        let mut in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
         if in_place.has_tier() {
             return Some(in_place.stats());
         }

@@ -285,6 +285,8 @@ pub(crate) struct InPlace {
     /// Routings of experts staged since the last read of the counts (counted on the device
     /// like every routing, but not read in place).
     staged_uses: HashMap<Key, u64>,
+    /// Events around each run's staging copies, until timed.
+    staged_copies: Vec<(CudaEvent, CudaEvent)>,
 }
 
 /// The VRAM slots over the registered layers (from [`InPlace::plan`] on).
@@ -564,6 +566,7 @@ impl InPlace {
             }
         }
         self.staged_uses.clear();
+        self.time_staged_copies();
         let Some(slots) = &tier.slots else {
             return Ok(());
         };
@@ -724,15 +727,30 @@ impl InPlace {
             self.stats.bytes_uploaded += moved;
             self.stats.bytes_pinned += moved;
         }
-        // Timed with the slots' copies (read at a rebalance, once complete).
         let end = d.event(Lane::Compute)?;
-        if let Some(tier) = &mut self.tier {
-            tier.batches.push((start, end));
-        }
+        self.staged_copies.push((start, end));
         Ok(words)
     }
 
-    pub fn stats(&self) -> ExpertCacheStats {
+    /// Adds the time of the staging copies that have completed to the copy time.
+    fn time_staged_copies(&mut self) {
+        self.staged_copies.retain(|(start, end)| {
+            if !end.is_complete() {
+                return true;
+            }
+            if let Ok(ms) = start.elapsed_ms(end) {
+                self.stats.upload_secs += ms as f64 / 1e3;
+            }
+            false
+        });
+    }
+
+    /// The counters (after waiting for the staging copies in flight, so that their time is in).
+    pub fn stats(&mut self) -> ExpertCacheStats {
+        for (_, end) in &self.staged_copies {
+            let _ = end.synchronize();
+        }
+        self.time_staged_copies();
         self.stats.clone()
     }
 
