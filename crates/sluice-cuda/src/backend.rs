@@ -673,6 +673,35 @@ impl CudaBackend {
         }
     }
 
+    /// `moe_into` over the experts `ids` (ascending) whose table entries are `words`: the table
+    /// and the ids after it go up in one upload.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_present(
+        &self,
+        x: &CudaAct,
+        routing: &CudaRouting,
+        mut words: Vec<u32>,
+        ids: &[u32],
+        sample: &ExpertMats,
+        out: &CudaAct,
+        into: MoeOut,
+    ) -> Result<(), BackendError> {
+        let table_bytes = words.len() * 4;
+        words.extend_from_slice(ids);
+        let both = self.d.upload(&words, "the expert table")?;
+        self.moe_into(
+            x,
+            routing,
+            both.ptr,
+            Some(both.ptr + table_bytes as u64),
+            ids.len(),
+            sample,
+            out,
+            into,
+        );
+        Ok(())
+    }
+
     /// The MoE of many tokens of a layer whose experts are read in place (a prompt): the routed
     /// experts that no slot holds are copied into the staging slots in bulk and the grouped
     /// kernels read those copies, in runs of ascending expert ids when they do not all fit
@@ -700,20 +729,9 @@ impl CudaBackend {
             let current: Vec<u32> = self.d.download(&layer.table, layer.table.bytes / 4)?;
             let runs = in_place.stage_runs(layer, &routed)?;
             for (i, run) in runs.iter().enumerate() {
-                let mut words = in_place.stage(&self.d, layer, run, &pairs, &current)?;
-                let table_bytes = words.len() * 4;
-                words.extend_from_slice(run);
-                let both = self.d.upload(&words, "a staged expert table")?;
-                self.moe_into(
-                    x,
-                    routing,
-                    both.ptr,
-                    Some(both.ptr + table_bytes as u64),
-                    run.len(),
-                    &experts.sample,
-                    &out,
-                    if i == 0 { MoeOut::Fresh } else { MoeOut::Add },
-                );
+                let words = in_place.stage(&self.d, layer, run, &pairs, &current)?;
+                let into = if i == 0 { MoeOut::Fresh } else { MoeOut::Add };
+                self.moe_present(x, routing, words, run, &experts.sample, &out, into)?;
             }
             if runs.is_empty() {
                 if let Some(b) = &out.buf {
@@ -2318,31 +2336,16 @@ impl Backend for CudaBackend {
         let Some(first) = experts.first() else {
             return;
         };
-        // The expert table and the ids after it, in one upload.
         let mut words: Vec<u32> = Vec::with_capacity(experts.len() * (ExpertMats::WORDS + 1));
         for (_, s) in experts {
             s.mats.push_words(&mut words);
         }
-        let table_bytes = words.len() * 4;
-        words.extend(experts.iter().map(|e| e.0));
-        let both = match self.d.upload(&words, "the expert table") {
-            Ok(b) => b,
-            Err(e) => {
-                self.d.record(e);
-                out.buf = None;
-                return;
-            }
-        };
-        self.moe_into(
-            x,
-            routing,
-            both.ptr,
-            Some(both.ptr + table_bytes as u64),
-            experts.len(),
-            &first.1.mats,
-            out,
-            MoeOut::Add,
-        );
+        let ids: Vec<u32> = experts.iter().map(|e| e.0).collect();
+        let sample = first.1.mats;
+        if let Err(e) = self.moe_present(x, routing, words, &ids, &sample, out, MoeOut::Add) {
+            self.d.record(e);
+            out.buf = None;
+        }
     }
 
     fn causal_conv1d_silu(

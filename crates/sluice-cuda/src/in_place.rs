@@ -26,7 +26,7 @@ use sluice_backend::{BackendError, ExpertCacheStats, HostExpert};
 
 use crate::device::{grid, Arg, DevBuf, Device, Lane};
 use crate::mat::ExpertMats;
-use crate::vram_experts::{block_span, slot_layout, upload_block, upload_into};
+use crate::vram_experts::{slot_layout, upload_expert};
 
 /// The tier's knobs: defaults measured on an H100 (Qwen3-30B-A3B shape, 8 GiB budget, see
 /// `Knobs::parse`);
@@ -600,12 +600,7 @@ impl InPlace {
                 tier.placement.clear(slot);
                 continue;
             }
-            let mats = match block_span(host) {
-                Some(span) if span.len() <= tier.slot_bytes => {
-                    upload_block(d, Lane::Copy, host, base, span)
-                }
-                _ => upload_into(d, Lane::Copy, host, base, &offsets),
-            };
+            let mats = upload_expert(d, Lane::Copy, host, base, (tier.slot_bytes, &offsets), true);
             let mats = match mats {
                 Ok(m) => m,
                 Err(err) => {
@@ -712,12 +707,7 @@ impl InPlace {
                     "expert {e} takes {bytes} bytes, a slot {slot_bytes}"
                 )));
             }
-            let mats = match block_span(host) {
-                Some(span) if span.len() <= slot_bytes => {
-                    upload_block(d, Lane::Compute, host, base, span)?
-                }
-                _ => upload_into(d, Lane::Compute, host, base, &offsets)?,
-            };
+            let mats = upload_expert(d, Lane::Compute, host, base, (slot_bytes, &offsets), true)?;
             mats.push_words(&mut words);
             let uses = pairs.iter().filter(|&&p| p as usize == e).count() as u64;
             *self.staged_uses.entry((layer.id, e as u32)).or_default() += uses;

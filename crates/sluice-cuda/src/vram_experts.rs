@@ -215,12 +215,14 @@ impl VramExperts {
                     self.memory.as_ref().map_or(0, DevBuf::ptr) + (slot * self.slot_bytes) as u64;
                 // One copy for the whole block where the parts lie together (the store's layout);
                 // from pageable memory the driver stages it anyway.
-                let copied = match block_span(&host) {
-                    Some(span) if pinned && span.len() <= self.slot_bytes => {
-                        upload_block(d, Lane::Compute, &host, base, span)
-                    }
-                    _ => upload_into(d, Lane::Compute, &host, base, &offsets),
-                };
+                let copied = upload_expert(
+                    d,
+                    Lane::Compute,
+                    &host,
+                    base,
+                    (self.slot_bytes, &offsets),
+                    pinned,
+                );
                 match copied {
                     Ok(mats) => {
                         self.stats.misses += 1;
@@ -329,6 +331,23 @@ pub(crate) fn block_span(host: &HostExpert) -> Option<std::ops::Range<usize>> {
     // where the kernels' widest loads may read it (16-byte aligned in the slot).
     let aligned = all.iter().all(|b| (b.range().start - start) % 16 == 0);
     (aligned && end - start <= total + 64 * all.len()).then_some(start..end)
+}
+
+/// Copies `host` into the slot of `slot_bytes` at `base`: in one copy where its parts lie together
+/// (the store's layout), fit the slot and `whole` allows it, else part by part at `offsets`
+/// ([`slot_layout`]).
+pub(crate) fn upload_expert(
+    d: &Device,
+    lane: Lane,
+    host: &HostExpert,
+    base: u64,
+    (slot_bytes, offsets): (usize, &[[usize; 3]; 3]),
+    whole: bool,
+) -> Result<ExpertMats, BackendError> {
+    match block_span(host) {
+        Some(span) if whole && span.len() <= slot_bytes => upload_block(d, lane, host, base, span),
+        _ => upload_into(d, lane, host, base, offsets),
+    }
 }
 
 /// Copies the block `span` of `host`'s buffer into the slot at `base` in one copy, and
