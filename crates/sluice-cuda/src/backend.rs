@@ -727,7 +727,7 @@ impl CudaBackend {
             routed.sort_unstable();
             routed.dedup();
             let current: Vec<u32> = self.d.download(&layer.table, layer.table.bytes / 4)?;
-            let runs = in_place.stage_runs(layer, &routed)?;
+            let runs = in_place.stage_runs(layer, &routed);
             for (i, run) in runs.iter().enumerate() {
                 let words = in_place.stage(&self.d, layer, run, &pairs, &current)?;
                 let into = if i == 0 { MoeOut::Fresh } else { MoeOut::Add };

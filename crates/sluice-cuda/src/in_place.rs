@@ -627,13 +627,9 @@ impl InPlace {
 
     /// Splits the experts `routed` (ascending, distinct) of a call of many tokens of `layer`
     /// into runs of ascending ids whose experts in no slot fit the staging slots.
-    pub fn stage_runs(
-        &self,
-        layer: &InPlaceLayer,
-        routed: &[u32],
-    ) -> Result<Vec<Vec<u32>>, BackendError> {
+    pub fn stage_runs(&self, layer: &InPlaceLayer, routed: &[u32]) -> Vec<Vec<u32>> {
         let Some(tier) = &self.tier else {
-            return Ok(vec![routed.to_vec()]);
+            return vec![routed.to_vec()];
         };
         let cap = tier.staging_slots.max(1);
         let mut runs: Vec<Vec<u32>> = Vec::new();
@@ -651,7 +647,7 @@ impl InPlace {
                 None => runs.push(vec![e]),
             }
         }
-        Ok(runs)
+        runs
     }
 
     /// For one run of [`InPlace::stage_runs`]: copies its experts that no slot holds into the
