@@ -868,7 +868,7 @@ pub(super) fn pack_sub(
 /// Elements `g0..g0 + ng` (`ng <= 8`) of rows `rows` of a `[rows, groups]` array of `dt`,
 /// transposed: `out[g * 8 + i]` is element `g0 + g` of row `rows[i]`. `rows` are consecutive.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load_t8(
+pub(super) fn load_t8(
     dt: Dtype,
     bytes: &[u8],
     rows: &[usize; 8],
@@ -908,7 +908,7 @@ fn load_t8(
 /// (`cnt <= 8`) loaded and transposed: lane `i` of result `j` is word `wc + j` of row `i`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn load_words_t8(srcs: &[&[u8]; 8], wc: usize, cnt: usize) -> [__m256; 8] {
+pub(super) fn load_words_t8(srcs: &[&[u8]; 8], wc: usize, cnt: usize) -> [__m256; 8] {
     assert!(cnt <= 8 && srcs.iter().all(|s| s.len() >= 4 * (wc + cnt)));
     let mut v = [_mm256_setzero_ps(); 8];
     if cnt == 8 {

@@ -30,7 +30,10 @@
 //!   per word of 8 values (one scale each) and sum nibble x byte products in integers, 32 weight
 //!   bytes at a time (`vpdpbusd` on 256-bit vectors with AVX-512 VNNI, else AVX2 `vpmaddubsw`
 //!   and `vpmaddwd`), about a quarter of the instructions of the float path per weight byte,
-//!   so decode is bound by memory instead of by the core.
+//!   so decode is bound by memory instead of by the core. From `IGEMM_MIN_TOKENS` tokens on,
+//!   4-bit products take the integer prefill ([`igemm`]): activations quantized per 32 values
+//!   (ggml's Q8 blocks), weights packed 16 rows at a time with a row per 32-bit lane, integer
+//!   sums scaled once per block and token.
 //!   Other affine widths (2, 3, 5, 6 bits) and group sizes go through a generic scalar
 //!   dequantizer and the same drivers.
 
@@ -42,6 +45,7 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod igemm;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod portable;
@@ -371,7 +375,8 @@ fn gemm_min_tokens_override() -> Option<usize> {
 /// Whether a product of `tokens` tokens runs through the packed micro-kernel at `level`.
 /// Never for the integer 4-bit path: its decode kernel, in passes of `DECODE_MAX_TOKENS`
 /// tokens over blocks of rows, outruns the f32 micro-kernel at every token count (1 thread,
-/// Zen 4, 2048 x 2048: 137 against 109 GFLOP/s at 512 tokens, 2.4x at 16-32 tokens).
+/// Zen 4, 2048 x 2048: 137 against 109 GFLOP/s at 512 tokens, 2.4x at 16-32 tokens), and
+/// from `IGEMM_MIN_TOKENS` on the integer prefill takes over.
 fn use_gemm(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> bool {
     if integer_q4(level, kernels, kind) {
         return false;
@@ -384,6 +389,37 @@ fn use_gemm(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> bool {
     };
     tokens >= gemm_min_tokens_override().unwrap_or(min)
 }
+/// From this many tokens on, integer 4-bit products run through [`igemm`] (x86).
+const IGEMM_MIN_TOKENS: usize = 16;
+
+/// Whether a product of `tokens` tokens runs through the integer prefill ([`igemm`]).
+fn use_igemm(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> bool {
+    integer_q4(level, kernels, kind)
+        && matches!(level, Level::Avx2 | Level::Avx512)
+        && tokens >= IGEMM_MIN_TOKENS
+}
+
+/// How one product runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// The mat-vec kernels, in passes of `DECODE_MAX_TOKENS` tokens.
+    Decode,
+    /// The packed f32 micro-kernel.
+    Gemm,
+    /// The integer 4-bit prefill.
+    IntGemm,
+}
+
+fn path(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> Path {
+    if use_igemm(level, kernels, kind, tokens) {
+        Path::IntGemm
+    } else if use_gemm(level, kernels, kind, tokens) {
+        Path::Gemm
+    } else {
+        Path::Decode
+    }
+}
+
 /// Columns per packed block (a multiple of 64, so blocks start on whole words and groups of 32).
 pub(crate) const KC: usize = 256;
 /// Rows packed at once by a prefill task (a multiple of every level's `NR`): each token tile
@@ -421,6 +457,11 @@ enum PrepKind {
         gs: usize,
         bpb: usize,
     },
+    /// Per-group sums and `x` quantized to 8 bits per 32 values (see
+    /// [`igemm::quantize_blocks`]).
+    Q4Blocks {
+        gs: usize,
+    },
 }
 
 /// Activations prepared for one or more jobs (jobs sharing the same `x` share it).
@@ -431,10 +472,11 @@ pub(crate) struct Prep {
     pub ldxp: usize,
     /// Per-group sums of `x`, `tokens` rows of `groups`.
     pub xsum: Vec<f32>,
-    /// 8-bit activations (integer 4-bit decode only), `tokens` rows of `ldxq`.
+    /// 8-bit activations (integer 4-bit products only), `tokens` rows of `ldxq`.
     pub xq: Vec<i8>,
     pub ldxq: usize,
-    /// The scale of each word (8 values) of `xq`, `tokens` rows of `ldxq / 8`.
+    /// The scales of `xq`: one per word (8 values) for the decode kernels, `tokens` rows of
+    /// `ldxq / 8`; one per 32 values for the integer prefill, `tokens` rows of `ldxq / 32`.
     pub xd: Vec<f32>,
 }
 
@@ -469,6 +511,7 @@ fn prep_kind(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> PrepK
         return PrepKind::None;
     }
     match kind {
+        Kind::Q4 { gs, .. } if use_igemm(level, kernels, kind, tokens) => PrepKind::Q4Blocks { gs },
         Kind::Q4 { gs, .. } if integer_q4(level, kernels, kind) => PrepKind::Q4Int {
             gs,
             bpb: q4i_block_bytes(level),
@@ -648,6 +691,24 @@ fn prepare(pk: PrepKind, x: &[f32], tokens: usize, cols: usize) -> Prep {
                 ..Prep::default()
             }
         }
+        PrepKind::Q4Blocks { gs } => {
+            let mut xq = vec![0i8; tokens * cols];
+            let mut xd = vec![0f32; tokens * cols / igemm::QBLOCK];
+            for ((x, q), d) in x
+                .chunks_exact(cols)
+                .zip(xq.chunks_exact_mut(cols))
+                .zip(xd.chunks_exact_mut(cols / igemm::QBLOCK))
+            {
+                igemm::quantize_blocks(x, q, d);
+            }
+            Prep {
+                xsum: sums(gs),
+                xq,
+                ldxq: cols,
+                xd,
+                ..Prep::default()
+            }
+        }
     }
 }
 
@@ -662,6 +723,8 @@ pub(crate) struct Scratch {
     pub b: Vec<f32>,
     pub c: Vec<f32>,
     pub d: Vec<f32>,
+    /// The integer prefill's packed panel.
+    pub codes: Vec<u8>,
 }
 
 /// `v` grown to at least `n` elements, as a slice of exactly `n`.
@@ -704,13 +767,12 @@ pub(crate) struct Ctx<'a> {
     pub ldxp: usize,
     /// Per-group sums of `x` (affine decode): `tokens` rows of `cols / group_size`.
     pub xsum: &'a [f32],
-    /// 8-bit activations and their per-word scales (integer 4-bit decode; empty otherwise):
-    /// `tokens` rows of `ldxq` and of `ldxq / 8`.
+    /// 8-bit activations and their scales (integer 4-bit products; empty otherwise), as in
+    /// [`Prep`].
     pub xq: &'a [i8],
     pub ldxq: usize,
     pub xd: &'a [f32],
-    /// Prefill through the packed micro-kernel (else decode).
-    gemm: bool,
+    path: Path,
     out: *mut f32,
     out_len: usize,
 }
@@ -736,10 +798,6 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    fn gemm(&self) -> bool {
-        self.gemm
-    }
-
     /// Tokens `t0..t0 + nt` of a decode job, for the kernels (results go through `res`
     /// buffers, never through [`Ctx::store`] of the view).
     fn tokens_view(&self, t0: usize, nt: usize) -> Ctx<'a> {
@@ -756,7 +814,7 @@ impl<'a> Ctx<'a> {
             xq: &self.xq[(t0 * self.ldxq).min(self.xq.len())..],
             ldxq: self.ldxq,
             xd: &self.xd[(t0 * self.ldxq / 8).min(self.xd.len())..],
-            gemm: false,
+            path: Path::Decode,
             out: std::ptr::null_mut(),
             out_len: 0,
         }
@@ -776,10 +834,10 @@ fn plan(ctxs: &[Ctx], threads: usize) -> (Vec<Task>, usize) {
     // spends about one byte's time on every two multiply-adds.
     let row_cost = |c: &Ctx| {
         let bytes = c.w.row_bytes() + 2 * c.w.format.scale_row_bytes(c.w.cols);
-        if c.gemm() {
-            bytes + c.tokens * c.w.cols / 2
-        } else {
-            bytes * c.tokens.max(1).div_ceil(2)
+        match c.path {
+            Path::Gemm => bytes + c.tokens * c.w.cols / 2,
+            Path::IntGemm => bytes + c.tokens * c.w.cols / 8,
+            Path::Decode => bytes * c.tokens.max(1).div_ceil(2),
         }
         .max(1)
     };
@@ -791,7 +849,11 @@ fn plan(ctxs: &[Ctx], threads: usize) -> (Vec<Task>, usize) {
         if rows == 0 || c.tokens == 0 {
             continue;
         }
-        let unit = if c.gemm() { GEMM_ROW_UNIT } else { 4 };
+        let unit = match c.path {
+            Path::Gemm => GEMM_ROW_UNIT,
+            Path::IntGemm => 16,
+            Path::Decode => 4,
+        };
         let per = target.div_ceil(row_cost(c)).div_ceil(unit) * unit;
         let ntasks = rows.div_ceil(per.min(rows));
         // Spread rows evenly over the tasks, in multiples of `unit`.
@@ -857,7 +919,7 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
             xq: &preps[p].xq,
             ldxq: preps[p].ldxq,
             xd: &preps[p].xd,
-            gemm: use_gemm(level, kernels, Kind::of(job.w.format), job.tokens),
+            path: path(level, kernels, Kind::of(job.w.format), job.tokens),
             out_len: job.out.len(),
             out: job.out.as_mut_ptr(),
         })
@@ -873,9 +935,10 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
 }
 
 fn run_task(level: Level, c: &Ctx, r0: usize, r1: usize, s: &mut Scratch) {
-    if c.gemm() {
-        gemm_rows(level, c, r0, r1, s);
-        return;
+    match c.path {
+        Path::Gemm => return gemm_rows(level, c, r0, r1, s),
+        Path::IntGemm => return igemm::rows(level, c, r0, r1, s),
+        Path::Decode => {}
     }
     let mut res = std::mem::take(&mut s.d);
     let n = r1 - r0;

@@ -568,7 +568,38 @@ fn ref_matmul_q4i(m: &MatRef, x: &[f32], tokens: usize, bpb: usize) -> Vec<f64> 
     out
 }
 
-/// `Kernels::Fast` at `level`: the integer path (4-bit decode on x86) equals its own f64
+/// What the integer 4-bit prefill computes, in f64: the scale part against the activations as
+/// `igemm::quantize_blocks` rounds them (per 32 values, read back from its layout), the bias
+/// part against exact `x`.
+fn ref_matmul_q4_blocks(m: &MatRef, x: &[f32], tokens: usize) -> Vec<f64> {
+    let cols = m.cols;
+    let mut out = vec![0f64; tokens * m.rows];
+    for t in 0..tokens {
+        let xt = &x[t * cols..(t + 1) * cols];
+        let (mut xq, mut xd) = (vec![0i8; cols], vec![0f32; cols / 32]);
+        for (b, d) in xd.iter_mut().enumerate() {
+            *d = igemm::quantize_block(&xt[32 * b..32 * b + 32], &mut xq[32 * b..32 * b + 32]);
+        }
+        let xhat: Vec<f64> = (0..cols)
+            .map(|e| {
+                let k = e % 8;
+                xq[e - k + (k % 2) * 4 + k / 2] as f64 * xd[e / 32] as f64
+            })
+            .collect();
+        for r in 0..m.rows {
+            out[t * m.rows + r] = (0..cols)
+                .map(|c| {
+                    let (q, s, b) = ref_affine(m, r, c);
+                    s * q * xhat[c] + b * xt[c] as f64
+                })
+                .sum();
+        }
+    }
+    out
+}
+
+/// `Kernels::Fast` at `level`: the integer path (4-bit products on x86: the decode kernels
+/// below `IGEMM_MIN_TOKENS` tokens, the integer prefill from there) equals its own f64
 /// reference as tightly as the exact path equals the exact one, and stays within the
 /// quantization error of the exact reference; every other product is the exact path.
 fn check_fast(level: Level, m: &TestMat, tokens: usize, rng: &mut Rng) {
@@ -590,22 +621,28 @@ fn check_fast(level: Level, m: &TestMat, tokens: usize, rng: &mut Rng) {
         compare(&got, &exact).unwrap_or_else(|e| panic!("{}: {e}", what()));
         return;
     }
-    let want = ref_matmul_q4i(&w, &x, tokens, q4i_block_bytes(level));
+    // Activations share a scale per word (decode) or per 32 values (prefill).
+    let (want, span) = if use_igemm(level, Kernels::Fast, Kind::of(w.format), tokens) {
+        (ref_matmul_q4_blocks(&w, &x, tokens), 32)
+    } else {
+        (ref_matmul_q4i(&w, &x, tokens, q4i_block_bytes(level)), 8)
+    };
     compare(&got, &want).unwrap_or_else(|e| panic!("{} (integer path): {e}", what()));
-    // Rounding moves each activation by at most half its word's step (max |x| / 127), so an
-    // output moves by at most the sum of |scale x code| times that over its row.
+    // Rounding moves each activation by at most half its step (max |x| / 127 over the values
+    // sharing its scale), so an output moves by at most the sum of |scale x code| times that
+    // over its row.
     let scale = exact.iter().fold(0f64, |a, &b| a.max(b.abs()));
     for t in 0..tokens {
         let xt = &x[t * w.cols..(t + 1) * w.cols];
         let half_step: Vec<f64> = xt
-            .chunks(8)
+            .chunks(span)
             .map(|v| v.iter().fold(0f64, |a, &b| a.max(b.abs() as f64)) / 254.0)
             .collect();
         for r in 0..w.rows {
             let bound: f64 = (0..w.cols)
                 .map(|c| {
                     let (q, s, _) = ref_affine(&w, r, c);
-                    (s * q).abs() * half_step[c / 8]
+                    (s * q).abs() * half_step[c / span]
                 })
                 .sum();
             let (g, e) = (got[t * w.rows + r] as f64, exact[t * w.rows + r]);
@@ -625,7 +662,7 @@ fn fast_kernels_every_format_group_and_level() {
         for (format, gs) in affine_4_and_8_bits() {
             for (i, (rows, ngroups)) in [(3, 1), (37, 3), (21, 9)].into_iter().enumerate() {
                 let m = TestMat::new(format, rows, gs * ngroups, 1 + i, &mut rng);
-                for tokens in [1, 2, 3, 4, 5, 9, 17, 40] {
+                for tokens in [1, 2, 3, 4, 5, 9, 15, 16, 17, 18, 19, 40] {
                     check_fast(level, &m, tokens, &mut rng);
                 }
             }
@@ -646,20 +683,27 @@ fn fast_kernels_long_rows_and_both_x86_flavours() {
         };
         let m = TestMat::new(format, 67, cols, 2, &mut rng);
         for level in available_levels() {
-            for tokens in [1, 4, 7] {
+            for tokens in [1, 4, 7, 21] {
                 check_fast(level, &m, tokens, &mut rng);
             }
         }
         #[cfg(target_arch = "x86_64")]
         if available_levels().contains(&Level::Avx512) {
             // AVX-512 (with VNNI where the CPU has it) and AVX2 sum the same integers and
-            // scale them in the same order: identical results.
+            // scale them in the same order: identical results, decode and prefill.
             let w = m.view();
-            let x = rng.vec(3 * w.cols, -1.0, 1.0);
-            let wide = run(Level::Avx512, Kernels::Fast, &w, &x, 3);
-            let narrow = run(Level::Avx2, Kernels::Fast, &w, &x, 3);
-            assert_eq!(wide, narrow, "group {gs}, {cols} columns");
-            compare(&wide, &ref_matmul_q4i(&w, &x, 3, 32)).unwrap();
+            for tokens in [3, 21] {
+                let x = rng.vec(tokens * w.cols, -1.0, 1.0);
+                let wide = run(Level::Avx512, Kernels::Fast, &w, &x, tokens);
+                let narrow = run(Level::Avx2, Kernels::Fast, &w, &x, tokens);
+                assert_eq!(wide, narrow, "group {gs}, {cols} columns, {tokens} tokens");
+                let want = if tokens >= IGEMM_MIN_TOKENS {
+                    ref_matmul_q4_blocks(&w, &x, tokens)
+                } else {
+                    ref_matmul_q4i(&w, &x, tokens, 32)
+                };
+                compare(&wide, &want).unwrap();
+            }
         }
     }
 }
@@ -715,5 +759,77 @@ fn q4i_quantization_simd_equals_scalar() {
             assert!(a == b || (a.is_nan() && b.is_nan()), "scales {a} vs {b}");
         }
         assert!(xd[5].is_nan());
+    }
+}
+
+#[test]
+fn block_quantization_layout_and_non_finite_values() {
+    let x: Vec<f32> = (0..64).map(|i| i as f32 - 20.0).collect();
+    let (mut q, mut d) = (vec![9i8; 64], vec![9f32; 2]);
+    igemm::quantize_blocks(&x, &mut q, &mut d);
+    // Block 0 holds -20..11: its scale is 20/127 and -20 becomes -127.
+    assert_eq!(d[0], 20.0 / 127.0);
+    assert_eq!(q[0], -127);
+    // Each 8 values: the even ones, then the odd ones.
+    assert_eq!(q[1], (-18.0f32 * 127.0 / 20.0).round() as i8);
+    assert_eq!(q[4], (-19.0f32 * 127.0 / 20.0).round() as i8);
+    assert_eq!(q[8 + 4], (-11.0f32 * 127.0 / 20.0).round() as i8);
+    // Block 1 holds 12..43: 43 is +127, at the last odd place.
+    assert_eq!(d[1], 43.0 / 127.0);
+    assert_eq!(q[63], 127);
+    assert_eq!(q[32], (12.0f32 * 127.0 / 43.0).round() as i8);
+    // A block of zeros has scale 0; a NaN or infinity makes its block's scale NaN.
+    let mut y = vec![0f32; 96];
+    y[40] = f32::INFINITY;
+    y[70] = f32::NAN;
+    let (mut q, mut d) = (vec![9i8; 96], vec![9f32; 3]);
+    igemm::quantize_blocks(&y, &mut q, &mut d);
+    assert_eq!(d[0], 0.0);
+    assert!(q[..32].iter().all(|&v| v == 0));
+    assert!(d[1].is_nan() && d[2].is_nan());
+}
+
+#[test]
+fn block_quantization_simd_equals_scalar() {
+    let mut rng = Rng(24);
+    // Values on a grid of halves hit rounding ties.
+    let mut x = rng.vec(32 * 41, -3.0, 3.0);
+    for v in x.iter_mut().step_by(7) {
+        *v = (*v * 2.0).round() / 2.0;
+    }
+    x[100] = f32::NAN;
+    let (mut q, mut d) = (vec![0i8; x.len()], vec![0f32; x.len() / 32]);
+    igemm::quantize_blocks(&x, &mut q, &mut d);
+    let (mut sq, mut sd) = (vec![0i8; x.len()], vec![0f32; x.len() / 32]);
+    for (b, d) in sd.iter_mut().enumerate() {
+        *d = igemm::quantize_block(&x[32 * b..32 * b + 32], &mut sq[32 * b..32 * b + 32]);
+    }
+    assert_eq!(q, sq);
+    for (a, b) in d.iter().zip(&sd) {
+        assert!(a == b || (a.is_nan() && b.is_nan()), "scales {a} vs {b}");
+    }
+    assert!(d[3].is_nan());
+}
+
+#[test]
+fn integer_prefill_many_rows_and_tokens_on_threads() {
+    // Rows past several panels and tasks, tokens past several tiles, through the public entry
+    // point (the thread team), against the f64 reference of the same arithmetic.
+    let mut rng = Rng(25);
+    let format = WeightFormat::Affine {
+        bits: 4,
+        group_size: 64,
+        scale_dtype: Dtype::F16,
+    };
+    let m = TestMat::new(format, 301, 512, 0, &mut rng);
+    let w = m.view();
+    for level in available_levels() {
+        if !use_igemm(level, Kernels::Fast, Kind::of(w.format), 70) {
+            continue;
+        }
+        let x = rng.vec(70 * w.cols, -2.0, 2.0);
+        let got = run(level, Kernels::Fast, &w, &x, 70);
+        compare(&got, &ref_matmul_q4_blocks(&w, &x, 70))
+            .unwrap_or_else(|e| panic!("level {}: {e}", level.name()));
     }
 }
