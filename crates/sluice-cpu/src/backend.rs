@@ -312,9 +312,8 @@ impl Backend for CpuBackend {
                 *s = (*s - max).exp();
                 sum += *s;
             }
-            for (p, s) in scores.iter().enumerate() {
-                kernels::axpy(s / sum, &values[p * width + kv * hd..][..hd], o);
-            }
+            scores.iter_mut().for_each(|s| *s /= sum);
+            kernels::weighted_rows(&scores, &values[kv * hd..], width, o);
         });
         out
     }

@@ -99,6 +99,47 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     hsum(v) + a[i..].iter().zip(&b[i..]).map(|(x, y)| x * y).sum::<f32>()
 }
 
+/// `out = sum_p w[p] * rows[p * stride..][..out.len()]`, each element's products added in
+/// order of `p` (as repeated [`axpy`] from zero would, with the same roundings), the sums held in
+/// registers 64 elements at a time.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let (n, hd) = (w.len(), out.len());
+    assert!(n == 0 || (n - 1) * stride + hd <= rows.len());
+    out.fill(0.0);
+    let mut c = 0;
+    while c < hd {
+        let width = (hd - c).min(64) / 8 * 8;
+        if width == 0 {
+            break;
+        }
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let vecs = width / 8;
+        for (p, &wp) in w.iter().enumerate() {
+            let wv = _mm256_set1_ps(wp);
+            for (j, a) in acc.iter_mut().enumerate().take(vecs) {
+                // SAFETY: elements `p * stride + c + 8 j..+ 8` with `c + 8 j + 8 <= hd` lie inside
+                // row `p < n` of `rows` (asserted above).
+                let v = unsafe { _mm256_loadu_ps(rows.as_ptr().add(p * stride + c + 8 * j)) };
+                *a = _mm256_fmadd_ps(wv, v, *a);
+            }
+        }
+        for (j, a) in acc.iter().enumerate().take(vecs) {
+            // SAFETY: `c + 8 j + 8 <= hd == out.len()`.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * j), *a) };
+        }
+        c += width;
+    }
+    for (p, &wp) in w.iter().enumerate() {
+        for (o, &v) in out[c..]
+            .iter_mut()
+            .zip(&rows[p * stride + c..p * stride + hd])
+        {
+            *o += wp * v;
+        }
+    }
+}
+
 /// `y += alpha * x` over equal lengths.
 #[target_feature(enable = "avx2,fma")]
 pub(super) fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {

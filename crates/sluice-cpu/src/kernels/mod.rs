@@ -157,6 +157,32 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `out = sum_p w[p] * rows[p * stride..][..out.len()]` (attention's weighted values), with
+/// the same roundings as [`axpy`] applied for each `p` in turn from zero, the sums kept in
+/// registers.
+pub fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let (n, hd) = (w.len(), out.len());
+    assert!(
+        n == 0 || (n - 1) * stride + hd <= rows.len(),
+        "weighted_rows: rows too short"
+    );
+    match level() {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 | Level::Avx512 => {
+            // SAFETY: `level()` returns these levels only when the CPU has AVX2 and FMA.
+            unsafe { avx2::weighted_rows(w, rows, stride, out) }
+        }
+        _ => {
+            out.fill(0.0);
+            for (p, &wp) in w.iter().enumerate() {
+                for (o, &v) in out.iter_mut().zip(&rows[p * stride..p * stride + hd]) {
+                    *o += wp * v;
+                }
+            }
+        }
+    }
+}
+
 /// Row `r` of `w` as f32.
 pub fn dequantize_row(w: &MatRef, r: usize, out: &mut [f32]) {
     dequantize_row_at(level(), w, r, out);

@@ -833,3 +833,25 @@ fn integer_prefill_many_rows_and_tokens_on_threads() {
             .unwrap_or_else(|e| panic!("level {}: {e}", level.name()));
     }
 }
+
+#[test]
+fn weighted_rows_equals_repeated_axpy() {
+    let mut rng = Rng(26);
+    for (n, hd, stride) in [
+        (0, 128, 512),
+        (1, 128, 128),
+        (37, 128, 512),
+        (9, 72, 80),
+        (5, 13, 13),
+    ] {
+        let rows = rng.vec((n.max(1) - 1) * stride + hd, -1.0, 1.0);
+        let w = rng.vec(n, 0.0, 1.0);
+        let mut want = vec![0f32; hd];
+        for (p, &wp) in w.iter().enumerate() {
+            axpy(wp, &rows[p * stride..p * stride + hd], &mut want);
+        }
+        let mut got = vec![f32::NAN; hd];
+        weighted_rows(&w, &rows, stride, &mut got);
+        assert_eq!(got, want, "{n} rows of {hd}, stride {stride}");
+    }
+}
