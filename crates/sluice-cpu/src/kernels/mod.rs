@@ -387,7 +387,8 @@ pub(crate) const DECODE_MAX_TOKENS: usize = 4;
 const GEMM_MIN_TOKENS_AVX512: usize = 16;
 const GEMM_MIN_TOKENS_AVX2: usize = 16;
 
-/// `SLUICE_GEMM_MIN_TOKENS` (read once) overrides the thresholds above, for tuning.
+/// `SLUICE_GEMM_MIN_TOKENS` (read once) overrides the thresholds above and
+/// `IGEMM_MIN_TOKENS`, for tuning.
 fn gemm_min_tokens_override() -> Option<usize> {
     static N: OnceLock<Option<usize>> = OnceLock::new();
     *N.get_or_init(|| {
@@ -422,7 +423,7 @@ const IGEMM_MIN_TOKENS: usize = 16;
 fn use_igemm(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> bool {
     integer_q4(level, kernels, kind)
         && matches!(level, Level::Avx2 | Level::Avx512)
-        && tokens >= IGEMM_MIN_TOKENS
+        && tokens >= gemm_min_tokens_override().unwrap_or(IGEMM_MIN_TOKENS)
 }
 
 /// How one product runs.
