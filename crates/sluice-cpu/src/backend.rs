@@ -516,18 +516,28 @@ impl Backend for CpuBackend {
         let active: Vec<usize> = (0..experts.len())
             .filter(|&e| !rows_of[e].is_empty())
             .collect();
-        let inputs: Vec<Vec<f32>> = active
-            .iter()
-            .map(|&e| {
-                let rows = &rows_of[e];
-                if rows.len() == x.rows && rows.iter().enumerate().all(|(i, r)| r.0 == i) {
-                    return x.data.clone();
-                }
+        // A prompt's gathers, activations and weighted sums are spread over the team like its
+        // products (on the calling thread when small).
+        let parallel = routing.experts.len() * x.cols >= PARALLEL_MOE_VALUES;
+        let mut inputs: Vec<Vec<f32>> = vec![Vec::new(); active.len()];
+        let gather = |i: usize, input: &mut Vec<f32>| {
+            let rows = &rows_of[active[i]];
+            *input = if rows.len() == x.rows && rows.iter().enumerate().all(|(i, r)| r.0 == i) {
+                x.data.clone()
+            } else {
                 rows.iter()
                     .flat_map(|&(r, _)| x.row(r).iter().copied())
                     .collect()
-            })
-            .collect();
+            };
+        };
+        if parallel {
+            team::chunks_mut(&mut inputs, 1, |i, v| gather(i, &mut v[0]));
+        } else {
+            inputs
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| gather(i, v));
+        }
         let inter: Vec<usize> = active.iter().map(|&e| experts[e].gate.rows).collect();
         let mut gates: Vec<Vec<f32>> = active
             .iter()
@@ -557,8 +567,12 @@ impl Backend for CpuBackend {
             }
             kernels::matmul_batch(self.kernels, &mut jobs);
         }
-        for (gate, up) in gates.iter_mut().zip(&ups) {
-            swiglu_in_place(gate, up);
+        if parallel {
+            team::chunks_mut(&mut gates, 1, |i, g| swiglu_in_place(&mut g[0], &ups[i]));
+        } else {
+            for (gate, up) in gates.iter_mut().zip(&ups) {
+                swiglu_in_place(gate, up);
+            }
         }
         let mut downs: Vec<Vec<f32>> = active
             .iter()
@@ -578,16 +592,33 @@ impl Backend for CpuBackend {
                 .collect();
             kernels::matmul_batch(self.kernels, &mut jobs);
         }
-        for (&e, down) in active.iter().zip(&downs) {
+        // Each row adds its experts' outputs in ascending expert id (the order of `active`).
+        let mut parts_of: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); x.rows];
+        for (i, &e) in active.iter().enumerate() {
             for (j, &(r, w)) in rows_of[e].iter().enumerate() {
-                let dst = &mut out.data[r * x.cols..(r + 1) * x.cols];
-                for (a, b) in dst.iter_mut().zip(&down[j * x.cols..(j + 1) * x.cols]) {
+                parts_of[r].push((i, j, w));
+            }
+        }
+        let add = |r: usize, dst: &mut [f32]| {
+            for &(i, j, w) in &parts_of[r] {
+                for (a, b) in dst.iter_mut().zip(&downs[i][j * x.cols..(j + 1) * x.cols]) {
                     *a += w * b;
                 }
+            }
+        };
+        if parallel && x.cols > 0 {
+            team::chunks_mut(&mut out.data, x.cols, add);
+        } else {
+            for r in 0..x.rows {
+                add(r, &mut out.data[r * x.cols..(r + 1) * x.cols]);
             }
         }
     }
 }
+
+/// From this many routed values (pairs x hidden size) on, an MoE call's gathers and sums run on
+/// the team.
+const PARALLEL_MOE_VALUES: usize = 1 << 16;
 
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())

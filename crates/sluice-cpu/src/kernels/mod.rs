@@ -456,6 +456,9 @@ pub(crate) const NCB: usize = 256;
 const GEMM_ROW_UNIT: usize = 64;
 /// The smallest task worth handing to another thread, in weight bytes (or equivalent work).
 const MIN_TASK_COST: usize = 48 << 10;
+/// Below this many activation values in a call, its activations are prepared on the calling
+/// thread.
+const PARALLEL_PREP_VALUES: usize = 1 << 16;
 /// Below this much work in a whole call, no thread is woken.
 const SERIAL_COST: usize = 96 << 10;
 
@@ -666,6 +669,15 @@ fn sum_f32(v: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
 }
 
+/// One token's share of a [`PrepKind::Q4Blocks`] preparation: its values, their codes, block
+/// scales and group sums.
+struct BlockRow<'a> {
+    x: &'a [f32],
+    q: &'a mut [i8],
+    d: &'a mut [f32],
+    s: &'a mut [f32],
+}
+
 fn prepare(pk: PrepKind, x: &[f32], tokens: usize, cols: usize) -> Prep {
     let sums = |gs: usize| {
         let mut s = Vec::with_capacity(tokens * (cols / gs));
@@ -719,17 +731,34 @@ fn prepare(pk: PrepKind, x: &[f32], tokens: usize, cols: usize) -> Prep {
             }
         }
         PrepKind::Q4Blocks { gs } => {
+            let (nb, groups) = (cols / igemm::QBLOCK, cols / gs);
             let mut xq = vec![0i8; tokens * cols];
-            let mut xd = vec![0f32; tokens * cols / igemm::QBLOCK];
-            for ((x, q), d) in x
-                .chunks_exact(cols)
-                .zip(xq.chunks_exact_mut(cols))
-                .zip(xd.chunks_exact_mut(cols / igemm::QBLOCK))
-            {
-                igemm::quantize_blocks(x, q, d);
+            let mut xd = vec![0f32; tokens * nb];
+            let mut xsum = vec![0f32; tokens * groups];
+            if cols > 0 {
+                // A prompt's activations are quantized by the team, a token per task (on the
+                // calling thread when the call is small or already inside a parallel step).
+                let mut rows: Vec<BlockRow> = x
+                    .chunks_exact(cols)
+                    .zip(xq.chunks_exact_mut(cols))
+                    .zip(xd.chunks_exact_mut(nb))
+                    .zip(xsum.chunks_exact_mut(groups))
+                    .map(|(((x, q), d), s)| BlockRow { x, q, d, s })
+                    .collect();
+                let each = |r: &mut BlockRow| {
+                    igemm::quantize_blocks(r.x, r.q, r.d);
+                    for (s, g) in r.s.iter_mut().zip(r.x.chunks_exact(gs)) {
+                        *s = sum_f32(g);
+                    }
+                };
+                if tokens * cols >= PARALLEL_PREP_VALUES {
+                    crate::team::chunks_mut(&mut rows, 1, |_, r| each(&mut r[0]));
+                } else {
+                    rows.iter_mut().for_each(each);
+                }
             }
             Prep {
-                xsum: sums(gs),
+                xsum,
                 xq,
                 ldxq: cols,
                 xd,
@@ -917,20 +946,34 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
     }
     // Prepare activations once per distinct (x, format kind) pair.
     let mut keys: Vec<(usize, usize, usize, PrepKind)> = Vec::new();
-    let mut preps: Vec<Prep> = Vec::new();
+    let mut first_job = Vec::new();
     let mut prep_of = Vec::with_capacity(jobs.len());
-    for job in jobs.iter() {
+    for (j, job) in jobs.iter().enumerate() {
         let pk = prep_kind(level, kernels, Kind::of(job.w.format), job.tokens);
         let key = (job.x.as_ptr() as usize, job.x.len(), job.tokens, pk);
         let i = match keys.iter().position(|k| *k == key) {
             Some(i) => i,
             None => {
                 keys.push(key);
-                preps.push(prepare(pk, job.x, job.tokens, job.w.cols));
-                preps.len() - 1
+                first_job.push(j);
+                keys.len() - 1
             }
         };
         prep_of.push(i);
+    }
+    let mut preps: Vec<Prep> = keys.iter().map(|_| Prep::default()).collect();
+    let prep = |i: usize| {
+        let job = &jobs[first_job[i]];
+        prepare(keys[i].3, job.x, job.tokens, job.w.cols)
+    };
+    let values: usize = keys.iter().map(|k| k.1).sum();
+    if keys.len() > 1 && values >= PARALLEL_PREP_VALUES {
+        // Many experts' activations (a prompt's MoE): an input per task.
+        crate::team::chunks_mut(&mut preps, 1, |i, p| p[0] = prep(i));
+    } else {
+        for (i, p) in preps.iter_mut().enumerate() {
+            *p = prep(i);
+        }
     }
     let ctxs: Vec<Ctx> = jobs
         .iter_mut()
