@@ -303,9 +303,8 @@ impl Backend for CpuBackend {
             let kv = h / group;
             let qv = &q.data[r * q.cols + h * hd..][..hd];
             let n = first + r + 1;
-            let mut scores: Vec<f32> = (0..n)
-                .map(|p| kernels::dot(qv, &keys[p * width + kv * hd..][..hd]) * scale)
-                .collect();
+            let mut scores = vec![0f32; n];
+            kernels::scaled_dots(qv, &keys[kv * hd..], width, scale, &mut scores);
             let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
             let mut sum = 0.0;
             for s in scores.iter_mut() {

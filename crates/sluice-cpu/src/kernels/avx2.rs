@@ -99,6 +99,48 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     hsum(v) + a[i..].iter().zip(&b[i..]).map(|(x, y)| x * y).sum::<f32>()
 }
 
+/// `[q . k[0], .., q . k[3]]` over equal lengths: each chunk of `q` is loaded once for the four
+/// keys, each key summed in two vector accumulators.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    let n = q.len();
+    assert!(k.iter().all(|k| k.len() == n));
+    let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+    let mut i = 0;
+    // SAFETY: every load reads elements `i..i + 8` with `i + 8 <= n` of slices of length `n`.
+    unsafe {
+        while i + 16 <= n {
+            let q0 = _mm256_loadu_ps(q.as_ptr().add(i));
+            let q1 = _mm256_loadu_ps(q.as_ptr().add(i + 8));
+            for (a, k) in acc.iter_mut().zip(&k) {
+                a[0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k.as_ptr().add(i)), a[0]);
+                a[1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k.as_ptr().add(i + 8)), a[1]);
+            }
+            i += 16;
+        }
+        while i + 8 <= n {
+            let q0 = _mm256_loadu_ps(q.as_ptr().add(i));
+            for (a, k) in acc.iter_mut().zip(&k) {
+                a[0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k.as_ptr().add(i)), a[0]);
+            }
+            i += 8;
+        }
+    }
+    // The four sums reduced together: lane pairs, then halves.
+    let s: [__m256; 4] = std::array::from_fn(|j| _mm256_add_ps(acc[j][0], acc[j][1]));
+    let t01 = _mm256_hadd_ps(s[0], s[1]);
+    let t23 = _mm256_hadd_ps(s[2], s[3]);
+    let t = _mm256_hadd_ps(t01, t23);
+    let r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+    let mut out = [0f32; 4];
+    // SAFETY: `out` holds 4 floats.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), r) };
+    for (o, k) in out.iter_mut().zip(&k) {
+        *o += q[i..].iter().zip(&k[i..]).map(|(x, y)| x * y).sum::<f32>();
+    }
+    out
+}
+
 /// `out = sum_p w[p] * rows[p * stride..][..out.len()]`, each element's products added in
 /// order of `p` (as repeated [`axpy`] from zero would, with the same roundings), the sums held in
 /// registers 64 elements at a time.

@@ -140,6 +140,32 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// `scale * (q . rows[p * stride..][..q.len()])` for `p < out.len()` (attention's scores) with
+/// the widest SIMD the CPU has, four rows at a time.
+pub fn scaled_dots(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    let (n, hd) = (out.len(), q.len());
+    assert!(
+        n == 0 || (n - 1) * stride + hd <= rows.len(),
+        "scaled_dots: rows too short"
+    );
+    let row = |p: usize| &rows[p * stride..p * stride + hd];
+    let mut p = 0;
+    #[cfg(target_arch = "x86_64")]
+    if matches!(level(), Level::Avx2 | Level::Avx512) {
+        while p + 4 <= n {
+            // SAFETY: `level()` returns these levels only when the CPU has AVX2 and FMA.
+            let d = unsafe { avx2::dot4(q, [row(p), row(p + 1), row(p + 2), row(p + 3)]) };
+            for (o, d) in out[p..p + 4].iter_mut().zip(d) {
+                *o = d * scale;
+            }
+            p += 4;
+        }
+    }
+    for (i, o) in out.iter_mut().enumerate().skip(p) {
+        *o = dot(q, row(i)) * scale;
+    }
+}
+
 /// `y += alpha * x` (attention's weighted values) with the widest SIMD the CPU has.
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "axpy: lengths differ");

@@ -855,3 +855,32 @@ fn weighted_rows_equals_repeated_axpy() {
         assert_eq!(got, want, "{n} rows of {hd}, stride {stride}");
     }
 }
+
+#[test]
+fn scaled_dots_equal_the_f64_dot() {
+    let mut rng = Rng(27);
+    for (n, hd, stride) in [
+        (0, 128, 512),
+        (1, 128, 128),
+        (7, 128, 512),
+        (37, 72, 80),
+        (9, 13, 13),
+    ] {
+        let rows = rng.vec((n.max(1) - 1) * stride + hd, -1.0, 1.0);
+        let q = rng.vec(hd, -1.0, 1.0);
+        let mut got = vec![f32::NAN; n];
+        scaled_dots(&q, &rows, stride, 0.125, &mut got);
+        for (p, &g) in got.iter().enumerate() {
+            let want: f64 = q
+                .iter()
+                .zip(&rows[p * stride..p * stride + hd])
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum::<f64>()
+                * 0.125;
+            assert!(
+                (g as f64 - want).abs() <= 1e-5,
+                "{n} rows of {hd}, row {p}: {g} vs {want}"
+            );
+        }
+    }
+}
