@@ -71,9 +71,9 @@ pub enum Kernels {
     /// f32 activations and accumulation: equal to the reference implementations to ~1e-6.
     #[default]
     Exact,
-    /// 4-bit decode with activations quantized to 8 bits per 8 values and integer products
-    /// (see the module doc); every other product as in `Exact`. An approximation whose effect
-    /// on the logits is measured by the engine's tests.
+    /// 4-bit products with activations quantized to 8 bits (per 8 values for decode, per 32
+    /// for prompts) and summed in integers (see the module doc); every other product as in
+    /// `Exact`. An approximation whose effect on the logits is measured by the engine's tests.
     Fast,
 }
 
