@@ -491,6 +491,12 @@ fn public_matmul_many_rows_uses_threads_correctly() {
         let mut out = vec![f32::NAN; tokens * w.rows];
         matmul(Kernels::Exact, &w, &x, tokens, &mut out);
         compare(&out, &ref_matmul(&w, &x, tokens)).unwrap();
+        // The integer prefill too (rows past many panels and tasks, tokens past many tiles),
+        // against the f64 reference of its arithmetic.
+        if use_igemm(level(), Kernels::Fast, Kind::of(w.format), tokens) {
+            matmul(Kernels::Fast, &w, &x, tokens, &mut out);
+            compare(&out, &ref_matmul_q4_blocks(&w, &x, tokens)).unwrap();
+        }
     }
 }
 
@@ -809,29 +815,6 @@ fn block_quantization_simd_equals_scalar() {
         assert!(a == b || (a.is_nan() && b.is_nan()), "scales {a} vs {b}");
     }
     assert!(d[3].is_nan());
-}
-
-#[test]
-fn integer_prefill_many_rows_and_tokens_on_threads() {
-    // Rows past several panels and tasks, tokens past several tiles, through the public entry
-    // point (the thread team), against the f64 reference of the same arithmetic.
-    let mut rng = Rng(25);
-    let format = WeightFormat::Affine {
-        bits: 4,
-        group_size: 64,
-        scale_dtype: Dtype::F16,
-    };
-    let m = TestMat::new(format, 301, 512, 0, &mut rng);
-    let w = m.view();
-    for level in available_levels() {
-        if !use_igemm(level, Kernels::Fast, Kind::of(w.format), 70) {
-            continue;
-        }
-        let x = rng.vec(70 * w.cols, -2.0, 2.0);
-        let got = run(level, Kernels::Fast, &w, &x, 70);
-        compare(&got, &ref_matmul_q4_blocks(&w, &x, 70))
-            .unwrap_or_else(|e| panic!("level {}: {e}", level.name()));
-    }
 }
 
 #[test]
