@@ -19,8 +19,10 @@ use super::{Ctx, Level, Scratch};
 /// Values that share one activation scale.
 pub(crate) const QBLOCK: usize = 32;
 /// Rows per panel: two vectors of 8 rows' lanes.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const NR: usize = 16;
 /// Panel bytes per 8 columns: the low and the high nibbles of 16 rows' 32-bit words.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const STEP_BYTES: usize = 2 * 4 * NR;
 
 /// Activations quantized for [`rows`]: `x[32 b..32 b + 32]` become `round(x / d_b)` in `q`
