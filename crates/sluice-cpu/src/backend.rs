@@ -297,6 +297,41 @@ impl Backend for CpuBackend {
         let (keys, values, width) = (&cache.keys, &cache.values, cache.width());
         let group = heads / kvh;
         let mut out = CpuAct::zeros(q.rows, q.cols);
+        if q.rows >= GROUPED_ATTENTION_ROWS && group > 1 {
+            // A prompt: one task per (row, kv head) for the heads that share it, so that each
+            // run of keys and values is read from memory once for all of them and then from L1.
+            // Per head the same arithmetic in the same order as below: the same bits.
+            team::chunks_mut(&mut out.data, group * hd, |i, o| {
+                let (r, kv) = (i / kvh, i % kvh);
+                let n = first + r + 1;
+                let qg = &q.data[r * q.cols + kv * group * hd..][..group * hd];
+                let (kr, vr) = (&keys[kv * hd..], &values[kv * hd..]);
+                let mut scores = vec![0f32; group * n];
+                for p0 in (0..n).step_by(ATTENTION_RUN) {
+                    let m = ATTENTION_RUN.min(n - p0);
+                    for (h, s) in scores.chunks_exact_mut(n).enumerate() {
+                        let qv = &qg[h * hd..(h + 1) * hd];
+                        kernels::scaled_dots(
+                            qv,
+                            &kr[p0 * width..],
+                            width,
+                            scale,
+                            &mut s[p0..p0 + m],
+                        );
+                    }
+                }
+                for s in scores.chunks_exact_mut(n) {
+                    softmax_weights(s);
+                }
+                for p0 in (0..n).step_by(ATTENTION_RUN) {
+                    let m = ATTENTION_RUN.min(n - p0);
+                    for (s, oh) in scores.chunks_exact(n).zip(o.chunks_exact_mut(hd)) {
+                        kernels::add_weighted_rows(&s[p0..p0 + m], &vr[p0 * width..], width, oh);
+                    }
+                }
+            });
+            return out;
+        }
         // One task per (row, head): each attends to positions 0..=first + row.
         team::chunks_mut(&mut out.data, hd, |i, o| {
             let (r, h) = (i / heads, i % heads);
@@ -305,13 +340,7 @@ impl Backend for CpuBackend {
             let n = first + r + 1;
             let mut scores = vec![0f32; n];
             kernels::scaled_dots(qv, &keys[kv * hd..], width, scale, &mut scores);
-            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let mut sum = 0.0;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            scores.iter_mut().for_each(|s| *s /= sum);
+            softmax_weights(&mut scores);
             kernels::weighted_rows(&scores, &values[kv * hd..], width, o);
         });
         out
@@ -613,6 +642,24 @@ impl Backend for CpuBackend {
             }
         }
     }
+}
+
+/// From this many query rows on, attention runs a task per row and kv head (else per row and
+/// head: more tasks for the few rows of decoding).
+const GROUPED_ATTENTION_ROWS: usize = 16;
+/// Positions per run of keys or values that the heads sharing them take in turn (64 KiB of
+/// keys at a head size of 256: stays in L1/L2 between heads).
+const ATTENTION_RUN: usize = 64;
+
+/// Attention scores in place to their softmax weights (max subtracted, divided by the sum).
+fn softmax_weights(scores: &mut [f32]) {
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut sum = 0.0;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    scores.iter_mut().for_each(|s| *s /= sum);
 }
 
 /// From this many routed values (pairs x hidden size) on, an MoE call's gathers and sums run on

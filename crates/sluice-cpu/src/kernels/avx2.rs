@@ -141,22 +141,29 @@ pub(super) fn dot4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
     out
 }
 
-/// `out = sum_p w[p] * rows[p * stride..][..out.len()]`, each element's products added in
-/// order of `p` (as repeated [`axpy`] from zero would, with the same roundings), the sums held in
+/// `out += sum_p w[p] * rows[p * stride..][..out.len()]`, each element's products added in
+/// order of `p` (as repeated [`axpy`] would, with the same roundings), the sums held in
 /// registers 64 elements at a time.
+/// Added onto `out` as it is (a continuation over more rows gives the same bits as one call).
 #[target_feature(enable = "avx2,fma")]
 pub(super) fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     let (n, hd) = (w.len(), out.len());
     assert!(n == 0 || (n - 1) * stride + hd <= rows.len());
-    out.fill(0.0);
     let mut c = 0;
     while c < hd {
         let width = (hd - c).min(64) / 8 * 8;
         if width == 0 {
             break;
         }
-        let mut acc = [_mm256_setzero_ps(); 8];
         let vecs = width / 8;
+        let mut acc: [__m256; 8] = std::array::from_fn(|j| {
+            if j < vecs {
+                // SAFETY: `c + 8 j + 8 <= hd == out.len()` for `j < vecs`.
+                unsafe { _mm256_loadu_ps(out.as_ptr().add(c + 8 * j)) }
+            } else {
+                _mm256_setzero_ps()
+            }
+        });
         for (p, &wp) in w.iter().enumerate() {
             let wv = _mm256_set1_ps(wp);
             for (j, a) in acc.iter_mut().enumerate().take(vecs) {

@@ -187,6 +187,13 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// the same roundings as [`axpy`] applied for each `p` in turn from zero, the sums kept in
 /// registers.
 pub fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    out.fill(0.0);
+    add_weighted_rows(w, rows, stride, out);
+}
+
+/// `out += sum_p w[p] * rows[p * stride..][..out.len()]`: [`weighted_rows`] continued (calls
+/// over consecutive runs of rows give the bits of one call over all of them).
+pub fn add_weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     let (n, hd) = (w.len(), out.len());
     assert!(
         n == 0 || (n - 1) * stride + hd <= rows.len(),
@@ -199,7 +206,6 @@ pub fn weighted_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
             unsafe { avx2::weighted_rows(w, rows, stride, out) }
         }
         _ => {
-            out.fill(0.0);
             for (p, &wp) in w.iter().enumerate() {
                 for (o, &v) in out.iter_mut().zip(&rows[p * stride..p * stride + hd]) {
                     *o += wp * v;
