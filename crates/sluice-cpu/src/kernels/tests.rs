@@ -546,6 +546,19 @@ fn ref_affine(m: &MatRef, r: usize, c: usize) -> (f64, f64, f64) {
     )
 }
 
+/// One token's outputs of an affine `m` in f64: the scale part against the rounded
+/// activations `xhat`, the bias part against exact `x`.
+fn ref_affine_rows(m: &MatRef, x: &[f32], xhat: &[f64], out: &mut [f64]) {
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = (0..m.cols)
+            .map(|c| {
+                let (q, s, b) = ref_affine(m, r, c);
+                s * q * xhat[c] + b * x[c] as f64
+            })
+            .sum();
+    }
+}
+
 /// What the integer 4-bit decode computes, in f64: the scale part against the activations as
 /// `quantize_q4i` rounds them (read back from its layout), the bias part against exact `x`.
 fn ref_matmul_q4i(m: &MatRef, x: &[f32], tokens: usize, bpb: usize) -> Vec<f64> {
@@ -562,14 +575,7 @@ fn ref_matmul_q4i(m: &MatRef, x: &[f32], tokens: usize, bpb: usize) -> Vec<f64> 
                 xq[blk * 2 * bpb + (i % 2) * bpb + i / 2] as f64 * xd[e / 8] as f64
             })
             .collect();
-        for r in 0..m.rows {
-            out[t * m.rows + r] = (0..cols)
-                .map(|c| {
-                    let (q, s, b) = ref_affine(m, r, c);
-                    s * q * xhat[c] + b * xt[c] as f64
-                })
-                .sum();
-        }
+        ref_affine_rows(m, xt, &xhat, &mut out[t * m.rows..(t + 1) * m.rows]);
     }
     out
 }
@@ -592,14 +598,7 @@ fn ref_matmul_q4_blocks(m: &MatRef, x: &[f32], tokens: usize) -> Vec<f64> {
                 xq[e - k + (k % 2) * 4 + k / 2] as f64 * xd[e / 32] as f64
             })
             .collect();
-        for r in 0..m.rows {
-            out[t * m.rows + r] = (0..cols)
-                .map(|c| {
-                    let (q, s, b) = ref_affine(m, r, c);
-                    s * q * xhat[c] + b * xt[c] as f64
-                })
-                .sum();
-        }
+        ref_affine_rows(m, xt, &xhat, &mut out[t * m.rows..(t + 1) * m.rows]);
     }
     out
 }
