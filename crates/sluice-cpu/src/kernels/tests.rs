@@ -816,16 +816,23 @@ fn block_quantization_simd_equals_scalar() {
     assert!(d[3].is_nan());
 }
 
+/// (rows, row length, stride) for the attention helpers over strided rows: none, one, fewer and
+/// more than a run of four, row lengths with and without vector tails.
+const STRIDED_ROWS: [(usize, usize, usize); 8] = [
+    (0, 128, 512),
+    (1, 128, 128),
+    (7, 128, 512),
+    (37, 128, 512),
+    (9, 72, 80),
+    (37, 72, 80),
+    (5, 13, 13),
+    (9, 13, 13),
+];
+
 #[test]
 fn weighted_rows_equals_repeated_axpy() {
     let mut rng = Rng(26);
-    for (n, hd, stride) in [
-        (0, 128, 512),
-        (1, 128, 128),
-        (37, 128, 512),
-        (9, 72, 80),
-        (5, 13, 13),
-    ] {
+    for (n, hd, stride) in STRIDED_ROWS {
         let rows = rng.vec((n.max(1) - 1) * stride + hd, -1.0, 1.0);
         let w = rng.vec(n, 0.0, 1.0);
         let mut want = vec![0f32; hd];
@@ -841,13 +848,7 @@ fn weighted_rows_equals_repeated_axpy() {
 #[test]
 fn scaled_dots_equal_the_f64_dot() {
     let mut rng = Rng(27);
-    for (n, hd, stride) in [
-        (0, 128, 512),
-        (1, 128, 128),
-        (7, 128, 512),
-        (37, 72, 80),
-        (9, 13, 13),
-    ] {
+    for (n, hd, stride) in STRIDED_ROWS {
         let rows = rng.vec((n.max(1) - 1) * stride + hd, -1.0, 1.0);
         let q = rng.vec(hd, -1.0, 1.0);
         let mut got = vec![f32::NAN; n];
