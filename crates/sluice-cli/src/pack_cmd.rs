@@ -14,12 +14,15 @@ use sluice_store::{pack, PackOptions};
     after_help = "Writes OUT/model.safetensors (every tensor except the routed experts, \
 unchanged), OUT/experts.bin (one 4 KiB-aligned block per layer x expert), OUT/experts.json \
 (where each block lives, with checksums) and copies of the other files (config.json, \
-tokenizer files, ...). The output is written as OUT.partial and renamed when complete.\n\n\
-Example:\n  sluice pack ~/models/Qwen3.5-35B-A3B-4bit -o ~/models/Qwen3.5-35B-A3B-4bit-packed"
+tokenizer files, ...). A GGUF file packs too: its quantised blocks become the same values in \
+MLX-affine form, and config.json and the tokenizer files are made from its metadata. The \
+output is written as OUT.partial and renamed when complete.\n\n\
+Examples:\n  sluice pack ~/models/Qwen3.5-35B-A3B-4bit -o ~/models/Qwen3.5-35B-A3B-4bit-packed\n  \
+sluice pack ~/models/Qwen3-30B-A3B-Q4_K_M.gguf -o ~/models/Qwen3-30B-A3B-Q4_K_M-packed"
 )]
 pub struct PackArgs {
-    /// Model directory to pack (config.json, tokenizer.json, *.safetensors).
-    #[arg(value_name = "MODEL_DIR")]
+    /// Model directory to pack (config.json, tokenizer.json, *.safetensors), or a GGUF file.
+    #[arg(value_name = "MODEL_DIR|FILE.gguf")]
     model: PathBuf,
     /// Output directory (must not exist unless --force).
     #[arg(long, short = 'o', value_name = "OUT_DIR")]

@@ -243,7 +243,10 @@ impl<B: Backend + 'static> Engine<B> {
         if let Some(k) = opts.experts_per_token {
             model.set_experts_per_token(k)?;
         }
-        let tokenizer = Tokenizer::from_file(&dir.tokenizer_path())?;
+        let tokenizer = match &dir.tokenizer_json {
+            Some(json) => Tokenizer::from_bytes(json.as_bytes(), &dir.path)?,
+            None => Tokenizer::from_file(&dir.tokenizer_path())?,
+        };
         let tc = &dir.tokenizer_config;
         let chat_template = ChatTemplate::new(
             tc.chat_template.as_deref().unwrap_or(chat::FALLBACK_CHATML),

@@ -47,7 +47,16 @@ impl Tokenizer {
             message,
         };
         let bytes = std::fs::read(path).map_err(|e| load_err(one_line(e)))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| load_err(one_line(e)))?;
+        Self::from_bytes(&bytes, path)
+    }
+
+    /// Loads a `tokenizer.json` held in memory (a GGUF's, built from its metadata); `path`
+    /// names where it came from in errors.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, TokenizerError> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TokenizerError::Load {
+            path: path.to_path_buf(),
+            message: one_line(e),
+        })?;
         Ok(Tokenizer { inner })
     }
 

@@ -48,8 +48,9 @@ pub struct MatrixSlices {
 pub struct Expert {
     /// Gate, up and down, zero-copy views of the memory maps.
     pub matrices: [HostMatrix; 3],
-    /// Where each of `matrices` lies on disk.
-    pub slices: [MatrixSlices; 3],
+    /// Where each of `matrices` lies on disk; `None` when they are not in a file as such (a
+    /// GGUF's blocks converted in memory).
+    pub slices: Option<[MatrixSlices; 3]>,
 }
 
 /// The routed experts of one MoE block.
@@ -156,7 +157,7 @@ fn expert_prefix(name: &str) -> Option<(String, String, usize)> {
 }
 
 /// A matrix and where it lies on disk.
-type Located = (HostMatrix, MatrixSlices);
+type Located = (HostMatrix, Option<MatrixSlices>);
 
 /// Reads expert matrices with their file slices, remembering which tensors it used.
 struct Scanner<'a> {
@@ -256,7 +257,7 @@ impl<'a> Scanner<'a> {
                     [self.matrix(&g)?, self.matrix(&u)?, self.matrix(&d)?];
                 Ok(Expert {
                     matrices: [gm, um, dm],
-                    slices: [gs, us, ds],
+                    slices: all3(gs, us, ds),
                 })
             })
             .collect()
@@ -284,13 +285,13 @@ impl<'a> Scanner<'a> {
     }
 
     /// Where `m`, matrix `index` of the tensors at `prefix` (all matrices of a stack have the
-    /// same size), lies on disk.
+    /// same size), lies on disk; `None` when it was made in memory.
     fn slices(
         &self,
         prefix: &str,
         index: usize,
         m: &HostMatrix,
-    ) -> Result<MatrixSlices, FormatError> {
+    ) -> Result<Option<MatrixSlices>, FormatError> {
         // The weight is `{prefix}.weight`, or `prefix` itself (fused parameters), as in
         // `Tensors::matrix`.
         let weight = format!("{prefix}.weight");
@@ -299,19 +300,22 @@ impl<'a> Scanner<'a> {
         } else {
             prefix.to_string()
         };
+        if !self.t.get(&weight)?.in_file() {
+            return Ok(None);
+        }
         let data = self.slice(&weight, index, m.data.len())?;
         if m.scales.is_empty() {
-            return Ok(MatrixSlices {
+            return Ok(Some(MatrixSlices {
                 data,
                 scales: None,
                 biases: None,
-            });
+            }));
         }
-        Ok(MatrixSlices {
+        Ok(Some(MatrixSlices {
             data,
             scales: Some(self.slice(&format!("{prefix}.scales"), index, m.scales.len())?),
             biases: Some(self.slice(&format!("{prefix}.biases"), index, m.biases.len())?),
-        })
+        }))
     }
 
     /// Element `index`, of `len` bytes, of tensor `name`, on disk.
@@ -359,12 +363,21 @@ fn split_rows((m, s): &Located, range: Range<usize>) -> Located {
         offset: x.offset + start * row,
         len: n * row,
     };
-    let slices = MatrixSlices {
+    let slices = s.map(|s| MatrixSlices {
         data: narrow(s.data, rb),
         scales: s.scales.map(|x| narrow(x, sb)),
         biases: s.biases.map(|x| narrow(x, sb)),
-    };
+    });
     (m.rows(range), slices)
+}
+
+/// The three matrices' slices when all three lie in files.
+fn all3(
+    g: Option<MatrixSlices>,
+    u: Option<MatrixSlices>,
+    d: Option<MatrixSlices>,
+) -> Option<[MatrixSlices; 3]> {
+    Some([g?, u?, d?])
 }
 
 fn zip3(
@@ -390,7 +403,7 @@ fn zip3(
         .zip(down)
         .map(|(((gm, gs), (um, us)), (dm, ds))| Expert {
             matrices: [gm, um, dm],
-            slices: [gs, us, ds],
+            slices: all3(gs, us, ds),
         })
         .collect())
 }

@@ -17,8 +17,10 @@ use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
+use sluice_backend::HostBytes;
 
 /// What can be wrong with a GGUF file; the message names the file.
 #[derive(Debug, thiserror::Error)]
@@ -208,7 +210,7 @@ impl GgufTensorInfo {
 /// A memory-mapped GGUF file with its metadata and tensor table parsed and checked.
 pub struct GgufFile {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
     pub version: u32,
     metadata: Vec<(String, GgufValue)>,
     tensors: Vec<GgufTensorInfo>,
@@ -252,7 +254,7 @@ impl GgufFile {
             .collect();
         Ok(GgufFile {
             path,
-            mmap,
+            mmap: Arc::new(mmap),
             version: parsed.version,
             metadata: parsed.metadata,
             tensors: parsed.tensors,
@@ -290,6 +292,14 @@ impl GgufFile {
     /// The bytes of a tensor (bounds were checked at open).
     pub fn tensor_bytes(&self, t: &GgufTensorInfo) -> &[u8] {
         &self.mmap[t.offset as usize..(t.offset + t.bytes) as usize]
+    }
+
+    /// The bytes of a tensor as a zero-copy view that keeps the map alive.
+    pub fn tensor_host_bytes(&self, t: &GgufTensorInfo) -> HostBytes {
+        HostBytes::new(
+            self.mmap.clone(),
+            t.offset as usize..(t.offset + t.bytes) as usize,
+        )
     }
 
     pub fn file_bytes(&self) -> u64 {
@@ -511,4 +521,4 @@ fn parse(data: &[u8]) -> Result<Parsed, String> {
 
 #[cfg(test)]
 #[path = "gguf_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -2,20 +2,20 @@ use super::*;
 
 /// A GGUF writer for the tests: metadata (key, type, encoded value) and tensors
 /// (name, dims, type id, data), laid out as llama.cpp's writer does.
-struct Writer {
+pub(crate) struct Writer {
     version: u32,
-    kv: Vec<(String, u32, Vec<u8>)>,
+    pub(crate) kv: Vec<(String, u32, Vec<u8>)>,
     tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
 }
 
-fn s(v: &str) -> Vec<u8> {
+pub(crate) fn s(v: &str) -> Vec<u8> {
     let mut b = (v.len() as u64).to_le_bytes().to_vec();
     b.extend_from_slice(v.as_bytes());
     b
 }
 
 impl Writer {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Writer {
             version: 3,
             kv: vec![("general.architecture".into(), 8, s("qwen3moe"))],
@@ -23,12 +23,12 @@ impl Writer {
         }
     }
 
-    fn kv(mut self, key: &str, ty: u32, value: Vec<u8>) -> Self {
+    pub(crate) fn kv(mut self, key: &str, ty: u32, value: Vec<u8>) -> Self {
         self.kv.push((key.into(), ty, value));
         self
     }
 
-    fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
+    pub(crate) fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
         self.tensors.push((name.into(), dims.to_vec(), ty, data));
         self
     }
@@ -68,7 +68,7 @@ impl Writer {
         b
     }
 
-    fn bytes(&self) -> Vec<u8> {
+    pub(crate) fn bytes(&self) -> Vec<u8> {
         self.bytes_with(None)
     }
 }

@@ -12,8 +12,9 @@
 //! on bad input. It also knows where a checkpoint keeps its routed experts, in each of the
 //! layouts sluice reads ([`experts`]: the one scanner that packing, unpacked streaming and model
 //! loading share), and writes safetensors files ([`safetensors_writer`]), for tools and tests.
-//! [`gguf`] reads the metadata and tensor table of a llama.cpp GGUF file (running one is not
-//! wired yet).
+//! [`gguf`] reads the metadata and tensor table of a llama.cpp GGUF file, and [`ModelDir::open`]
+//! opens one as a model (`gguf_model`: config from the metadata, tensors under Hugging Face names
+//! with quantised blocks converted exactly by [`ggml_quants`], tokenizer by [`gguf_tokenizer`]).
 //!
 //! ```no_run
 //! # fn main() -> Result<(), sluice_format::FormatError> {
@@ -34,7 +35,10 @@ use serde_json::Value;
 mod error;
 pub mod experts;
 pub mod fs_util;
+pub mod ggml_quants;
 pub mod gguf;
+mod gguf_model;
+pub mod gguf_tokenizer;
 mod quant;
 pub mod safetensors;
 pub mod safetensors_writer;
@@ -43,6 +47,7 @@ mod tensors;
 
 pub use error::FormatError;
 pub use fs_util::safetensors_bytes;
+pub use gguf_model::GGUF_ARCHITECTURES;
 pub use quant::QuantConfig;
 pub use safetensors::{convert_to_f32, read_safetensors, StDtype, TensorInfo};
 pub use safetensors_writer::{safetensors_header_for, write_safetensors};
@@ -70,11 +75,15 @@ pub struct ModelDir {
     pub tokenizer_config: TokenizerConfig,
     /// generation_config.json (token ids fall back to config.json's).
     pub generation: GenerationConfig,
+    /// The tokenizer.json text when it is not a file of the directory (a GGUF's, built from its
+    /// metadata); `None`: read [`ModelDir::tokenizer_path`].
+    pub tokenizer_json: Option<String>,
 }
 
 impl ModelDir {
     /// Opens and validates `path`: config.json and tokenizer.json must exist, and the weights
-    /// are memory-mapped and their headers checked (no weight bytes are read).
+    /// are memory-mapped and their headers checked (no weight bytes are read). A GGUF file
+    /// (recognised by its magic) opens as a model too: see `gguf_model`.
     pub fn open(path: impl AsRef<Path>) -> Result<ModelDir, FormatError> {
         let path = path.as_ref().to_path_buf();
         match std::fs::metadata(&path) {
@@ -82,6 +91,7 @@ impl ModelDir {
                 return Err(FormatError::NoDir(path))
             }
             Err(source) => return Err(FormatError::Io { path, source }),
+            Ok(m) if m.is_file() && gguf_model::is_gguf(&path) => return gguf_model::open(&path),
             Ok(m) if !m.is_dir() => return Err(FormatError::NotADir(path)),
             Ok(_) => {}
         }
@@ -131,7 +141,24 @@ impl ModelDir {
             tensors,
             tokenizer_config,
             generation,
+            tokenizer_json: None,
         })
+    }
+
+    /// Whether this model was opened from a GGUF file rather than a directory.
+    pub fn is_gguf(&self) -> bool {
+        self.tokenizer_json.is_some()
+    }
+
+    /// For a GGUF, the files a directory of its converted weights needs beside them (config.json
+    /// with the quantisation settings, the tokenizer files, generation_config.json): what `sluice
+    /// pack` writes. Empty for a directory (its own files are copied).
+    pub fn generated_files(&self) -> Vec<(&'static str, String)> {
+        if self.is_gguf() {
+            gguf_model::directory_files(self)
+        } else {
+            Vec::new()
+        }
     }
 
     /// `text_config.model_type`, else the top-level `model_type`.
@@ -152,9 +179,14 @@ impl ModelDir {
         self.path.join("config.json")
     }
 
-    /// `path/tokenizer.json` (its existence is checked by [`ModelDir::open`]).
+    /// `path/tokenizer.json` (its existence is checked by [`ModelDir::open`]); a GGUF's own path
+    /// (its tokenizer is [`ModelDir::tokenizer_json`]).
     pub fn tokenizer_path(&self) -> PathBuf {
-        self.path.join("tokenizer.json")
+        if self.is_gguf() {
+            self.path.clone()
+        } else {
+            self.path.join("tokenizer.json")
+        }
     }
 
     /// A typed view of [`ModelDir::text_config`], e.g. `dir.parse_config::<Qwen3MoeConfig>()`.

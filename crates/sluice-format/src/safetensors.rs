@@ -143,11 +143,20 @@ pub struct TensorInfo {
     pub file: PathBuf,
     /// Exactly `numel() * dtype.size()` bytes, little-endian, not necessarily aligned.
     pub bytes: HostBytes,
-    /// Absolute offset of the data in `file` (header included), for reading it without the map.
+    /// Absolute offset of the data in `file` (header included), for reading it without the map;
+    /// [`TensorInfo::IN_MEMORY`] for bytes made in memory (a GGUF's converted blocks).
     pub offset: u64,
 }
 
 impl TensorInfo {
+    /// The `offset` of a tensor whose bytes are in no file as such.
+    pub const IN_MEMORY: u64 = u64::MAX;
+
+    /// Whether the bytes can be read from `file` at `offset`.
+    pub fn in_file(&self) -> bool {
+        self.offset != Self::IN_MEMORY
+    }
+
     /// Number of elements (1 for a scalar of shape `[]`).
     pub fn numel(&self) -> usize {
         self.shape.iter().product()

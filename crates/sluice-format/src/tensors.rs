@@ -92,6 +92,19 @@ impl Tensors {
         })
     }
 
+    /// Tensors made elsewhere (a GGUF's, under Hugging Face names); `dir` is used in messages.
+    pub(crate) fn from_map(
+        dir: impl AsRef<Path>,
+        files: Vec<PathBuf>,
+        map: BTreeMap<String, TensorInfo>,
+    ) -> Tensors {
+        Tensors {
+            dir: dir.as_ref().to_path_buf(),
+            files,
+            map,
+        }
+    }
+
     fn open_index(dir: &Path, index: &Path) -> Result<Tensors, FormatError> {
         let err = |msg: String| FormatError::Config {
             path: index.to_path_buf(),
@@ -184,6 +197,13 @@ impl Tensors {
     /// in that file, and its length in bytes (to read it with plain file I/O instead of the map).
     pub fn location(&self, name: &str) -> Result<(&Path, u64, u64), FormatError> {
         let t = self.get(name)?;
+        if !t.in_file() {
+            return Err(t.err(
+                "was converted in memory (a GGUF's quantised blocks), so it cannot be read from \
+                 the file; pack the model first (`sluice pack MODEL.gguf -o DIR`)"
+                    .to_string(),
+            ));
+        }
         Ok((&t.file, t.offset, t.bytes.len() as u64))
     }
 

@@ -3,9 +3,10 @@
 //! The output directory holds `model.safetensors` (every tensor except the routed experts,
 //! unchanged), `experts.bin` (one [`BLOCK_ALIGN`]-aligned block per layer x expert, laid out by
 //! [`LayerExperts::plan`]), `experts.json` ([`Manifest`]) and copies of the source's other files
-//! (config.json, tokenizer files, ...), so it is still a normal model directory. The routed
-//! experts are those [`sluice_format::experts::scan`] finds (scan errors pass through as
-//! [`PackError::Format`]).
+//! (config.json, tokenizer files, ...), so it is still a normal model directory. A GGUF file packs
+//! the same way: its converted tensors, and the config and tokenizer files its metadata gives.
+//! The routed experts are those [`sluice_format::experts::scan`] finds (scan errors pass through
+//! as [`PackError::Format`]).
 //!
 //! The directory is written as `OUT.partial`, synced, and renamed into place when complete: an
 //! interrupted pack never leaves a directory that loads.
@@ -230,7 +231,14 @@ pub fn pack(
         .iter()
         .map(|x| (x.name.clone(), x.dtype, x.shape.clone()))
         .collect();
-    let metadata = source_metadata(t.files())?;
+    // A GGUF has no safetensors metadata to carry over; its config and tokenizer files are
+    // made from its metadata (the source files of a directory are copied).
+    let gguf = dir.is_gguf();
+    let metadata = if gguf {
+        None
+    } else {
+        source_metadata(t.files())?
+    };
     let resident_path = Path::new(SINGLE_FILE);
     let header =
         safetensors_header_for(&entries, metadata.as_ref()).map_err(|e| PackError::Io {
@@ -239,8 +247,16 @@ pub fn pack(
         })?;
     let resident_bytes =
         header.len() as u64 + resident.iter().map(|x| x.bytes.len() as u64).sum::<u64>();
-    let others = other_files(model_dir)?;
-    let other_bytes: u64 = others.iter().map(|(_, n)| n).sum();
+    let (others, generated) = if gguf {
+        (Vec::new(), dir.generated_files())
+    } else {
+        (other_files(model_dir)?, Vec::new())
+    };
+    let other_bytes: u64 = others.iter().map(|(_, n)| n).sum::<u64>()
+        + generated
+            .iter()
+            .map(|(_, text)| text.len() as u64)
+            .sum::<u64>();
     let total = resident_bytes + expert_bytes;
 
     // Start from a clean partial directory and check the space.
@@ -308,6 +324,9 @@ pub fn pack(
         let to = partial.join(from.file_name().expect("read_dir entries have names"));
         let bytes = fs::read(from).map_err(io_at(from))?;
         write_synced(&to, &bytes)?;
+    }
+    for (name, text) in &generated {
+        write_synced(&partial.join(name), text.as_bytes())?;
     }
     sync_dir(&partial)?;
 

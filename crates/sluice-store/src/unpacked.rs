@@ -47,6 +47,17 @@ impl UnpackedLayout {
     pub fn plan(t: &Tensors, quant: Option<&QuantConfig>) -> Result<UnpackedLayout, StoreError> {
         let scan = experts::scan(t, quant)?;
         let plans = plan_layers(&scan.layers);
+        // Experts made in memory (a GGUF's converted blocks) have no file bytes to stream.
+        let in_memory = |x: &experts::Expert| x.slices.is_none();
+        if let Some(l) = scan.layers.iter().find(|l| l.experts.iter().any(in_memory)) {
+            return Err(StoreError::Layout(format!(
+                "{}: the experts of `{}` are converted from a GGUF's blocks in memory, so they \
+                 cannot stream from the file; pack the model first (`sluice pack MODEL.gguf -o \
+                 DIR`) and stream DIR, or run it without --expert-cache/--memory-budget",
+                t.dir().display(),
+                l.prefix
+            )));
+        }
 
         // Readers are opened only for the shards that hold experts; a read's `file` indexes
         // those.
@@ -54,7 +65,7 @@ impl UnpackedLayout {
             .layers
             .iter()
             .flat_map(|l| &l.experts)
-            .flat_map(|x| &x.slices)
+            .flat_map(|x| x.slices.iter().flatten())
             .flat_map(|s| [Some(s.data), s.scales, s.biases])
             .flatten()
             .map(|f| f.file)
@@ -67,7 +78,7 @@ impl UnpackedLayout {
             let mut per_expert = Vec::with_capacity(l.experts.len());
             for (e, x) in l.experts.iter().enumerate() {
                 let mut parts = Vec::with_capacity(9);
-                for (p, s) in plan.projections.iter().zip(&x.slices) {
+                for (p, s) in plan.projections.iter().zip(x.slices.iter().flatten()) {
                     let pairs: [(Option<Part>, Option<FileSlice>); 3] = [
                         (Some(p.weight), Some(s.data)),
                         (p.scales, s.scales),

@@ -121,7 +121,10 @@ macro_rules! reference_suite {
         #[test]
         fn $test() {
             let dir = reference::fixture($name);
-            reference::check_model($make, $name, &dir, &dir, $mode);
+            // A GGUF fixture holds its model as one file beside the reference logits.
+            let gguf = dir.join("model.gguf");
+            let model = if gguf.is_file() { gguf } else { dir.clone() };
+            reference::check_model($make, $name, &model, &dir, $mode);
         }
         reference_suite!(@tests [$($attrs)*] $make, $mode; $($rest)*);
     };
@@ -139,6 +142,10 @@ macro_rules! reference_suite {
             qwen3_5_moe_q4: "qwen3_5_moe-q4",
             qwen3_5_moe_q8: "qwen3_5_moe-q8",
             qwen3_next_bf16: "qwen3_next-bf16",
+            qwen3_moe_gguf_q4_k_m: "qwen3_moe-gguf-q4_k_m",
+            qwen3_moe_gguf_q3_k_m: "qwen3_moe-gguf-q3_k_m",
+            qwen3_moe_gguf_q2_k: "qwen3_moe-gguf-q2_k",
+            qwen3_moe_gguf_legacy: "qwen3_moe-gguf-legacy",
         });
     };
 }

@@ -69,7 +69,7 @@ fn check_slices(t: &Tensors, s: &ExpertScan) {
     let at = |x: FileSlice| &files[x.file][x.offset as usize..(x.offset + x.len) as usize];
     for l in &s.layers {
         for (e, x) in l.experts.iter().enumerate() {
-            for (m, sl) in x.matrices.iter().zip(&x.slices) {
+            for (m, sl) in x.matrices.iter().zip(x.slices.as_ref().expect("in a file")) {
                 let what = format!("{} expert {e}", l.prefix);
                 assert_eq!(at(sl.data), m.data.as_slice(), "{what}: data");
                 assert_eq!(sl.scales.map_or(&[][..], at), m.scales.as_slice(), "{what}");
@@ -106,7 +106,7 @@ fn mlx_stacks_quantised() {
     assert_eq!(s.layers[0].experts.len(), E);
     let [g, _, d] = &s.layers[0].experts[2].matrices;
     assert_eq!((g.rows, g.cols, d.rows, d.cols), (I, H, H, I));
-    assert!(s.layers[0].experts[0].slices[0].scales.is_some());
+    assert!(s.layers[0].experts[0].slices.unwrap()[0].scales.is_some());
     // Every expert tensor, and nothing else, is listed.
     assert_eq!(s.tensors.len(), 2 * 9);
     assert!(!s.tensors.contains("model.norm.weight"));
@@ -194,9 +194,9 @@ fn per_expert_modules_across_shards() {
     let s = scan(&t, None).unwrap();
     let l = &s.layers[0];
     assert_eq!(l.experts.len(), E);
-    assert_eq!(l.experts[0].slices[0].data.file, 0);
-    assert_eq!(l.experts[2].slices[2].data.file, 1);
-    assert!(l.experts[0].slices[0].scales.is_none());
+    assert_eq!(l.experts[0].slices.unwrap()[0].data.file, 0);
+    assert_eq!(l.experts[2].slices.unwrap()[2].data.file, 1);
+    assert!(l.experts[0].slices.unwrap()[0].scales.is_none());
     check_slices(&t, &s);
 }
 

@@ -1,0 +1,131 @@
+//! A llama.cpp GGUF file as a model: it loads like a checkpoint directory (its logits against the
+//! reference are in `reference_logits`), `sluice pack` turns it into a streaming directory that
+//! gives the same logits bit for bit, streaming it unpacked says to pack it first, and the
+//! settings its metadata carries (stop tokens, chat template, sampling) reach the engine.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sluice_cpu::CpuBackend;
+use sluice_engine::streaming::StreamingOptions;
+use sluice_engine::{Engine, LoadOptions, LogitsMode};
+use sluice_store::{pack, PackOptions};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+        .join("model.gguf")
+}
+
+fn load(path: &Path, streaming: StreamingOptions) -> Result<Engine<CpuBackend>, String> {
+    let opts = LoadOptions {
+        streaming,
+        ..LoadOptions::default()
+    };
+    Engine::load(path, Arc::new(CpuBackend::new()), &opts).map_err(|e| e.to_string())
+}
+
+const TOKENS: [u32; 12] = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 26, 43];
+
+#[test]
+fn packed_gguf_streams_the_same_logits() {
+    for name in ["qwen3_moe-gguf-q4_k_m", "qwen3_moe-gguf-legacy"] {
+        let gguf = fixture(name);
+        let resident = load(&gguf, StreamingOptions::default()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("packed");
+        pack(&gguf, &out, &PackOptions { force: false }, &|_, _| {})
+            .unwrap_or_else(|e| panic!("packing {name}: {e}"));
+        for file in [
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "experts.bin",
+        ] {
+            assert!(out.join(file).is_file(), "{name}: pack wrote no {file}");
+        }
+        // A cache of one expert per layer's worth: every token reads experts from the file.
+        let streamed = load(
+            &out,
+            StreamingOptions {
+                expert_cache: Some(1 << 20),
+                ..StreamingOptions::default()
+            },
+        )
+        .unwrap();
+        assert!(streamed.store.is_some(), "{name}: the packed copy streams");
+        for mode in [LogitsMode::Prefill, LogitsMode::Decode] {
+            let want = resident.logits(&TOKENS, mode).unwrap();
+            let got = streamed.logits(&TOKENS, mode).unwrap();
+            assert!(
+                got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name} {mode:?}: packed logits differ from the GGUF's"
+            );
+        }
+        // The packed directory carries what the GGUF's metadata said.
+        assert_eq!(streamed.eos_ids, resident.eos_ids, "{name}");
+        assert_eq!(streamed.defaults, resident.defaults, "{name}");
+        let t = "one two three <|im_start|>user\n";
+        assert_eq!(
+            streamed.tokenizer.encode(t, false).unwrap(),
+            resident.tokenizer.encode(t, false).unwrap(),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn streaming_a_gguf_unpacked_says_to_pack_it() {
+    let err = load(
+        &fixture("qwen3_moe-gguf-q4_k_m"),
+        StreamingOptions {
+            expert_cache: Some(1 << 20),
+            stream_unpacked: true,
+            ..StreamingOptions::default()
+        },
+    )
+    .err()
+    .expect("streaming converted experts must fail");
+    assert!(err.contains("sluice pack"), "{err}");
+    assert!(!err.contains('\n'), "one line: {err}");
+}
+
+#[test]
+fn gguf_metadata_reaches_the_engine() {
+    let e = load(
+        &fixture("qwen3_moe-gguf-q4_k_m"),
+        StreamingOptions::default(),
+    )
+    .unwrap();
+    // tokenizer.ggml.eos_token_id (495) and the `<|endoftext|>`/`<|im_end|>` texts llama.cpp
+    // also stops on, as far as the vocabulary has them.
+    assert!(e.eos_ids.contains(&495), "{:?}", e.eos_ids);
+    for text in ["<|im_end|>", "<|endoftext|>"] {
+        if let Some(id) = e.tokenizer.token_id(text) {
+            assert!(e.eos_ids.contains(&id), "{text} ({id}) in {:?}", e.eos_ids);
+        }
+    }
+    // general.sampling.* as written by the converter from generation_config.json.
+    assert_eq!(e.defaults.top_k, 20);
+    assert!((e.defaults.top_p - 0.8).abs() < 1e-6);
+    assert!((e.defaults.temperature - 0.7).abs() < 1e-6);
+    // tokenizer.chat_template renders.
+    let prompt = e
+        .render_chat(
+            &[sluice_engine::chat::ChatMessage::new("user", "hi")],
+            None,
+            &serde_json::Map::new(),
+        )
+        .unwrap();
+    assert!(
+        prompt.contains("<|im_start|>user\nhi<|im_end|>"),
+        "{prompt}"
+    );
+    assert_eq!(e.model.info().layers, 2);
+}

@@ -1,0 +1,687 @@
+//! A GGUF file opened as a model ([`ModelDir`]): the Hugging Face config its metadata describes,
+//! its tensors under Hugging Face names, its tokenizer as a `tokenizer.json`, chat template, stop
+//! tokens and sampling defaults. Everything downstream (model code, expert scanner, packing) then
+//! reads it like a checkpoint directory.
+//!
+//! Weights: F32/F16/BF16 tensors are zero-copy views of the map; quantised ggml blocks are
+//! converted at open into MLX-affine matrices holding the same values bit for bit
+//! ([`crate::ggml_quants`]), in parallel over tensors. That costs memory and, for the K-quants
+//! (f32 group scales), about a third more bytes per weight than the file; running the blocks as
+//! stored is the next step. Types with no affine form (IQ*, MXFP4, ...) are a one-line error.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use serde_json::{json, Map, Value};
+use sluice_backend::{Dtype, HostBytes, WeightFormat};
+
+use crate::error::FormatError;
+use crate::ggml_quants;
+use crate::gguf::{GgufFile, GgufTensorInfo, GgufValue};
+use crate::gguf_tokenizer;
+use crate::safetensors::{StDtype, TensorInfo};
+use crate::{GenerationConfig, ModelDir, QuantConfig, Tensors, TokenizerConfig};
+
+/// Whether `path` names a GGUF file (by its magic, so any file name works).
+pub(crate) fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}
+
+/// The architectures whose GGUF files sluice runs, by `general.architecture`.
+pub const GGUF_ARCHITECTURES: [&str; 1] = ["qwen3moe"];
+
+pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
+    let file = GgufFile::open(path).map_err(|e| FormatError::Config {
+        path: e.path,
+        msg: e.message,
+    })?;
+    let err = |msg: String| FormatError::Config {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let arch = file
+        .architecture()
+        .ok_or_else(|| err("no `general.architecture` key: not a model GGUF".into()))?
+        .to_string();
+    if let Some(n) = file.metadata("split.count").and_then(GgufValue::as_u64) {
+        if n > 1 {
+            return Err(err(format!(
+                "part of a split GGUF set of {n} files, which sluice does not read yet; merge it \
+                 into one file with `llama-gguf-split --merge FIRST-PART.gguf OUT.gguf`"
+            )));
+        }
+    }
+    let meta = Meta {
+        file: &file,
+        arch: &arch,
+    };
+    let config = match arch.as_str() {
+        "qwen3moe" => qwen3moe_config(&meta)?,
+        other => {
+            return Err(err(format!(
+                "architecture `{other}` is not supported in GGUF files yet (sluice runs {}); \
+                 use the model's Hugging Face or MLX checkpoint instead",
+                GGUF_ARCHITECTURES.join(", ")
+            )))
+        }
+    };
+    let (map, quantization) = tensors(&file, path)?;
+    let tokenizer_json =
+        gguf_tokenizer::tokenizer_json(&file).map_err(|e| FormatError::Config {
+            path: e.path,
+            msg: e.message,
+        })?;
+    let (tokenizer_config, generation) = settings(&file)?;
+    Ok(ModelDir {
+        path: path.to_path_buf(),
+        config: config.clone(),
+        text_config: config,
+        quantization,
+        tensors: Tensors::from_map(path, vec![path.to_path_buf()], map),
+        tokenizer_config,
+        generation,
+        tokenizer_json: Some(tokenizer_json),
+    })
+}
+
+/// Reads `{arch}.*` keys with messages that name the key.
+struct Meta<'a> {
+    file: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl Meta<'_> {
+    fn err(&self, msg: String) -> FormatError {
+        FormatError::Config {
+            path: self.file.path().to_path_buf(),
+            msg,
+        }
+    }
+
+    fn value(&self, key: &str) -> Option<&GgufValue> {
+        self.file.metadata(&format!("{}.{key}", self.arch))
+    }
+
+    fn uint_opt(&self, key: &str) -> Result<Option<usize>, FormatError> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(|v| Some(v as usize)).ok_or_else(|| {
+                self.err(format!(
+                    "`{}.{key}` must be a non-negative integer, found {v}",
+                    self.arch
+                ))
+            }),
+        }
+    }
+
+    fn uint(&self, key: &str) -> Result<usize, FormatError> {
+        self.uint_opt(key)?.ok_or_else(|| {
+            self.err(format!(
+                "no `{}.{key}` key (a GGUF written by llama.cpp's converter has it)",
+                self.arch
+            ))
+        })
+    }
+
+    fn float_opt(&self, key: &str) -> Result<Option<f64>, FormatError> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                self.err(format!("`{}.{key}` must be a number, found {v}", self.arch))
+            }),
+        }
+    }
+
+    fn tensor_dims(&self, name: &str) -> Option<&[u64]> {
+        self.file.tensor(name).map(|t| t.dims.as_slice())
+    }
+}
+
+/// The Hugging Face `qwen3_moe` config a llama.cpp `qwen3moe` GGUF describes. llama.cpp always
+/// renormalises the top-k routing weights for this architecture (`norm_topk_prob`).
+fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
+    let hidden = m.uint("embedding_length")?;
+    let heads = m.uint("attention.head_count")?;
+    if heads == 0 {
+        return Err(m.err("`qwen3moe.attention.head_count` is 0".into()));
+    }
+    let head_dim = m
+        .uint_opt("attention.key_length")?
+        .unwrap_or(hidden / heads);
+    if let Some(v) = m.uint_opt("attention.value_length")? {
+        if v != head_dim {
+            return Err(m.err(format!(
+                "value heads of {v} and key heads of {head_dim}: qwen3moe has equal ones"
+            )));
+        }
+    }
+    let vocab = match m.tensor_dims("token_embd.weight") {
+        Some([_, rows]) => *rows as usize,
+        _ => {
+            return Err(m.err(
+                "no 2-D `token_embd.weight` tensor (the token embeddings): incomplete file?".into(),
+            ))
+        }
+    };
+    let mut c = Map::new();
+    c.insert("model_type".into(), json!("qwen3_moe"));
+    c.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
+    c.insert("vocab_size".into(), json!(vocab));
+    c.insert("hidden_size".into(), json!(hidden));
+    c.insert(
+        "intermediate_size".into(),
+        json!(m.uint_opt("feed_forward_length")?.unwrap_or(0)),
+    );
+    c.insert("num_hidden_layers".into(), json!(m.uint("block_count")?));
+    c.insert("num_attention_heads".into(), json!(heads));
+    c.insert(
+        "num_key_value_heads".into(),
+        json!(m.uint_opt("attention.head_count_kv")?.unwrap_or(heads)),
+    );
+    c.insert("head_dim".into(), json!(head_dim));
+    c.insert(
+        "rms_norm_eps".into(),
+        json!(m
+            .float_opt("attention.layer_norm_rms_epsilon")?
+            .unwrap_or(1e-6)),
+    );
+    // llama.cpp's default base when the key is absent.
+    c.insert(
+        "rope_theta".into(),
+        json!(m.float_opt("rope.freq_base")?.unwrap_or(10000.0)),
+    );
+    if let Some(scaling) = rope_scaling(m)? {
+        c.insert("rope_scaling".into(), scaling);
+    }
+    if let Some(ctx) = m.uint_opt("context_length")? {
+        c.insert("max_position_embeddings".into(), json!(ctx));
+    }
+    c.insert("num_experts".into(), json!(m.uint("expert_count")?));
+    c.insert(
+        "num_experts_per_tok".into(),
+        json!(m.uint("expert_used_count")?),
+    );
+    c.insert(
+        "moe_intermediate_size".into(),
+        json!(m.uint("expert_feed_forward_length")?),
+    );
+    c.insert("norm_topk_prob".into(), json!(true));
+    c.insert("decoder_sparse_step".into(), json!(1));
+    c.insert(
+        "tie_word_embeddings".into(),
+        json!(m.file.tensor("output.weight").is_none()),
+    );
+    Ok(Value::Object(c))
+}
+
+/// `rope.scaling.*` as a Hugging Face `rope_scaling` object (`None` when absent or `none`).
+fn rope_scaling(m: &Meta) -> Result<Option<Value>, FormatError> {
+    let kind = match m.value("rope.scaling.type") {
+        None => return Ok(None),
+        Some(v) => v.as_str().unwrap_or("").to_string(),
+    };
+    match kind.as_str() {
+        "" | "none" => Ok(None),
+        "linear" | "yarn" => {
+            let factor = m.float_opt("rope.scaling.factor")?.unwrap_or(1.0);
+            let mut s = Map::new();
+            s.insert("rope_type".into(), json!(kind));
+            s.insert("type".into(), json!(kind));
+            s.insert("factor".into(), json!(factor));
+            if let Some(orig) = m.uint_opt("rope.scaling.original_context_length")? {
+                s.insert("original_max_position_embeddings".into(), json!(orig));
+            }
+            Ok(Some(Value::Object(s)))
+        }
+        other => Err(m.err(format!(
+            "rope scaling `{other}` (`{}.rope.scaling.type`) is not supported",
+            m.arch
+        ))),
+    }
+}
+
+/// The Hugging Face module (without `.weight`) a llama.cpp tensor name stands for, and whether
+/// it is a stack of experts. `None`: a tensor sluice does not use.
+fn hf_module(name: &str) -> Option<(String, bool)> {
+    let fixed = match name {
+        "token_embd.weight" => Some("model.embed_tokens"),
+        "output_norm.weight" => Some("model.norm"),
+        "output.weight" => Some("lm_head"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some((f.to_string(), false));
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, stacked) = match rest.strip_suffix(".weight")? {
+        "attn_norm" => ("input_layernorm", false),
+        "ffn_norm" => ("post_attention_layernorm", false),
+        "attn_q" => ("self_attn.q_proj", false),
+        "attn_k" => ("self_attn.k_proj", false),
+        "attn_v" => ("self_attn.v_proj", false),
+        "attn_output" => ("self_attn.o_proj", false),
+        "attn_q_norm" => ("self_attn.q_norm", false),
+        "attn_k_norm" => ("self_attn.k_norm", false),
+        "ffn_gate_inp" => ("mlp.gate", false),
+        "ffn_gate_exps" => ("mlp.switch_mlp.gate_proj", true),
+        "ffn_up_exps" => ("mlp.switch_mlp.up_proj", true),
+        "ffn_down_exps" => ("mlp.switch_mlp.down_proj", true),
+        // A dense FFN layer (none in Qwen3-MoE checkpoints, kept for `mlp_only_layers`).
+        "ffn_gate" => ("mlp.gate_proj", false),
+        "ffn_up" => ("mlp.up_proj", false),
+        "ffn_down" => ("mlp.down_proj", false),
+        _ => return None,
+    };
+    Some((format!("model.layers.{layer}.{module}"), stacked))
+}
+
+/// Every tensor under its Hugging Face name: dense ones as views of the map, quantised ones
+/// converted to affine (`.weight` codes, `.scales`, `.biases`), with the per-module quantisation
+/// settings the converted shapes need.
+fn tensors(
+    file: &GgufFile,
+    path: &Path,
+) -> Result<(BTreeMap<String, TensorInfo>, Option<QuantConfig>), FormatError> {
+    let err = |t: &GgufTensorInfo, msg: String| FormatError::Tensor {
+        name: t.name.clone(),
+        file: path.to_path_buf(),
+        msg,
+    };
+    let mut map = BTreeMap::new();
+    let mut quantised: Vec<(&GgufTensorInfo, String)> = Vec::new();
+    for t in file.tensors() {
+        let Some((module, _stacked)) = hf_module(&t.name) else {
+            continue;
+        };
+        // ggml lists the contiguous dimension first.
+        let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        let dtype = match t.ggml_type.name() {
+            "F32" => Some(StDtype::F32),
+            "F16" => Some(StDtype::F16),
+            "BF16" => Some(StDtype::BF16),
+            _ => None,
+        };
+        match dtype {
+            Some(dtype) => {
+                let name = format!("{module}.weight");
+                map.insert(
+                    name.clone(),
+                    TensorInfo {
+                        name,
+                        dtype,
+                        shape,
+                        file: path.to_path_buf(),
+                        bytes: file.tensor_host_bytes(t),
+                        offset: t.offset,
+                    },
+                );
+            }
+            None => {
+                if !ggml_quants::has_affine_form(t.ggml_type) {
+                    return Err(err(
+                        t,
+                        format!(
+                            "ggml type {} is not supported yet (sluice runs F32, F16, BF16, Q4_0, \
+                             Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K; re-quantize the model with \
+                             llama-quantize to one of them)",
+                            t.ggml_type.name()
+                        ),
+                    ));
+                }
+                quantised.push((t, module));
+            }
+        }
+    }
+    let converted = convert_all(file, &quantised).map_err(|(i, msg)| err(quantised[i].0, msg))?;
+    let mut overrides = HashMap::new();
+    let mut first = None;
+    for ((t, module), parts) in quantised.iter().zip(converted) {
+        let WeightFormat::Affine {
+            bits,
+            group_size,
+            scale_dtype,
+        } = parts.format
+        else {
+            return Err(err(t, "converted to a dense format".into()));
+        };
+        first.get_or_insert((bits, group_size));
+        overrides.insert(module.clone(), Some((bits, group_size)));
+        let dims: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        let (lead, cols) = dims.split_at(dims.len() - 1);
+        let cols = cols[0];
+        let st_scale = match scale_dtype {
+            Dtype::F32 => StDtype::F32,
+            Dtype::F16 => StDtype::F16,
+            Dtype::Bf16 => StDtype::BF16,
+        };
+        let with_last = |last: usize| {
+            let mut s = lead.to_vec();
+            s.push(last);
+            s
+        };
+        let parts_list = [
+            (
+                "weight",
+                StDtype::U32,
+                with_last(cols * bits as usize / 32),
+                parts.data,
+            ),
+            (
+                "scales",
+                st_scale,
+                with_last(cols / group_size),
+                parts.scales,
+            ),
+            (
+                "biases",
+                st_scale,
+                with_last(cols / group_size),
+                parts.biases,
+            ),
+        ];
+        for (suffix, dtype, shape, bytes) in parts_list {
+            let name = format!("{module}.{suffix}");
+            map.insert(
+                name.clone(),
+                TensorInfo {
+                    name,
+                    dtype,
+                    shape,
+                    file: path.to_path_buf(),
+                    bytes: HostBytes::from_vec(bytes),
+                    // Converted in memory: no place in the file holds these bytes.
+                    offset: TensorInfo::IN_MEMORY,
+                },
+            );
+        }
+    }
+    let quant = first.map(|(bits, group_size)| QuantConfig {
+        bits,
+        group_size,
+        mode: "affine".to_string(),
+        overrides,
+    });
+    Ok((map, quant))
+}
+
+/// Converts the quantised tensors, several at a time (a tensor per task, largest first).
+fn convert_all(
+    file: &GgufFile,
+    tensors: &[(&GgufTensorInfo, String)],
+) -> Result<Vec<ggml_quants::AffineParts>, (usize, String)> {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].0.bytes));
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<ggml_quants::AffineParts, String>>>> =
+        Mutex::new((0..tensors.len()).map(|_| None).collect());
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(tensors.len().max(1));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&i) = order.get(k) else { break };
+                let t = tensors[i].0;
+                let cols = t.dims[0] as usize;
+                let rows = (t.elements() / t.dims[0].max(1)) as usize;
+                let r = ggml_quants::to_affine(t.ggml_type, file.tensor_bytes(t), rows, cols);
+                results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| match r {
+            Some(Ok(p)) => Ok(p),
+            Some(Err(e)) => Err((i, e)),
+            None => Err((i, "not converted".to_string())),
+        })
+        .collect()
+}
+
+/// Token texts, chat template, stop tokens and sampling defaults from `tokenizer.*` and
+/// `general.sampling.*`. Stop tokens: `eos_token_id`, `eot_token_id`, `eom_token_id`, and the
+/// control tokens llama.cpp also ends a generation on (`<|im_end|>`, `<|endoftext|>`, ...).
+fn settings(file: &GgufFile) -> Result<(TokenizerConfig, GenerationConfig), FormatError> {
+    let id = |key: &str| {
+        file.metadata(&format!("tokenizer.ggml.{key}"))
+            .and_then(GgufValue::as_u64)
+            .map(|v| v as u32)
+    };
+    let tokens: Vec<&str> = file
+        .metadata("tokenizer.ggml.tokens")
+        .and_then(GgufValue::as_array)
+        .map(|a| a.iter().map(|v| v.as_str().unwrap_or("")).collect())
+        .unwrap_or_default();
+    let text = |id: Option<u32>| {
+        id.and_then(|i| tokens.get(i as usize))
+            .map(|s| s.to_string())
+    };
+    let flag = |key: &str| {
+        matches!(
+            file.metadata(&format!("tokenizer.ggml.{key}")),
+            Some(GgufValue::Bool(true))
+        )
+    };
+    let (bos, eos) = (id("bos_token_id"), id("eos_token_id"));
+    let tc = TokenizerConfig {
+        eos_token: text(eos),
+        bos_token: text(bos),
+        pad_token: text(id("padding_token_id")),
+        add_bos_token: flag("add_bos_token"),
+        chat_template: file
+            .metadata("tokenizer.chat_template")
+            .and_then(GgufValue::as_str)
+            .map(str::to_string),
+    };
+    let mut stops: Vec<u32> = [eos, id("eot_token_id"), id("eom_token_id")]
+        .into_iter()
+        .flatten()
+        .collect();
+    // llama.cpp's list of end-of-generation texts (llama-vocab.cpp, `special_eog_ids`).
+    const EOG_TEXTS: [&str; 8] = [
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<｜end▁of▁sentence｜>",
+        "<|return|>",
+    ];
+    for (i, t) in tokens.iter().enumerate() {
+        if EOG_TEXTS.contains(t) && !stops.contains(&(i as u32)) {
+            stops.push(i as u32);
+        }
+    }
+    let sampling = |key: &str| {
+        file.metadata(&format!("general.sampling.{key}"))
+            .and_then(GgufValue::as_f64)
+    };
+    let g = GenerationConfig {
+        eos_token_id: stops,
+        bos_token_id: bos,
+        temperature: sampling("temp").map(|v| v as f32),
+        top_p: sampling("top_p").map(|v| v as f32),
+        top_k: sampling("top_k").filter(|&k| k > 0.0).map(|k| k as usize),
+        min_p: sampling("min_p").map(|v| v as f32),
+        repetition_penalty: sampling("penalty_repeat").map(|v| v as f32),
+    };
+    Ok((tc, g))
+}
+
+/// The files a directory holding this GGUF's converted weights needs beside them (what `sluice
+/// pack` writes): config.json with the quantisation settings of the converted tensors,
+/// tokenizer.json, tokenizer_config.json and generation_config.json.
+pub(crate) fn directory_files(dir: &ModelDir) -> Vec<(&'static str, String)> {
+    let mut config = dir.text_config.clone();
+    if let (Some(q), Value::Object(c)) = (&dir.quantization, &mut config) {
+        let mut o = Map::new();
+        o.insert("bits".into(), json!(q.bits));
+        o.insert("group_size".into(), json!(q.group_size));
+        let mut modules: Vec<_> = q.overrides.iter().collect();
+        modules.sort_by(|a, b| a.0.cmp(b.0));
+        for (module, setting) in modules {
+            o.insert(
+                module.clone(),
+                match setting {
+                    Some((bits, group_size)) => json!({"bits": bits, "group_size": group_size}),
+                    None => json!(false),
+                },
+            );
+        }
+        c.insert("quantization".into(), Value::Object(o));
+    }
+    let tc = &dir.tokenizer_config;
+    let mut t = Map::new();
+    for (key, value) in [
+        ("bos_token", &tc.bos_token),
+        ("eos_token", &tc.eos_token),
+        ("pad_token", &tc.pad_token),
+        ("chat_template", &tc.chat_template),
+    ] {
+        if let Some(v) = value {
+            t.insert(key.into(), json!(v));
+        }
+    }
+    t.insert("add_bos_token".into(), json!(tc.add_bos_token));
+    let g = &dir.generation;
+    let mut gen = Map::new();
+    gen.insert("eos_token_id".into(), json!(g.eos_token_id));
+    if let Some(b) = g.bos_token_id {
+        gen.insert("bos_token_id".into(), json!(b));
+    }
+    for (key, v) in [
+        ("temperature", g.temperature),
+        ("top_p", g.top_p),
+        ("min_p", g.min_p),
+        ("repetition_penalty", g.repetition_penalty),
+    ] {
+        if let Some(v) = v {
+            gen.insert(key.into(), json!(v));
+        }
+    }
+    if let Some(k) = g.top_k {
+        gen.insert("top_k".into(), json!(k));
+    }
+    let pretty = |v: &Value| serde_json::to_string_pretty(v).expect("JSON values serialise");
+    let mut files = vec![
+        ("config.json", pretty(&config)),
+        ("tokenizer_config.json", pretty(&Value::Object(t))),
+        ("generation_config.json", pretty(&Value::Object(gen))),
+    ];
+    if let Some(tok) = &dir.tokenizer_json {
+        files.push(("tokenizer.json", tok.clone()));
+    }
+    files
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::gguf::tests::{s, Writer};
+    use crate::ModelDir;
+
+    const U32: u32 = 4;
+    const STRING: u32 = 8;
+
+    fn u32v(v: u32) -> Vec<u8> {
+        v.to_le_bytes().to_vec()
+    }
+
+    /// The metadata and the one tensor a qwen3moe config needs, without tokenizer or weights.
+    fn qwen3moe() -> Writer {
+        Writer::new()
+            .kv("qwen3moe.embedding_length", U32, u32v(64))
+            .kv("qwen3moe.block_count", U32, u32v(1))
+            .kv("qwen3moe.attention.head_count", U32, u32v(2))
+            .kv("qwen3moe.expert_count", U32, u32v(2))
+            .kv("qwen3moe.expert_used_count", U32, u32v(1))
+            .kv("qwen3moe.expert_feed_forward_length", U32, u32v(32))
+            .tensor("token_embd.weight", &[64, 4], 0, vec![0; 64 * 4 * 4])
+    }
+
+    fn open_error(w: &Writer) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, w.bytes()).unwrap();
+        let e = ModelDir::open(&path)
+            .expect_err("must not open")
+            .to_string();
+        assert!(!e.contains('\n'), "one line: {e}");
+        assert!(e.contains("m.gguf"), "names the file: {e}");
+        e
+    }
+
+    #[test]
+    fn unsupported_files_are_one_line_errors() {
+        let mut w = Writer::new();
+        w.kv = vec![("general.architecture".into(), STRING, s("llama"))];
+        let e = open_error(&w);
+        assert!(
+            e.contains("`llama` is not supported") && e.contains("qwen3moe"),
+            "{e}"
+        );
+
+        let e = open_error(&qwen3moe().kv("split.count", 2, 3u16.to_le_bytes().to_vec()));
+        assert!(
+            e.contains("split") && e.contains("llama-gguf-split --merge"),
+            "{e}"
+        );
+
+        let mut w = qwen3moe();
+        w.kv.retain(|(k, _, _)| k != "qwen3moe.expert_count");
+        let e = open_error(&w);
+        assert!(e.contains("`qwen3moe.expert_count`"), "{e}");
+
+        // IQ4_NL (id 20): no affine form.
+        let e = open_error(&qwen3moe().tensor("blk.0.attn_q.weight", &[64, 2], 20, vec![0; 72]));
+        assert!(
+            e.contains("blk.0.attn_q.weight")
+                && e.contains("IQ4_NL")
+                && e.contains("llama-quantize"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn config_comes_from_the_metadata() {
+        let w = qwen3moe()
+            .kv("qwen3moe.attention.head_count_kv", U32, u32v(1))
+            .kv("qwen3moe.rope.freq_base", 6, 5e5f32.to_le_bytes().to_vec())
+            .kv("tokenizer.ggml.model", STRING, s("gpt2"));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, w.bytes()).unwrap();
+        // No tokenizer vocabulary: the error is about it, after the config was read.
+        let e = ModelDir::open(&path).unwrap_err().to_string();
+        assert!(e.contains("tokenizer"), "{e}");
+        let file = crate::gguf::GgufFile::open(&path).unwrap();
+        let c = super::qwen3moe_config(&super::Meta {
+            file: &file,
+            arch: "qwen3moe",
+        })
+        .unwrap();
+        assert_eq!(c["model_type"], "qwen3_moe");
+        assert_eq!(c["hidden_size"], 64);
+        assert_eq!(c["vocab_size"], 4);
+        assert_eq!(c["num_key_value_heads"], 1);
+        assert_eq!(c["head_dim"], 32);
+        assert_eq!(c["rope_theta"], 5e5);
+        assert_eq!(c["norm_topk_prob"], true);
+        // No output.weight: the embeddings are the output head.
+        assert_eq!(c["tie_word_embeddings"], true);
+    }
+}

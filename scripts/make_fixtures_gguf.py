@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""GGUF reference fixtures made by llama.cpp's own tools, with transformers' float32 logits.
+
+    python scripts/make_fixtures_gguf.py --llama-cpp DIR [--quantize BIN] [--out tests/fixtures]
+
+Needs torch, transformers (the lent GPU machine has both; everything runs on the CPU in float32),
+a llama.cpp source tree (for `convert_hf_to_gguf.py` and its `gguf-py`) and its `llama-quantize`
+(built from the same tree: `cmake -B build -DGGML_NATIVE=OFF && cmake --build build --target
+llama-quantize`; `--quantize` names the binary, default DIR/build/bin/llama-quantize).
+
+1. A tiny random Qwen3-MoE (hidden 256, expert width 256, so every matrix can take the 256-wide
+   K-quant blocks) is saved by transformers with the shared fixture tokenizer; weights are redrawn
+   until its routing and argmaxes are decisive, as in make_fixtures_transformers.py.
+2. `convert_hf_to_gguf.py --outtype f32` writes the GGUF. The tiny tokenizer is byte-level BPE
+   with Qwen2's pre-tokenizer, which the converter identifies by hashing the encoding of a probe
+   text against known models' hashes; a 500-token vocabulary matches none, so the converter is
+   told "qwen2" (its `get_vocab_base_pre`) instead of failing. Nothing else is changed.
+3. `llama-quantize` makes each variant below from that file (the K-quant mixes as llama.cpp
+   chooses them; `legacy` sets per-tensor types to cover the 32-blocks and F16/BF16).
+4. The reference: each GGUF dequantised by gguf-py's own code into a float32 Hugging Face
+   checkpoint, loaded by transformers, logits in float32 (all tokens at once, and one at a time
+   through the cache). The f32 GGUF must reproduce the original model's logits (checks the name
+   mapping). Each variant's routing gap and argmax margin are measured on its dequantised weights.
+
+Writes `qwen3_moe-gguf-<variant>/` with `model.gguf`, `logits_prefill.npy`, `logits_decode.npy`,
+`reference.json` (text, tokens, tensor types, margins, versions).
+"""
+import argparse, json, os, shutil, subprocess, sys, tempfile
+from collections import Counter
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from make_fixtures_transformers import init_, routing_gap, TOKENIZER_FROM, TOKENIZER_FILES  # noqa: E402
+
+TEXT = "The quick brown fox jumps over the lazy dog while the river runs to the sea."
+
+# (fixture suffix, llama-quantize ftype, extra arguments): together every type with an affine
+# form (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and F16/BF16/F32, in ~5 MB. (Q5_K_M, Q6_K and
+# Q8_0 files were made too and dropped: their types are covered here.)
+VARIANTS = [
+    ("q4_k_m", "Q4_K_M", []),
+    ("q3_k_m", "Q3_K_M", []),
+    ("q2_k", "Q2_K", []),
+    ("legacy", "Q4_0", ["--tensor-type", "attn_q=q4_1", "--tensor-type", "attn_k=q5_0",
+                        "--tensor-type", "attn_v=q5_1", "--tensor-type", "attn_output=f16",
+                        "--tensor-type", "ffn_up_exps=q5_1", "--tensor-type", "ffn_down_exps=q4_1",
+                        "--output-tensor-type", "bf16", "--token-embedding-type", "q8_0"]),
+]
+
+
+def config():
+    return Qwen3MoeConfig(
+        vocab_size=500, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False,
+        output_router_logits=False, eos_token_id=[495, 493],
+    )
+
+
+def gguf_to_hf_name(name):
+    """GGUF tensor name (llama.cpp's qwen3moe) -> Hugging Face name(s), `{e}` for experts."""
+    fixed = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    if name in fixed:
+        return fixed[name]
+    _, layer, rest = name.split(".", 2)
+    p = f"model.layers.{layer}."
+    per_layer = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "ffn_gate_inp.weight": "mlp.gate.weight",
+        "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+        "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+        "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+    }
+    return p + per_layer[rest]
+
+
+def dequantized_checkpoint(gguf_path, hf_dir, out_dir):
+    """The GGUF's values (gguf-py's dequantisation) as a float32 HF checkpoint in `out_dir`."""
+    import gguf
+    from safetensors.torch import save_file
+    reader = gguf.GGUFReader(gguf_path)
+    tensors, types = {}, Counter()
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        shape = [int(d) for d in reversed(t.shape)]
+        values = values.reshape(shape)
+        types[t.tensor_type.name] += 1
+        hf = gguf_to_hf_name(t.name)
+        if "{e}" in hf:
+            for e in range(shape[0]):
+                tensors[hf.format(e=e)] = torch.from_numpy(values[e].copy())
+        else:
+            tensors[hf] = torch.from_numpy(values.copy())
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    for f in os.listdir(hf_dir):
+        if f.endswith(".json") and "safetensors" not in f:
+            shutil.copy(os.path.join(hf_dir, f), out_dir)
+    return dict(types), {t.name: t.tensor_type.name for t in reader.tensors}
+
+
+def logits(model_dir, tokens):
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([tokens])
+        prefill = ref(ids).logits[0].numpy().astype(np.float32)
+        past, rows = None, []
+        for t in tokens:
+            o = ref(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            rows.append(o.logits[0, -1].numpy())
+    return ref, prefill, np.stack(rows).astype(np.float32)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-cpp", required=True, help="llama.cpp source tree")
+    ap.add_argument("--quantize", help="llama-quantize binary (default LLAMA_CPP/build/bin/llama-quantize)")
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures"))
+    ap.add_argument("--only", action="append", help="variant(s) to write")
+    a = ap.parse_args()
+    quantize = a.quantize or os.path.join(a.llama_cpp, "build", "bin", "llama-quantize")
+    sys.path.insert(0, os.path.join(a.llama_cpp, "gguf-py"))
+    torch.set_num_threads(8)
+
+    from tokenizers import Tokenizer
+    tokens = Tokenizer.from_file(os.path.join(TOKENIZER_FROM, "tokenizer.json")).encode(
+        TEXT, add_special_tokens=False).ids
+    ids = torch.tensor([tokens])
+    work = tempfile.mkdtemp(prefix="gguf-fixtures-")
+    hf = os.path.join(work, "hf")
+
+    # 1. The model: decisive routing, then an output head with clear argmaxes.
+    for seed in range(400):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config()).float().eval()
+        init_(model, seed)
+        gap = routing_gap(model, ids)
+        if gap > 4e-3:
+            break
+    else:
+        sys.exit("no seed gave decisive routing")
+    g = torch.Generator().manual_seed(1000)
+    for head_seed in range(1000, 3000):
+        with torch.no_grad():
+            w = model.lm_head.weight
+            w.copy_(torch.randn(w.shape, generator=g) * 3 / w.shape[1] ** 0.5)
+            out = model(ids).logits[0]
+        top2 = torch.topk(out, 2, -1).values
+        margin = (top2[:, 0] - top2[:, 1]).min().item()
+        if margin > 0.01 * out.abs().max().item():
+            break
+    else:
+        sys.exit("no output head gave clear argmaxes")
+    print(f"model seed {seed}, head draw {head_seed}: routing gap {gap:.4f}, margin {margin:.4f}")
+    model.save_pretrained(hf, safe_serialization=True)
+    for f in TOKENIZER_FILES:
+        shutil.copy(os.path.join(TOKENIZER_FROM, f), hf)
+
+    # 2. llama.cpp's converter, told the pre-tokenizer's name (see the module doc).
+    f32 = os.path.join(work, "f32.gguf")
+    runner = (
+        "import sys, runpy\n"
+        f"sys.path.insert(0, {a.llama_cpp!r})\n"
+        f"sys.path.insert(0, {os.path.join(a.llama_cpp, 'gguf-py')!r})\n"
+        "from conversion import base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
+        f"sys.argv = ['convert_hf_to_gguf.py', {hf!r}, '--outtype', 'f32', '--outfile', {f32!r}]\n"
+        f"runpy.run_path({os.path.join(a.llama_cpp, 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
+    )
+    subprocess.run([sys.executable, "-c", runner], check=True)
+
+    # The f32 GGUF holds the model: its dequantised checkpoint gives the original logits.
+    _, want, _ = logits(hf, tokens)
+    dq = os.path.join(work, "f32-dequantised")
+    dequantized_checkpoint(f32, hf, dq)
+    _, got, _ = logits(dq, tokens)
+    err = float(np.abs(got - want).max())
+    print(f"f32 GGUF vs the original model: max|diff| {err:.2e}")
+    assert err < 1e-4, "name mapping or conversion is wrong"
+
+    for suffix, ftype, extra in VARIANTS:
+        if a.only and suffix not in a.only:
+            continue
+        name = f"qwen3_moe-gguf-{suffix}"
+        out = os.path.join(a.out, name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        path = os.path.join(out, "model.gguf")
+        subprocess.run([quantize, *extra, f32, path, ftype], check=True,
+                       stdout=subprocess.DEVNULL)
+        dq = os.path.join(work, f"{suffix}-dequantised")
+        counts, per_tensor = dequantized_checkpoint(path, hf, dq)
+        ref, prefill, decode = logits(dq, tokens)
+        gap = routing_gap(ref, ids)
+        top2 = np.sort(prefill, -1)[:, -2:]
+        margin = float((top2[:, 1] - top2[:, 0]).min())
+        np.save(os.path.join(out, "logits_prefill.npy"), prefill)
+        np.save(os.path.join(out, "logits_decode.npy"), decode)
+        with open(os.path.join(out, "reference.json"), "w") as f:
+            json.dump({
+                "text": TEXT, "tokens": tokens, "ftype": ftype, "quantize_args": extra,
+                "tensor_types": counts, "types_by_tensor": per_tensor,
+                "seed": seed, "head_draw": head_seed,
+                "min_routing_gap": gap, "min_argmax_margin": margin,
+                "max_abs_logit": float(np.abs(prefill).max()),
+                "max_abs_decode_vs_prefill": float(np.abs(decode - prefill).max()),
+                "torch_version": torch.__version__,
+                "transformers_version": transformers.__version__,
+                "notes": "tiny random Qwen3-MoE -> llama.cpp convert_hf_to_gguf.py (f32) -> "
+                         f"llama-quantize {ftype}; logits: gguf-py's dequantisation of model.gguf "
+                         "as a float32 checkpoint, transformers on the CPU",
+            }, f, indent=1)
+        print(f"{name}: {os.path.getsize(path)} bytes, types {counts}, routing gap {gap:.4f}, "
+              f"margin {margin:.4f}, decode vs prefill {np.abs(decode - prefill).max():.2e}")
+        if gap < 1e-3 or margin < 1e-3:
+            print(f"warning: {name} is not decisive enough for argmax checks", file=sys.stderr)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
