@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Compare llama.cpp's logits on a GGUF with sluice's on the mlx checkpoint it was converted from.
+"""Compare llama.cpp's logits on a GGUF with sluice's on the mlx checkpoint it was converted from
+(or on the GGUF itself: pass it as MODEL_DIR too).
 
 Both engines run the same seeded token list, as one batch (prefill) and one token at a time
 (decode); the script prints one JSON line per mode with the mean and largest KL divergence
@@ -44,8 +45,14 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    tok = json.loads((args.model_dir / "tokenizer.json").read_text())
-    n_real = len(tok["model"]["vocab"])  # ordinary tokens only: no specials, no padding
+    if args.model_dir.is_file():
+        # A GGUF: its leading run of ordinary tokens (type NORMAL), with llama.cpp's gguf-py.
+        import gguf
+        types = gguf.GGUFReader(args.model_dir).fields["tokenizer.ggml.token_type"].contents()
+        n_real = next((i for i, t in enumerate(types) if t != 1), len(types))
+    else:
+        tok = json.loads((args.model_dir / "tokenizer.json").read_text())
+        n_real = len(tok["model"]["vocab"])  # ordinary tokens only: no specials, no padding
     ids = np.random.default_rng(args.seed).integers(0, n_real, args.tokens)
     tokens = ",".join(map(str, ids))
     with tempfile.TemporaryDirectory() as tmp:

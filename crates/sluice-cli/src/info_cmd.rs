@@ -281,8 +281,44 @@ fn describe_gguf(path: &std::path::Path) -> Result<()> {
             format_bytes(experts)
         );
     }
-    println!(
-        "  sluice cannot run GGUF files yet: run the safetensors checkpoint directory it came from"
-    );
+    // Whether sluice runs it, and what the converted weights cost (read from the table only:
+    // converting is what loading does).
+    use sluice_format::ggml_quants::affine_bits_per_weight;
+    if !sluice_format::GGUF_ARCHITECTURES.contains(&arch) {
+        println!(
+            "  sluice does not run `{arch}` GGUFs yet (it runs {}): use the model's safetensors \
+             checkpoint",
+            sluice_format::GGUF_ARCHITECTURES.join(", ")
+        );
+        return Ok(());
+    }
+    let mut converted = 0f64;
+    let mut missing = Vec::new();
+    for t in file.tensors() {
+        let elements = t.elements() as f64;
+        match t.ggml_type.name() {
+            "F32" | "F16" | "BF16" => converted += t.bytes as f64,
+            name => match affine_bits_per_weight(t.ggml_type) {
+                Some(bits) => converted += elements * bits / 8.0,
+                None if !missing.contains(&name) => missing.push(name),
+                None => {}
+            },
+        }
+    }
+    if missing.is_empty() {
+        println!(
+            "  sluice runs it: quantised blocks become the same values as MLX-affine matrices at \
+             load, ~{} in memory ({:.0}% of the file's weights); `sluice pack` makes a streaming \
+             copy",
+            format_bytes(converted as u64),
+            converted / total.max(1) as f64 * 100.0
+        );
+    } else {
+        println!(
+            "  sluice cannot run it yet: no support for {} (re-quantize with llama-quantize to \
+             Q4_K_M, Q8_0 or another K- or legacy type)",
+            missing.join(", ")
+        );
+    }
     Ok(())
 }

@@ -54,6 +54,14 @@ pub fn has_affine_form(ty: GgmlType) -> bool {
     affine_layout(ty).is_some()
 }
 
+/// Bits per weight of `ty`'s affine form: its codes plus a scale and a bias per group (f16 for
+/// the 32-blocks, as they normally convert; f32 for the K-quants).
+pub fn affine_bits_per_weight(ty: GgmlType) -> Option<f64> {
+    let (bits, group) = affine_layout(ty)?;
+    let scale_bits = if ty.name().ends_with("_K") { 32 } else { 16 };
+    Some(bits as f64 + 2.0 * scale_bits as f64 / group as f64)
+}
+
 /// (bits, group size) of the affine form of `ty`, for the types that have an exact one.
 fn affine_layout(ty: GgmlType) -> Option<(usize, usize)> {
     Some(match ty.name() {
