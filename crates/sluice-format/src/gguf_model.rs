@@ -88,7 +88,22 @@ pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
         tokenizer_config,
         generation,
         tokenizer_json: Some(tokenizer_json),
+        stored_as: Some(type_counts(&file)),
     })
+}
+
+/// `GGUF Q4_K x 290, Q6_K x 50, F32 x 241`: the file's tensor types, most common first.
+fn type_counts(file: &GgufFile) -> String {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for t in file.tensors() {
+        match counts.iter_mut().find(|c| c.0 == t.ggml_type.name()) {
+            Some(c) => c.1 += 1,
+            None => counts.push((t.ggml_type.name(), 1)),
+        }
+    }
+    counts.sort_by_key(|c| std::cmp::Reverse(c.1));
+    let list: Vec<String> = counts.iter().map(|(n, c)| format!("{n} x {c}")).collect();
+    format!("GGUF {}", list.join(", "))
 }
 
 /// Reads `{arch}.*` keys with messages that name the key.

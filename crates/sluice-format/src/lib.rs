@@ -78,6 +78,9 @@ pub struct ModelDir {
     /// The tokenizer.json text when it is not a file of the directory (a GGUF's, built from its
     /// metadata); `None`: read [`ModelDir::tokenizer_path`].
     pub tokenizer_json: Option<String>,
+    /// How the weights were stored when that is not what [`ModelDir::quantization`] says (a
+    /// GGUF's ggml types, e.g. `GGUF Q4_K x 290, Q6_K x 50, F32 x 241`), for banners.
+    pub stored_as: Option<String>,
 }
 
 impl ModelDir {
@@ -142,6 +145,7 @@ impl ModelDir {
             tokenizer_config,
             generation,
             tokenizer_json: None,
+            stored_as: None,
         })
     }
 

@@ -50,9 +50,10 @@ impl<B: Backend> Decoder<B> {
             experts_per_token: dims.experts_per_token,
             dense_bytes,
             expert_bytes,
-            weight_format: match &ld.dir.quantization {
-                Some(q) => format!("{}-bit affine, group {}", q.bits, q.group_size),
-                None => "unquantised".into(),
+            weight_format: match (&ld.dir.stored_as, &ld.dir.quantization) {
+                (Some(stored), _) => stored.clone(),
+                (None, Some(q)) => format!("{}-bit affine, group {}", q.bits, q.group_size),
+                (None, None) => "unquantised".into(),
             },
         };
         Decoder {
