@@ -176,6 +176,18 @@ const Q4: WeightFormat = WeightFormat::Affine {
     scale_dtype: Dtype::Bf16,
 };
 
+/// 8-bit as GGUF's Q8_0 converts (group 32, f16 scales) and as its Q6_K does (group 16, f32).
+const Q8G32: WeightFormat = WeightFormat::Affine {
+    bits: 8,
+    group_size: 32,
+    scale_dtype: Dtype::F16,
+};
+const Q8G16: WeightFormat = WeightFormat::Affine {
+    bits: 8,
+    group_size: 16,
+    scale_dtype: Dtype::F32,
+};
+
 /// Enough copies of a `batch`-matrix set that together they far exceed the last-level cache.
 /// With `hot`, a single set (cache-resident when small enough).
 fn copies(
@@ -403,6 +415,10 @@ fn main() {
         ("q4 g64 2048x768 (expert down)", Q4, 2048, 768, 1),
         ("q4 g64 16 x 768x2048 (batch)", Q4, 768, 2048, 16),
         ("q4 g64 151936x2048 (lm_head)", Q4, 151936, 2048, 1),
+        ("q8 g32 2048x2048", Q8G32, 2048, 2048, 1),
+        ("q8 g16 2048x2048", Q8G16, 2048, 2048, 1),
+        ("q8 g32 16 x 768x2048 (batch)", Q8G32, 768, 2048, 16),
+        ("q8 g16 16 x 768x2048 (batch)", Q8G16, 768, 2048, 16),
         ("bf16 2048x2048", bf16, 2048, 2048, 1),
     ];
     for (name, format, rows, cols, batch) in decode {
@@ -428,6 +444,10 @@ fn main() {
         ("small q4 g64 16 x 768x2048, 12 tok", Q4, 768, 2048, 16, 12),
         ("small q4 g64 16 x 768x2048, 16 tok", Q4, 768, 2048, 16, 16),
         ("small q4 g64 16 x 768x2048, 32 tok", Q4, 768, 2048, 16, 32),
+        ("small q8 g32 16 x 768x2048, 4 tok", Q8G32, 768, 2048, 16, 4),
+        ("small q8 g16 16 x 768x2048, 4 tok", Q8G16, 768, 2048, 16, 4),
+        ("prefill q8 g32 2048x2048, 64 tok", Q8G32, 2048, 2048, 1, 64),
+        ("prefill q8 g16 2048x2048, 64 tok", Q8G16, 2048, 2048, 1, 64),
         ("prefill bf16 2048x2048, 64 tok", bf16, 2048, 2048, 1, 64),
     ];
     for (name, format, rows, cols, batch, tokens) in prefill {

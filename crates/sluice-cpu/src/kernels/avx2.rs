@@ -424,6 +424,10 @@ pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32],
                 64 => nt_dispatch!(nt, q4_rows::<64>(c, sdt, r0, r1, res, s)),
                 _ => nt_dispatch!(nt, q4_rows::<128>(c, sdt, r0, r1, res, s)),
             },
+            Kind::Q8 { gs: 16, sdt } => match nt {
+                1 => q8g16_rows::<1, 4>(c, sdt, r0, r1, res, s),
+                _ => nt_dispatch!(nt, q8g16_rows::<2>(c, sdt, r0, r1, res, s)),
+            },
             Kind::Q8 { gs, sdt } => match gs {
                 32 => nt_dispatch!(nt, q8_rows::<32>(c, sdt, r0, r1, res, s)),
                 64 => nt_dispatch!(nt, q8_rows::<64>(c, sdt, r0, r1, res, s)),
@@ -823,6 +827,91 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
     }
 }
 
+/// 8-bit rows of group size 16 against `NT` tokens in natural order. A group is two vectors of
+/// 8 codes: too few to pay for a sum per group and token that is then scaled (as [`q8_rows`]
+/// does), so each group's codes are scaled once, for all tokens, and the products summed over
+/// the whole row: per 8 weights a conversion and a multiply, then an FMA per token. Steps of
+/// 2 groups (4 vectors) spread over `U` accumulators per token (4 for one token, whose chains
+/// of FMAs would otherwise wait on their latency).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `c` must be a validated 8-bit job with group size
+/// 16 and `NT` tokens, prepared with per-group sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8g16_rows<const NT: usize, const U: usize>(
+    c: &Ctx,
+    sdt: Dtype,
+    r0: usize,
+    r1: usize,
+    res: &mut [f32],
+    s: &mut Scratch,
+) {
+    const GS: usize = 16;
+    let w = &c.w;
+    let (cols, n) = (w.cols, r1 - r0);
+    let groups = cols / GS;
+    let rb = w.row_bytes();
+    let xsum = c.xsum;
+    assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
+    assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
+    assert!((1..=4).contains(&U));
+    let x = c.x.as_ptr();
+    let sfb = grow(&mut s.a, ROW_CHUNK * groups);
+    let bfb = grow(&mut s.b, ROW_CHUNK * groups);
+    let steps = groups / 2;
+    let mut ch = r0;
+    while ch < r1 {
+        let nc = ROW_CHUNK.min(r1 - ch);
+        chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
+        for i in 0..nc {
+            let r = ch + i;
+            let row = &w.data[r * rb..(r + 1) * rb];
+            let y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
+            let sf = &sfb[i * groups..(i + 1) * groups];
+            let (rp, sp) = (row.as_ptr(), sf.as_ptr());
+            let mut acc = [[_mm256_setzero_ps(); NT]; U];
+            // SAFETY: every half group read has `g < groups` and `h < 2`: its codes are row
+            // bytes `16g + 8h..16g + 8h + 8 <= cols` (the row has `cols`), its activations the
+            // same columns of each token's `cols` floats, its scale element `g` of `sf`
+            // (`groups` floats).
+            unsafe {
+                let half = |g: usize, h: usize, a: &mut [__m256; NT]| {
+                    let j = GS * g + 8 * h;
+                    let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        rp.add(j) as *const __m128i
+                    )));
+                    let wv = _mm256_mul_ps(q, _mm256_set1_ps(*sp.add(g)));
+                    for (t, a) in a.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.add(t * cols + j)), *a);
+                    }
+                };
+                for st in 0..steps {
+                    if st % 2 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            rp.wrapping_add(32 * st + PREFETCH) as *const i8
+                        );
+                    }
+                    for v in 0..4 {
+                        half(2 * st + v / 2, v % 2, &mut acc[v % U]);
+                    }
+                }
+                if groups % 2 == 1 {
+                    half(groups - 1, 0, &mut acc[0]);
+                    half(groups - 1, 1, &mut acc[1 % U]);
+                }
+            }
+            for t in 0..NT {
+                let mut v = y[t];
+                for a in &acc {
+                    v = _mm256_add_ps(v, a[t]);
+                }
+                res[t * n + r - r0] = hsum(v);
+            }
+        }
+        ch += nc;
+    }
+}
+
 /// Row `r` of `w` as f32 (natural order).
 ///
 /// # Safety
@@ -940,7 +1029,7 @@ pub(super) fn pack_sub(
 ) {
     assert!((1..=8).contains(&nv) && rb + nv <= c.w.rows && k0 + kc <= c.w.cols && kc > 0);
     assert!(k0.is_multiple_of(64) && kc <= 256 && off + 8 <= ld);
-    assert!(dst.len() >= (kc - 1) * ld + off + 8 && tmp.len() >= kc.max(128));
+    assert!(dst.len() >= (kc - 1) * ld + off + 8 && tmp.len() >= kc.max(256));
     let mut rows = [0usize; 8];
     for (i, r) in rows.iter_mut().enumerate() {
         *r = rb + i.min(nv - 1);
@@ -1037,11 +1126,24 @@ fn pack8_affine<const BITS: usize>(
     let per = 32 / BITS; // elements per word
     let (rb, groups) = (w.row_bytes(), w.cols / gs);
     assert!(k0.is_multiple_of(gs) && kc.is_multiple_of(per) && gs.is_multiple_of(per));
-    // Scales and biases of the groups in range, transposed to `[group][row]`.
+    // Scales and biases of the groups in range, transposed to `[group][row]`: the scales in
+    // `st[..128]`, the biases in `st[128..256]` (up to 16 groups: `kc <= 256`, groups of 16
+    // columns or more), 8 groups per transpose.
     let (g0, ng) = (k0 / gs, kc.div_ceil(gs));
-    assert!(ng <= 8 && gs.is_power_of_two());
-    load_t8(sdt, w.scales, rows, groups, g0, ng, &mut st[..64]);
-    load_t8(sdt, w.biases, rows, groups, g0, ng, &mut st[64..128]);
+    assert!(ng <= 16 && gs.is_power_of_two() && st.len() >= 256);
+    for h in (0..ng).step_by(8) {
+        let (m, at) = ((ng - h).min(8), 8 * h);
+        load_t8(sdt, w.scales, rows, groups, g0 + h, m, &mut st[at..at + 64]);
+        load_t8(
+            sdt,
+            w.biases,
+            rows,
+            groups,
+            g0 + h,
+            m,
+            &mut st[128 + at..192 + at],
+        );
+    }
     // Words per group (a power of two), relative to the first word, which starts group `g0`.
     let wshift = (gs / per).trailing_zeros();
     let (w0, nw) = (k0 / per, kc / per);
@@ -1059,12 +1161,12 @@ fn pack8_affine<const BITS: usize>(
         for (j, &tj) in t.iter().enumerate().take(cnt) {
             let tj = _mm256_castps_si256(tj);
             let g = (wc + j) >> wshift;
-            // SAFETY: `g < ng <= 8`, so both 8-float reads are inside `st[..128]`; the stores
+            // SAFETY: `g < ng <= 16`, so both 8-float reads are inside `st[..256]`; the stores
             // go to columns `(wc + j) * per + k < kc`, and `dst` has `(kc - 1) * ld + off + 8`
             // floats (asserted above).
             unsafe {
                 let s = _mm256_loadu_ps(sp.add(8 * g));
-                let b = _mm256_loadu_ps(sp.add(64 + 8 * g));
+                let b = _mm256_loadu_ps(sp.add(128 + 8 * g));
                 let base = dp.add((wc + j) * per * ld + off);
                 macro_rules! col {
                     ($k:literal) => {

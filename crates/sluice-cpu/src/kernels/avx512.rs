@@ -85,6 +85,10 @@ pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32],
                 64 => nt_dispatch!(nt, q4_rows::<64>(c, sdt, r0, r1, res, s)),
                 _ => nt_dispatch!(nt, q4_rows::<128>(c, sdt, r0, r1, res, s)),
             },
+            Kind::Q8 { gs: 16, sdt } => match nt {
+                1 => q8g16_rows::<1, 4>(c, sdt, r0, r1, res, s),
+                _ => nt_dispatch!(nt, q8g16_rows::<2>(c, sdt, r0, r1, res, s)),
+            },
             Kind::Q8 { gs, sdt } => match gs {
                 32 => nt_dispatch!(nt, q8_rows::<32>(c, sdt, r0, r1, res, s)),
                 64 => nt_dispatch!(nt, q8_rows::<64>(c, sdt, r0, r1, res, s)),
@@ -382,6 +386,84 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
             }
             for t in 0..NT {
                 res[t * n + r - r0] = _mm512_reduce_add_ps(y[t]);
+            }
+        }
+        ch += nc;
+    }
+}
+
+/// 8-bit rows of group size 16 against `NT` tokens in natural order. A group is one vector of
+/// 16 codes: too short to pay for a sum per group and token that is then scaled (as
+/// [`q8_rows`] does), so each group's codes are scaled once, for all tokens, and the products
+/// summed over the whole row: per 16 weights a conversion and a multiply, then an FMA per
+/// token. Steps of 4 groups spread over `U` accumulators per token (4 for one token, whose
+/// chains of FMAs would otherwise wait on their latency).
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2, FMA and F16C; `c` must be a validated 8-bit job with
+/// group size 16 and `NT` tokens, prepared with per-group sums.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn q8g16_rows<const NT: usize, const U: usize>(
+    c: &Ctx,
+    sdt: Dtype,
+    r0: usize,
+    r1: usize,
+    res: &mut [f32],
+    s: &mut Scratch,
+) {
+    const GS: usize = 16;
+    let w = &c.w;
+    let (cols, n) = (w.cols, r1 - r0);
+    let groups = cols / GS;
+    let rb = w.row_bytes();
+    let xsum = c.xsum;
+    assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
+    assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
+    assert!((1..=4).contains(&U));
+    let x = c.x.as_ptr();
+    let sfb = grow(&mut s.a, ROW_CHUNK * groups);
+    let bfb = grow(&mut s.b, ROW_CHUNK * groups);
+    let steps = groups / 4;
+    let mut ch = r0;
+    while ch < r1 {
+        let nc = ROW_CHUNK.min(r1 - ch);
+        chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
+        for i in 0..nc {
+            let r = ch + i;
+            let row = &w.data[r * rb..(r + 1) * rb];
+            let y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
+            let sf = &sfb[i * groups..(i + 1) * groups];
+            let (rp, sp) = (row.as_ptr(), sf.as_ptr());
+            let mut acc = [[_mm512_setzero_ps(); NT]; U];
+            // SAFETY: every group read has `g < groups`: its codes are row bytes `16g..16g +
+            // 16 <= cols` (the row has `cols`), its activations columns `16g..16g + 16` of
+            // each token's `cols` floats, its scale element `g` of `sf` (`groups` floats).
+            unsafe {
+                let group = |g: usize, a: &mut [__m512; NT]| {
+                    let q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        rp.add(GS * g) as *const __m128i,
+                    )));
+                    let wv = _mm512_mul_ps(q, _mm512_set1_ps(*sp.add(g)));
+                    for (t, a) in a.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x.add(t * cols + GS * g)), *a);
+                    }
+                };
+                for st in 0..steps {
+                    _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(64 * st + PREFETCH) as *const i8);
+                    for v in 0..4 {
+                        group(4 * st + v, &mut acc[v % U]);
+                    }
+                }
+                for g in 4 * steps..groups {
+                    group(g, &mut acc[0]);
+                }
+            }
+            for t in 0..NT {
+                let mut v = y[t];
+                for a in &acc {
+                    v = _mm512_add_ps(v, a[t]);
+                }
+                res[t * n + r - r0] = _mm512_reduce_add_ps(v);
             }
         }
         ch += nc;

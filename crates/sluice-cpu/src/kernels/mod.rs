@@ -14,6 +14,9 @@
 //!   AVX2 `and` (nibble `k` masked in place; `x` carries the `2^-4k`), convert and FMA; AVX-512
 //!   shift and one `vpermps` table lookup (nibble to float) and FMA. Up to the `GEMM_MIN_TOKENS_*`
 //!   thresholds, more tokens run as several such passes over blocks of 32 rows (cache-resident).
+//!   8-bit weights in groups of 16 (GGUF's Q6_K as converted at load) are too short a group to
+//!   pay for a sum per group and token: each group's codes are scaled once for all tokens and
+//!   the products summed over the whole row (the bias term as above).
 //! * **Prefill** (many tokens): each task dequantizes up to `NCB` rows, `KC` columns at a time,
 //!   into a thread-local buffer packed as `[column][NR rows]` panels (8x8 transposes of words),
 //!   and a register-tiled micro-kernel (`MR` tokens x `NR` rows: 6x16 AVX2, 8x32 AVX-512)
@@ -34,7 +37,9 @@
 //!   4-bit products take the integer prefill ([`igemm`]): activations quantized per 32 values
 //!   (ggml's Q8 blocks), weights packed 16 rows at a time with a row per 32-bit lane, integer
 //!   sums scaled once per block and token.
-//!   Other affine widths (2, 3, 5, 6 bits) and group sizes go through a generic scalar
+//! * **Formats** with their own kernels: f32, f16, bf16, 4-bit affine in groups of 32, 64 or
+//!   128 and 8-bit affine in groups of 16, 32, 64 or 128 (scales and biases in f32, f16 or
+//!   bf16). Other affine widths (2, 3, 5, 6 bits) and group sizes go through a generic scalar
 //!   dequantizer and the same drivers.
 
 // Every unsafe operation sits in its own `unsafe` block with a `SAFETY:` comment, also inside
@@ -364,7 +369,7 @@ pub(crate) enum Kind {
         gs: usize,
         sdt: Dtype,
     },
-    /// 8-bit affine with a group size of 32, 64 or 128.
+    /// 8-bit affine with a group size of 16, 32, 64 or 128.
     Q8 {
         gs: usize,
         sdt: Dtype,
@@ -380,20 +385,16 @@ impl Kind {
             WeightFormat::Dense(Dtype::F16) => Kind::F16,
             WeightFormat::Dense(Dtype::Bf16) => Kind::Bf16,
             WeightFormat::Affine {
-                bits,
-                group_size,
-                scale_dtype,
-            } if matches!(group_size, 32 | 64 | 128) => match bits {
-                4 => Kind::Q4 {
-                    gs: group_size,
-                    sdt: scale_dtype,
-                },
-                8 => Kind::Q8 {
-                    gs: group_size,
-                    sdt: scale_dtype,
-                },
-                _ => Kind::QAny,
-            },
+                bits: 4,
+                group_size: gs @ (32 | 64 | 128),
+                scale_dtype: sdt,
+            } => Kind::Q4 { gs, sdt },
+            // Group 16: GGUF's Q6_K blocks, converted at load.
+            WeightFormat::Affine {
+                bits: 8,
+                group_size: gs @ (16 | 32 | 64 | 128),
+                scale_dtype: sdt,
+            } => Kind::Q8 { gs, sdt },
             WeightFormat::Affine { .. } => Kind::QAny,
         }
     }
@@ -482,7 +483,8 @@ fn path(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> Path {
     }
 }
 
-/// Columns per packed block (a multiple of 64, so blocks start on whole words and groups of 32).
+/// Columns per packed block (a multiple of 128, so blocks start on whole words and groups; with
+/// groups of 16 a block spans up to 16 groups).
 pub(crate) const KC: usize = 256;
 /// Rows packed at once by a prefill task (a multiple of every level's `NR`): each token tile
 /// of `x` is reused against this many rows while it is in L1.

@@ -236,11 +236,12 @@ fn dense_every_dtype_every_level() {
     }
 }
 
-/// 4- and 8-bit affine formats with every group size and scale dtype, and their group sizes.
+/// 4- and 8-bit affine formats with every group size (of their fast paths) and scale dtype,
+/// and their group sizes.
 fn affine_4_and_8_bits() -> Vec<(WeightFormat, usize)> {
     let mut v = Vec::new();
-    for bits in [4, 8] {
-        for gs in [32, 64, 128] {
+    for (bits, sizes) in [(4, &[32, 64, 128][..]), (8, &[16, 32, 64, 128])] {
+        for &gs in sizes {
             for sdt in DTYPES {
                 let format = WeightFormat::Affine {
                     bits,
@@ -260,7 +261,8 @@ fn affine_4_and_8_bits_every_group_scale_dtype_and_level() {
     for level in available_levels() {
         for (format, gs) in affine_4_and_8_bits() {
             // Column counts of 1, 3 and 5 groups (partial SIMD blocks, several `KC` blocks
-            // with a short last one) and odd row counts.
+            // with a short last one; for group 16, steps of 2 and 4 groups with every tail)
+            // and odd row counts.
             for (i, (rows, ngroups)) in [(3, 1), (37, 3), (45, 5)].into_iter().enumerate() {
                 let m = TestMat::new(format, rows, gs * ngroups, 1 + i, &mut rng);
                 for tokens in TOKENS {
@@ -273,14 +275,24 @@ fn affine_4_and_8_bits_every_group_scale_dtype_and_level() {
 
 #[test]
 fn affine_long_rows() {
-    // Columns beyond several `KC` blocks and every 128-column block alignment.
+    // Columns beyond several `KC` blocks and every 128-column block alignment; for group 16,
+    // a last `KC` block of 1 group and one of 14 (scales transposed 8 groups at a time), with
+    // every scale dtype.
     let mut rng = Rng(4);
     for level in available_levels() {
-        for (bits, gs, cols) in [(4, 32, 1056), (4, 64, 1088), (4, 128, 1152), (8, 32, 800)] {
+        for (bits, gs, cols, sdt) in [
+            (4, 32, 1056, Dtype::Bf16),
+            (4, 64, 1088, Dtype::Bf16),
+            (4, 128, 1152, Dtype::Bf16),
+            (8, 32, 800, Dtype::Bf16),
+            (8, 16, 784, Dtype::F32),
+            (8, 16, 992, Dtype::F16),
+            (8, 16, 800, Dtype::Bf16),
+        ] {
             let format = WeightFormat::Affine {
                 bits,
                 group_size: gs,
-                scale_dtype: Dtype::Bf16,
+                scale_dtype: sdt,
             };
             let m = TestMat::new(format, 67, cols, 3, &mut rng);
             for tokens in [1, 2, 4, 7, 64] {
@@ -320,6 +332,11 @@ fn many_tokens() {
                 bits: 8,
                 group_size: 32,
                 scale_dtype: Dtype::F16,
+            },
+            WeightFormat::Affine {
+                bits: 8,
+                group_size: 16,
+                scale_dtype: Dtype::F32,
             },
             WeightFormat::Dense(Dtype::Bf16),
         ] {
@@ -372,7 +389,7 @@ fn dequantize_row_every_format_and_level() {
     let mut rng = Rng(7);
     let mut formats: Vec<WeightFormat> = DTYPES.iter().map(|&d| WeightFormat::Dense(d)).collect();
     for bits in [2, 3, 4, 5, 6, 8] {
-        for gs in [32, 64, 128] {
+        for gs in [16, 32, 64, 128] {
             for sdt in DTYPES {
                 formats.push(WeightFormat::Affine {
                     bits,
@@ -423,10 +440,16 @@ fn batch_of_mixed_jobs() {
         group_size: 32,
         scale_dtype: Dtype::F16,
     };
+    let q8g16 = WeightFormat::Affine {
+        bits: 8,
+        group_size: 16,
+        scale_dtype: Dtype::F32,
+    };
     let mats: Vec<TestMat> = [
         (q4, 96, 256),
         (q4, 96, 256),
         (q8, 40, 96),
+        (q8g16, 33, 272),
         (WeightFormat::Dense(Dtype::F32), 13, 29),
         (q4, 300, 192),
         (q3, 17, 64),
@@ -437,7 +460,7 @@ fn batch_of_mixed_jobs() {
     .enumerate()
     .map(|(i, (f, r, c))| TestMat::new(f, r, c, i % 4, &mut rng))
     .collect();
-    let tokens = [1, 1, 3, 5, 9, 2, 1, 2];
+    let tokens = [1, 1, 3, 4, 5, 9, 2, 1, 2];
     // Jobs 0 and 1 share their input (as gate and up projections do).
     let mut xs: Vec<Vec<f32>> = mats
         .iter()
@@ -496,6 +519,37 @@ fn public_matmul_many_rows_uses_threads_correctly() {
         if use_igemm(level(), Kernels::Fast, Kind::of(w.format), tokens) {
             matmul(Kernels::Fast, &w, &x, tokens, &mut out);
             compare(&out, &ref_matmul_q4_blocks(&w, &x, tokens)).unwrap();
+        }
+    }
+}
+
+#[test]
+fn q8_group16_many_rows_and_tasks_every_level() {
+    // 8-bit group 16 (GGUF's Q6_K as converted): rows for several tasks per thread, 17 groups
+    // a row (a tail after the steps of 2 and of 4 groups), decode, chunked decode and prefill.
+    let mut rng = Rng(12);
+    for sdt in DTYPES {
+        let format = WeightFormat::Affine {
+            bits: 8,
+            group_size: 16,
+            scale_dtype: sdt,
+        };
+        assert_eq!(
+            Kind::of(format),
+            Kind::Q8 { gs: 16, sdt },
+            "group 16 takes the 8-bit fast paths"
+        );
+        let q4g16 = WeightFormat::Affine {
+            bits: 4,
+            group_size: 16,
+            scale_dtype: sdt,
+        };
+        assert_eq!(Kind::of(q4g16), Kind::QAny, "4-bit group 16 stays generic");
+        let m = TestMat::new(format, 1500, 272, 1, &mut rng);
+        for level in available_levels() {
+            for tokens in [1, 2, 3, 4, 9, 40] {
+                check(level, &m, tokens, &mut rng);
+            }
         }
     }
 }
