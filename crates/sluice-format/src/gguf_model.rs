@@ -356,6 +356,19 @@ fn tensors(
             }
         }
     }
+    let need: u64 = quantised
+        .iter()
+        .map(|(t, _)| {
+            let bits = ggml_quants::affine_bits_per_weight(t.ggml_type).unwrap_or(32.0);
+            (t.elements() as f64 * bits / 8.0) as u64
+        })
+        .sum();
+    if let Some(msg) = memory_shortfall(need, sluice_sys::mem_available_bytes()) {
+        return Err(FormatError::Config {
+            path: path.to_path_buf(),
+            msg,
+        });
+    }
     let converted = convert_all(file, &quantised).map_err(|(i, msg)| err(quantised[i].0, msg))?;
     let mut overrides = HashMap::new();
     let mut first = None;
@@ -426,6 +439,23 @@ fn tensors(
         overrides,
     });
     Ok((map, quant))
+}
+
+/// Why converting `need` bytes of weights cannot work with `available` bytes of memory, if it
+/// cannot: a clear error instead of the kernel's out-of-memory kill halfway through.
+fn memory_shortfall(need: u64, available: Option<u64>) -> Option<String> {
+    let available = available?;
+    let gb = |b: u64| b as f64 / 1e9;
+    (need > available).then(|| {
+        format!(
+            "converting its quantised blocks takes ~{:.1} GB of memory and {:.1} GB is available: \
+             sluice holds a GGUF's weights converted in memory for now (running the blocks as \
+             stored is planned), so it needs a machine where they fit; or run the model's \
+             safetensors checkpoint, which streams experts from disk with `sluice pack`",
+            gb(need),
+            gb(available)
+        )
+    })
 }
 
 /// Converts the quantised tensors, several at a time (a tensor per task, largest first).
@@ -667,6 +697,17 @@ mod tests {
             e.contains("blk.0.attn_q.weight")
                 && e.contains("IQ4_NL")
                 && e.contains("llama-quantize"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn conversion_larger_than_memory_is_refused_up_front() {
+        assert_eq!(super::memory_shortfall(10, Some(10)), None);
+        assert_eq!(super::memory_shortfall(10, None), None);
+        let e = super::memory_shortfall(25_100_000_000, Some(14_200_000_000)).unwrap();
+        assert!(
+            e.contains("~25.1 GB") && e.contains("14.2 GB is available"),
             "{e}"
         );
     }
