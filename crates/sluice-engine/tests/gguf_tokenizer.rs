@@ -33,63 +33,11 @@ fn read_json(path: &Path) -> Value {
 
 // ---- A GGUF writer (metadata only) -------------------------------------------------------
 
-fn type_id(v: &GgufValue) -> u32 {
-    match v {
-        GgufValue::U8(_) => 0,
-        GgufValue::I8(_) => 1,
-        GgufValue::U16(_) => 2,
-        GgufValue::I16(_) => 3,
-        GgufValue::U32(_) => 4,
-        GgufValue::I32(_) => 5,
-        GgufValue::F32(_) => 6,
-        GgufValue::Bool(_) => 7,
-        GgufValue::String(_) => 8,
-        GgufValue::Array(_) => 9,
-        GgufValue::U64(_) => 10,
-        GgufValue::I64(_) => 11,
-        GgufValue::F64(_) => 12,
-    }
-}
-
-fn encode_value(v: &GgufValue, out: &mut Vec<u8>) {
-    match v {
-        GgufValue::U8(x) => out.push(*x),
-        GgufValue::I8(x) => out.extend(x.to_le_bytes()),
-        GgufValue::U16(x) => out.extend(x.to_le_bytes()),
-        GgufValue::I16(x) => out.extend(x.to_le_bytes()),
-        GgufValue::U32(x) => out.extend(x.to_le_bytes()),
-        GgufValue::I32(x) => out.extend(x.to_le_bytes()),
-        GgufValue::F32(x) => out.extend(x.to_le_bytes()),
-        GgufValue::Bool(x) => out.push(u8::from(*x)),
-        GgufValue::String(s) => {
-            out.extend((s.len() as u64).to_le_bytes());
-            out.extend(s.as_bytes());
-        }
-        GgufValue::Array(items) => {
-            out.extend(items.first().map_or(8, type_id).to_le_bytes());
-            out.extend((items.len() as u64).to_le_bytes());
-            for item in items {
-                encode_value(item, out);
-            }
-        }
-        GgufValue::U64(x) => out.extend(x.to_le_bytes()),
-        GgufValue::I64(x) => out.extend(x.to_le_bytes()),
-        GgufValue::F64(x) => out.extend(x.to_le_bytes()),
-    }
-}
-
 /// Writes a version-3 GGUF with `kv` and no tensors into `dir` and opens it.
 fn write_gguf(dir: &Path, kv: &[(String, GgufValue)]) -> GgufFile {
-    let mut b = b"GGUF".to_vec();
-    b.extend(3u32.to_le_bytes());
-    b.extend(0u64.to_le_bytes());
-    b.extend((kv.len() as u64 + 1).to_le_bytes());
     let arch = ("general.architecture".to_string(), str_value("qwen3moe"));
-    for (k, v) in std::iter::once(&arch).chain(kv) {
-        encode_value(&str_value(k), &mut b);
-        b.extend(type_id(v).to_le_bytes());
-        encode_value(v, &mut b);
-    }
+    let all: Vec<(String, GgufValue)> = std::iter::once(arch).chain(kv.iter().cloned()).collect();
+    let b = sluice_format::gguf::metadata_only_gguf(&all);
     // A new name each time: an open GgufFile maps its file, which must not be rewritten.
     static N: AtomicUsize = AtomicUsize::new(0);
     let path = dir.join(format!("model-{}.gguf", N.fetch_add(1, Ordering::Relaxed)));

@@ -156,6 +156,69 @@ impl GgufValue {
             _ => None,
         }
     }
+
+    /// The value's type id in a GGUF file (llama.cpp's `gguf_type`).
+    pub fn type_id(&self) -> u32 {
+        match self {
+            GgufValue::U8(_) => 0,
+            GgufValue::I8(_) => 1,
+            GgufValue::U16(_) => 2,
+            GgufValue::I16(_) => 3,
+            GgufValue::U32(_) => 4,
+            GgufValue::I32(_) => 5,
+            GgufValue::F32(_) => 6,
+            GgufValue::Bool(_) => 7,
+            GgufValue::String(_) => 8,
+            GgufValue::Array(_) => 9,
+            GgufValue::U64(_) => 10,
+            GgufValue::I64(_) => 11,
+            GgufValue::F64(_) => 12,
+        }
+    }
+
+    /// Appends the value as a GGUF file stores it after its type id (an array: its item type,
+    /// length and items; an empty one is typed as strings).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            GgufValue::U8(x) => out.push(*x),
+            GgufValue::I8(x) => out.extend(x.to_le_bytes()),
+            GgufValue::U16(x) => out.extend(x.to_le_bytes()),
+            GgufValue::I16(x) => out.extend(x.to_le_bytes()),
+            GgufValue::U32(x) => out.extend(x.to_le_bytes()),
+            GgufValue::I32(x) => out.extend(x.to_le_bytes()),
+            GgufValue::F32(x) => out.extend(x.to_le_bytes()),
+            GgufValue::Bool(x) => out.push(u8::from(*x)),
+            GgufValue::String(s) => {
+                out.extend((s.len() as u64).to_le_bytes());
+                out.extend(s.as_bytes());
+            }
+            GgufValue::Array(items) => {
+                out.extend(items.first().map_or(8, GgufValue::type_id).to_le_bytes());
+                out.extend((items.len() as u64).to_le_bytes());
+                for item in items {
+                    item.encode(out);
+                }
+            }
+            GgufValue::U64(x) => out.extend(x.to_le_bytes()),
+            GgufValue::I64(x) => out.extend(x.to_le_bytes()),
+            GgufValue::F64(x) => out.extend(x.to_le_bytes()),
+        }
+    }
+}
+
+/// A version-3 GGUF file holding the metadata `kv` and no tensors (for tests and tools that
+/// describe a model's tokenizer or config without weights).
+pub fn metadata_only_gguf(kv: &[(String, GgufValue)]) -> Vec<u8> {
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    b.extend((kv.len() as u64).to_le_bytes());
+    for (k, v) in kv {
+        GgufValue::String(k.clone()).encode(&mut b);
+        b.extend(v.type_id().to_le_bytes());
+        v.encode(&mut b);
+    }
+    b
 }
 
 impl fmt::Display for GgufValue {

@@ -611,64 +611,11 @@ fn merges(file: &GgufFile, vocab: &HashMap<&str, u32>) -> Result<Vec<Value>, Ggu
 mod tests {
     use super::*;
 
-    /// The GGUF type id of a value, as llama.cpp numbers them.
-    fn type_id(v: &GgufValue) -> u32 {
-        match v {
-            GgufValue::U8(_) => 0,
-            GgufValue::I8(_) => 1,
-            GgufValue::U16(_) => 2,
-            GgufValue::I16(_) => 3,
-            GgufValue::U32(_) => 4,
-            GgufValue::I32(_) => 5,
-            GgufValue::F32(_) => 6,
-            GgufValue::Bool(_) => 7,
-            GgufValue::String(_) => 8,
-            GgufValue::Array(_) => 9,
-            GgufValue::U64(_) => 10,
-            GgufValue::I64(_) => 11,
-            GgufValue::F64(_) => 12,
-        }
-    }
-
-    fn encode(v: &GgufValue, out: &mut Vec<u8>) {
-        match v {
-            GgufValue::U8(x) => out.push(*x),
-            GgufValue::I8(x) => out.extend(x.to_le_bytes()),
-            GgufValue::U16(x) => out.extend(x.to_le_bytes()),
-            GgufValue::I16(x) => out.extend(x.to_le_bytes()),
-            GgufValue::U32(x) => out.extend(x.to_le_bytes()),
-            GgufValue::I32(x) => out.extend(x.to_le_bytes()),
-            GgufValue::F32(x) => out.extend(x.to_le_bytes()),
-            GgufValue::Bool(x) => out.push(u8::from(*x)),
-            GgufValue::String(s) => {
-                out.extend((s.len() as u64).to_le_bytes());
-                out.extend(s.as_bytes());
-            }
-            GgufValue::Array(items) => {
-                let item_ty = items.first().map_or(8, type_id);
-                out.extend(item_ty.to_le_bytes());
-                out.extend((items.len() as u64).to_le_bytes());
-                for item in items {
-                    encode(item, out);
-                }
-            }
-            GgufValue::U64(x) => out.extend(x.to_le_bytes()),
-            GgufValue::I64(x) => out.extend(x.to_le_bytes()),
-            GgufValue::F64(x) => out.extend(x.to_le_bytes()),
-        }
-    }
-
     /// A GGUF (version 3, no tensors) holding `kv`, opened from a temporary directory.
     fn open(kv: &[(&str, GgufValue)]) -> Result<GgufFile, GgufError> {
-        let mut b = b"GGUF".to_vec();
-        b.extend(3u32.to_le_bytes());
-        b.extend(0u64.to_le_bytes());
-        b.extend((kv.len() as u64).to_le_bytes());
-        for (k, v) in kv {
-            encode(&GgufValue::String(k.to_string()), &mut b);
-            b.extend(type_id(v).to_le_bytes());
-            encode(v, &mut b);
-        }
+        let kv: Vec<(String, GgufValue)> =
+            kv.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        let b = crate::gguf::metadata_only_gguf(&kv);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model.gguf");
         std::fs::write(&path, b).unwrap();
