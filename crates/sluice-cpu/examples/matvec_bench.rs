@@ -188,6 +188,29 @@ const Q8G16: WeightFormat = WeightFormat::Affine {
     scale_dtype: Dtype::F32,
 };
 
+/// Other widths, as GGUF's Q5_0/Q5_K (5-bit, group 32) and Q3_K (3-bit, group 16) convert
+/// (f32 scales), and MLX's 2- and 6-bit checkpoints.
+const Q5G32: WeightFormat = WeightFormat::Affine {
+    bits: 5,
+    group_size: 32,
+    scale_dtype: Dtype::F32,
+};
+const Q3G16: WeightFormat = WeightFormat::Affine {
+    bits: 3,
+    group_size: 16,
+    scale_dtype: Dtype::F32,
+};
+const Q2G16: WeightFormat = WeightFormat::Affine {
+    bits: 2,
+    group_size: 16,
+    scale_dtype: Dtype::F16,
+};
+const Q6G64: WeightFormat = WeightFormat::Affine {
+    bits: 6,
+    group_size: 64,
+    scale_dtype: Dtype::Bf16,
+};
+
 /// Enough copies of a `batch`-matrix set that together they far exceed the last-level cache.
 /// With `hot`, a single set (cache-resident when small enough).
 fn copies(
@@ -419,6 +442,12 @@ fn main() {
         ("q8 g16 2048x2048", Q8G16, 2048, 2048, 1),
         ("q8 g32 16 x 768x2048 (batch)", Q8G32, 768, 2048, 16),
         ("q8 g16 16 x 768x2048 (batch)", Q8G16, 768, 2048, 16),
+        ("q5 g32 2048x2048", Q5G32, 2048, 2048, 1),
+        ("q5 g32 16 x 768x2048 (batch)", Q5G32, 768, 2048, 16),
+        ("q3 g16 2048x2048", Q3G16, 2048, 2048, 1),
+        ("q3 g16 16 x 768x2048 (batch)", Q3G16, 768, 2048, 16),
+        ("q2 g16 16 x 768x2048 (batch)", Q2G16, 768, 2048, 16),
+        ("q6 g64 16 x 768x2048 (batch)", Q6G64, 768, 2048, 16),
         ("bf16 2048x2048", bf16, 2048, 2048, 1),
     ];
     for (name, format, rows, cols, batch) in decode {
@@ -446,6 +475,8 @@ fn main() {
         ("small q4 g64 16 x 768x2048, 32 tok", Q4, 768, 2048, 16, 32),
         ("small q8 g32 16 x 768x2048, 4 tok", Q8G32, 768, 2048, 16, 4),
         ("small q8 g16 16 x 768x2048, 4 tok", Q8G16, 768, 2048, 16, 4),
+        ("small q5 g32 16 x 768x2048, 4 tok", Q5G32, 768, 2048, 16, 4),
+        ("small q3 g16 16 x 768x2048, 4 tok", Q3G16, 768, 2048, 16, 4),
         ("prefill q8 g32 2048x2048, 64 tok", Q8G32, 2048, 2048, 1, 64),
         ("prefill q8 g16 2048x2048, 64 tok", Q8G16, 2048, 2048, 1, 64),
         ("prefill bf16 2048x2048, 64 tok", bf16, 2048, 2048, 1, 64),

@@ -425,13 +425,19 @@ pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32],
                 _ => nt_dispatch!(nt, q4_rows::<128>(c, sdt, r0, r1, res, s)),
             },
             Kind::Q8 { gs: 16, sdt } => match nt {
-                1 => q8g16_rows::<1, 4>(c, sdt, r0, r1, res, s),
-                _ => nt_dispatch!(nt, q8g16_rows::<2>(c, sdt, r0, r1, res, s)),
+                1 => q8g16_rows::<1, 4, 8>(c, sdt, r0, r1, res, s),
+                _ => nt_dispatch!(nt, q8g16_rows::<2, 8>(c, sdt, r0, r1, res, s)),
             },
             Kind::Q8 { gs, sdt } => match gs {
-                32 => nt_dispatch!(nt, q8_rows::<32>(c, sdt, r0, r1, res, s)),
-                64 => nt_dispatch!(nt, q8_rows::<64>(c, sdt, r0, r1, res, s)),
-                _ => nt_dispatch!(nt, q8_rows::<128>(c, sdt, r0, r1, res, s)),
+                32 => nt_dispatch!(nt, q8_rows::<32, 8>(c, sdt, r0, r1, res, s)),
+                64 => nt_dispatch!(nt, q8_rows::<64, 8>(c, sdt, r0, r1, res, s)),
+                _ => nt_dispatch!(nt, q8_rows::<128, 8>(c, sdt, r0, r1, res, s)),
+            },
+            Kind::QBits { bits, gs, sdt } => match bits {
+                2 => qbits_rows::<2>(c, gs, sdt, r0, r1, res, s),
+                3 => qbits_rows::<3>(c, gs, sdt, r0, r1, res, s),
+                5 => qbits_rows::<5>(c, gs, sdt, r0, r1, res, s),
+                _ => qbits_rows::<6>(c, gs, sdt, r0, r1, res, s),
             },
             Kind::QAny => portable::decode_rows(c, r0, r1, res, s),
         }
@@ -758,13 +764,161 @@ q4i_rows!(
     "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
     dot_vnni
 );
+/// The shuffle and multipliers that turn 16 `BITS`-bit codes (little-endian bit stream, the
+/// first at bit 0 of the 16 bytes loaded into both halves of a vector) into 16 u16 lanes: lane
+/// `j` takes bytes `jB/8` and `jB/8 + 1` (`B = BITS`), and multiplying by `2^(16 - B - jB%8)`
+/// moves its code to the top `B` bits of the lane (the bits above it fall off), whence one
+/// shift right by `16 - B` brings it down.
+struct Unpack<const BITS: usize>;
+
+impl<const BITS: usize> Unpack<BITS> {
+    const SHUF: [u8; 32] = {
+        let mut t = [0u8; 32];
+        let mut j = 0;
+        while j < 16 {
+            let lo = (j * BITS / 8) as u8;
+            t[2 * j] = lo;
+            t[2 * j + 1] = lo + 1;
+            j += 1;
+        }
+        t
+    };
+    const MUL: [u16; 16] = {
+        let mut t = [0u16; 16];
+        let mut j = 0;
+        while j < 16 {
+            t[j] = 1 << (16 - BITS - (j * BITS) % 8);
+            j += 1;
+        }
+        t
+    };
+}
+
+/// 16 codes of `BITS` bits from the first `2 * BITS` of the 16 bytes at `p`, as u16 lanes.
+///
+/// # Safety
+/// The CPU must support AVX2; 16 bytes must be readable at `p`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn unpack16<const BITS: usize>(p: *const u8, shuf: __m256i, mul: __m256i) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes at `p`.
+    let v = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i)) };
+    let v = _mm256_mullo_epi16(_mm256_shuffle_epi8(v, shuf), mul);
+    _mm256_srl_epi16(v, _mm_cvtsi32_si128(16 - BITS as i32))
+}
+
+/// The `BITS`-bit codes of `src` (a row's little-endian bit stream, `2 <= BITS <= 6`) as one
+/// byte each into `dst` (`dst.len()` codes, a multiple of 16, all of them in `src`). Prefetches
+/// `src` `PREFETCH` bytes ahead, as the 8-bit kernels do their rows.
+#[target_feature(enable = "avx2")]
+pub(super) fn unpack_codes<const BITS: usize>(src: &[u8], dst: &mut [u8]) {
+    let n = dst.len();
+    assert!((2..=6).contains(&BITS) && n.is_multiple_of(16) && n * BITS <= 8 * src.len());
+    // SAFETY: `SHUF` and `MUL` are 32 bytes each.
+    let (shuf, mul) = unsafe {
+        (
+            _mm256_loadu_si256(Unpack::<BITS>::SHUF.as_ptr() as *const __m256i),
+            _mm256_loadu_si256(Unpack::<BITS>::MUL.as_ptr() as *const __m256i),
+        )
+    };
+    let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+    // Codes `32k..32k + 32` are bytes `4Bk..4B(k + 1)` of `src`; the two loads of 16 bytes
+    // (at `4Bk` and `4Bk + 2B`) stay inside `src` while `4Bk + 2B + 16 <= src.len()`.
+    let mut i = 0;
+    while i + 32 <= n && (i + 16) * BITS / 8 + 16 <= src.len() {
+        let b = i * BITS / 8;
+        _mm_prefetch::<_MM_HINT_T0>(sp.wrapping_add(b + PREFETCH) as *const i8);
+        // SAFETY: the loads read bytes `b..b + 2B + 16` of `src` (checked by the loop
+        // condition); the store writes codes `i..i + 32 <= n` of `dst`.
+        unsafe {
+            let a = unpack16::<BITS>(sp.add(b), shuf, mul);
+            let c = unpack16::<BITS>(sp.add(b + 2 * BITS), shuf, mul);
+            // Qwords [a0..8, c0..8, a8..16, c8..16] put in order.
+            let v = _mm256_permute4x64_epi64::<0xD8>(_mm256_packus_epi16(a, c));
+            _mm256_storeu_si256(dp.add(i) as *mut __m256i, v);
+        }
+        i += 32;
+    }
+    // The last codes, 16 at a time, from a copy padded to 16 readable bytes.
+    while i < n {
+        let b = i * BITS / 8;
+        let mut buf = [0u8; 16];
+        buf[..2 * BITS].copy_from_slice(&src[b..b + 2 * BITS]);
+        // SAFETY: `buf` has 16 bytes; the store writes codes `i..i + 16 <= n` of `dst`.
+        unsafe {
+            let a = unpack16::<BITS>(buf.as_ptr(), shuf, mul);
+            let v = _mm256_permute4x64_epi64::<0xD8>(_mm256_packus_epi16(a, a));
+            _mm_storeu_si128(dp.add(i) as *mut __m128i, _mm256_castsi256_si128(v));
+        }
+        i += 16;
+    }
+}
+
+/// The codes of row `r` of `w`, one byte each: the row itself for 8-bit weights, else unpacked
+/// into `buf` (grown to `cols` bytes).
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn row_codes<'a, const BITS: usize>(
+    w: &'a MatRef,
+    r: usize,
+    buf: &'a mut Vec<u8>,
+) -> &'a [u8] {
+    let (rb, cols) = (w.row_bytes(), w.cols);
+    let row = &w.data[r * rb..(r + 1) * rb];
+    if BITS == 8 {
+        return row;
+    }
+    if buf.len() < cols {
+        buf.resize(cols, 0);
+    }
+    let dst = &mut buf[..cols];
+    match BITS {
+        2 => unpack_codes::<2>(row, dst),
+        3 => unpack_codes::<3>(row, dst),
+        5 => unpack_codes::<5>(row, dst),
+        _ => unpack_codes::<6>(row, dst),
+    }
+    dst
+}
+
+/// Decode of 2-, 3-, 5- and 6-bit rows ([`Kind::QBits`]): each row's codes are unpacked to
+/// bytes ([`unpack_codes`]) and go through the 8-bit kernels.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `c` must be a validated job of `BITS`-bit weights
+/// with group size `gs` and at most `DECODE_MAX_TOKENS` tokens, prepared with per-group sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qbits_rows<const BITS: usize>(
+    c: &Ctx,
+    gs: usize,
+    sdt: Dtype,
+    r0: usize,
+    r1: usize,
+    res: &mut [f32],
+    s: &mut Scratch,
+) {
+    let nt = c.tokens;
+    // SAFETY: forwarded from the caller; the kernels check the shapes themselves.
+    unsafe {
+        match gs {
+            16 => match nt {
+                1 => q8g16_rows::<1, 4, BITS>(c, sdt, r0, r1, res, s),
+                _ => nt_dispatch!(nt, q8g16_rows::<2, BITS>(c, sdt, r0, r1, res, s)),
+            },
+            32 => nt_dispatch!(nt, q8_rows::<32, BITS>(c, sdt, r0, r1, res, s)),
+            64 => nt_dispatch!(nt, q8_rows::<64, BITS>(c, sdt, r0, r1, res, s)),
+            _ => nt_dispatch!(nt, q8_rows::<128, BITS>(c, sdt, r0, r1, res, s)),
+        }
+    }
+}
+
 /// 8-bit rows (group size `GS`) against `NT` tokens in natural order.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `c` must be a validated 8-bit job with group size
 /// `GS` and `NT` tokens, prepared with per-group sums.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_rows<const NT: usize, const GS: usize>(
+unsafe fn q8_rows<const NT: usize, const GS: usize, const BITS: usize>(
     c: &Ctx,
     sdt: Dtype,
     r0: usize,
@@ -777,7 +931,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
     let groups = cols / GS;
     let rb = w.row_bytes();
     let xsum = c.xsum;
-    assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
+    assert!(c.tokens == NT && r1 <= w.rows && rb * 8 == cols * BITS && cols.is_multiple_of(GS));
     assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
     let x = c.x.as_ptr();
     let sfb = grow(&mut s.a, ROW_CHUNK * groups);
@@ -788,11 +942,14 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
         chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
         for i in 0..nc {
             let r = ch + i;
-            let row = &w.data[r * rb..(r + 1) * rb];
+            let row = row_codes::<BITS>(w, r, &mut s.codes);
             let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
             let rp = row.as_ptr();
             for (g, &sc) in sfb[i * groups..(i + 1) * groups].iter().enumerate() {
-                _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(g * GS + PREFETCH) as *const i8);
+                if BITS == 8 {
+                    // (Unpacked codes are in cache: `unpack_codes` prefetched their row.)
+                    _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(g * GS + PREFETCH) as *const i8);
+                }
                 let mut a0 = [_mm256_setzero_ps(); NT];
                 let mut a1 = [_mm256_setzero_ps(); NT];
                 let mut j = g * GS;
@@ -838,7 +995,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
 /// The CPU must support AVX2, FMA and F16C; `c` must be a validated 8-bit job with group size
 /// 16 and `NT` tokens, prepared with per-group sums.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8g16_rows<const NT: usize, const U: usize>(
+unsafe fn q8g16_rows<const NT: usize, const U: usize, const BITS: usize>(
     c: &Ctx,
     sdt: Dtype,
     r0: usize,
@@ -852,7 +1009,7 @@ unsafe fn q8g16_rows<const NT: usize, const U: usize>(
     let groups = cols / GS;
     let rb = w.row_bytes();
     let xsum = c.xsum;
-    assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
+    assert!(c.tokens == NT && r1 <= w.rows && rb * 8 == cols * BITS && cols.is_multiple_of(GS));
     assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
     assert!((1..=4).contains(&U));
     let x = c.x.as_ptr();
@@ -865,7 +1022,7 @@ unsafe fn q8g16_rows<const NT: usize, const U: usize>(
         chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
         for i in 0..nc {
             let r = ch + i;
-            let row = &w.data[r * rb..(r + 1) * rb];
+            let row = row_codes::<BITS>(w, r, &mut s.codes);
             let y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
             let sf = &sfb[i * groups..(i + 1) * groups];
             let (rp, sp) = (row.as_ptr(), sf.as_ptr());
@@ -886,7 +1043,7 @@ unsafe fn q8g16_rows<const NT: usize, const U: usize>(
                     }
                 };
                 for st in 0..steps {
-                    if st % 2 == 0 {
+                    if BITS == 8 && st % 2 == 0 {
                         _mm_prefetch::<_MM_HINT_T0>(
                             rp.wrapping_add(32 * st + PREFETCH) as *const i8
                         );
@@ -972,7 +1129,7 @@ pub(super) unsafe fn dequant_row(w: &MatRef, r: usize, out: &mut [f32]) {
                 }
             }
         }
-        Kind::QAny => portable::dequant_range(w, r, 0, out),
+        Kind::QBits { .. } | Kind::QAny => portable::dequant_range(w, r, 0, out),
     }
 }
 
@@ -1040,7 +1197,9 @@ pub(super) fn pack_sub(
         Kind::F32 => pack8_dense::<DT_F32>(c, &rows, k0, kc, dst, ld, off),
         Kind::F16 => pack8_dense::<DT_F16>(c, &rows, k0, kc, dst, ld, off),
         Kind::Bf16 => pack8_dense::<DT_BF16>(c, &rows, k0, kc, dst, ld, off),
-        Kind::QAny => portable::pack_generic(c, rb, nv, 8, k0, kc, dst, ld, off, tmp),
+        Kind::QBits { .. } | Kind::QAny => {
+            portable::pack_generic(c, rb, nv, 8, k0, kc, dst, ld, off, tmp)
+        }
     }
 }
 

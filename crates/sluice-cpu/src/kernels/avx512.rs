@@ -9,7 +9,8 @@ use std::arch::x86_64::*;
 use sluice_backend::Dtype;
 
 use super::avx2::{
-    self, chunk_scales, nt_dispatch, q4i_rows_vnni, DT_BF16, DT_F16, DT_F32, PREFETCH, ROW_CHUNK,
+    self, chunk_scales, nt_dispatch, q4i_rows_vnni, row_codes, DT_BF16, DT_F16, DT_F32, PREFETCH,
+    ROW_CHUNK,
 };
 use super::{grow, portable, scalar, Ctx, Gemm, Kind, Scratch};
 
@@ -86,13 +87,19 @@ pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32],
                 _ => nt_dispatch!(nt, q4_rows::<128>(c, sdt, r0, r1, res, s)),
             },
             Kind::Q8 { gs: 16, sdt } => match nt {
-                1 => q8g16_rows::<1, 4>(c, sdt, r0, r1, res, s),
-                _ => nt_dispatch!(nt, q8g16_rows::<2>(c, sdt, r0, r1, res, s)),
+                1 => q8g16_rows::<1, 4, 8>(c, sdt, r0, r1, res, s),
+                _ => nt_dispatch!(nt, q8g16_rows::<2, 8>(c, sdt, r0, r1, res, s)),
             },
             Kind::Q8 { gs, sdt } => match gs {
-                32 => nt_dispatch!(nt, q8_rows::<32>(c, sdt, r0, r1, res, s)),
-                64 => nt_dispatch!(nt, q8_rows::<64>(c, sdt, r0, r1, res, s)),
-                _ => nt_dispatch!(nt, q8_rows::<128>(c, sdt, r0, r1, res, s)),
+                32 => nt_dispatch!(nt, q8_rows::<32, 8>(c, sdt, r0, r1, res, s)),
+                64 => nt_dispatch!(nt, q8_rows::<64, 8>(c, sdt, r0, r1, res, s)),
+                _ => nt_dispatch!(nt, q8_rows::<128, 8>(c, sdt, r0, r1, res, s)),
+            },
+            Kind::QBits { bits, gs, sdt } => match bits {
+                2 => qbits_rows::<2>(c, gs, sdt, r0, r1, res, s),
+                3 => qbits_rows::<3>(c, gs, sdt, r0, r1, res, s),
+                5 => qbits_rows::<5>(c, gs, sdt, r0, r1, res, s),
+                _ => qbits_rows::<6>(c, gs, sdt, r0, r1, res, s),
             },
             Kind::QAny => portable::decode_rows(c, r0, r1, res, s),
         }
@@ -323,13 +330,45 @@ unsafe fn q4_rows<const NT: usize, const GS: usize>(
     }
 }
 
+/// Decode of 2-, 3-, 5- and 6-bit rows ([`Kind::QBits`]): each row's codes are unpacked to
+/// bytes ([`avx2::unpack_codes`]) and go through the 8-bit kernels.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2, FMA and F16C; `c` must be a validated job of
+/// `BITS`-bit weights with group size `gs` and at most `DECODE_MAX_TOKENS` tokens, prepared
+/// with per-group sums.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn qbits_rows<const BITS: usize>(
+    c: &Ctx,
+    gs: usize,
+    sdt: Dtype,
+    r0: usize,
+    r1: usize,
+    res: &mut [f32],
+    s: &mut Scratch,
+) {
+    let nt = c.tokens;
+    // SAFETY: forwarded from the caller; the kernels check the shapes themselves.
+    unsafe {
+        match gs {
+            16 => match nt {
+                1 => q8g16_rows::<1, 4, BITS>(c, sdt, r0, r1, res, s),
+                _ => nt_dispatch!(nt, q8g16_rows::<2, BITS>(c, sdt, r0, r1, res, s)),
+            },
+            32 => nt_dispatch!(nt, q8_rows::<32, BITS>(c, sdt, r0, r1, res, s)),
+            64 => nt_dispatch!(nt, q8_rows::<64, BITS>(c, sdt, r0, r1, res, s)),
+            _ => nt_dispatch!(nt, q8_rows::<128, BITS>(c, sdt, r0, r1, res, s)),
+        }
+    }
+}
+
 /// 8-bit rows (group size `GS`) against `NT` tokens in natural order.
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX2, FMA and F16C; `c` must be a validated 8-bit job with
 /// group size `GS` and `NT` tokens, prepared with per-group sums.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn q8_rows<const NT: usize, const GS: usize>(
+unsafe fn q8_rows<const NT: usize, const GS: usize, const BITS: usize>(
     c: &Ctx,
     sdt: Dtype,
     r0: usize,
@@ -342,7 +381,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
     let groups = cols / GS;
     let rb = w.row_bytes();
     let xsum = c.xsum;
-    assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
+    assert!(c.tokens == NT && r1 <= w.rows && rb * 8 == cols * BITS && cols.is_multiple_of(GS));
     assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
     let x = c.x.as_ptr();
     let sfb = grow(&mut s.a, ROW_CHUNK * groups);
@@ -353,11 +392,14 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
         chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
         for i in 0..nc {
             let r = ch + i;
-            let row = &w.data[r * rb..(r + 1) * rb];
+            let row = row_codes::<BITS>(w, r, &mut s.codes);
             let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
             let rp = row.as_ptr();
             for (g, &sc) in sfb[i * groups..(i + 1) * groups].iter().enumerate() {
-                _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(g * GS + PREFETCH) as *const i8);
+                if BITS == 8 {
+                    // (Unpacked codes are in cache: `unpack_codes` prefetched their row.)
+                    _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(g * GS + PREFETCH) as *const i8);
+                }
                 let mut a0 = [_mm512_setzero_ps(); NT];
                 let mut a1 = [_mm512_setzero_ps(); NT];
                 let mut j = g * GS;
@@ -403,7 +445,7 @@ unsafe fn q8_rows<const NT: usize, const GS: usize>(
 /// The CPU must support AVX-512F, AVX2, FMA and F16C; `c` must be a validated 8-bit job with
 /// group size 16 and `NT` tokens, prepared with per-group sums.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn q8g16_rows<const NT: usize, const U: usize>(
+unsafe fn q8g16_rows<const NT: usize, const U: usize, const BITS: usize>(
     c: &Ctx,
     sdt: Dtype,
     r0: usize,
@@ -417,7 +459,7 @@ unsafe fn q8g16_rows<const NT: usize, const U: usize>(
     let groups = cols / GS;
     let rb = w.row_bytes();
     let xsum = c.xsum;
-    assert!(c.tokens == NT && r1 <= w.rows && rb == cols && cols.is_multiple_of(GS));
+    assert!(c.tokens == NT && r1 <= w.rows && rb * 8 == cols * BITS && cols.is_multiple_of(GS));
     assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
     assert!((1..=4).contains(&U));
     let x = c.x.as_ptr();
@@ -430,7 +472,7 @@ unsafe fn q8g16_rows<const NT: usize, const U: usize>(
         chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
         for i in 0..nc {
             let r = ch + i;
-            let row = &w.data[r * rb..(r + 1) * rb];
+            let row = row_codes::<BITS>(w, r, &mut s.codes);
             let y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
             let sf = &sfb[i * groups..(i + 1) * groups];
             let (rp, sp) = (row.as_ptr(), sf.as_ptr());
@@ -449,7 +491,11 @@ unsafe fn q8g16_rows<const NT: usize, const U: usize>(
                     }
                 };
                 for st in 0..steps {
-                    _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(64 * st + PREFETCH) as *const i8);
+                    if BITS == 8 {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            rp.wrapping_add(64 * st + PREFETCH) as *const i8
+                        );
+                    }
                     for v in 0..4 {
                         group(4 * st + v, &mut acc[v % U]);
                     }

@@ -39,8 +39,13 @@
 //!   sums scaled once per block and token.
 //! * **Formats** with their own kernels: f32, f16, bf16, 4-bit affine in groups of 32, 64 or
 //!   128 and 8-bit affine in groups of 16, 32, 64 or 128 (scales and biases in f32, f16 or
-//!   bf16). Other affine widths (2, 3, 5, 6 bits) and group sizes go through a generic scalar
-//!   dequantizer and the same drivers.
+//!   bf16). 2-, 3-, 5- and 6-bit affine in groups of 16, 32, 64 or 128 ([`Kind::QBits`]: GGUF's
+//!   Q2_K/Q3_K/Q5_x as converted, MLX's other widths) decode on AVX2/AVX-512 by unpacking each
+//!   row's codes to one byte each (a byte shuffle, a 16-bit multiply and shift per 16 codes,
+//!   into a thread-local buffer that stays in L1) and running the 8-bit decode kernels on them,
+//!   bias term included; their prefill and the portable level take the generic path. Every
+//!   other affine format (4 bits in groups of 16, other group sizes) goes through a generic
+//!   scalar dequantizer and the same drivers.
 
 // Every unsafe operation sits in its own `unsafe` block with a `SAFETY:` comment, also inside
 // `unsafe fn`s.
@@ -374,6 +379,13 @@ pub(crate) enum Kind {
         gs: usize,
         sdt: Dtype,
     },
+    /// 2-, 3-, 5- or 6-bit affine with a group size of 16, 32, 64 or 128: decode unpacks each
+    /// row's codes to bytes and runs the 8-bit kernels on them (elsewhere as `QAny`).
+    QBits {
+        bits: u32,
+        gs: usize,
+        sdt: Dtype,
+    },
     /// Any other affine format (dequantized by the generic scalar code).
     QAny,
 }
@@ -395,6 +407,13 @@ impl Kind {
                 group_size: gs @ (16 | 32 | 64 | 128),
                 scale_dtype: sdt,
             } => Kind::Q8 { gs, sdt },
+            // GGUF's Q2_K/Q3_K/Q5_0/Q5_1/Q5_K convert to 2/3/5 bits (group 16 or 32); MLX
+            // checkpoints use 2, 3, 5 and 6 bits too.
+            WeightFormat::Affine {
+                bits: bits @ (2 | 3 | 5 | 6),
+                group_size: gs @ (16 | 32 | 64 | 128),
+                scale_dtype: sdt,
+            } => Kind::QBits { bits, gs, sdt },
             WeightFormat::Affine { .. } => Kind::QAny,
         }
     }
@@ -588,6 +607,9 @@ fn prep_kind(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> PrepK
             PrepKind::Q4 { gs, wpb, scaled }
         }
         Kind::Q8 { gs, .. } => PrepKind::Sums { gs },
+        Kind::QBits { gs, .. } if matches!(level, Level::Avx2 | Level::Avx512) => {
+            PrepKind::Sums { gs }
+        }
         _ => PrepKind::None,
     }
 }

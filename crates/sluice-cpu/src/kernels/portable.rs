@@ -1,6 +1,7 @@
 //! Portable kernels: plain Rust that compiles everywhere (and that LLVM vectorizes with the
 //! target's baseline SIMD). Also the generic path for the affine formats without a dedicated
-//! kernel (2, 3, 5, 6 bits, unusual group sizes) at every level.
+//! kernel (unusual widths and group sizes) at every level, and for 2, 3, 5 and 6 bits in
+//! prefill and at the levels without an unpacker (see `Kind::QBits`).
 
 use sluice_backend::{Dtype, MatRef, WeightFormat};
 

@@ -362,6 +362,64 @@ fn empty_shapes() {
     }
 }
 
+/// 2-, 3-, 5- and 6-bit affine formats (unpacked to bytes for the 8-bit kernels in decode)
+/// with every group size and scale dtype, decode (1..=4 tokens), chunked decode and prefill;
+/// rows long enough for the unpacker's main loop (32 codes at a time) and its tails.
+#[test]
+fn affine_other_widths_every_group_scale_dtype_and_level() {
+    let mut rng = Rng(13);
+    for level in available_levels() {
+        for bits in [2, 3, 5, 6] {
+            for gs in [16, 32, 64, 128] {
+                for sdt in DTYPES {
+                    let format = WeightFormat::Affine {
+                        bits,
+                        group_size: gs,
+                        scale_dtype: sdt,
+                    };
+                    assert_eq!(Kind::of(format), Kind::QBits { bits, gs, sdt });
+                    // Column counts of 1, 3 and 5 groups (and at least 32 for whole words).
+                    for (i, (rows, ngroups)) in [(3, 1), (21, 3), (18, 5)].into_iter().enumerate() {
+                        let cols = (gs * ngroups).next_multiple_of(32);
+                        let m = TestMat::new(format, rows, cols, 1 + i, &mut rng);
+                        for tokens in [1, 2, 3, 4, 5, 9, 17] {
+                            check(level, &m, tokens, &mut rng);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn affine_other_widths_long_rows_many_tasks() {
+    // Rows of many unpacker steps with every tail (16 codes or none), enough rows for several
+    // tasks, decode and chunked decode.
+    let mut rng = Rng(14);
+    for level in available_levels() {
+        for (bits, gs, cols, sdt) in [
+            (2, 16, 1040, Dtype::F16),
+            (3, 16, 1056, Dtype::F32),
+            (5, 32, 2080, Dtype::F32),
+            (5, 32, 2048, Dtype::F16),
+            (6, 64, 1088, Dtype::Bf16),
+            (6, 16, 1040, Dtype::F32),
+            (3, 128, 1152, Dtype::Bf16),
+        ] {
+            let format = WeightFormat::Affine {
+                bits,
+                group_size: gs,
+                scale_dtype: sdt,
+            };
+            let m = TestMat::new(format, 300, cols, 3, &mut rng);
+            for tokens in [1, 2, 3, 4, 7] {
+                check(level, &m, tokens, &mut rng);
+            }
+        }
+    }
+}
+
 #[test]
 fn generic_affine_bits() {
     let mut rng = Rng(6);
