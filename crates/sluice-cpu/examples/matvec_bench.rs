@@ -479,6 +479,8 @@ fn main() {
         ("small q3 g16 16 x 768x2048, 4 tok", Q3G16, 768, 2048, 16, 4),
         ("prefill q8 g32 2048x2048, 64 tok", Q8G32, 2048, 2048, 1, 64),
         ("prefill q8 g16 2048x2048, 64 tok", Q8G16, 2048, 2048, 1, 64),
+        ("prefill q5 g32 2048x2048, 64 tok", Q5G32, 2048, 2048, 1, 64),
+        ("prefill q3 g16 2048x2048, 64 tok", Q3G16, 2048, 2048, 1, 64),
         ("prefill bf16 2048x2048, 64 tok", bf16, 2048, 2048, 1, 64),
     ];
     for (name, format, rows, cols, batch, tokens) in prefill {

@@ -1197,10 +1197,44 @@ pub(super) fn pack_sub(
         Kind::F32 => pack8_dense::<DT_F32>(c, &rows, k0, kc, dst, ld, off),
         Kind::F16 => pack8_dense::<DT_F16>(c, &rows, k0, kc, dst, ld, off),
         Kind::Bf16 => pack8_dense::<DT_BF16>(c, &rows, k0, kc, dst, ld, off),
-        Kind::QBits { .. } | Kind::QAny => {
-            portable::pack_generic(c, rb, nv, 8, k0, kc, dst, ld, off, tmp)
-        }
+        Kind::QBits { bits, gs, sdt } => match bits {
+            2 => pack8_qbits::<2>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+            3 => pack8_qbits::<3>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+            5 => pack8_qbits::<5>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+            _ => pack8_qbits::<6>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+        },
+        Kind::QAny => portable::pack_generic(c, rb, nv, 8, k0, kc, dst, ld, off, tmp),
     }
+}
+
+/// [`pack_sub`] for 2/3/5/6-bit affine rows: each row's codes of the columns in range are
+/// unpacked to bytes ([`unpack_codes`]), which then pack as 8-bit rows do.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn pack8_qbits<const BITS: usize>(
+    c: &Ctx,
+    gs: usize,
+    sdt: Dtype,
+    rows: &[usize; 8],
+    k0: usize,
+    kc: usize,
+    dst: &mut [f32],
+    ld: usize,
+    off: usize,
+    st: &mut [f32],
+) {
+    let w = &c.w;
+    let rb = w.row_bytes();
+    // `k0` is a multiple of 64 and `kc` of the group size (16 or more), so both columns start
+    // and end on byte boundaries of the bit stream.
+    assert!(k0.is_multiple_of(64) && kc.is_multiple_of(16) && kc <= 256);
+    let (b0, nb) = (k0 * BITS / 8, kc * BITS / 8);
+    let mut codes = [[0u8; 256]; 8];
+    for (buf, &r) in codes.iter_mut().zip(rows) {
+        unpack_codes::<BITS>(&w.data[r * rb + b0..][..nb], &mut buf[..kc]);
+    }
+    let srcs: [&[u8]; 8] = std::array::from_fn(|i| &codes[i][..kc]);
+    pack8_words::<8>(c, gs, sdt, rows, &srcs, k0, kc, dst, ld, off, st);
 }
 
 /// Elements `g0..g0 + ng` (`ng <= 8`) of rows `rows` of a `[rows, groups]` array of `dt`,
@@ -1283,7 +1317,34 @@ fn pack8_affine<const BITS: usize>(
 ) {
     let w = &c.w;
     let per = 32 / BITS; // elements per word
-    let (rb, groups) = (w.row_bytes(), w.cols / gs);
+    let rb = w.row_bytes();
+    let (w0, nw) = (k0 / per, kc / per);
+    let mut srcs: [&[u8]; 8] = [&[]; 8];
+    for (src, &r) in srcs.iter_mut().zip(rows) {
+        *src = &w.data[r * rb + 4 * w0..][..4 * nw];
+    }
+    pack8_words::<BITS>(c, gs, sdt, rows, &srcs, k0, kc, dst, ld, off, st);
+}
+
+/// [`pack8_affine`] given the rows' words of columns `k0..k0 + kc` (`srcs`, `BITS`-bit codes).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn pack8_words<const BITS: usize>(
+    c: &Ctx,
+    gs: usize,
+    sdt: Dtype,
+    rows: &[usize; 8],
+    srcs: &[&[u8]; 8],
+    k0: usize,
+    kc: usize,
+    dst: &mut [f32],
+    ld: usize,
+    off: usize,
+    st: &mut [f32],
+) {
+    let w = &c.w;
+    let per = 32 / BITS; // elements per word
+    let groups = w.cols / gs;
     assert!(k0.is_multiple_of(gs) && kc.is_multiple_of(per) && gs.is_multiple_of(per));
     // Scales and biases of the groups in range, transposed to `[group][row]`: the scales in
     // `st[..128]`, the biases in `st[128..256]` (up to 16 groups: `kc <= 256`, groups of 16
@@ -1305,18 +1366,14 @@ fn pack8_affine<const BITS: usize>(
     }
     // Words per group (a power of two), relative to the first word, which starts group `g0`.
     let wshift = (gs / per).trailing_zeros();
-    let (w0, nw) = (k0 / per, kc / per);
+    let nw = kc / per;
     let qmask = _mm256_set1_epi32((1 << BITS) - 1);
-    let mut srcs: [&[u8]; 8] = [&[]; 8];
-    for (src, &r) in srcs.iter_mut().zip(rows) {
-        *src = &w.data[r * rb + 4 * w0..][..4 * nw];
-    }
     assert!(dst.len() >= (kc - 1) * ld + off + 8);
     let (dp, sp) = (dst.as_mut_ptr(), st.as_ptr());
     let mut wc = 0;
     while wc < nw {
         let cnt = (nw - wc).min(8);
-        let t = load_words_t8(&srcs, wc, cnt);
+        let t = load_words_t8(srcs, wc, cnt);
         for (j, &tj) in t.iter().enumerate().take(cnt) {
             let tj = _mm256_castps_si256(tj);
             let g = (wc + j) >> wshift;
