@@ -396,30 +396,3 @@ fn dense_types_dequantize() {
         [1.5]
     );
 }
-
-/// Conversion speed: `cargo test --release -p sluice-format convert_speed -- --ignored --nocapture`.
-#[test]
-#[ignore = "timing, run by hand in release"]
-fn convert_speed() {
-    for name in ["Q4_K", "Q6_K", "Q4_0", "Q8_0"] {
-        let t = ty(name);
-        let cols = 4096;
-        let rows = 100_000_000 / (cols / t.block_elements() as usize * t.block_bytes() as usize);
-        let bytes = random_blocks(
-            name,
-            rows * cols / t.block_elements() as usize,
-            &mut Rng(9),
-            15,
-        );
-        let start = std::time::Instant::now();
-        let parts = to_affine(t, &bytes, rows, cols).unwrap();
-        let secs = start.elapsed().as_secs_f64();
-        println!(
-            "{name}: {:.1} MB ({rows} x {cols}) in {:.0} ms, {:.2} GB/s -> {}",
-            bytes.len() as f64 / 1e6,
-            secs * 1e3,
-            bytes.len() as f64 / secs / 1e9,
-            parts.format
-        );
-    }
-}
