@@ -1198,43 +1198,13 @@ pub(super) fn pack_sub(
         Kind::F16 => pack8_dense::<DT_F16>(c, &rows, k0, kc, dst, ld, off),
         Kind::Bf16 => pack8_dense::<DT_BF16>(c, &rows, k0, kc, dst, ld, off),
         Kind::QBits { bits, gs, sdt } => match bits {
-            2 => pack8_qbits::<2>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
-            3 => pack8_qbits::<3>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
-            5 => pack8_qbits::<5>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
-            _ => pack8_qbits::<6>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+            2 => pack8_affine::<2>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+            3 => pack8_affine::<3>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+            5 => pack8_affine::<5>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
+            _ => pack8_affine::<6>(c, gs, sdt, &rows, k0, kc, dst, ld, off, tmp),
         },
         Kind::QAny => portable::pack_generic(c, rb, nv, 8, k0, kc, dst, ld, off, tmp),
     }
-}
-
-/// [`pack_sub`] for 2/3/5/6-bit affine rows: each row's codes of the columns in range are
-/// unpacked to bytes ([`unpack_codes`]), which then pack as 8-bit rows do.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-fn pack8_qbits<const BITS: usize>(
-    c: &Ctx,
-    gs: usize,
-    sdt: Dtype,
-    rows: &[usize; 8],
-    k0: usize,
-    kc: usize,
-    dst: &mut [f32],
-    ld: usize,
-    off: usize,
-    st: &mut [f32],
-) {
-    let w = &c.w;
-    let rb = w.row_bytes();
-    // `k0` is a multiple of 64 and `kc` of the group size (16 or more), so both columns start
-    // and end on byte boundaries of the bit stream.
-    assert!(k0.is_multiple_of(64) && kc.is_multiple_of(16) && kc <= 256);
-    let (b0, nb) = (k0 * BITS / 8, kc * BITS / 8);
-    let mut codes = [[0u8; 256]; 8];
-    for (buf, &r) in codes.iter_mut().zip(rows) {
-        unpack_codes::<BITS>(&w.data[r * rb + b0..][..nb], &mut buf[..kc]);
-    }
-    let srcs: [&[u8]; 8] = std::array::from_fn(|i| &codes[i][..kc]);
-    pack8_words::<8>(c, gs, sdt, rows, &srcs, k0, kc, dst, ld, off, st);
 }
 
 /// Elements `g0..g0 + ng` (`ng <= 8`) of rows `rows` of a `[rows, groups]` array of `dt`,
@@ -1299,8 +1269,9 @@ pub(super) fn load_words_t8(srcs: &[&[u8]; 8], wc: usize, cnt: usize) -> [__m256
     transpose8(v)
 }
 
-/// [`pack_sub`] for 4- or 8-bit affine rows: words of 8 rows are loaded 8 at a time,
-/// transposed, and every nibble/byte position then yields one packed column of 8 rows.
+/// [`pack_sub`] for affine rows: 4- and 8-bit rows as they are stored, 2/3/5/6-bit rows with
+/// the codes of the columns in range unpacked to bytes first ([`unpack_codes`]), which then
+/// pack as 8-bit rows do ([`pack8_words`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 fn pack8_affine<const BITS: usize>(
@@ -1316,14 +1287,27 @@ fn pack8_affine<const BITS: usize>(
     st: &mut [f32],
 ) {
     let w = &c.w;
-    let per = 32 / BITS; // elements per word
     let rb = w.row_bytes();
-    let (w0, nw) = (k0 / per, kc / per);
-    let mut srcs: [&[u8]; 8] = [&[]; 8];
-    for (src, &r) in srcs.iter_mut().zip(rows) {
-        *src = &w.data[r * rb + 4 * w0..][..4 * nw];
+    if BITS == 4 || BITS == 8 {
+        let per = 32 / BITS; // elements per word
+        let (w0, nw) = (k0 / per, kc / per);
+        let mut srcs: [&[u8]; 8] = [&[]; 8];
+        for (src, &r) in srcs.iter_mut().zip(rows) {
+            *src = &w.data[r * rb + 4 * w0..][..4 * nw];
+        }
+        pack8_words::<BITS>(c, gs, sdt, rows, &srcs, k0, kc, dst, ld, off, st);
+    } else {
+        // `k0` is a multiple of 64 and `kc` of the group size (16 or more), so both columns
+        // start and end on byte boundaries of the bit stream.
+        assert!(k0.is_multiple_of(64) && kc.is_multiple_of(16) && kc <= 256);
+        let (b0, nb) = (k0 * BITS / 8, kc * BITS / 8);
+        let mut codes = [[0u8; 256]; 8];
+        for (buf, &r) in codes.iter_mut().zip(rows) {
+            unpack_codes::<BITS>(&w.data[r * rb + b0..][..nb], &mut buf[..kc]);
+        }
+        let srcs: [&[u8]; 8] = std::array::from_fn(|i| &codes[i][..kc]);
+        pack8_words::<8>(c, gs, sdt, rows, &srcs, k0, kc, dst, ld, off, st);
     }
-    pack8_words::<BITS>(c, gs, sdt, rows, &srcs, k0, kc, dst, ld, off, st);
 }
 
 /// [`pack8_affine`] given the rows' words of columns `k0..k0 + kc` (`srcs`, `BITS`-bit codes).
