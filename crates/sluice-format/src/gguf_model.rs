@@ -262,9 +262,9 @@ fn rope_scaling(m: &Meta) -> Result<Option<Value>, FormatError> {
     }
 }
 
-/// The Hugging Face module (without `.weight`) a llama.cpp tensor name stands for, and whether
-/// it is a stack of experts. `None`: a tensor sluice does not use.
-fn hf_module(name: &str) -> Option<(String, bool)> {
+/// The Hugging Face module (without `.weight`) a llama.cpp tensor name stands for (stacked
+/// experts as mlx's `switch_mlp`). `None`: a tensor sluice does not use.
+fn hf_module(name: &str) -> Option<String> {
     let fixed = match name {
         "token_embd.weight" => Some("model.embed_tokens"),
         "output_norm.weight" => Some("model.norm"),
@@ -272,31 +272,31 @@ fn hf_module(name: &str) -> Option<(String, bool)> {
         _ => None,
     };
     if let Some(f) = fixed {
-        return Some((f.to_string(), false));
+        return Some(f.to_string());
     }
     let rest = name.strip_prefix("blk.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let (module, stacked) = match rest.strip_suffix(".weight")? {
-        "attn_norm" => ("input_layernorm", false),
-        "ffn_norm" => ("post_attention_layernorm", false),
-        "attn_q" => ("self_attn.q_proj", false),
-        "attn_k" => ("self_attn.k_proj", false),
-        "attn_v" => ("self_attn.v_proj", false),
-        "attn_output" => ("self_attn.o_proj", false),
-        "attn_q_norm" => ("self_attn.q_norm", false),
-        "attn_k_norm" => ("self_attn.k_norm", false),
-        "ffn_gate_inp" => ("mlp.gate", false),
-        "ffn_gate_exps" => ("mlp.switch_mlp.gate_proj", true),
-        "ffn_up_exps" => ("mlp.switch_mlp.up_proj", true),
-        "ffn_down_exps" => ("mlp.switch_mlp.down_proj", true),
+    let module = match rest.strip_suffix(".weight")? {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_exps" => "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps" => "mlp.switch_mlp.up_proj",
+        "ffn_down_exps" => "mlp.switch_mlp.down_proj",
         // A dense FFN layer (none in Qwen3-MoE checkpoints, kept for `mlp_only_layers`).
-        "ffn_gate" => ("mlp.gate_proj", false),
-        "ffn_up" => ("mlp.up_proj", false),
-        "ffn_down" => ("mlp.down_proj", false),
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
         _ => return None,
     };
-    Some((format!("model.layers.{layer}.{module}"), stacked))
+    Some(format!("model.layers.{layer}.{module}"))
 }
 
 /// Every tensor under its Hugging Face name: dense ones as views of the map, quantised ones
@@ -312,13 +312,26 @@ fn tensors(
         msg,
     };
     let mut map = BTreeMap::new();
+    // `offset` is the data's place in the file, or `IN_MEMORY` for converted bytes.
+    let mut add = |name: String, dtype, shape, bytes, offset| {
+        let info = TensorInfo {
+            name: name.clone(),
+            dtype,
+            shape,
+            file: path.to_path_buf(),
+            bytes,
+            offset,
+        };
+        map.insert(name, info);
+    };
+    // ggml lists the contiguous dimension first.
+    let shape_of =
+        |t: &GgufTensorInfo| -> Vec<usize> { t.dims.iter().rev().map(|&d| d as usize).collect() };
     let mut quantised: Vec<(&GgufTensorInfo, String)> = Vec::new();
     for t in file.tensors() {
-        let Some((module, _stacked)) = hf_module(&t.name) else {
+        let Some(module) = hf_module(&t.name) else {
             continue;
         };
-        // ggml lists the contiguous dimension first.
-        let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
         let dtype = match t.ggml_type.name() {
             "F32" => Some(StDtype::F32),
             "F16" => Some(StDtype::F16),
@@ -326,20 +339,13 @@ fn tensors(
             _ => None,
         };
         match dtype {
-            Some(dtype) => {
-                let name = format!("{module}.weight");
-                map.insert(
-                    name.clone(),
-                    TensorInfo {
-                        name,
-                        dtype,
-                        shape,
-                        file: path.to_path_buf(),
-                        bytes: file.tensor_host_bytes(t),
-                        offset: t.offset,
-                    },
-                );
-            }
+            Some(dtype) => add(
+                format!("{module}.weight"),
+                dtype,
+                shape_of(t),
+                file.tensor_host_bytes(t),
+                t.offset,
+            ),
             None => {
                 if !ggml_quants::has_affine_form(t.ggml_type) {
                     return Err(err(
@@ -383,7 +389,7 @@ fn tensors(
         };
         first.get_or_insert((bits, group_size));
         overrides.insert(module.clone(), Some((bits, group_size)));
-        let dims: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        let dims = shape_of(t);
         let (lead, cols) = dims.split_at(dims.len() - 1);
         let cols = cols[0];
         let st_scale = match scale_dtype {
@@ -417,18 +423,12 @@ fn tensors(
             ),
         ];
         for (suffix, dtype, shape, bytes) in parts_list {
-            let name = format!("{module}.{suffix}");
-            map.insert(
-                name.clone(),
-                TensorInfo {
-                    name,
-                    dtype,
-                    shape,
-                    file: path.to_path_buf(),
-                    bytes: HostBytes::from_vec(bytes),
-                    // Converted in memory: no place in the file holds these bytes.
-                    offset: TensorInfo::IN_MEMORY,
-                },
+            add(
+                format!("{module}.{suffix}"),
+                dtype,
+                shape,
+                HostBytes::from_vec(bytes),
+                TensorInfo::IN_MEMORY,
             );
         }
     }
