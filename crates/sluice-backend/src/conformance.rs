@@ -12,7 +12,7 @@
 use crate::reference::{self, HostLinearState};
 use crate::{
     Backend, DeltaNetDims, Dtype, ExpertKey, FfnWeights, HostBytes, HostMatrix, HostRouting,
-    MatRef, WeightFormat,
+    MatRef, ValueHeadOrder, WeightFormat,
 };
 
 /// How far a backend may stray from the reference, relative to the largest reference value.
@@ -997,6 +997,7 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
             key_dim: 32,
             value_dim: 16,
             conv_kernel: 4,
+            value_order: ValueHeadOrder::Tiled,
         },
         DeltaNetDims {
             key_heads: 4,
@@ -1004,6 +1005,7 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
             key_dim: 64,
             value_dim: 64,
             conv_kernel: 2,
+            value_order: ValueHeadOrder::Grouped,
         },
         // Qwen3.5's head sizes, two value heads per key head.
         DeltaNetDims {
@@ -1012,6 +1014,16 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
             key_dim: 128,
             value_dim: 128,
             conv_kernel: 4,
+            value_order: ValueHeadOrder::Grouped,
+        },
+        // llama.cpp's order, three value heads per key head.
+        DeltaNetDims {
+            key_heads: 2,
+            value_heads: 6,
+            key_dim: 32,
+            value_dim: 32,
+            conv_kernel: 4,
+            value_order: ValueHeadOrder::Tiled,
         },
     ] {
         let c = dims.conv_channels();

@@ -88,12 +88,34 @@ pub struct DeltaNetDims {
     pub key_dim: usize,
     pub value_dim: usize,
     pub conv_kernel: usize,
+    /// How value heads share key heads (`value_heads` is a multiple of `key_heads`).
+    pub value_order: ValueHeadOrder,
+}
+
+/// The order of a Gated DeltaNet's value heads relative to its key heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ValueHeadOrder {
+    /// Hugging Face's: the value heads of key head 0 first, then those of key head 1, ...
+    /// (value head `h` reads key head `h / (value_heads / key_heads)`).
+    #[default]
+    Grouped,
+    /// llama.cpp's GGUF files (its converter permutes them so that a broadcast repeats the key
+    /// heads): value head `h` reads key head `h % key_heads`.
+    Tiled,
 }
 
 impl DeltaNetDims {
     /// Channels of the convolved projection: q, k and v.
     pub fn conv_channels(&self) -> usize {
         2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// The key head (of q and k) that value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        match self.value_order {
+            ValueHeadOrder::Grouped => h / (self.value_heads / self.key_heads).max(1),
+            ValueHeadOrder::Tiled => h % self.key_heads.max(1),
+        }
     }
 }
 

@@ -386,7 +386,7 @@ pub fn gated_delta_rule(
     for t in 0..rows {
         let row = &qkv[t * width..(t + 1) * width];
         for h in 0..hv {
-            let kh = h / (hv / hk);
+            let kh = d.key_head(h);
             let q = l2(&row[kh * dk..][..dk], 1.0 / (dk as f64).sqrt());
             let k = l2(&row[hk * dk + kh * dk..][..dk], 1.0);
             let v = &row[2 * hk * dk + h * dv..][..dv];
@@ -416,4 +416,89 @@ pub fn rms_norm_gated(x: &[f32], z: &[f32], weight: &[f32], eps: f32) -> Vec<f32
         .zip(z)
         .map(|(v, &g)| (v as f64 * silu(g as f64)) as f32)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ValueHeadOrder;
+
+    /// Value heads in llama.cpp's tiled order, with every per-value-head input permuted the way
+    /// its converter permutes them, give the grouped order's outputs permuted alike.
+    #[test]
+    fn tiled_value_heads_are_grouped_ones_permuted() {
+        let (hk, hv, dk, dv) = (2, 6, 4, 3);
+        let grouped = DeltaNetDims {
+            key_heads: hk,
+            value_heads: hv,
+            key_dim: dk,
+            value_dim: dv,
+            conv_kernel: 4,
+            value_order: ValueHeadOrder::Grouped,
+        };
+        let tiled = DeltaNetDims {
+            value_order: ValueHeadOrder::Tiled,
+            ..grouped
+        };
+        // Tiled head j * hk + i is grouped head i * (hv / hk) + j.
+        let per_k = hv / hk;
+        let perm: Vec<usize> = (0..hv).map(|n| (n % hk) * per_k + n / hk).collect();
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        let rows = 3;
+        let width = grouped.conv_channels();
+        let qkv: Vec<f32> = (0..rows * width).map(|_| next()).collect();
+        let a: Vec<f32> = (0..rows * hv).map(|_| next()).collect();
+        let b: Vec<f32> = (0..rows * hv).map(|_| next()).collect();
+        let a_log: Vec<f32> = (0..hv).map(|_| next()).collect();
+        let dt_bias: Vec<f32> = (0..hv).map(|_| next()).collect();
+        let heads = |x: &[f32], n: usize, size: usize| -> Vec<f32> {
+            (0..x.len() / (n * size))
+                .flat_map(|t| {
+                    perm.iter()
+                        .flat_map(move |&h| (0..size).map(move |i| (t, h, i)))
+                        .map(|(t, h, i)| x[(t * n + h) * size + i])
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let qk = 2 * hk * dk;
+        let qkv_tiled: Vec<f32> = (0..rows)
+            .flat_map(|t| {
+                let row = &qkv[t * width..(t + 1) * width];
+                let mut r = row[..qk].to_vec();
+                r.extend(heads(&row[qk..], hv, dv));
+                r
+            })
+            .collect();
+        let mut sg = HostLinearState::new(&grouped);
+        let mut st = HostLinearState::new(&tiled);
+        let want = gated_delta_rule(&qkv, &a, &b, &a_log, &dt_bias, &mut sg);
+        let got = gated_delta_rule(
+            &qkv_tiled,
+            &heads(&a, hv, 1),
+            &heads(&b, hv, 1),
+            &heads(&a_log, hv, 1),
+            &heads(&dt_bias, hv, 1),
+            &mut st,
+        );
+        assert_eq!(got, heads(&want, hv, dv));
+        assert_eq!(st.recurrent, heads(&sg.recurrent, hv, dv * dk));
+        // And the orders differ: grouped dims on the tiled inputs give something else.
+        let mut sx = HostLinearState::new(&grouped);
+        let other = gated_delta_rule(
+            &qkv_tiled,
+            &heads(&a, hv, 1),
+            &heads(&b, hv, 1),
+            &heads(&a_log, hv, 1),
+            &heads(&dt_bias, hv, 1),
+            &mut sx,
+        );
+        assert_ne!(other, got);
+    }
 }

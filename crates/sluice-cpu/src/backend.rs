@@ -412,14 +412,13 @@ impl Backend for CpuBackend {
         let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_dim, d.value_dim);
         assert_eq!(qkv.cols, d.conv_channels());
         assert_eq!((a.cols, b.cols), (hv, hv));
-        let group = hv / hk;
         let q_scale = 1.0 / (dk as f32).sqrt();
         let mut out = CpuAct::zeros(qkv.rows, hv * dv);
         // Heads are independent: each carries its own state through all rows.
         let ys: Vec<Mutex<Vec<f32>>> = (0..hv).map(|_| Mutex::new(Vec::new())).collect();
         team::chunks_mut(&mut state.recurrent, dv * dk, |h, s| {
             *ys[h].lock().unwrap_or_else(|p| p.into_inner()) = {
-                let kh = h / group;
+                let kh = d.key_head(h);
                 let mut y = vec![0.0; qkv.rows * dv];
                 let (mut q, mut k) = (vec![0.0; dk], vec![0.0; dk]);
                 for t in 0..qkv.rows {

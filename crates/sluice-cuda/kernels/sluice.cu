@@ -2254,20 +2254,26 @@ extern "C" __global__ void __launch_bounds__(256) causal_conv1d_silu(const float
     }
 }
 
+// The key head value head h reads: value heads grouped by key head (Hugging Face's order) or,
+// with `tiled`, repeating the key heads (llama.cpp's GGUF order).
+__device__ __forceinline__ int key_head(int h, int hk, int hv, int tiled) {
+    return tiled ? h % hk : h / (hv / hk);
+}
+
 // The gated delta rule for one value head per block. State S [dv, dk] (row i = value dim i),
 // held in registers: each row is split over dk / 32 consecutive threads of 32 values each.
 // Tokens run in order (the recurrence is sequential). dk % 32 == 0, dk <= 256.
 extern "C" __global__ void gated_delta_rule(const float* qkv, const float* a, const float* b,
                                             const float* a_log, const float* dt_bias,
                                             float* state, float* y, int ntok, int hk, int hv,
-                                            int dk, int dv) {
+                                            int dk, int dv, int tiled) {
     PDL_START();
     const int h = blockIdx.x;
     const int parts = dk / 32;
     const int i = threadIdx.x / parts;  // value row
     const int part = threadIdx.x % parts;
     const bool active = i < dv;
-    const int kh = h / (hv / hk);
+    const int kh = key_head(h, hk, hv, tiled);
     const int width = 2 * hk * dk + hv * dv;
     __shared__ float qs[256], ks[256];
     float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
@@ -2377,7 +2383,7 @@ extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, c
 // from delta_prep's prep; 64 or 128 threads, dk % 32 == 0, dk <= 256.
 extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
     const float* qkv, const float* prep, float* state, float* y, int ntok, int hk, int hv, int dk,
-    int dv) {
+    int dv, int tiled) {
     PDL_START();
     __shared__ float qs[DELTA_CHUNK][8 * DELTA_LD], ks[DELTA_CHUNK][8 * DELTA_LD];
     __shared__ float vs[DELTA_CHUNK][128];
@@ -2386,7 +2392,7 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
     const int r = threadIdx.x / parts, part = threadIdx.x % parts;
     const int i = blockIdx.y * rows + r;  // value row
     const bool active = i < dv;
-    const int kh = h / (hv / hk);
+    const int kh = key_head(h, hk, hv, tiled);
     const int width = 2 * hk * dk + hv * dv, pw = 2 * hk * dk + 2 * hv;
     float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
     // 32 values a thread, 16-byte aligned: eight vector loads instead of 32 scattered ones.

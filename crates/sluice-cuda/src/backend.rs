@@ -8,7 +8,7 @@ use cudarc::driver::CudaFunction;
 use sluice_backend::{
     Backend, BackendError, DeltaNetDims, ExpertCachePlan, ExpertCacheStats, ExpertKey,
     ExpertSource, FfnWeights, HostExpert, HostLinearState, HostMatrix, HostPinner, HostRouting,
-    MemoryInfo, TopLogits,
+    MemoryInfo, TopLogits, ValueHeadOrder,
 };
 
 use crate::device::{grid, Arg, DevBuf, Device};
@@ -2391,6 +2391,7 @@ impl Backend for CudaBackend {
         let out = self.act(qkv.rows, d.value_heads * d.value_dim);
         let threads = (d.value_dim * d.key_dim / 32).next_multiple_of(32);
         let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_dim, d.value_dim);
+        let tiled = (d.value_order == ValueHeadOrder::Tiled) as i32;
         // The state-free work for all tokens first, then the recurrence with a block per group
         // of value rows and no barrier per token (the same bits as the one-kernel path, which
         // needs dv >= 32 for that). Measured on an H100 (Qwen3.5-35B-A3B shape): the one-kernel
@@ -2448,6 +2449,7 @@ impl Backend for CudaBackend {
                     ]
                     .as_slice(),
                     &dims,
+                    &[Arg::I32(tiled)],
                 ]
                 .concat(),
             );
@@ -2471,6 +2473,7 @@ impl Backend for CudaBackend {
                     Arg::I32(d.value_heads as i32),
                     Arg::I32(d.key_dim as i32),
                     Arg::I32(d.value_dim as i32),
+                    Arg::I32(tiled),
                 ],
             );
         }

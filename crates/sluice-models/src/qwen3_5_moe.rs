@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, DeltaNetDims, ExpertSource};
+use sluice_backend::{Backend, DeltaNetDims, ExpertSource, ValueHeadOrder};
 use sluice_format::ModelDir;
 
 use crate::decoder::{wrong_state, Decoder, Dims, Ends};
@@ -83,6 +83,10 @@ pub struct Qwen35MoeConfig {
     pub mlp_only_layers: Vec<usize>,
     #[serde(default = "one")]
     pub decoder_sparse_step: usize,
+    /// Not a Hugging Face key: set for llama.cpp GGUF files, whose value heads are in
+    /// [`ValueHeadOrder::Tiled`] order (every tensor of the linear attention permuted alike).
+    #[serde(default)]
+    pub linear_value_heads_tiled: bool,
 }
 
 /// The token mixer of a layer.
@@ -141,6 +145,11 @@ impl Qwen35MoeConfig {
             key_dim: self.linear_key_head_dim,
             value_dim: self.linear_value_head_dim,
             conv_kernel: self.linear_conv_kernel_dim,
+            value_order: if self.linear_value_heads_tiled {
+                ValueHeadOrder::Tiled
+            } else {
+                ValueHeadOrder::Grouped
+            },
         }
     }
 
