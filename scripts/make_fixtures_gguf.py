@@ -22,6 +22,12 @@ llama-quantize`; `--quantize` names the binary, default DIR/build/bin/llama-quan
    through the cache). The f32 GGUF must reproduce the original model's logits (checks the name
    mapping). Each variant's routing gap and argmax margin are measured on its dequantised weights.
 
+With `--family qwen35moe` the model is a tiny Qwen3.5-MoE (two Gated DeltaNet layers, one gated
+attention layer, two value heads per key head so that llama.cpp's tiled value-head order differs
+from Hugging Face's grouped one; converted with `--no-mtp`), and the dequantised checkpoint undoes
+llama.cpp's changes: norms less the 1 it adds, `A_log = ln(-ssm_a)`, the value heads regrouped,
+conv1d as `[C, 1, K]`. It writes `qwen3_5_moe-gguf-<variant>/`.
+
 Writes `qwen3_moe-gguf-<variant>/` with `model.gguf`, `logits_prefill.npy`, `logits_decode.npy`,
 `reference.json` (text, tokens, tensor types, margins, versions).
 """
@@ -51,6 +57,84 @@ VARIANTS = [
                         "--tensor-type", "ffn_up_exps=q5_1", "--tensor-type", "ffn_down_exps=q4_1",
                         "--output-tensor-type", "bf16", "--token-embedding-type", "q8_0"]),
 ]
+
+
+VARIANTS_QWEN35 = [("q4_k_m", "Q4_K_M", [])]
+
+
+def config_qwen35():
+    """Tiny Qwen3.5-MoE with every matrix 256 columns wide (K-quant blocks) and 2 value heads per
+    key head."""
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(
+        vocab_size=500, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        full_attention_interval=3, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=256, shared_expert_intermediate_size=256, rms_norm_eps=1e-6,
+        max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+        eos_token_id=[495, 493],
+    )
+
+
+def qwen35_to_hf(name, v, cfg):
+    """llama.cpp qwen35moe tensor `name` with values `v` (HF axis order) -> [(HF name, values)],
+    undoing its converter (conversion/qwen.py): +1 on the zero-centred norms, A = -exp(A_log),
+    value heads tiled, conv1d squeezed, dt_bias renamed."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    hk, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    per_k = nv // nk
+    # Grouped head g = i * per_k + j sits at tiled position j * nk + i.
+    tiled_of = [(g % per_k) * nk + g // per_k for g in range(nv)]
+
+    def grouped(x, size, axis=0):
+        idx = np.concatenate([np.arange(t * size, (t + 1) * size) for t in tiled_of])
+        return np.take(x, idx, axis=axis)
+
+    fixed = {"token_embd.weight": ("model.embed_tokens.weight", v),
+             "output_norm.weight": ("model.norm.weight", v - 1),
+             "output.weight": ("lm_head.weight", v)}
+    if name in fixed:
+        return [fixed[name]]
+    _, layer, rest = name.split(".", 2)
+    p = f"model.layers.{layer}."
+    qk = 2 * nk * hk
+    if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+        proj = rest.split("_")[1]
+        return [(p + f"mlp.experts.{e}.{proj}_proj.weight", v[e]) for e in range(v.shape[0])]
+    table = {
+        "attn_norm.weight": ("input_layernorm.weight", lambda: v - 1),
+        "post_attention_norm.weight": ("post_attention_layernorm.weight", lambda: v - 1),
+        "attn_q_norm.weight": ("self_attn.q_norm.weight", lambda: v - 1),
+        "attn_k_norm.weight": ("self_attn.k_norm.weight", lambda: v - 1),
+        "attn_q.weight": ("self_attn.q_proj.weight", lambda: v),
+        "attn_k.weight": ("self_attn.k_proj.weight", lambda: v),
+        "attn_v.weight": ("self_attn.v_proj.weight", lambda: v),
+        "attn_output.weight": ("self_attn.o_proj.weight", lambda: v),
+        "attn_qkv.weight": ("linear_attn.in_proj_qkv.weight",
+                            lambda: np.concatenate([v[:qk], grouped(v[qk:], hv)])),
+        "attn_gate.weight": ("linear_attn.in_proj_z.weight", lambda: grouped(v, hv)),
+        "ssm_beta.weight": ("linear_attn.in_proj_b.weight", lambda: grouped(v, 1)),
+        "ssm_alpha.weight": ("linear_attn.in_proj_a.weight", lambda: grouped(v, 1)),
+        "ssm_conv1d.weight": ("linear_attn.conv1d.weight",
+                              lambda: np.concatenate([v[:qk], grouped(v[qk:], hv)])[:, None, :]),
+        "ssm_dt.bias": ("linear_attn.dt_bias", lambda: grouped(v, 1)),
+        # As sluice computes it: ln in float64, rounded once to float32.
+        "ssm_a": ("linear_attn.A_log",
+                  lambda: grouped(np.log(-v.astype(np.float64)).astype(np.float32), 1)),
+        "ssm_norm.weight": ("linear_attn.norm.weight", lambda: v),
+        "ssm_out.weight": ("linear_attn.out_proj.weight", lambda: grouped(v, hv, axis=1)),
+        "ffn_gate_inp.weight": ("mlp.gate.weight", lambda: v),
+        "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", lambda: v.reshape(1, -1)),
+        "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", lambda: v),
+        "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", lambda: v),
+        "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", lambda: v),
+    }
+    hf, values = table[rest]
+    return [(p + hf, np.ascontiguousarray(values()))]
 
 
 def config():
@@ -88,8 +172,9 @@ def gguf_to_hf_name(name):
     return p + per_layer[rest]
 
 
-def dequantized_checkpoint(gguf_path, hf_dir, out_dir):
-    """The GGUF's values (gguf-py's dequantisation) as a float32 HF checkpoint in `out_dir`."""
+def dequantized_checkpoint(gguf_path, hf_dir, out_dir, to_hf=None):
+    """The GGUF's values (gguf-py's dequantisation) as a float32 HF checkpoint in `out_dir`;
+    `to_hf(name, values)` maps a tensor to HF (name, values) pairs (default: qwen3moe's names)."""
     import gguf
     from safetensors.torch import save_file
     reader = gguf.GGUFReader(gguf_path)
@@ -99,6 +184,10 @@ def dequantized_checkpoint(gguf_path, hf_dir, out_dir):
         shape = [int(d) for d in reversed(t.shape)]
         values = values.reshape(shape)
         types[t.tensor_type.name] += 1
+        if to_hf is not None:
+            for hf, v in to_hf(t.name, values):
+                tensors[hf] = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+            continue
         hf = gguf_to_hf_name(t.name)
         if "{e}" in hf:
             for e in range(shape[0]):
@@ -132,7 +221,15 @@ def main():
     ap.add_argument("--quantize", help="llama-quantize binary (default LLAMA_CPP/build/bin/llama-quantize)")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures"))
     ap.add_argument("--only", action="append", help="variant(s) to write")
+    ap.add_argument("--family", choices=["qwen3moe", "qwen35moe"], default="qwen3moe")
     a = ap.parse_args()
+    qwen35 = a.family == "qwen35moe"
+    if qwen35:
+        cfg35 = config_qwen35()
+        to_hf = lambda name, v: qwen35_to_hf(name, v, cfg35)  # noqa: E731
+        variants, prefix = VARIANTS_QWEN35, "qwen3_5_moe-gguf"
+    else:
+        to_hf, variants, prefix = None, VARIANTS, "qwen3_moe-gguf"
     quantize = a.quantize or os.path.join(a.llama_cpp, "build", "bin", "llama-quantize")
     sys.path.insert(0, os.path.join(a.llama_cpp, "gguf-py"))
     torch.set_num_threads(8)
@@ -147,7 +244,8 @@ def main():
     # 1. The model: decisive routing, then an output head with clear argmaxes.
     for seed in range(400):
         torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config()).float().eval()
+        model = (AutoModelForCausalLM.from_config(cfg35) if qwen35
+                 else Qwen3MoeForCausalLM(config())).float().eval()
         init_(model, seed)
         gap = routing_gap(model, ids)
         if gap > 4e-3:
@@ -179,7 +277,8 @@ def main():
         f"sys.path.insert(0, {os.path.join(a.llama_cpp, 'gguf-py')!r})\n"
         "from conversion import base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
-        f"sys.argv = ['convert_hf_to_gguf.py', {hf!r}, '--outtype', 'f32', '--outfile', {f32!r}]\n"
+        f"sys.argv = ['convert_hf_to_gguf.py', {hf!r}, '--outtype', 'f32', '--outfile', {f32!r}"
+        + (", '--no-mtp']\n" if qwen35 else "]\n") +
         f"runpy.run_path({os.path.join(a.llama_cpp, 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
     )
     subprocess.run([sys.executable, "-c", runner], check=True)
@@ -187,16 +286,16 @@ def main():
     # The f32 GGUF holds the model: its dequantised checkpoint gives the original logits.
     _, want, _ = logits(hf, tokens)
     dq = os.path.join(work, "f32-dequantised")
-    dequantized_checkpoint(f32, hf, dq)
+    dequantized_checkpoint(f32, hf, dq, to_hf)
     _, got, _ = logits(dq, tokens)
     err = float(np.abs(got - want).max())
     print(f"f32 GGUF vs the original model: max|diff| {err:.2e}")
     assert err < 1e-4, "name mapping or conversion is wrong"
 
-    for suffix, ftype, extra in VARIANTS:
+    for suffix, ftype, extra in variants:
         if a.only and suffix not in a.only:
             continue
-        name = f"qwen3_moe-gguf-{suffix}"
+        name = f"{prefix}-{suffix}"
         out = os.path.join(a.out, name)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
@@ -204,7 +303,7 @@ def main():
         subprocess.run([quantize, *extra, f32, path, ftype], check=True,
                        stdout=subprocess.DEVNULL)
         dq = os.path.join(work, f"{suffix}-dequantised")
-        counts, per_tensor = dequantized_checkpoint(path, hf, dq)
+        counts, per_tensor = dequantized_checkpoint(path, hf, dq, to_hf)
         ref, prefill, decode = logits(dq, tokens)
         gap = routing_gap(ref, ids)
         top2 = np.sort(prefill, -1)[:, -2:]
@@ -221,7 +320,7 @@ def main():
                 "max_abs_decode_vs_prefill": float(np.abs(decode - prefill).max()),
                 "torch_version": torch.__version__,
                 "transformers_version": transformers.__version__,
-                "notes": "tiny random Qwen3-MoE -> llama.cpp convert_hf_to_gguf.py (f32) -> "
+                "notes": f"tiny random {'Qwen3.5-MoE' if qwen35 else 'Qwen3-MoE'} -> llama.cpp convert_hf_to_gguf.py (f32) -> "
                          f"llama-quantize {ftype}; logits: gguf-py's dequantisation of model.gguf "
                          "as a float32 checkpoint, transformers on the CPU",
             }, f, indent=1)

@@ -35,7 +35,7 @@ pub(crate) fn is_gguf(path: &Path) -> bool {
 }
 
 /// The architectures whose GGUF files sluice runs, by `general.architecture`.
-pub const GGUF_ARCHITECTURES: [&str; 1] = ["qwen3moe"];
+pub const GGUF_ARCHITECTURES: [&str; 2] = ["qwen3moe", "qwen35moe"];
 
 pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
     let file = GgufFile::open(path).map_err(|e| FormatError::Config {
@@ -64,6 +64,7 @@ pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
     };
     let config = match arch.as_str() {
         "qwen3moe" => qwen3moe_config(&meta)?,
+        "qwen35moe" => qwen35moe_config(&meta)?,
         other => {
             return Err(err(format!(
                 "architecture `{other}` is not supported in GGUF files yet (sluice runs {}); \
@@ -72,7 +73,7 @@ pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
             )))
         }
     };
-    let (map, quantization) = tensors(&file, path)?;
+    let (map, quantization) = tensors(&file, path, &arch)?;
     let tokenizer_json =
         gguf_tokenizer::tokenizer_json(&file).map_err(|e| FormatError::Config {
             path: e.path,
@@ -236,6 +237,129 @@ fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
     Ok(Value::Object(c))
 }
 
+/// The Hugging Face `qwen3_5_moe` text config a llama.cpp `qwen35moe` GGUF describes (Qwen3.5
+/// MoE: Gated DeltaNet layers and gated full attention). Layers are typed by their tensors (a
+/// linear-attention layer has `ssm_a`); the multi-token-prediction layers past
+/// `nextn_predict_layers` are left out. llama.cpp renormalises the top-k routing weights and
+/// stores the DeltaNet's value heads tiled (`linear_value_heads_tiled`).
+fn qwen35moe_config(m: &Meta) -> Result<Value, FormatError> {
+    let hidden = m.uint("embedding_length")?;
+    let heads = m.uint("attention.head_count")?;
+    if heads == 0 {
+        return Err(m.err("`qwen35moe.attention.head_count` is 0".into()));
+    }
+    let head_dim = m
+        .uint_opt("attention.key_length")?
+        .unwrap_or(hidden / heads);
+    if let Some(v) = m.uint_opt("attention.value_length")? {
+        if v != head_dim {
+            return Err(m.err(format!(
+                "value heads of {v} and key heads of {head_dim}: qwen35moe has equal ones"
+            )));
+        }
+    }
+    let blocks = m.uint("block_count")?;
+    let nextn = m.uint_opt("nextn_predict_layers")?.unwrap_or(0);
+    let layers = blocks.checked_sub(nextn).ok_or_else(|| {
+        m.err(format!(
+            "`qwen35moe.nextn_predict_layers` ({nextn}) exceeds `block_count` ({blocks})"
+        ))
+    })?;
+    let vocab = match m.tensor_dims("token_embd.weight") {
+        Some([_, rows]) => *rows as usize,
+        _ => {
+            return Err(m.err(
+                "no 2-D `token_embd.weight` tensor (the token embeddings): incomplete file?".into(),
+            ))
+        }
+    };
+    let (key_heads, value_heads) = (m.uint("ssm.group_count")?, m.uint("ssm.time_step_rank")?);
+    let inner = m.uint("ssm.inner_size")?;
+    if key_heads == 0 || value_heads == 0 || !value_heads.is_multiple_of(key_heads) {
+        return Err(m.err(format!(
+            "{value_heads} DeltaNet value heads (`ssm.time_step_rank`) over {key_heads} key heads \
+             (`ssm.group_count`): need a whole number of value heads per key head"
+        )));
+    }
+    if !inner.is_multiple_of(value_heads) {
+        return Err(m.err(format!(
+            "`qwen35moe.ssm.inner_size` {inner} is not a multiple of {value_heads} value heads"
+        )));
+    }
+    let layer_types: Vec<&str> = (0..layers)
+        .map(|i| {
+            if m.file.tensor(&format!("blk.{i}.ssm_a")).is_some() {
+                "linear_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    let rotary = m.uint_opt("rope.dimension_count")?.unwrap_or(head_dim / 4);
+    let mut c = Map::new();
+    c.insert("model_type".into(), json!("qwen3_5_moe_text"));
+    c.insert("architectures".into(), json!(["Qwen3_5MoeForCausalLM"]));
+    c.insert("vocab_size".into(), json!(vocab));
+    c.insert("hidden_size".into(), json!(hidden));
+    c.insert("num_hidden_layers".into(), json!(layers));
+    c.insert("num_attention_heads".into(), json!(heads));
+    c.insert(
+        "num_key_value_heads".into(),
+        json!(m.uint_opt("attention.head_count_kv")?.unwrap_or(heads)),
+    );
+    c.insert("head_dim".into(), json!(head_dim));
+    c.insert(
+        "rms_norm_eps".into(),
+        json!(m
+            .float_opt("attention.layer_norm_rms_epsilon")?
+            .unwrap_or(1e-6)),
+    );
+    c.insert(
+        "rope_theta".into(),
+        json!(m.float_opt("rope.freq_base")?.unwrap_or(10000.0)),
+    );
+    c.insert(
+        "partial_rotary_factor".into(),
+        json!(rotary as f64 / head_dim as f64),
+    );
+    if let Some(ctx) = m.uint_opt("context_length")? {
+        c.insert("max_position_embeddings".into(), json!(ctx));
+    }
+    c.insert("linear_num_key_heads".into(), json!(key_heads));
+    c.insert("linear_num_value_heads".into(), json!(value_heads));
+    c.insert(
+        "linear_key_head_dim".into(),
+        json!(m.uint("ssm.state_size")?),
+    );
+    c.insert("linear_value_head_dim".into(), json!(inner / value_heads));
+    c.insert(
+        "linear_conv_kernel_dim".into(),
+        json!(m.uint("ssm.conv_kernel")?),
+    );
+    c.insert("linear_value_heads_tiled".into(), json!(true));
+    c.insert("layer_types".into(), json!(layer_types));
+    c.insert("num_experts".into(), json!(m.uint("expert_count")?));
+    c.insert(
+        "num_experts_per_tok".into(),
+        json!(m.uint("expert_used_count")?),
+    );
+    c.insert(
+        "moe_intermediate_size".into(),
+        json!(m.uint("expert_feed_forward_length")?),
+    );
+    c.insert(
+        "shared_expert_intermediate_size".into(),
+        json!(m.uint("expert_shared_feed_forward_length")?),
+    );
+    c.insert("norm_topk_prob".into(), json!(true));
+    c.insert("attn_output_gate".into(), json!(true));
+    c.insert(
+        "tie_word_embeddings".into(),
+        json!(m.file.tensor("output.weight").is_none()),
+    );
+    Ok(Value::Object(c))
+}
+
 /// `rope.scaling.*` as a Hugging Face `rope_scaling` object (`None` when absent or `none`).
 fn rope_scaling(m: &Meta) -> Result<Option<Value>, FormatError> {
     let kind = match m.value("rope.scaling.type") {
@@ -262,41 +386,148 @@ fn rope_scaling(m: &Meta) -> Result<Option<Value>, FormatError> {
     }
 }
 
-/// The Hugging Face module (without `.weight`) a llama.cpp tensor name stands for (stacked
-/// experts as mlx's `switch_mlp`). `None`: a tensor sluice does not use.
-fn hf_module(name: &str) -> Option<String> {
-    let fixed = match name {
-        "token_embd.weight" => Some("model.embed_tokens"),
-        "output_norm.weight" => Some("model.norm"),
-        "output.weight" => Some("lm_head"),
+/// What a GGUF tensor needs beyond renaming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Transform {
+    None,
+    /// llama.cpp stores a DeltaNet's `A = -exp(A_log)`; the model reads `A_log = ln(-A)`.
+    NegExpInverse,
+    /// A 1-D `[n]` tensor the model reads as the matrix `[1, n]` (the shared expert's gate).
+    Row,
+}
+
+/// Where a GGUF tensor goes: the Hugging Face module (its tensor is `{module}.weight`, or
+/// `module` itself for the DeltaNet's bare parameters), stacked experts as mlx's `switch_mlp`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Target {
+    module: String,
+    /// Whether the Hugging Face name ends in `.weight` (a quantised tensor can only be such).
+    weight: bool,
+    transform: Transform,
+}
+
+/// The [`Target`] of llama.cpp tensor `name` in a file of architecture `arch`; `Ok(None)` for a
+/// tensor sluice does not use (multi-token prediction, rope frequencies), `Err` for a layout it
+/// cannot run.
+fn hf_target(
+    name: &str,
+    arch: &str,
+    file: &GgufFile,
+    layers: usize,
+) -> Result<Option<Target>, String> {
+    let target = |module: String, weight: bool, transform: Transform| {
+        Ok(Some(Target {
+            module,
+            weight,
+            transform,
+        }))
+    };
+    match name {
+        "token_embd.weight" => return target("model.embed_tokens".into(), true, Transform::None),
+        "output_norm.weight" => return target("model.norm".into(), true, Transform::None),
+        "output.weight" => return target("lm_head".into(), true, Transform::None),
+        _ => {}
+    }
+    let Some((layer, rest)) = name
+        .strip_prefix("blk.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(l, r)| Some((l.parse::<usize>().ok()?, r)))
+    else {
+        return Ok(None);
+    };
+    if layer >= layers {
+        // A multi-token-prediction block (`nextn_predict_layers`), which sluice does not run.
+        return Ok(None);
+    }
+    let module = |m: &str| format!("model.layers.{layer}.{m}");
+    if rest == "ffn_gate_up_exps.weight" {
+        return Err("fused gate and up experts (`ffn_gate_up_exps`, written by \
+                    convert_hf_to_gguf.py --fuse-gate-up-exps) are not supported yet: convert \
+                    the model without that option"
+            .into());
+    }
+    let common = match rest {
+        "attn_norm.weight" => Some("input_layernorm"),
+        "attn_q.weight" => Some("self_attn.q_proj"),
+        "attn_k.weight" => Some("self_attn.k_proj"),
+        "attn_v.weight" => Some("self_attn.v_proj"),
+        "attn_output.weight" => Some("self_attn.o_proj"),
+        "attn_q_norm.weight" => Some("self_attn.q_norm"),
+        "attn_k_norm.weight" => Some("self_attn.k_norm"),
+        "ffn_gate_inp.weight" => Some("mlp.gate"),
+        "ffn_gate_exps.weight" => Some("mlp.switch_mlp.gate_proj"),
+        "ffn_up_exps.weight" => Some("mlp.switch_mlp.up_proj"),
+        "ffn_down_exps.weight" => Some("mlp.switch_mlp.down_proj"),
+        // A dense FFN layer (none in these MoE checkpoints, kept for `mlp_only_layers`).
+        "ffn_gate.weight" => Some("mlp.gate_proj"),
+        "ffn_up.weight" => Some("mlp.up_proj"),
+        "ffn_down.weight" => Some("mlp.down_proj"),
         _ => None,
     };
-    if let Some(f) = fixed {
-        return Some(f.to_string());
+    if let Some(m) = common {
+        return target(module(m), true, Transform::None);
     }
-    let rest = name.strip_prefix("blk.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let module = match rest.strip_suffix(".weight")? {
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "attn_q_norm" => "self_attn.q_norm",
-        "attn_k_norm" => "self_attn.k_norm",
-        "ffn_gate_inp" => "mlp.gate",
-        "ffn_gate_exps" => "mlp.switch_mlp.gate_proj",
-        "ffn_up_exps" => "mlp.switch_mlp.up_proj",
-        "ffn_down_exps" => "mlp.switch_mlp.down_proj",
-        // A dense FFN layer (none in Qwen3-MoE checkpoints, kept for `mlp_only_layers`).
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
+    match (arch, rest) {
+        ("qwen3moe", "ffn_norm.weight") => target(
+            module("post_attention_layernorm"),
+            true,
+            Transform::None,
+        ),
+        ("qwen35moe", _) => {
+            let linear = file.tensor(&format!("blk.{layer}.ssm_a")).is_some();
+            let (m, weight, transform) = match rest {
+                "post_attention_norm.weight" => ("post_attention_layernorm", true, Transform::None),
+                "attn_qkv.weight" if !linear => {
+                    return Err(format!(
+                        "`{name}`: fused q/k/v in a full-attention layer (convert_hf_to_gguf.py \
+                         --fuse-qkv) is not supported yet: convert the model without that option"
+                    ))
+                }
+                "attn_qkv.weight" => ("linear_attn.in_proj_qkv", true, Transform::None),
+                "attn_gate.weight" => ("linear_attn.in_proj_z", true, Transform::None),
+                "ssm_beta.weight" => ("linear_attn.in_proj_b", true, Transform::None),
+                "ssm_alpha.weight" => ("linear_attn.in_proj_a", true, Transform::None),
+                "ssm_conv1d.weight" => ("linear_attn.conv1d", true, Transform::None),
+                "ssm_dt.bias" => ("linear_attn.dt_bias", false, Transform::None),
+                "ssm_a" => ("linear_attn.A_log", false, Transform::NegExpInverse),
+                "ssm_norm.weight" => ("linear_attn.norm", true, Transform::None),
+                "ssm_out.weight" => ("linear_attn.out_proj", true, Transform::None),
+                "ffn_gate_inp_shexp.weight" => ("mlp.shared_expert_gate", true, Transform::Row),
+                "ffn_gate_shexp.weight" => ("mlp.shared_expert.gate_proj", true, Transform::None),
+                "ffn_up_shexp.weight" => ("mlp.shared_expert.up_proj", true, Transform::None),
+                "ffn_down_shexp.weight" => ("mlp.shared_expert.down_proj", true, Transform::None),
+                _ => return Ok(None),
+            };
+            target(module(m), weight, transform)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The decoder layers a model runs: `block_count` less the multi-token-prediction blocks that
+/// llama.cpp appends after them (`nextn_predict_layers`). The config has checked both keys.
+fn trunk_layers(file: &GgufFile, arch: &str) -> usize {
+    let key = |k: &str| {
+        file.metadata(&format!("{arch}.{k}"))
+            .and_then(GgufValue::as_u64)
+            .unwrap_or(0) as usize
     };
-    Some(format!("model.layers.{layer}.{module}"))
+    key("block_count").saturating_sub(key("nextn_predict_layers"))
+}
+
+/// `ln(-a)` of each f32 of llama.cpp's `ssm_a` (rounded once from f64), or why not.
+fn a_log_of(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(bytes.len());
+    for c in bytes.chunks_exact(4) {
+        let a = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        if !(a < 0.0) {
+            return Err(format!(
+                "holds {a}: llama.cpp stores -exp(A_log), which is negative"
+            ));
+        }
+        out.extend_from_slice(&((-(a as f64)).ln() as f32).to_le_bytes());
+    }
+    Ok(out)
 }
 
 /// Every tensor under its Hugging Face name: dense ones as views of the map, quantised ones
@@ -305,6 +536,7 @@ fn hf_module(name: &str) -> Option<String> {
 fn tensors(
     file: &GgufFile,
     path: &Path,
+    arch: &str,
 ) -> Result<(BTreeMap<String, TensorInfo>, Option<QuantConfig>), FormatError> {
     let err = |t: &GgufTensorInfo, msg: String| FormatError::Tensor {
         name: t.name.clone(),
@@ -328,25 +560,57 @@ fn tensors(
     let shape_of =
         |t: &GgufTensorInfo| -> Vec<usize> { t.dims.iter().rev().map(|&d| d as usize).collect() };
     let mut quantised: Vec<(&GgufTensorInfo, String)> = Vec::new();
+    let layers = trunk_layers(file, arch);
     for t in file.tensors() {
-        let Some(module) = hf_module(&t.name) else {
+        let Some(target) = hf_target(&t.name, arch, file, layers).map_err(|msg| err(t, msg))? else {
             continue;
         };
+        let module = target.module;
         let dtype = match t.ggml_type.name() {
             "F32" => Some(StDtype::F32),
             "F16" => Some(StDtype::F16),
             "BF16" => Some(StDtype::BF16),
             _ => None,
         };
-        match dtype {
-            Some(dtype) => add(
-                format!("{module}.weight"),
-                dtype,
-                shape_of(t),
-                file.tensor_host_bytes(t),
-                t.offset,
-            ),
-            None => {
+        let name = if target.weight {
+            format!("{module}.weight")
+        } else {
+            module.clone()
+        };
+        match (dtype, target.transform) {
+            (Some(StDtype::F32), Transform::NegExpInverse) => {
+                let bytes = a_log_of(file.tensor_bytes(t)).map_err(|msg| err(t, msg))?;
+                add(
+                    name,
+                    StDtype::F32,
+                    shape_of(t),
+                    HostBytes::from_vec(bytes),
+                    TensorInfo::IN_MEMORY,
+                )
+            }
+            (_, Transform::NegExpInverse) => {
+                return Err(err(
+                    t,
+                    format!("is {}, expected F32", t.ggml_type.name()),
+                ))
+            }
+            (Some(dtype), transform) => {
+                let mut shape = shape_of(t);
+                if transform == Transform::Row && shape.len() == 1 {
+                    shape.insert(0, 1);
+                }
+                add(name, dtype, shape, file.tensor_host_bytes(t), t.offset)
+            }
+            (None, _) if !target.weight || target.transform != Transform::None => {
+                return Err(err(
+                    t,
+                    format!(
+                        "is quantised ({}), which llama.cpp never does to this tensor",
+                        t.ggml_type.name()
+                    ),
+                ))
+            }
+            (None, _) => {
                 if !ggml_quants::has_affine_form(t.ggml_type) {
                     return Err(err(
                         t,

@@ -293,13 +293,13 @@ impl Layout {
                         .join(", ")
                 ))
             })?;
-        // The official layout stores conv weights as [C, 1, K] (mlx: [C, K, 1]), and zero-centred
-        // norms.
+        // The official layout stores conv weights as [C, 1, K] (mlx: [C, K, 1]; a GGUF: [C, K],
+        // its norms folded like mlx's), and zero-centred norms.
         let official = (0..cfg.num_hidden_layers)
             .filter(|&i| cfg.layer_type(i) == LayerType::LinearAttention)
             .map(|i| format!("{root}.layers.{i}.linear_attn.conv1d.weight"))
             .find_map(|n| dir.tensors.get(&n).ok())
-            .is_some_and(|t| t.shape.last() != Some(&1));
+            .is_some_and(|t| t.shape.len() == 3 && t.shape.last() != Some(&1));
         Ok(Layout {
             root,
             norm_shift: if official { 1.0 } else { 0.0 },
