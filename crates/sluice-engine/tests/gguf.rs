@@ -30,7 +30,11 @@ const TOKENS: [u32; 12] = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 26, 43];
 
 #[test]
 fn packed_gguf_streams_the_same_logits() {
-    for name in ["qwen3_moe-gguf-q4_k_m", "qwen3_moe-gguf-legacy"] {
+    for name in [
+        "qwen3_moe-gguf-q4_k_m",
+        "qwen3_moe-gguf-legacy",
+        "qwen3_5_moe-gguf-q4_k_m",
+    ] {
         let gguf = fixture(name);
         let resident = load(&gguf, StreamingOptions::default()).unwrap();
         let tmp = tempfile::tempdir().unwrap();

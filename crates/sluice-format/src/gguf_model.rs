@@ -468,11 +468,9 @@ fn hf_target(
         return target(module(m), true, Transform::None);
     }
     match (arch, rest) {
-        ("qwen3moe", "ffn_norm.weight") => target(
-            module("post_attention_layernorm"),
-            true,
-            Transform::None,
-        ),
+        ("qwen3moe", "ffn_norm.weight") => {
+            target(module("post_attention_layernorm"), true, Transform::None)
+        }
         ("qwen35moe", _) => {
             let linear = file.tensor(&format!("blk.{layer}.ssm_a")).is_some();
             let (m, weight, transform) = match rest {
@@ -562,7 +560,8 @@ fn tensors(
     let mut quantised: Vec<(&GgufTensorInfo, String)> = Vec::new();
     let layers = trunk_layers(file, arch);
     for t in file.tensors() {
-        let Some(target) = hf_target(&t.name, arch, file, layers).map_err(|msg| err(t, msg))? else {
+        let Some(target) = hf_target(&t.name, arch, file, layers).map_err(|msg| err(t, msg))?
+        else {
             continue;
         };
         let module = target.module;
@@ -589,10 +588,7 @@ fn tensors(
                 )
             }
             (_, Transform::NegExpInverse) => {
-                return Err(err(
-                    t,
-                    format!("is {}, expected F32", t.ggml_type.name()),
-                ))
+                return Err(err(t, format!("is {}, expected F32", t.ggml_type.name())))
             }
             (Some(dtype), transform) => {
                 let mut shape = shape_of(t);
@@ -963,6 +959,75 @@ mod tests {
                 && e.contains("llama-quantize"),
             "{e}"
         );
+    }
+
+    /// A qwen35moe file's metadata (one DeltaNet key head, two value heads) and embeddings.
+    fn qwen35moe() -> Writer {
+        let mut w = Writer::new();
+        w.kv = vec![("general.architecture".into(), STRING, s("qwen35moe"))];
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        w.kv("qwen35moe.embedding_length", U32, u32v(64))
+            .kv("qwen35moe.block_count", U32, u32v(2))
+            .kv("qwen35moe.attention.head_count", U32, u32v(2))
+            .kv("qwen35moe.ssm.group_count", U32, u32v(1))
+            .kv("qwen35moe.ssm.time_step_rank", U32, u32v(2))
+            .kv("qwen35moe.ssm.inner_size", U32, u32v(64))
+            .kv("qwen35moe.ssm.state_size", U32, u32v(32))
+            .kv("qwen35moe.ssm.conv_kernel", U32, u32v(4))
+            .kv("qwen35moe.expert_count", U32, u32v(2))
+            .kv("qwen35moe.expert_used_count", U32, u32v(1))
+            .kv("qwen35moe.expert_feed_forward_length", U32, u32v(32))
+            .kv("qwen35moe.expert_shared_feed_forward_length", U32, u32v(32))
+            .tensor("token_embd.weight", &[64, 4], 0, vec![0; 64 * 4 * 4])
+            .tensor("blk.0.ssm_a", &[2], 0, f32s(&[-0.5, -2.0]))
+    }
+
+    #[test]
+    fn qwen35moe_layouts_it_cannot_run_are_one_line_errors() {
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let e = open_error(&qwen35moe().tensor(
+            "blk.0.ffn_gate_up_exps.weight",
+            &[64, 64, 2],
+            0,
+            vec![0; 64 * 64 * 2 * 4],
+        ));
+        assert!(
+            e.contains("ffn_gate_up_exps") && e.contains("--fuse-gate-up-exps"),
+            "{e}"
+        );
+        // Layer 1 has no ssm_a: a full-attention layer, where attn_qkv is a fused q/k/v.
+        let e = open_error(&qwen35moe().tensor(
+            "blk.1.attn_qkv.weight",
+            &[64, 4],
+            0,
+            vec![0; 64 * 4 * 4],
+        ));
+        assert!(
+            e.contains("blk.1.attn_qkv") && e.contains("--fuse-qkv"),
+            "{e}"
+        );
+        let mut w = qwen35moe();
+        w.tensors.retain(|t| t.0 != "blk.0.ssm_a");
+        let e = open_error(&w.tensor("blk.0.ssm_a", &[2], 0, f32s(&[-0.5, 0.25])));
+        assert!(e.contains("blk.0.ssm_a") && e.contains("negative"), "{e}");
+        let mut w = qwen35moe();
+        w.kv.retain(|(k, _, _)| k != "qwen35moe.ssm.group_count");
+        let e = open_error(&w.kv("qwen35moe.ssm.group_count", U32, u32v(4)));
+        assert!(e.contains("whole number of value heads"), "{e}");
+    }
+
+    #[test]
+    fn a_log_is_the_log_of_minus_a() {
+        let bytes: Vec<u8> = [-1.0f32, -0.5]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let out = super::a_log_of(&bytes).unwrap();
+        let v: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(v, vec![0.0, (0.5f64).ln() as f32]);
     }
 
     #[test]

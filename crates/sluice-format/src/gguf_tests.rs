@@ -5,7 +5,7 @@ use super::*;
 pub(crate) struct Writer {
     version: u32,
     pub(crate) kv: Vec<(String, u32, Vec<u8>)>,
-    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+    pub(crate) tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
 }
 
 pub(crate) fn s(v: &str) -> Vec<u8> {
