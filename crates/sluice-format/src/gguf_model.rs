@@ -518,7 +518,7 @@ fn a_log_of(bytes: &[u8]) -> Result<Vec<u8>, String> {
     let mut out = Vec::with_capacity(bytes.len());
     for c in bytes.chunks_exact(4) {
         let a = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-        if !(a < 0.0) {
+        if a.is_nan() || a >= 0.0 {
             return Err(format!(
                 "holds {a}: llama.cpp stores -exp(A_log), which is negative"
             ));
