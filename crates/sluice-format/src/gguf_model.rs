@@ -1,5 +1,6 @@
-//! A GGUF file opened as a model ([`ModelDir`]): the Hugging Face config its metadata describes,
-//! its tensors under Hugging Face names, its tokenizer as a `tokenizer.json`, chat template, stop
+//! A GGUF file opened as a model ([`ModelDir`]) for llama.cpp's `qwen3moe` and `qwen35moe`
+//! architectures: the Hugging Face config its metadata describes, its tensors under Hugging Face
+//! names (llama.cpp's changes to them undone where the model needs it, see [`Transform`]), its tokenizer as a `tokenizer.json`, chat template, stop
 //! tokens and sampling defaults. Everything downstream (model code, expert scanner, packing) then
 //! reads it like a checkpoint directory.
 //!
@@ -1014,6 +1015,61 @@ mod tests {
         w.kv.retain(|(k, _, _)| k != "qwen35moe.ssm.group_count");
         let e = open_error(&w.kv("qwen35moe.ssm.group_count", U32, u32v(4)));
         assert!(e.contains("whole number of value heads"), "{e}");
+    }
+
+    /// Published Qwen3.5 GGUFs carry a multi-token-prediction block after the decoder layers
+    /// (`nextn_predict_layers`): it is not a layer of the model, and its tensors are left out.
+    #[test]
+    fn qwen35moe_config_leaves_the_prediction_block_out() {
+        let mut w = qwen35moe();
+        w.kv.retain(|(k, _, _)| k != "qwen35moe.block_count");
+        let w = w
+            .kv("qwen35moe.block_count", U32, u32v(3))
+            .kv("qwen35moe.nextn_predict_layers", U32, u32v(1))
+            .kv("qwen35moe.attention.key_length", U32, u32v(64))
+            .kv("qwen35moe.rope.dimension_count", U32, u32v(16))
+            .tensor(
+                "blk.2.ffn_gate_exps.weight",
+                &[64, 32, 2],
+                0,
+                vec![0; 64 * 32 * 2 * 4],
+            );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, w.bytes()).unwrap();
+        let file = crate::gguf::GgufFile::open(&path).unwrap();
+        let c = super::qwen35moe_config(&super::Meta {
+            file: &file,
+            arch: "qwen35moe",
+        })
+        .unwrap();
+        assert_eq!(c["model_type"], "qwen3_5_moe_text");
+        assert_eq!(c["num_hidden_layers"], 2);
+        assert_eq!(
+            c["layer_types"],
+            serde_json::json!(["linear_attention", "full_attention"])
+        );
+        assert_eq!(c["linear_num_key_heads"], 1);
+        assert_eq!(c["linear_num_value_heads"], 2);
+        assert_eq!(c["linear_value_head_dim"], 32);
+        assert_eq!(c["linear_value_heads_tiled"], true);
+        assert_eq!(c["partial_rotary_factor"], 0.25);
+        assert_eq!(super::trunk_layers(&file, "qwen35moe"), 2);
+        let t = |n: &str| super::hf_target(n, "qwen35moe", &file, 2).unwrap();
+        assert_eq!(t("blk.2.ffn_gate_exps.weight"), None);
+        assert_eq!(
+            t("blk.1.ffn_gate_exps.weight").map(|t| t.module),
+            Some("model.layers.1.mlp.switch_mlp.gate_proj".to_string())
+        );
+        let a = t("blk.0.ssm_a").unwrap();
+        assert_eq!(
+            (a.module.as_str(), a.weight, a.transform),
+            (
+                "model.layers.0.linear_attn.A_log",
+                false,
+                super::Transform::NegExpInverse
+            )
+        );
     }
 
     #[test]
