@@ -161,13 +161,21 @@ impl Meta<'_> {
     }
 }
 
-/// The Hugging Face `qwen3_moe` config a llama.cpp `qwen3moe` GGUF describes. llama.cpp always
-/// renormalises the top-k routing weights for this architecture (`norm_topk_prob`).
-fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
+/// The keys both architectures share: a Hugging Face config of `model_type` with `layers`
+/// decoder layers (attention heads, norms, rotary base, context, the routed experts, whether the
+/// embeddings are the output head), and its head size. llama.cpp always renormalises the top-k
+/// routing weights of these architectures (`norm_topk_prob`).
+fn moe_decoder_config(
+    m: &Meta,
+    model_type: &str,
+    architecture: &str,
+    layers: usize,
+) -> Result<(Map<String, Value>, usize), FormatError> {
+    let arch = m.arch;
     let hidden = m.uint("embedding_length")?;
     let heads = m.uint("attention.head_count")?;
     if heads == 0 {
-        return Err(m.err("`qwen3moe.attention.head_count` is 0".into()));
+        return Err(m.err(format!("`{arch}.attention.head_count` is 0")));
     }
     let head_dim = m
         .uint_opt("attention.key_length")?
@@ -175,7 +183,7 @@ fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
     if let Some(v) = m.uint_opt("attention.value_length")? {
         if v != head_dim {
             return Err(m.err(format!(
-                "value heads of {v} and key heads of {head_dim}: qwen3moe has equal ones"
+                "value heads of {v} and key heads of {head_dim}: {arch} has equal ones"
             )));
         }
     }
@@ -188,15 +196,11 @@ fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
         }
     };
     let mut c = Map::new();
-    c.insert("model_type".into(), json!("qwen3_moe"));
-    c.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
+    c.insert("model_type".into(), json!(model_type));
+    c.insert("architectures".into(), json!([architecture]));
     c.insert("vocab_size".into(), json!(vocab));
     c.insert("hidden_size".into(), json!(hidden));
-    c.insert(
-        "intermediate_size".into(),
-        json!(m.uint_opt("feed_forward_length")?.unwrap_or(0)),
-    );
-    c.insert("num_hidden_layers".into(), json!(m.uint("block_count")?));
+    c.insert("num_hidden_layers".into(), json!(layers));
     c.insert("num_attention_heads".into(), json!(heads));
     c.insert(
         "num_key_value_heads".into(),
@@ -214,9 +218,6 @@ fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
         "rope_theta".into(),
         json!(m.float_opt("rope.freq_base")?.unwrap_or(10000.0)),
     );
-    if let Some(scaling) = rope_scaling(m)? {
-        c.insert("rope_scaling".into(), scaling);
-    }
     if let Some(ctx) = m.uint_opt("context_length")? {
         c.insert("max_position_embeddings".into(), json!(ctx));
     }
@@ -230,35 +231,34 @@ fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
         json!(m.uint("expert_feed_forward_length")?),
     );
     c.insert("norm_topk_prob".into(), json!(true));
-    c.insert("decoder_sparse_step".into(), json!(1));
     c.insert(
         "tie_word_embeddings".into(),
         json!(m.file.tensor("output.weight").is_none()),
     );
+    Ok((c, head_dim))
+}
+
+/// The Hugging Face `qwen3_moe` config a llama.cpp `qwen3moe` GGUF describes.
+fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
+    let layers = m.uint("block_count")?;
+    let (mut c, _) = moe_decoder_config(m, "qwen3_moe", "Qwen3MoeForCausalLM", layers)?;
+    c.insert(
+        "intermediate_size".into(),
+        json!(m.uint_opt("feed_forward_length")?.unwrap_or(0)),
+    );
+    if let Some(scaling) = rope_scaling(m)? {
+        c.insert("rope_scaling".into(), scaling);
+    }
+    c.insert("decoder_sparse_step".into(), json!(1));
     Ok(Value::Object(c))
 }
 
 /// The Hugging Face `qwen3_5_moe` text config a llama.cpp `qwen35moe` GGUF describes (Qwen3.5
 /// MoE: Gated DeltaNet layers and gated full attention). Layers are typed by their tensors (a
 /// linear-attention layer has `ssm_a`); the multi-token-prediction layers past
-/// `nextn_predict_layers` are left out. llama.cpp renormalises the top-k routing weights and
-/// stores the DeltaNet's value heads tiled (`linear_value_heads_tiled`).
+/// `nextn_predict_layers` are left out. llama.cpp stores the DeltaNet's value heads tiled
+/// (`linear_value_heads_tiled`).
 fn qwen35moe_config(m: &Meta) -> Result<Value, FormatError> {
-    let hidden = m.uint("embedding_length")?;
-    let heads = m.uint("attention.head_count")?;
-    if heads == 0 {
-        return Err(m.err("`qwen35moe.attention.head_count` is 0".into()));
-    }
-    let head_dim = m
-        .uint_opt("attention.key_length")?
-        .unwrap_or(hidden / heads);
-    if let Some(v) = m.uint_opt("attention.value_length")? {
-        if v != head_dim {
-            return Err(m.err(format!(
-                "value heads of {v} and key heads of {head_dim}: qwen35moe has equal ones"
-            )));
-        }
-    }
     let blocks = m.uint("block_count")?;
     let nextn = m.uint_opt("nextn_predict_layers")?.unwrap_or(0);
     let layers = blocks.checked_sub(nextn).ok_or_else(|| {
@@ -266,14 +266,8 @@ fn qwen35moe_config(m: &Meta) -> Result<Value, FormatError> {
             "`qwen35moe.nextn_predict_layers` ({nextn}) exceeds `block_count` ({blocks})"
         ))
     })?;
-    let vocab = match m.tensor_dims("token_embd.weight") {
-        Some([_, rows]) => *rows as usize,
-        _ => {
-            return Err(m.err(
-                "no 2-D `token_embd.weight` tensor (the token embeddings): incomplete file?".into(),
-            ))
-        }
-    };
+    let (mut c, head_dim) =
+        moe_decoder_config(m, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", layers)?;
     let (key_heads, value_heads) = (m.uint("ssm.group_count")?, m.uint("ssm.time_step_rank")?);
     let inner = m.uint("ssm.inner_size")?;
     if key_heads == 0 || value_heads == 0 || !value_heads.is_multiple_of(key_heads) {
@@ -297,35 +291,10 @@ fn qwen35moe_config(m: &Meta) -> Result<Value, FormatError> {
         })
         .collect();
     let rotary = m.uint_opt("rope.dimension_count")?.unwrap_or(head_dim / 4);
-    let mut c = Map::new();
-    c.insert("model_type".into(), json!("qwen3_5_moe_text"));
-    c.insert("architectures".into(), json!(["Qwen3_5MoeForCausalLM"]));
-    c.insert("vocab_size".into(), json!(vocab));
-    c.insert("hidden_size".into(), json!(hidden));
-    c.insert("num_hidden_layers".into(), json!(layers));
-    c.insert("num_attention_heads".into(), json!(heads));
-    c.insert(
-        "num_key_value_heads".into(),
-        json!(m.uint_opt("attention.head_count_kv")?.unwrap_or(heads)),
-    );
-    c.insert("head_dim".into(), json!(head_dim));
-    c.insert(
-        "rms_norm_eps".into(),
-        json!(m
-            .float_opt("attention.layer_norm_rms_epsilon")?
-            .unwrap_or(1e-6)),
-    );
-    c.insert(
-        "rope_theta".into(),
-        json!(m.float_opt("rope.freq_base")?.unwrap_or(10000.0)),
-    );
     c.insert(
         "partial_rotary_factor".into(),
         json!(rotary as f64 / head_dim as f64),
     );
-    if let Some(ctx) = m.uint_opt("context_length")? {
-        c.insert("max_position_embeddings".into(), json!(ctx));
-    }
     c.insert("linear_num_key_heads".into(), json!(key_heads));
     c.insert("linear_num_value_heads".into(), json!(value_heads));
     c.insert(
@@ -339,25 +308,11 @@ fn qwen35moe_config(m: &Meta) -> Result<Value, FormatError> {
     );
     c.insert("linear_value_heads_tiled".into(), json!(true));
     c.insert("layer_types".into(), json!(layer_types));
-    c.insert("num_experts".into(), json!(m.uint("expert_count")?));
-    c.insert(
-        "num_experts_per_tok".into(),
-        json!(m.uint("expert_used_count")?),
-    );
-    c.insert(
-        "moe_intermediate_size".into(),
-        json!(m.uint("expert_feed_forward_length")?),
-    );
     c.insert(
         "shared_expert_intermediate_size".into(),
         json!(m.uint("expert_shared_feed_forward_length")?),
     );
-    c.insert("norm_topk_prob".into(), json!(true));
     c.insert("attn_output_gate".into(), json!(true));
-    c.insert(
-        "tie_word_embeddings".into(),
-        json!(m.file.tensor("output.weight").is_none()),
-    );
     Ok(Value::Object(c))
 }
 
