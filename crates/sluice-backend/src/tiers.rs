@@ -45,6 +45,13 @@ pub struct ExpertCacheStats {
     /// Experts kept in host memory copied into a slot between calls (counted in
     /// `bytes_uploaded`; not requests, so not in the hit rate).
     pub placed: u64,
+    /// Experts kept in host memory computed there by the CPU instead of read over the link,
+    /// one per routed (token, expert) pair.
+    pub host_computed: u64,
+    /// The bytes the CPU read for them (each expert once per call).
+    pub bytes_host_computed: u64,
+    /// Seconds the CPU spent on them (beside the device).
+    pub host_secs: f64,
 }
 
 impl ExpertCacheStats {
@@ -61,16 +68,28 @@ impl ExpertCacheStats {
             read_in_place: self.read_in_place - earlier.read_in_place,
             bytes_read_in_place: self.bytes_read_in_place - earlier.bytes_read_in_place,
             placed: self.placed - earlier.placed,
+            host_computed: self.host_computed - earlier.host_computed,
+            bytes_host_computed: self.bytes_host_computed - earlier.bytes_host_computed,
+            host_secs: self.host_secs - earlier.host_secs,
         }
     }
 
     /// Share of experts asked for that were already held.
     pub fn hit_rate(&self) -> f64 {
-        let asked = self.hits + self.misses + self.bypassed + self.read_in_place;
+        let asked =
+            self.hits + self.misses + self.bypassed + self.read_in_place + self.host_computed;
         if asked == 0 {
             return 0.0;
         }
         self.hits as f64 / asked as f64
+    }
+
+    /// The CPU's throughput over the experts it computed, GB/s.
+    pub fn host_gbps(&self) -> f64 {
+        if self.host_secs <= 0.0 {
+            return 0.0;
+        }
+        self.bytes_host_computed as f64 / self.host_secs / 1e9
     }
 
     /// Copy throughput while copying, GB/s.

@@ -98,6 +98,8 @@ pub struct VramRun {
     pub uploaded_bytes_per_token: f64,
     /// Bytes of experts the kernels read in host memory per token (experts kept there).
     pub read_in_place_bytes_per_token: f64,
+    /// Bytes of experts kept in host memory the CPU computed beside the device, per token.
+    pub host_computed_bytes_per_token: f64,
     /// Share of the run's wall time the device spent copying experts in.
     pub copy_share: f64,
     pub hit_rate: f64,
@@ -221,6 +223,8 @@ pub fn run_model<B: Backend + 'static>(
                                 slots: plan.slots,
                                 uploaded_bytes_per_token: d.bytes_uploaded as f64 / tokens,
                                 read_in_place_bytes_per_token: d.bytes_read_in_place as f64
+                                    / tokens,
+                                host_computed_bytes_per_token: d.bytes_host_computed as f64
                                     / tokens,
                                 copy_share: d.upload_secs / total_secs,
                                 hit_rate: d.hit_rate(),

@@ -116,7 +116,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if kernels.is_empty() {
         kernels.push(sluice_cpu::Kernels::Fast);
     }
-    match crate::device::pick(a.device, kernels[0])? {
+    match crate::device::pick(a.device, kernels[0], a.stream.cpu_experts)? {
         crate::device::Picked::Cpu(b) => {
             // One CPU backend per `--kernels` value; rows name theirs when there are several.
             let mut backends = vec![(b, String::new())];
@@ -288,10 +288,13 @@ fn run_on<B: Backend + 'static>(
                         format_bytes(v.cache_bytes),
                         v.slots,
                         v.stats.hit_rate() * 100.0,
-                        if v.stats.read_in_place > 0 {
+                        if v.stats.read_in_place > 0 || v.stats.host_computed > 0 {
                             format!(
-                                ", read in place from host memory {} per token",
-                                format_bytes(v.read_in_place_bytes_per_token as u64)
+                                ", read in place from host memory {} per token, computed by the CPU {} per token at {:.1} GB/s ({} pairs)",
+                                format_bytes(v.read_in_place_bytes_per_token as u64),
+                                format_bytes(v.host_computed_bytes_per_token as u64),
+                                v.stats.host_gbps(),
+                                v.stats.host_computed,
                             )
                         } else {
                             String::new()

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use sluice_backend::Backend as _;
 use sluice_cpu::{CpuBackend, Kernels};
-use sluice_cuda::CudaBackend;
+use sluice_cuda::{CudaBackend, HostCompute};
 
 /// What `--device` asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,12 +50,17 @@ pub fn shape_probe() -> Arc<CpuBackend> {
 }
 
 /// Opens the backend `device` asks for with `kernels` (the CPU's; on a GPU, `fast` is the
-/// prefill's 8-bit activations); a GPU that cannot be used is a one-line error (or, for `auto`,
-/// a note and the CPU).
-pub fn pick(device: Device, kernels: Kernels) -> Result<Picked> {
+/// prefill's 8-bit activations, and the CPU's for experts it computes beside the GPU as
+/// `cpu_experts` says); a GPU that cannot be used is a one-line error (or, for `auto`, a note
+/// and the CPU).
+pub fn pick(device: Device, kernels: Kernels, cpu_experts: HostCompute) -> Result<Picked> {
     let cpu = || Picked::Cpu(Arc::new(CpuBackend::with_kernels(kernels)));
-    let gpu =
-        |b: CudaBackend| Picked::Cuda(Arc::new(b.with_fast_prefill(kernels == Kernels::Fast)));
+    let gpu = |b: CudaBackend| {
+        Picked::Cuda(Arc::new(
+            b.with_fast_prefill(kernels == Kernels::Fast)
+                .with_host_compute(cpu_experts, kernels),
+        ))
+    };
     match device {
         Device::Cpu => Ok(cpu()),
         Device::Cuda(n) => sluice_cuda::open(n)
@@ -78,11 +83,12 @@ pub fn pick(device: Device, kernels: Kernels) -> Result<Picked> {
     }
 }
 
-/// Binds `$backend` to the backend `$device` picks (the CPU's with `$kernels`) and runs `$body`
-/// with it (once per backend type, so the body can call generic functions).
+/// Binds `$backend` to the backend `$device` picks (the CPU's with `$kernels`; on a GPU, the CPU
+/// computing experts as `$cpu_experts` says) and runs `$body` with it (once per backend type, so
+/// the body can call generic functions).
 macro_rules! with_backend {
-    ($device:expr, $kernels:expr, |$backend:ident| $body:expr) => {
-        match $crate::device::pick($device, $kernels)? {
+    ($device:expr, $kernels:expr, $cpu_experts:expr, |$backend:ident| $body:expr) => {
+        match $crate::device::pick($device, $kernels, $cpu_experts)? {
             $crate::device::Picked::Cpu($backend) => $body,
             $crate::device::Picked::Cuda($backend) => $body,
         }
@@ -93,9 +99,14 @@ macro_rules! with_backend {
 /// the engine bound to `$engine`.
 macro_rules! with_engine {
     ($args:expr, |$engine:ident| $body:expr) => {
-        with_backend!($args.device, $args.kernels(), |backend| {
-            let $engine = $crate::load($args, backend)?;
-            $body
-        })
+        with_backend!(
+            $args.device,
+            $args.kernels(),
+            $args.stream.cpu_experts,
+            |backend| {
+                let $engine = $crate::load($args, backend)?;
+                $body
+            }
+        )
     };
 }

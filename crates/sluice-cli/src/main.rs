@@ -311,14 +311,18 @@ pub(crate) fn print_banner<B: Backend>(engine: &Engine<B>) {
 
 /// One line of VRAM-tier counters (`d`: a delta), for `--stats`.
 pub(crate) fn vram_line(d: &sluice_backend::ExpertCacheStats) -> String {
-    if d.read_in_place > 0 || d.placed > 0 {
-        // Experts kept in host memory: the kernels read them there or in a slot.
+    if d.read_in_place > 0 || d.placed > 0 || d.host_computed > 0 {
+        // Experts kept in host memory: the kernels read them there or in a slot, or the CPU
+        // computes them.
         return format!(
-            "VRAM hit {:.1}% ({} from slots, {} read in place from host memory: {}), {} copied into slots and {} staged for prompts ({}, {} evicted) at {:.2} GB/s while copying",
+            "VRAM hit {:.1}% ({} from slots, {} read in place from host memory: {}, {} computed by the CPU: {} at {:.1} GB/s), {} copied into slots and {} staged for prompts ({}, {} evicted) at {:.2} GB/s while copying",
             d.hit_rate() * 100.0,
             d.hits,
             d.read_in_place,
             format_bytes(d.bytes_read_in_place),
+            d.host_computed,
+            format_bytes(d.bytes_host_computed),
+            d.host_gbps(),
             d.placed,
             d.bypassed,
             format_bytes(d.bytes_uploaded),

@@ -38,6 +38,13 @@ pub struct StreamArgs {
     /// on the CPU.
     #[arg(long, value_name = "SIZE")]
     pub vram_budget: Option<ByteSize>,
+    /// GPU decoding with experts read in place from host memory (above): the share of each
+    /// layer's experts held in no VRAM slot that the CPU computes from its own copy while the
+    /// GPU reads the others over PCIe. `auto` balances the two from measurement (the CPU takes
+    /// more when the link is the slower side); `off` reads them all over the link; a number
+    /// from 0 to 1 fixes the share. Ignored on the CPU.
+    #[arg(long, default_value = "auto", value_name = "auto|off|SHARE")]
+    pub cpu_experts: sluice_cuda::HostCompute,
     /// Expert cache eviction policy.
     #[arg(long, value_enum, default_value = "frequency")]
     pub cache_policy: PolicyArg,

@@ -1439,9 +1439,13 @@ extern "C" __global__ void __launch_bounds__(128) route(const float* logits, int
     route_row(logits + t * E, E, k, normalize, probs[warp], ids + t * k, weights + t * k);
 }
 
+// A routed pair the MoE kernels skip (its expert computed elsewhere: host_split_plan).
+#define SKIP_EXPERT 0xffffffffu
+
 // The slot of expert e among the experts a call has: `present` (ascending ids) or, when
-// n_present < 0, every expert (slot = e).
+// n_present < 0, every expert (slot = e); -1 for SKIP_EXPERT.
 __device__ __forceinline__ int expert_slot(uint32_t e, const uint32_t* present, int n_present) {
+    if (e == SKIP_EXPERT) return -1;
     if (n_present < 0) return (int)e;
     int lo = 0, hi = n_present;
     while (lo < hi) {
@@ -2904,6 +2908,167 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
     moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// Experts computed by the host beside the device (host_compute.rs)
+// ------------------------------------------------------------------------------------------------
+//
+// A mailbox in page-locked host memory mapped into the device (words; layout in host_compute.rs):
+// host_split_plan picks, on the device, which of a layer's routed experts held in no VRAM slot the
+// host computes, writes the input rows and routing there and rings the doorbell; the MoE kernels
+// run on a copy of the routing in which those pairs are SKIP_EXPERT; host_split_join waits for the
+// host's answer and adds it. Nothing returns to the host through the stream: the decode step stays
+// one replayed graph.
+
+#define MB_DOORBELL 0
+#define MB_DONE 1
+#define MB_WAITING 2
+#define MB_FAILED 3
+#define MB_SHARE 4
+#define MB_LAYER 5
+#define MB_ROWS 6
+#define MB_K 7
+#define MB_COLS 8
+#define MB_HOST_IDS 16
+#define MB_PAIR_IDS (MB_HOST_IDS + 128)
+#define MB_PAIR_WEIGHTS (MB_PAIR_IDS + 128)
+#define MB_X (MB_PAIR_WEIGHTS + 128)
+// state (device words): [0] calls so far, [1] the share's carry (f32), [2] experts the host took.
+#define ST_SEQ 0
+#define ST_CARRY 1
+#define ST_TAKEN 2
+
+__device__ __forceinline__ void store_volatile(uint32_t* p, uint32_t v) {
+    *(volatile uint32_t*)p = v;
+}
+
+__device__ __forceinline__ uint32_t load_volatile(const uint32_t* p) {
+    return *(const volatile uint32_t*)p;
+}
+
+// One block. The misses (routed experts whose table entry is not in the VRAM slots [lo, hi)):
+// the host takes floor(share x misses + carry) of them, those with the most pairs first (lower id
+// among equals). gpu_ids / gpu_weights: the routing with the host's pairs skipped.
+extern "C" __global__ void __launch_bounds__(256) host_split_plan(
+    const uint32_t* ids, const float* weights, const float* x, const ExpertMats* table,
+    unsigned long long lo, unsigned long long hi, int rows, int K, int cols, int layer,
+    uint32_t* state, uint32_t* mb, uint32_t* gpu_ids, float* gpu_weights) {
+    PDL_START();
+    const int n = rows * K;
+    __shared__ uint32_t host_ids[128];
+    __shared__ int taken;
+    if (threadIdx.x == 0) {
+        // Distinct routed experts with their pairs; the misses among them.
+        uint32_t miss_id[128];
+        int miss_uses[128];
+        int m = 0;
+        for (int p = 0; p < n; p++) {
+            const uint32_t e = ids[p];
+            bool seen = false;
+            for (int q = 0; q < p; q++) seen |= ids[q] == e;
+            if (seen) continue;
+            const unsigned long long at = (unsigned long long)table[e].gate.data;
+            if (at >= lo && at < hi) continue;
+            int uses = 0;
+            for (int q = p; q < n; q++) uses += ids[q] == e;
+            miss_id[m] = e;
+            miss_uses[m] = uses;
+            m++;
+        }
+        const float share = __uint_as_float(load_volatile(mb + MB_SHARE));
+        const float want = share * (float)m + __uint_as_float(state[ST_CARRY]);
+        int take = min((int)floorf(want), m);
+        take = max(take, 0);
+        state[ST_CARRY] = __float_as_uint(fminf(fmaxf(want - (float)take, 0.0f), 1.0f));
+        // The `take` misses with the most uses (selection), then ascending ids.
+        for (int i = 0; i < take; i++) {
+            int best = i;
+            for (int j = i + 1; j < m; j++)
+                if (miss_uses[j] > miss_uses[best] ||
+                    (miss_uses[j] == miss_uses[best] && miss_id[j] < miss_id[best]))
+                    best = j;
+            const uint32_t bi = miss_id[i];
+            const int bu = miss_uses[i];
+            miss_id[i] = miss_id[best];
+            miss_uses[i] = miss_uses[best];
+            miss_id[best] = bi;
+            miss_uses[best] = bu;
+        }
+        for (int i = 1; i < take; i++)
+            for (int j = i; j > 0 && miss_id[j - 1] > miss_id[j]; j--) {
+                const uint32_t t = miss_id[j];
+                miss_id[j] = miss_id[j - 1];
+                miss_id[j - 1] = t;
+            }
+        for (int i = 0; i < take; i++) host_ids[i] = miss_id[i];
+        taken = take;
+        state[ST_TAKEN] = take;
+    }
+    __syncthreads();
+    const int take = taken;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        const uint32_t e = ids[p];
+        bool on_host = false;
+        for (int i = 0; i < take; i++) on_host |= host_ids[i] == e;
+        gpu_ids[p] = on_host ? SKIP_EXPERT : e;
+        gpu_weights[p] = on_host ? 0.0f : weights[p];
+    }
+    if (take == 0) return;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        store_volatile(mb + MB_PAIR_IDS + p, ids[p]);
+        store_volatile(mb + MB_PAIR_WEIGHTS + p, __float_as_uint(weights[p]));
+    }
+    for (int i = threadIdx.x; i < take; i += blockDim.x) store_volatile(mb + MB_HOST_IDS + i, host_ids[i]);
+    for (int i = threadIdx.x; i < rows * cols; i += blockDim.x)
+        store_volatile(mb + MB_X + i, __float_as_uint(x[i]));
+    // Every thread's writes reach host memory before the doorbell.
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t seq = state[ST_SEQ] + 1;
+        state[ST_SEQ] = seq;
+        store_volatile(mb + MB_LAYER, (uint32_t)layer);
+        store_volatile(mb + MB_ROWS, (uint32_t)rows);
+        store_volatile(mb + MB_K, (uint32_t)K);
+        store_volatile(mb + MB_COLS, (uint32_t)cols);
+        __threadfence_system();
+        // The doorbell: the call's number and how many experts the host takes (at most 128).
+        store_volatile(mb + MB_DOORBELL, (seq << 8) | (uint32_t)take);
+    }
+}
+
+// out[i] += y[i] (the host's sum, in the mailbox after the input rows) once the host has
+// answered this call; nothing when the host took no expert. Waits at most `timeout_ns`, then
+// marks the mailbox failed (the host reports it) and adds nothing.
+extern "C" __global__ void __launch_bounds__(1024) host_split_join(
+    const uint32_t* state, uint32_t* mb, const uint32_t* y, float* out, int n,
+    unsigned long long timeout_ns) {
+    PDL_START();
+    if (state[ST_TAKEN] == 0) return;
+    __shared__ bool ok;
+    if (threadIdx.x == 0) {
+        const uint32_t seq = state[ST_SEQ];
+        ok = true;
+        if (load_volatile(mb + MB_DONE) != seq) {
+            store_volatile(mb + MB_WAITING, seq);
+            unsigned long long start, now;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+            while (load_volatile(mb + MB_DONE) != seq) {
+                __nanosleep(200);
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                if (now - start > timeout_ns) {
+                    store_volatile(mb + MB_FAILED, 1);
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        __threadfence_system();
+    }
+    __syncthreads();
+    if (!ok) return;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] += __uint_as_float(load_volatile(y + i));
+}
 
 // ------------------------------------------------------------------------------------------------
 // 8-bit-activation tensor-core products (prefill with the `fast` kernels)

@@ -11,8 +11,13 @@ use sluice_backend::{
     MemoryInfo, TopLogits, ValueHeadOrder,
 };
 
+use sluice_cpu::{CpuBackend, Kernels};
+
 use crate::device::{grid, Arg, DevBuf, Device};
 use crate::expert_cache::SlotHold;
+use crate::host_compute::{
+    HostCompute, HostExperts, HostSplit, HostTally, JOIN_TIMEOUT_NS, MAX_PAIRS,
+};
 use crate::in_place::{InPlace, InPlaceLayer};
 use crate::kernels::{DECODE_HEAD_DIMS, INT8_KINDS};
 use crate::mat::{describe, ExpertMats, Mat, MatSet, Spread, MAT_SET_MAX, SPREAD_ROWS};
@@ -185,6 +190,12 @@ pub struct CudaBackend {
     /// Many-token products of 4- and 8-bit weights with activations quantized to 8 bits
     /// (`gemm_iq`, `moe_*_iq`: llama.cpp's arithmetic) instead of exactly (`*_tq`).
     fast_prefill: bool,
+    /// Whether the host computes experts kept in host memory beside the device
+    /// (`host_compute`), with this CPU backend; its mailbox and worker once a call needs them.
+    host_mode: HostCompute,
+    host_cpu: CpuBackend,
+    host: Mutex<Option<HostExperts>>,
+    host_tally: Arc<Mutex<HostTally>>,
 }
 
 /// Limits of the kernels (checked where the shapes are first known).
@@ -287,7 +298,19 @@ impl CudaBackend {
             pinned: PinnedRanges::default(),
             in_place: Mutex::new(InPlace::default()),
             fast_prefill: false,
+            host_mode: HostCompute::Off,
+            host_cpu: CpuBackend::new(),
+            host: Mutex::new(None),
+            host_tally: Arc::default(),
         }
+    }
+
+    /// Whether the host computes some of the decode steps' experts that are kept in host
+    /// memory and held in no VRAM slot (see `host_compute`), with the CPU's `kernels`.
+    pub fn with_host_compute(mut self, mode: HostCompute, kernels: Kernels) -> Self {
+        self.host_mode = mode;
+        self.host_cpu = CpuBackend::with_kernels(kernels);
+        self
     }
 
     /// With `fast`, products of many tokens with 4- and 8-bit weights quantize the activations
@@ -742,6 +765,127 @@ impl CudaBackend {
         })();
         if let Err(e) = result {
             self.d.record(e);
+        }
+        Some(out)
+    }
+
+    /// The MoE of a few tokens of a layer whose experts are read in place, with the host
+    /// computing some of the routed experts that no VRAM slot holds while the device computes
+    /// the rest (see `host_compute`): `host_split_plan` picks the host's experts on the device
+    /// and hands them over through the mailbox, the MoE kernels skip them, `host_split_join`
+    /// adds the host's sum. No synchronisation. `None`: not here (no split asked for, or a call
+    /// larger than the mailbox).
+    fn moe_beside_host(
+        &self,
+        x: &CudaAct,
+        routing: &CudaRouting,
+        experts: &CudaExperts,
+        layer: &Arc<InPlaceLayer>,
+    ) -> Option<CudaAct> {
+        let split = HostSplit::new(self.host_mode)?;
+        let n = routing.rows * routing.k;
+        if n > MAX_PAIRS {
+            return None;
+        }
+        let (Some(xp), Some(ids), Some(weights)) = (x.ptr(), &routing.ids, &routing.weights) else {
+            return None;
+        };
+        let mut host = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        if host.is_none() {
+            let capacity = MOE_DECODE_ROWS * x.cols;
+            match HostExperts::start(
+                &self.d,
+                split,
+                self.host_cpu,
+                capacity,
+                self.host_tally.clone(),
+            ) {
+                Ok(h) => {
+                    self.in_place
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .set_host_tally(self.host_tally.clone());
+                    *host = Some(h);
+                }
+                Err(e) => {
+                    self.d.record(e);
+                    return Some(self.poisoned(x.rows, x.cols));
+                }
+            }
+        }
+        let host = host.as_ref()?;
+        if x.rows * x.cols > host.capacity() {
+            return None;
+        }
+        if let Some(why) = host.failure() {
+            self.d.record(BackendError::Device(format!(
+                "experts computed by the CPU beside the GPU: {why} (--cpu-experts off reads them \
+                 all over the link instead)"
+            )));
+            return Some(self.poisoned(x.rows, x.cols));
+        }
+        host.register(layer);
+        let (lo, hi) = self
+            .in_place
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .slots_range();
+        let (mailbox, sums) = host.device_addresses();
+        let skipped = CudaRouting {
+            ids: self.d.alloc_or_record(n * 4, "the device's routing"),
+            weights: self.d.alloc_or_record(n * 4, "the device's routing"),
+            rows: routing.rows,
+            k: routing.k,
+        };
+        let (Some(gpu_ids), Some(gpu_weights)) = (&skipped.ids, &skipped.weights) else {
+            return Some(self.poisoned(x.rows, x.cols));
+        };
+        self.d.launch(
+            &self.d.k.host_split_plan,
+            (1, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(ids.ptr),
+                Arg::Ptr(weights.ptr),
+                Arg::Ptr(xp),
+                Arg::Ptr(experts.table_ptr()),
+                Arg::Ptr(lo),
+                Arg::Ptr(hi),
+                Arg::I32(routing.rows as i32),
+                Arg::I32(routing.k as i32),
+                Arg::I32(x.cols as i32),
+                Arg::I32(layer.id() as i32),
+                Arg::Ptr(host.state.ptr()),
+                Arg::Ptr(mailbox),
+                Arg::Ptr(gpu_ids.ptr),
+                Arg::Ptr(gpu_weights.ptr),
+            ],
+        );
+        let out = self.act(x.rows, x.cols);
+        self.moe_into(
+            x,
+            &skipped,
+            experts.table_ptr(),
+            None,
+            experts.count,
+            &experts.sample,
+            &out,
+            MoeOut::Fresh,
+        );
+        if let Some(op) = out.ptr() {
+            self.d.launch(
+                &self.d.k.host_split_join,
+                (1, 1, 1),
+                (1024, 1, 1),
+                &[
+                    Arg::Ptr(host.state.ptr()),
+                    Arg::Ptr(mailbox),
+                    Arg::Ptr(sums),
+                    Arg::Ptr(op),
+                    Arg::I32((x.rows * x.cols) as i32),
+                    Arg::Ptr(JOIN_TIMEOUT_NS),
+                ],
+            );
         }
         Some(out)
     }
@@ -2302,10 +2446,13 @@ impl Backend for CudaBackend {
                 self.d.record(e);
             }
             drop(in_place);
-            if routing.rows > MOE_DECODE_ROWS {
-                if let Some(out) = self.moe_staged(x, routing, experts, layer, ids) {
-                    return out;
-                }
+            let call = if routing.rows > MOE_DECODE_ROWS {
+                self.moe_staged(x, routing, experts, layer, ids)
+            } else {
+                self.moe_beside_host(x, routing, experts, layer)
+            };
+            if let Some(out) = call {
+                return out;
             }
         }
         let out = self.act(x.rows, x.cols);

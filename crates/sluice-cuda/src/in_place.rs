@@ -19,12 +19,13 @@
 //! ([`InPlace::stage`]), in runs of ascending expert ids when they do not all fit.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::CudaEvent;
 use sluice_backend::{BackendError, ExpertCacheStats, HostExpert};
 
 use crate::device::{grid, Arg, DevBuf, Device, Lane};
+use crate::host_compute::HostTally;
 use crate::mat::ExpertMats;
 use crate::vram_experts::{slot_layout, upload_expert};
 
@@ -267,7 +268,17 @@ impl Drop for InPlaceLayer {
 }
 
 impl InPlaceLayer {
-    fn expert_bytes(&self, e: usize) -> u64 {
+    /// Its index among the registered layers.
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// The experts as the store holds them in host memory.
+    pub fn host(&self) -> &[HostExpert] {
+        &self.host
+    }
+
+    pub fn expert_bytes(&self, e: usize) -> u64 {
         let h = &self.host[e];
         [&h.gate, &h.up, &h.down]
             .iter()
@@ -282,11 +293,13 @@ pub(crate) struct InPlace {
     layers: Vec<Weak<InPlaceLayer>>,
     tier: Option<Tier>,
     stats: ExpertCacheStats,
-    /// Routings of experts staged since the last read of the counts (counted on the device
-    /// like every routing, but not read in place).
+    /// Routings of experts staged or computed on the host since the last read of the counts
+    /// (counted on the device like every routing, but not read in place).
     staged_uses: HashMap<Key, u64>,
     /// Events around each run's staging copies, until timed.
     staged_copies: Vec<(CudaEvent, CudaEvent)>,
+    /// Experts the host computed beside the device (`host_compute`), not yet counted.
+    host_tally: Option<Arc<Mutex<HostTally>>>,
 }
 
 /// The VRAM slots over the registered layers (from [`InPlace::plan`] on).
@@ -497,6 +510,7 @@ impl InPlace {
         // A synchronisation: every launch issued before has finished, so slots drained before
         // now are free and the table words written before may go.
         let counts: Vec<u32> = d.download(&tier.counts, tier.counters)?;
+        self.merge_host_tally();
         tier.words.clear();
         let drained: Vec<usize> = tier.placement.draining().collect();
         for slot in drained {
@@ -618,6 +632,34 @@ impl InPlace {
         Ok(())
     }
 
+    /// The device addresses of the VRAM slots, `[start, end)` (empty before planning).
+    pub fn slots_range(&self) -> (u64, u64) {
+        match self.tier.as_ref().and_then(|t| t.slots.as_ref()) {
+            Some(s) => (s.ptr(), s.ptr() + s.bytes as u64),
+            None => (0, 0),
+        }
+    }
+
+    /// Where the host's counts of experts it computed go (`host_compute`).
+    pub fn set_host_tally(&mut self, tally: Arc<Mutex<HostTally>>) {
+        self.host_tally = Some(tally);
+    }
+
+    /// Moves the host's counts into the counters: its pairs were counted on the device like every
+    /// routing, but not read in place.
+    fn merge_host_tally(&mut self) {
+        let Some(tally) = &self.host_tally else {
+            return;
+        };
+        let t = std::mem::take(&mut *tally.lock().unwrap_or_else(|p| p.into_inner()));
+        for (key, uses) in t.uses {
+            *self.staged_uses.entry(key).or_default() += uses;
+        }
+        self.stats.host_computed += t.pairs;
+        self.stats.bytes_host_computed += t.bytes;
+        self.stats.host_secs += t.secs;
+    }
+
     /// Whether calls of many tokens of `layer` take [`InPlace::stage`].
     pub fn stages(&self, layer: &InPlaceLayer) -> bool {
         self.tier
@@ -733,6 +775,7 @@ impl InPlace {
 
     /// The counters (after waiting for the staging copies in flight, so that their time is in).
     pub fn stats(&mut self) -> ExpertCacheStats {
+        self.merge_host_tally();
         for (_, end) in &self.staged_copies {
             let _ = end.synchronize();
         }

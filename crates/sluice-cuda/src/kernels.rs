@@ -50,6 +50,9 @@ pub(crate) struct Kernels {
     pub copy_words2: CudaFunction,
     pub fill_words: CudaFunction,
     pub count_experts: CudaFunction,
+    /// Experts the host computes beside the device (`host_compute`).
+    pub host_split_plan: CudaFunction,
+    pub host_split_join: CudaFunction,
     pub rms_norm: CudaFunction,
     pub add_rms_norm: CudaFunction,
     pub rms_norm_gated: CudaFunction,
@@ -191,6 +194,8 @@ impl Kernels {
             copy_words2: f("copy_words2")?,
             fill_words: f("fill_words")?,
             count_experts: f("count_experts")?,
+            host_split_plan: f("host_split_plan")?,
+            host_split_join: f("host_split_join")?,
             rms_norm: f("rms_norm")?,
             add_rms_norm: f("add_rms_norm")?,
             rms_norm_gated: f("rms_norm_gated")?,

@@ -22,6 +22,7 @@ mod backend;
 mod device;
 mod expert_cache;
 mod graph;
+mod host_compute;
 mod in_place;
 mod kernels;
 mod mat;
@@ -34,6 +35,7 @@ pub use backend::{
     CudaAct, CudaBackend, CudaExperts, CudaKvCache, CudaLinearState, CudaRouting, CudaStagedExpert,
     CudaVector, CudaWeight,
 };
+pub use host_compute::HostCompute;
 pub use vram_experts::RESERVE_BYTES as VRAM_RESERVE_BYTES;
 
 fn unusable(msg: String) -> BackendError {

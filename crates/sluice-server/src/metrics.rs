@@ -242,6 +242,25 @@ impl Metrics {
                 "Bytes of experts the GPU read in host memory over its link.",
                 v.bytes_read_in_place as f64,
             );
+            metric(
+                "vram_expert_cpu_computed_total",
+                "counter",
+                "Experts kept in host memory that the CPU computed beside the GPU (routed \
+                 pairs).",
+                v.host_computed as f64,
+            );
+            metric(
+                "vram_expert_cpu_computed_bytes_total",
+                "counter",
+                "Bytes of experts the CPU read to compute them beside the GPU.",
+                v.bytes_host_computed as f64,
+            );
+            metric(
+                "vram_expert_cpu_seconds_total",
+                "counter",
+                "Time the CPU spent computing experts beside the GPU.",
+                v.host_secs,
+            );
         }
         out
     }
@@ -265,13 +284,19 @@ mod tests {
             read_in_place: 10,
             bytes_read_in_place: 123,
             placed: 5,
+            host_computed: 10,
+            bytes_host_computed: 456,
+            host_secs: 0.25,
             ..ExpertCacheStats::default()
         };
         let text = m.render(None, Some(&v));
         for want in [
             "sluice_vram_expert_hits_total 30",
             "sluice_vram_expert_uploads_total 15",
-            "sluice_vram_expert_hit_rate 0.6",
+            "sluice_vram_expert_hit_rate 0.5",
+            "sluice_vram_expert_cpu_computed_total 10",
+            "sluice_vram_expert_cpu_computed_bytes_total 456",
+            "sluice_vram_expert_cpu_seconds_total 0.25",
             "sluice_vram_expert_read_in_place_total 10",
             "sluice_vram_expert_read_in_place_bytes_total 123",
             "sluice_vram_expert_upload_bytes_total 4000000000",
