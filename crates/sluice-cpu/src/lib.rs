@@ -9,3 +9,4 @@ mod team;
 
 pub use backend::{CpuAct, CpuBackend, CpuKvCache};
 pub use kernels::Kernels;
+pub use team::{set_thread_count, thread_count};

@@ -4,7 +4,8 @@
 //! works too; workers spin for a while after each step, then sleep until the next one.
 //!
 //! The team has `rayon::current_num_threads()` threads counting the caller (`-t`, or the pool a
-//! benchmark installs), rebuilt when that changes. A call made while the team is busy (a nested
+//! benchmark installs; or what [`set_thread_count`] set for the calling thread), rebuilt when that
+//! changes. A call made while the team is busy (a nested
 //! call, or another thread's) runs on the calling thread alone.
 
 use std::panic::{self, AssertUnwindSafe};
@@ -166,10 +167,29 @@ fn work(s: &Shared, mut seen: usize) {
 
 static TEAM: OnceLock<Mutex<Option<Team>>> = OnceLock::new();
 
+thread_local! {
+    static THREADS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Threads (counting the caller) that the calling thread's parallel steps use:
+/// `rayon::current_num_threads()`, unless [`set_thread_count`] said otherwise on this thread.
+pub fn thread_count() -> usize {
+    THREADS
+        .with(|t| t.get())
+        .unwrap_or_else(rayon::current_num_threads)
+}
+
+/// Makes the calling thread's parallel steps use `n` threads counting it (`None`: rayon's
+/// count). For a thread outside rayon's pools that must leave cores to others: the CUDA
+/// backend's thread computing experts beside the GPU, while another thread waits on the GPU.
+pub fn set_thread_count(n: Option<usize>) {
+    THREADS.with(|t| t.set(n.map(|n| n.max(1))));
+}
+
 /// `f(i)` for every `i < n`, spread over the team (the calling thread works too); returns once
 /// all are done. A panic in `f` is raised again here.
 pub(crate) fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
-    let threads = rayon::current_num_threads();
+    let threads = thread_count();
     if n <= 1 || threads <= 1 {
         (0..n).for_each(f);
         return;

@@ -2922,7 +2922,6 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
 
 #define MB_DOORBELL 0
 #define MB_DONE 1
-#define MB_WAITING 2
 #define MB_FAILED 3
 #define MB_SHARE 4
 #define MB_LAYER 5
@@ -3033,7 +3032,7 @@ extern "C" __global__ void __launch_bounds__(256) host_split_plan(
         store_volatile(mb + MB_COLS, (uint32_t)cols);
         __threadfence_system();
         // The doorbell: the call's number and how many experts the host takes (at most 128).
-        store_volatile(mb + MB_DOORBELL, (seq << 8) | (uint32_t)take);
+        store_volatile(mb + MB_DOORBELL, ((seq & 0xffffff) << 8) | (uint32_t)take);
     }
 }
 
@@ -3047,10 +3046,9 @@ extern "C" __global__ void __launch_bounds__(1024) host_split_join(
     if (state[ST_TAKEN] == 0) return;
     __shared__ bool ok;
     if (threadIdx.x == 0) {
-        const uint32_t seq = state[ST_SEQ];
+        const uint32_t seq = state[ST_SEQ] & 0xffffff;
         ok = true;
         if (load_volatile(mb + MB_DONE) != seq) {
-            store_volatile(mb + MB_WAITING, seq);
             unsigned long long start, now;
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
             while (load_volatile(mb + MB_DONE) != seq) {

@@ -194,7 +194,8 @@ pub struct CudaBackend {
     /// (`host_compute`), with this CPU backend; its mailbox and worker once a call needs them.
     host_mode: HostCompute,
     host_cpu: CpuBackend,
-    host: Mutex<Option<HostExperts>>,
+    /// With the share's climbing, and the lowest layer id seen (where a decode step starts).
+    host: Mutex<Option<(HostExperts, HostSplit, usize)>>,
     host_tally: Arc<Mutex<HostTally>>,
 }
 
@@ -790,12 +791,12 @@ impl CudaBackend {
         let (Some(xp), Some(ids), Some(weights)) = (x.ptr(), &routing.ids, &routing.weights) else {
             return None;
         };
-        let mut host = self.host.lock().unwrap_or_else(|p| p.into_inner());
-        if host.is_none() {
+        let mut guard = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
             let capacity = MOE_DECODE_ROWS * x.cols;
             match HostExperts::start(
                 &self.d,
-                split,
+                split.share(),
                 self.host_cpu,
                 capacity,
                 self.host_tally.clone(),
@@ -805,7 +806,7 @@ impl CudaBackend {
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .set_host_tally(self.host_tally.clone());
-                    *host = Some(h);
+                    *guard = Some((h, split, layer.id()));
                 }
                 Err(e) => {
                     self.d.record(e);
@@ -813,9 +814,17 @@ impl CudaBackend {
                 }
             }
         }
-        let host = host.as_ref()?;
+        let (host, split, first_layer) = guard.as_mut()?;
         if x.rows * x.cols > host.capacity() {
             return None;
+        }
+        // A decode step starts at its first layer read in place: the share is measured by the
+        // steps' times.
+        *first_layer = (*first_layer).min(layer.id());
+        if layer.id() == *first_layer {
+            if let Some(share) = split.step_starts(std::time::Instant::now()) {
+                host.set_share(share);
+            }
         }
         if let Some(why) = host.failure() {
             self.d.record(BackendError::Device(format!(

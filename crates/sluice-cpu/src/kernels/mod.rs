@@ -1053,7 +1053,7 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
             out: job.out.as_mut_ptr(),
         })
         .collect();
-    let threads = rayon::current_num_threads();
+    let threads = crate::team::thread_count();
     let (tasks, total) = plan(&ctxs, threads);
     let run = |t: &Task| with_scratch(|s| run_task(level, &ctxs[t.job], t.r0, t.r1, s));
     if threads <= 1 || tasks.len() <= 1 || total < SERIAL_COST {
