@@ -12,7 +12,9 @@
 //!
 //! Streamed experts (a model larger than the GPU) are kept in a VRAM expert cache of fixed slots
 //! between calls, copied in from the expert store's page-locked host cache on a miss
-//! (`src/vram_experts.rs`; the slot bookkeeping in `src/expert_cache.rs`).
+//! (`src/vram_experts.rs`; the slot bookkeeping in `src/expert_cache.rs`), or read in place in
+//! that cache when it holds them all (`src/in_place.rs`); then the CPU may compute part of each
+//! decode layer's misses beside the GPU (`src/host_compute.rs`).
 //!
 //! The driver (`libcuda`) is loaded when a backend is opened, not linked: building needs no CUDA
 //! toolkit, and the same binary runs on the CPU where there is no GPU. [`open`] turns every way
