@@ -26,7 +26,9 @@ With `--family qwen35moe` the model is a tiny Qwen3.5-MoE (two Gated DeltaNet la
 attention layer, two value heads per key head so that llama.cpp's tiled value-head order differs
 from Hugging Face's grouped one; converted with `--no-mtp`), and the dequantised checkpoint undoes
 llama.cpp's changes: norms less the 1 it adds, `A_log = ln(-ssm_a)`, the value heads regrouped,
-conv1d as `[C, 1, K]`. It writes `qwen3_5_moe-gguf-<variant>/`.
+conv1d as `[C, 1, K]`. It writes `qwen3_5_moe-gguf-<variant>/`. `--family qwen3next`: a tiny
+Qwen3-Next of the same shape (llama.cpp keeps its value heads grouped, splits `in_proj_qkvz` into
+q/k/v and z and keeps `in_proj_ba` fused; undone likewise), written as `qwen3_next-gguf-<variant>/`.
 
 Writes `qwen3_moe-gguf-<variant>/` with `model.gguf`, `logits_prefill.npy`, `logits_decode.npy`,
 `reference.json` (text, tokens, tensor types, margins, versions).
@@ -137,6 +139,90 @@ def qwen35_to_hf(name, v, cfg):
     return [(p + hf, np.ascontiguousarray(values()))]
 
 
+def config_qwen3next():
+    """Tiny Qwen3-Next, shaped like config_qwen35 (256-wide matrices, 2 value heads per key
+    head)."""
+    from transformers import Qwen3NextConfig
+    return Qwen3NextConfig(
+        vocab_size=500, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        full_attention_interval=3, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=256, shared_expert_intermediate_size=256, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+        max_position_embeddings=512, tie_word_embeddings=False, rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+        eos_token_id=[495, 493],
+    )
+
+
+def qwen3next_to_hf(name, v, cfg):
+    """llama.cpp qwen3next tensor `name` with values `v` -> [(HF name, values)], undoing its
+    converter (conversion/qwen.py, Qwen3NextModel): +1 on the zero-centred norms, A = -exp(A_log),
+    conv1d squeezed, dt_bias renamed, and `in_proj_qkvz` split into `attn_qkv` ([all q; all k; all
+    v]) and `attn_gate` (z): those two come back as parts that qwen3next_finish interleaves again
+    per key head. `in_proj_ba` is written as it is (`ssm_ba`)."""
+    fixed = {"token_embd.weight": ("model.embed_tokens.weight", v),
+             "output_norm.weight": ("model.norm.weight", v - 1),
+             "output.weight": ("lm_head.weight", v)}
+    if name in fixed:
+        return [fixed[name]]
+    _, layer, rest = name.split(".", 2)
+    p = f"model.layers.{layer}."
+    if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+        proj = rest.split("_")[1]
+        return [(p + f"mlp.experts.{e}.{proj}_proj.weight", v[e]) for e in range(v.shape[0])]
+    table = {
+        "attn_norm.weight": ("input_layernorm.weight", lambda: v - 1),
+        "post_attention_norm.weight": ("post_attention_layernorm.weight", lambda: v - 1),
+        "attn_q_norm.weight": ("self_attn.q_norm.weight", lambda: v - 1),
+        "attn_k_norm.weight": ("self_attn.k_norm.weight", lambda: v - 1),
+        "attn_q.weight": ("self_attn.q_proj.weight", lambda: v),
+        "attn_k.weight": ("self_attn.k_proj.weight", lambda: v),
+        "attn_v.weight": ("self_attn.v_proj.weight", lambda: v),
+        "attn_output.weight": ("self_attn.o_proj.weight", lambda: v),
+        "attn_qkv.weight": ("linear_attn.part_qkv", lambda: v),
+        "attn_gate.weight": ("linear_attn.part_z", lambda: v),
+        "ssm_in.weight": ("linear_attn.in_proj_qkvz.weight", lambda: v),
+        "ssm_ba.weight": ("linear_attn.in_proj_ba.weight", lambda: v),
+        "ssm_conv1d.weight": ("linear_attn.conv1d.weight", lambda: v[:, None, :]),
+        "ssm_dt.bias": ("linear_attn.dt_bias", lambda: v),
+        # As sluice computes it: ln in float64, rounded once to float32.
+        "ssm_a": ("linear_attn.A_log", lambda: np.log(-v.astype(np.float64)).astype(np.float32)),
+        "ssm_norm.weight": ("linear_attn.norm.weight", lambda: v),
+        "ssm_out.weight": ("linear_attn.out_proj.weight", lambda: v),
+        "ffn_gate_inp.weight": ("mlp.gate.weight", lambda: v),
+        "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", lambda: v.reshape(1, -1)),
+        "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", lambda: v),
+        "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", lambda: v),
+        "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", lambda: v),
+    }
+    hf, values = table[rest]
+    return [(p + hf, np.ascontiguousarray(values()))]
+
+
+def qwen3next_finish(tensors, cfg):
+    """`in_proj_qkvz` again from qwen3next_to_hf's parts: per key head [q | k | v | z]."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    w = nv // nk * dv
+    for key in [k for k in tensors if k.endswith("linear_attn.part_qkv")]:
+        prefix = key[: -len("part_qkv")]
+        qkv = tensors.pop(key).numpy()
+        z = tensors.pop(prefix + "part_z").numpy()
+        q, k, v = qkv[: nk * dk], qkv[nk * dk: 2 * nk * dk], qkv[2 * nk * dk:]
+        rows = []
+        for h in range(nk):
+            rows += [q[h * dk:(h + 1) * dk], k[h * dk:(h + 1) * dk], v[h * w:(h + 1) * w],
+                     z[h * w:(h + 1) * w]]
+        tensors[prefix + "in_proj_qkvz.weight"] = torch.from_numpy(
+            np.ascontiguousarray(np.concatenate(rows), dtype=np.float32))
+
+
 def config():
     return Qwen3MoeConfig(
         vocab_size=500, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -172,9 +258,10 @@ def gguf_to_hf_name(name):
     return p + per_layer[rest]
 
 
-def dequantized_checkpoint(gguf_path, hf_dir, out_dir, to_hf=None):
+def dequantized_checkpoint(gguf_path, hf_dir, out_dir, to_hf=None, finish=None):
     """The GGUF's values (gguf-py's dequantisation) as a float32 HF checkpoint in `out_dir`;
-    `to_hf(name, values)` maps a tensor to HF (name, values) pairs (default: qwen3moe's names)."""
+    `to_hf(name, values)` maps a tensor to HF (name, values) pairs (default: qwen3moe's names),
+    and `finish(tensors)` then joins what comes from several GGUF tensors."""
     import gguf
     from safetensors.torch import save_file
     reader = gguf.GGUFReader(gguf_path)
@@ -194,6 +281,8 @@ def dequantized_checkpoint(gguf_path, hf_dir, out_dir, to_hf=None):
                 tensors[hf.format(e=e)] = torch.from_numpy(values[e].copy())
         else:
             tensors[hf] = torch.from_numpy(values.copy())
+    if finish is not None:
+        finish(tensors)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
     for f in os.listdir(hf_dir):
@@ -221,13 +310,20 @@ def main():
     ap.add_argument("--quantize", help="llama-quantize binary (default LLAMA_CPP/build/bin/llama-quantize)")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures"))
     ap.add_argument("--only", action="append", help="variant(s) to write")
-    ap.add_argument("--family", choices=["qwen3moe", "qwen35moe"], default="qwen3moe")
+    ap.add_argument("--family", choices=["qwen3moe", "qwen35moe", "qwen3next"], default="qwen3moe")
     a = ap.parse_args()
-    qwen35 = a.family == "qwen35moe"
-    if qwen35:
+    # Both DeltaNet families: converted with --no-mtp, one Q4_K_M variant.
+    qwen35 = a.family in ("qwen35moe", "qwen3next")
+    finish = None
+    if a.family == "qwen35moe":
         cfg35 = config_qwen35()
         to_hf = lambda name, v: qwen35_to_hf(name, v, cfg35)  # noqa: E731
         variants, prefix = VARIANTS_QWEN35, "qwen3_5_moe-gguf"
+    elif a.family == "qwen3next":
+        cfg35 = config_qwen3next()
+        to_hf = lambda name, v: qwen3next_to_hf(name, v, cfg35)  # noqa: E731
+        finish = lambda t: qwen3next_finish(t, cfg35)  # noqa: E731
+        variants, prefix = VARIANTS_QWEN35, "qwen3_next-gguf"
     else:
         to_hf, variants, prefix = None, VARIANTS, "qwen3_moe-gguf"
     quantize = a.quantize or os.path.join(a.llama_cpp, "build", "bin", "llama-quantize")
@@ -286,7 +382,7 @@ def main():
     # The f32 GGUF holds the model: its dequantised checkpoint gives the original logits.
     _, want, _ = logits(hf, tokens)
     dq = os.path.join(work, "f32-dequantised")
-    dequantized_checkpoint(f32, hf, dq, to_hf)
+    dequantized_checkpoint(f32, hf, dq, to_hf, finish)
     _, got, _ = logits(dq, tokens)
     err = float(np.abs(got - want).max())
     print(f"f32 GGUF vs the original model: max|diff| {err:.2e}")
@@ -303,7 +399,7 @@ def main():
         subprocess.run([quantize, *extra, f32, path, ftype], check=True,
                        stdout=subprocess.DEVNULL)
         dq = os.path.join(work, f"{suffix}-dequantised")
-        counts, per_tensor = dequantized_checkpoint(path, hf, dq, to_hf)
+        counts, per_tensor = dequantized_checkpoint(path, hf, dq, to_hf, finish)
         ref, prefill, decode = logits(dq, tokens)
         gap = routing_gap(ref, ids)
         top2 = np.sort(prefill, -1)[:, -2:]
@@ -320,7 +416,7 @@ def main():
                 "max_abs_decode_vs_prefill": float(np.abs(decode - prefill).max()),
                 "torch_version": torch.__version__,
                 "transformers_version": transformers.__version__,
-                "notes": f"tiny random {'Qwen3.5-MoE' if qwen35 else 'Qwen3-MoE'} -> llama.cpp convert_hf_to_gguf.py (f32) -> "
+                "notes": f"tiny random {a.family} -> llama.cpp convert_hf_to_gguf.py (f32) -> "
                          f"llama-quantize {ftype}; logits: gguf-py's dequantisation of model.gguf "
                          "as a float32 checkpoint, transformers on the CPU",
             }, f, indent=1)

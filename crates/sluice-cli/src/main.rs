@@ -74,8 +74,8 @@ enum Command {
 #[derive(Args)]
 pub(crate) struct ModelArgs {
     /// Model directory (config.json, tokenizer.json, *.safetensors), or a llama.cpp GGUF file
-    /// (qwen3moe; quantised blocks are converted at load) [default: $SLUICE_MODEL, else the demo
-    /// model bundled in the repo, models/demo].
+    /// (qwen3moe, qwen35moe, qwen3next; quantised blocks are converted at load) [default:
+    /// $SLUICE_MODEL, else the demo model bundled in the repo, models/demo].
     #[arg(long, short = 'm', value_name = "DIR|FILE.gguf")]
     pub(crate) model: Option<PathBuf>,
     /// Where the model runs: `auto` (the first GPU when one is usable, else the CPU), `cpu`,

@@ -34,6 +34,7 @@ fn packed_gguf_streams_the_same_logits() {
         "qwen3_moe-gguf-q4_k_m",
         "qwen3_moe-gguf-legacy",
         "qwen3_5_moe-gguf-q4_k_m",
+        "qwen3_next-gguf-q4_k_m",
     ] {
         let gguf = fixture(name);
         let resident = load(&gguf, StreamingOptions::default()).unwrap();

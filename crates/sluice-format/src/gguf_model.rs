@@ -1,7 +1,8 @@
-//! A GGUF file opened as a model ([`ModelDir`]) for llama.cpp's `qwen3moe` and `qwen35moe`
-//! architectures: the Hugging Face config its metadata describes, its tensors under Hugging Face
-//! names (llama.cpp's changes to them undone where the model needs it, see [`Transform`]), its tokenizer as a `tokenizer.json`, chat template, stop
-//! tokens and sampling defaults. Everything downstream (model code, expert scanner, packing) then
+//! A GGUF file opened as a model ([`ModelDir`]) for llama.cpp's `qwen3moe`, `qwen35moe` and
+//! `qwen3next` architectures: the Hugging Face config its metadata describes, its tensors under
+//! Hugging Face names (llama.cpp's changes to them undone where the model needs it, see
+//! [`Transform`]), its tokenizer as a `tokenizer.json`, chat template, stop tokens and sampling
+//! defaults. Everything downstream (model code, expert scanner, packing) then
 //! reads it like a checkpoint directory.
 //!
 //! Weights: F32/F16/BF16 tensors are zero-copy views of the map; quantised ggml blocks are
@@ -36,7 +37,7 @@ pub(crate) fn is_gguf(path: &Path) -> bool {
 }
 
 /// The architectures whose GGUF files sluice runs, by `general.architecture`.
-pub const GGUF_ARCHITECTURES: [&str; 2] = ["qwen3moe", "qwen35moe"];
+pub const GGUF_ARCHITECTURES: [&str; 3] = ["qwen3moe", "qwen35moe", "qwen3next"];
 
 pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
     let file = GgufFile::open(path).map_err(|e| FormatError::Config {
@@ -66,6 +67,7 @@ pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
     let config = match arch.as_str() {
         "qwen3moe" => qwen3moe_config(&meta)?,
         "qwen35moe" => qwen35moe_config(&meta)?,
+        "qwen3next" => qwen3next_config(&meta)?,
         other => {
             return Err(err(format!(
                 "architecture `{other}` is not supported in GGUF files yet (sluice runs {}); \
@@ -259,15 +261,33 @@ fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
 /// `nextn_predict_layers` are left out. llama.cpp stores the DeltaNet's value heads tiled
 /// (`linear_value_heads_tiled`).
 fn qwen35moe_config(m: &Meta) -> Result<Value, FormatError> {
+    deltanet_moe_config(m, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", true)
+}
+
+/// The Hugging Face `qwen3_next` config a llama.cpp `qwen3next` GGUF describes (Qwen3-Next, the
+/// same network as Qwen3.5 MoE; llama.cpp keeps its DeltaNet value heads grouped as Hugging Face
+/// does).
+fn qwen3next_config(m: &Meta) -> Result<Value, FormatError> {
+    deltanet_moe_config(m, "qwen3_next", "Qwen3NextForCausalLM", false)
+}
+
+/// The config of a Gated-DeltaNet MoE file (`qwen35moe`, `qwen3next`); `tiled`: whether the
+/// value heads are stored tiled over the key heads (`linear_value_heads_tiled`).
+fn deltanet_moe_config(
+    m: &Meta,
+    model_type: &str,
+    architecture: &str,
+    tiled: bool,
+) -> Result<Value, FormatError> {
+    let arch = m.arch;
     let blocks = m.uint("block_count")?;
     let nextn = m.uint_opt("nextn_predict_layers")?.unwrap_or(0);
     let layers = blocks.checked_sub(nextn).ok_or_else(|| {
         m.err(format!(
-            "`qwen35moe.nextn_predict_layers` ({nextn}) exceeds `block_count` ({blocks})"
+            "`{arch}.nextn_predict_layers` ({nextn}) exceeds `block_count` ({blocks})"
         ))
     })?;
-    let (mut c, head_dim) =
-        moe_decoder_config(m, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", layers)?;
+    let (mut c, head_dim) = moe_decoder_config(m, model_type, architecture, layers)?;
     let (key_heads, value_heads) = (m.uint("ssm.group_count")?, m.uint("ssm.time_step_rank")?);
     let inner = m.uint("ssm.inner_size")?;
     if key_heads == 0 || value_heads == 0 || !value_heads.is_multiple_of(key_heads) {
@@ -278,7 +298,7 @@ fn qwen35moe_config(m: &Meta) -> Result<Value, FormatError> {
     }
     if !inner.is_multiple_of(value_heads) {
         return Err(m.err(format!(
-            "`qwen35moe.ssm.inner_size` {inner} is not a multiple of {value_heads} value heads"
+            "`{arch}.ssm.inner_size` {inner} is not a multiple of {value_heads} value heads"
         )));
     }
     let layer_types: Vec<&str> = (0..layers)
@@ -306,7 +326,7 @@ fn qwen35moe_config(m: &Meta) -> Result<Value, FormatError> {
         "linear_conv_kernel_dim".into(),
         json!(m.uint("ssm.conv_kernel")?),
     );
-    c.insert("linear_value_heads_tiled".into(), json!(true));
+    c.insert("linear_value_heads_tiled".into(), json!(tiled));
     c.insert("layer_types".into(), json!(layer_types));
     c.insert(
         "shared_expert_intermediate_size".into(),
@@ -427,9 +447,17 @@ fn hf_target(
         ("qwen3moe", "ffn_norm.weight") => {
             target(module("post_attention_layernorm"), true, Transform::None)
         }
-        ("qwen35moe", _) => {
+        ("qwen35moe" | "qwen3next", _) => {
             let linear = file.tensor(&format!("blk.{layer}.ssm_a")).is_some();
             let (m, weight, transform) = match rest {
+                // Qwen3-Next's fused projections, rows interleaved per key head as Hugging Face
+                // has them: b and a always; q/k/v/z in files before llama.cpp split them.
+                "ssm_ba.weight" if arch == "qwen3next" => {
+                    ("linear_attn.in_proj_ba", true, Transform::None)
+                }
+                "ssm_in.weight" if arch == "qwen3next" => {
+                    ("linear_attn.in_proj_qkvz", true, Transform::None)
+                }
                 "post_attention_norm.weight" => ("post_attention_layernorm", true, Transform::None),
                 "attn_qkv.weight" if !linear => {
                     return Err(format!(
@@ -1025,6 +1053,54 @@ mod tests {
                 super::Transform::NegExpInverse
             )
         );
+    }
+
+    #[test]
+    fn qwen3next_keeps_the_value_heads_grouped_and_the_fused_projections() {
+        // The same keys under `qwen3next`.
+        let mut w = qwen35moe();
+        for (k, _, v) in &mut w.kv {
+            if let Some(rest) = k.strip_prefix("qwen35moe.") {
+                *k = format!("qwen3next.{rest}");
+            } else if k == "general.architecture" {
+                *v = s("qwen3next");
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, w.bytes()).unwrap();
+        let file = crate::gguf::GgufFile::open(&path).unwrap();
+        let c = super::qwen3next_config(&super::Meta {
+            file: &file,
+            arch: "qwen3next",
+        })
+        .unwrap();
+        assert_eq!(c["model_type"], "qwen3_next");
+        assert_eq!(c["linear_value_heads_tiled"], false);
+        assert_eq!(c["linear_num_value_heads"], 2);
+        assert_eq!(
+            c["layer_types"],
+            serde_json::json!(["linear_attention", "full_attention"])
+        );
+        let module = |n: &str, arch: &str| {
+            super::hf_target(n, arch, &file, 2)
+                .unwrap()
+                .map(|t| t.module)
+        };
+        assert_eq!(
+            module("blk.0.ssm_ba.weight", "qwen3next").as_deref(),
+            Some("model.layers.0.linear_attn.in_proj_ba")
+        );
+        assert_eq!(
+            module("blk.0.ssm_in.weight", "qwen3next").as_deref(),
+            Some("model.layers.0.linear_attn.in_proj_qkvz")
+        );
+        assert_eq!(
+            module("blk.0.attn_qkv.weight", "qwen3next").as_deref(),
+            Some("model.layers.0.linear_attn.in_proj_qkv")
+        );
+        // Qwen3.5 files have no fused b/a: not mapped there.
+        assert_eq!(module("blk.0.ssm_ba.weight", "qwen35moe"), None);
     }
 
     #[test]

@@ -416,43 +416,50 @@ impl<B: Backend> LinearAttention<B> {
         let hidden = cfg.hidden_size;
         let channels = d.conv_channels();
         let (hv, value_width) = (d.value_heads, d.value_heads * d.value_dim);
-        let (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) =
-            if ld.has(&format!("{a}.in_proj_qkvz.weight")) {
-                // Qwen3-Next: per key head, `in_proj_qkvz` rows are `[q | k | v (r heads) | z
-                // (r heads)]` and `in_proj_ba` rows `[b (r) | a (r)]`, `r = value_heads /
-                // key_heads`. Gathered here into Qwen3.5's separate projections.
-                let (dk, hk) = (d.key_dim, d.key_heads);
-                let r = hv / hk;
-                let width = r * d.value_dim;
-                let per_head = 2 * dk + 2 * width;
-                let part = |start: usize, len: usize, stride: usize| -> Vec<Range<usize>> {
-                    (0..hk)
-                        .map(|h| h * stride + start..h * stride + start + len)
-                        .collect()
-                };
-                let qkv: Vec<Range<usize>> = [
-                    part(0, dk, per_head),
-                    part(dk, dk, per_head),
-                    part(2 * dk, width, per_head),
-                ]
-                .concat();
-                let qkvz = format!("{a}.in_proj_qkvz");
-                let ba = format!("{a}.in_proj_ba");
-                let rows = channels + value_width;
-                (
-                    ld.matrix_rows(&qkvz, rows, hidden, &qkv)?,
-                    ld.matrix_rows(&qkvz, rows, hidden, &part(2 * dk + width, width, per_head))?,
-                    ld.matrix_rows(&ba, 2 * hv, hidden, &part(0, r, 2 * r))?,
-                    ld.matrix_rows(&ba, 2 * hv, hidden, &part(r, r, 2 * r))?,
-                )
-            } else {
-                (
-                    ld.matrix(&format!("{a}.in_proj_qkv"), channels, hidden)?,
-                    ld.matrix(&format!("{a}.in_proj_z"), value_width, hidden)?,
-                    ld.matrix(&format!("{a}.in_proj_b"), hv, hidden)?,
-                    ld.matrix(&format!("{a}.in_proj_a"), hv, hidden)?,
-                )
-            };
+        // Qwen3-Next fuses per key head: `in_proj_qkvz` rows are `[q | k | v (r heads) | z (r
+        // heads)]` and `in_proj_ba` rows `[b (r) | a (r)]`, `r = value_heads / key_heads`;
+        // gathered here into Qwen3.5's separate projections. Each pair is looked for on its own:
+        // llama.cpp's GGUFs split q/k/v/z but keep b/a fused.
+        let (dk, hk) = (d.key_dim, d.key_heads);
+        let r = hv / hk;
+        let part = |start: usize, len: usize, stride: usize| -> Vec<Range<usize>> {
+            (0..hk)
+                .map(|h| h * stride + start..h * stride + start + len)
+                .collect()
+        };
+        let (in_proj_qkv, in_proj_z) = if ld.has(&format!("{a}.in_proj_qkvz.weight")) {
+            let width = r * d.value_dim;
+            let per_head = 2 * dk + 2 * width;
+            let qkv: Vec<Range<usize>> = [
+                part(0, dk, per_head),
+                part(dk, dk, per_head),
+                part(2 * dk, width, per_head),
+            ]
+            .concat();
+            let qkvz = format!("{a}.in_proj_qkvz");
+            let rows = channels + value_width;
+            (
+                ld.matrix_rows(&qkvz, rows, hidden, &qkv)?,
+                ld.matrix_rows(&qkvz, rows, hidden, &part(2 * dk + width, width, per_head))?,
+            )
+        } else {
+            (
+                ld.matrix(&format!("{a}.in_proj_qkv"), channels, hidden)?,
+                ld.matrix(&format!("{a}.in_proj_z"), value_width, hidden)?,
+            )
+        };
+        let (in_proj_b, in_proj_a) = if ld.has(&format!("{a}.in_proj_ba.weight")) {
+            let ba = format!("{a}.in_proj_ba");
+            (
+                ld.matrix_rows(&ba, 2 * hv, hidden, &part(0, r, 2 * r))?,
+                ld.matrix_rows(&ba, 2 * hv, hidden, &part(r, r, 2 * r))?,
+            )
+        } else {
+            (
+                ld.matrix(&format!("{a}.in_proj_b"), hv, hidden)?,
+                ld.matrix(&format!("{a}.in_proj_a"), hv, hidden)?,
+            )
+        };
         Ok(LinearAttention {
             in_proj_qkv,
             in_proj_z,
