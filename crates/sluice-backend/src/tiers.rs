@@ -52,6 +52,8 @@ pub struct ExpertCacheStats {
     pub bytes_host_computed: u64,
     /// Seconds the CPU spent on them (beside the device).
     pub host_secs: f64,
+    /// The share of the misses the CPU takes now (`None`: the CPU computes none).
+    pub host_share: Option<f64>,
 }
 
 impl ExpertCacheStats {
@@ -71,6 +73,7 @@ impl ExpertCacheStats {
             host_computed: self.host_computed - earlier.host_computed,
             bytes_host_computed: self.bytes_host_computed - earlier.bytes_host_computed,
             host_secs: self.host_secs - earlier.host_secs,
+            host_share: self.host_share,
         }
     }
 

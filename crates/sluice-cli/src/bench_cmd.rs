@@ -290,11 +290,15 @@ fn run_on<B: Backend + 'static>(
                         v.stats.hit_rate() * 100.0,
                         if v.stats.read_in_place > 0 || v.stats.host_computed > 0 {
                             format!(
-                                ", read in place from host memory {} per token, computed by the CPU {} per token at {:.1} GB/s ({} pairs)",
+                                ", read in place from host memory {} per token, computed by the CPU {} per token at {:.1} GB/s ({} pairs{})",
                                 format_bytes(v.read_in_place_bytes_per_token as u64),
                                 format_bytes(v.host_computed_bytes_per_token as u64),
                                 v.stats.host_gbps(),
                                 v.stats.host_computed,
+                                v.stats.host_share.map_or(String::new(), |s| format!(
+                                    ", last share {:.0}% of the misses",
+                                    s * 100.0
+                                )),
                             )
                         } else {
                             String::new()

@@ -315,7 +315,7 @@ pub(crate) fn vram_line(d: &sluice_backend::ExpertCacheStats) -> String {
         // Experts kept in host memory: the kernels read them there or in a slot, or the CPU
         // computes them.
         return format!(
-            "VRAM hit {:.1}% ({} from slots, {} read in place from host memory: {}, {} computed by the CPU: {} at {:.1} GB/s), {} copied into slots and {} staged for prompts ({}, {} evicted) at {:.2} GB/s while copying",
+            "VRAM hit {:.1}% ({} from slots, {} read in place from host memory: {}, {} computed by the CPU: {} at {:.1} GB/s{}), {} copied into slots and {} staged for prompts ({}, {} evicted) at {:.2} GB/s while copying",
             d.hit_rate() * 100.0,
             d.hits,
             d.read_in_place,
@@ -323,6 +323,10 @@ pub(crate) fn vram_line(d: &sluice_backend::ExpertCacheStats) -> String {
             d.host_computed,
             format_bytes(d.bytes_host_computed),
             d.host_gbps(),
+            d.host_share.map_or(String::new(), |s| format!(
+                ", now {:.0}% of the misses",
+                s * 100.0
+            )),
             d.placed,
             d.bypassed,
             format_bytes(d.bytes_uploaded),

@@ -1474,7 +1474,11 @@ impl Backend for CudaBackend {
     fn expert_cache_stats(&self) -> Option<ExpertCacheStats> {
         let mut in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
         if in_place.has_tier() {
-            return Some(in_place.stats());
+            let mut stats = in_place.stats();
+            drop(in_place);
+            let host = self.host.lock().unwrap_or_else(|p| p.into_inner());
+            stats.host_share = host.as_ref().map(|(_, split, _)| split.share());
+            return Some(stats);
         }
         drop(in_place);
         let mut vram = self.vram.lock().unwrap_or_else(|p| p.into_inner());

@@ -222,6 +222,10 @@ fn experts_computed_by_the_cpu_beside_the_gpu_match_resident() {
                 "{what}: {s:?}"
             );
             assert!(s.host_secs > 0.0, "{what}: {s:?}");
+            let share = s.host_share.expect("the share in the stats");
+            if let HostCompute::Share(want) = mode {
+                assert_eq!(share, want, "{what}: a fixed share stays");
+            }
             eprintln!("{what}: {s:?}");
         }
     }

@@ -261,6 +261,14 @@ impl Metrics {
                 "Time the CPU spent computing experts beside the GPU.",
                 v.host_secs,
             );
+            if let Some(share) = v.host_share {
+                metric(
+                    "vram_expert_cpu_share",
+                    "gauge",
+                    "Share of the experts held in no VRAM slot that the CPU computes now.",
+                    share,
+                );
+            }
         }
         out
     }
@@ -287,6 +295,7 @@ mod tests {
             host_computed: 10,
             bytes_host_computed: 456,
             host_secs: 0.25,
+            host_share: Some(0.5),
             ..ExpertCacheStats::default()
         };
         let text = m.render(None, Some(&v));
@@ -297,6 +306,7 @@ mod tests {
             "sluice_vram_expert_cpu_computed_total 10",
             "sluice_vram_expert_cpu_computed_bytes_total 456",
             "sluice_vram_expert_cpu_seconds_total 0.25",
+            "sluice_vram_expert_cpu_share 0.5",
             "sluice_vram_expert_read_in_place_total 10",
             "sluice_vram_expert_read_in_place_bytes_total 123",
             "sluice_vram_expert_upload_bytes_total 4000000000",
