@@ -82,20 +82,10 @@ def config_qwen35():
     )
 
 
-def qwen35_to_hf(name, v, cfg):
-    """llama.cpp qwen35moe tensor `name` with values `v` (HF axis order) -> [(HF name, values)],
-    undoing its converter (conversion/qwen.py): +1 on the zero-centred norms, A = -exp(A_log),
-    value heads tiled, conv1d squeezed, dt_bias renamed."""
-    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    hk, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    per_k = nv // nk
-    # Grouped head g = i * per_k + j sits at tiled position j * nk + i.
-    tiled_of = [(g % per_k) * nk + g // per_k for g in range(nv)]
-
-    def grouped(x, size, axis=0):
-        idx = np.concatenate([np.arange(t * size, (t + 1) * size) for t in tiled_of])
-        return np.take(x, idx, axis=axis)
-
+def deltanet_common_to_hf(name, v):
+    """What llama.cpp's converter writes alike for qwen35moe and qwen3next (conversion/qwen.py):
+    [(HF name, values)] for the embeddings, head, norms (+1 on the zero-centred ones undone),
+    full attention, router, experts and shared expert; None for the other tensors."""
     fixed = {"token_embd.weight": ("model.embed_tokens.weight", v),
              "output_norm.weight": ("model.norm.weight", v - 1),
              "output.weight": ("lm_head.weight", v)}
@@ -103,7 +93,6 @@ def qwen35_to_hf(name, v, cfg):
         return [fixed[name]]
     _, layer, rest = name.split(".", 2)
     p = f"model.layers.{layer}."
-    qk = 2 * nk * hk
     if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
         proj = rest.split("_")[1]
         return [(p + f"mlp.experts.{e}.{proj}_proj.weight", v[e]) for e in range(v.shape[0])]
@@ -116,6 +105,40 @@ def qwen35_to_hf(name, v, cfg):
         "attn_k.weight": ("self_attn.k_proj.weight", lambda: v),
         "attn_v.weight": ("self_attn.v_proj.weight", lambda: v),
         "attn_output.weight": ("self_attn.o_proj.weight", lambda: v),
+        "ssm_norm.weight": ("linear_attn.norm.weight", lambda: v),
+        "ffn_gate_inp.weight": ("mlp.gate.weight", lambda: v),
+        "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", lambda: v.reshape(1, -1)),
+        "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", lambda: v),
+        "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", lambda: v),
+        "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", lambda: v),
+    }
+    if rest not in table:
+        return None
+    hf, values = table[rest]
+    return [(p + hf, np.ascontiguousarray(values()))]
+
+
+def qwen35_to_hf(name, v, cfg):
+    """llama.cpp qwen35moe tensor `name` with values `v` (HF axis order) -> [(HF name, values)],
+    undoing its converter (conversion/qwen.py): deltanet_common_to_hf, then A = -exp(A_log),
+    value heads tiled, conv1d squeezed, dt_bias renamed."""
+    common = deltanet_common_to_hf(name, v)
+    if common is not None:
+        return common
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    hk, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    per_k = nv // nk
+    # Grouped head g = i * per_k + j sits at tiled position j * nk + i.
+    tiled_of = [(g % per_k) * nk + g // per_k for g in range(nv)]
+
+    def grouped(x, size, axis=0):
+        idx = np.concatenate([np.arange(t * size, (t + 1) * size) for t in tiled_of])
+        return np.take(x, idx, axis=axis)
+
+    _, layer, rest = name.split(".", 2)
+    p = f"model.layers.{layer}."
+    qk = 2 * nk * hk
+    table = {
         "attn_qkv.weight": ("linear_attn.in_proj_qkv.weight",
                             lambda: np.concatenate([v[:qk], grouped(v[qk:], hv)])),
         "attn_gate.weight": ("linear_attn.in_proj_z.weight", lambda: grouped(v, hv)),
@@ -127,13 +150,7 @@ def qwen35_to_hf(name, v, cfg):
         # As sluice computes it: ln in float64, rounded once to float32.
         "ssm_a": ("linear_attn.A_log",
                   lambda: grouped(np.log(-v.astype(np.float64)).astype(np.float32), 1)),
-        "ssm_norm.weight": ("linear_attn.norm.weight", lambda: v),
         "ssm_out.weight": ("linear_attn.out_proj.weight", lambda: grouped(v, hv, axis=1)),
-        "ffn_gate_inp.weight": ("mlp.gate.weight", lambda: v),
-        "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", lambda: v.reshape(1, -1)),
-        "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", lambda: v),
-        "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", lambda: v),
-        "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", lambda: v),
     }
     hf, values = table[rest]
     return [(p + hf, np.ascontiguousarray(values()))]
@@ -162,29 +179,16 @@ def config_qwen3next():
 
 def qwen3next_to_hf(name, v, cfg):
     """llama.cpp qwen3next tensor `name` with values `v` -> [(HF name, values)], undoing its
-    converter (conversion/qwen.py, Qwen3NextModel): +1 on the zero-centred norms, A = -exp(A_log),
+    converter (conversion/qwen.py, Qwen3NextModel): deltanet_common_to_hf, then A = -exp(A_log),
     conv1d squeezed, dt_bias renamed, and `in_proj_qkvz` split into `attn_qkv` ([all q; all k; all
     v]) and `attn_gate` (z): those two come back as parts that qwen3next_finish interleaves again
     per key head. `in_proj_ba` is written as it is (`ssm_ba`)."""
-    fixed = {"token_embd.weight": ("model.embed_tokens.weight", v),
-             "output_norm.weight": ("model.norm.weight", v - 1),
-             "output.weight": ("lm_head.weight", v)}
-    if name in fixed:
-        return [fixed[name]]
+    common = deltanet_common_to_hf(name, v)
+    if common is not None:
+        return common
     _, layer, rest = name.split(".", 2)
     p = f"model.layers.{layer}."
-    if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
-        proj = rest.split("_")[1]
-        return [(p + f"mlp.experts.{e}.{proj}_proj.weight", v[e]) for e in range(v.shape[0])]
     table = {
-        "attn_norm.weight": ("input_layernorm.weight", lambda: v - 1),
-        "post_attention_norm.weight": ("post_attention_layernorm.weight", lambda: v - 1),
-        "attn_q_norm.weight": ("self_attn.q_norm.weight", lambda: v - 1),
-        "attn_k_norm.weight": ("self_attn.k_norm.weight", lambda: v - 1),
-        "attn_q.weight": ("self_attn.q_proj.weight", lambda: v),
-        "attn_k.weight": ("self_attn.k_proj.weight", lambda: v),
-        "attn_v.weight": ("self_attn.v_proj.weight", lambda: v),
-        "attn_output.weight": ("self_attn.o_proj.weight", lambda: v),
         "attn_qkv.weight": ("linear_attn.part_qkv", lambda: v),
         "attn_gate.weight": ("linear_attn.part_z", lambda: v),
         "ssm_in.weight": ("linear_attn.in_proj_qkvz.weight", lambda: v),
@@ -193,13 +197,7 @@ def qwen3next_to_hf(name, v, cfg):
         "ssm_dt.bias": ("linear_attn.dt_bias", lambda: v),
         # As sluice computes it: ln in float64, rounded once to float32.
         "ssm_a": ("linear_attn.A_log", lambda: np.log(-v.astype(np.float64)).astype(np.float32)),
-        "ssm_norm.weight": ("linear_attn.norm.weight", lambda: v),
         "ssm_out.weight": ("linear_attn.out_proj.weight", lambda: v),
-        "ffn_gate_inp.weight": ("mlp.gate.weight", lambda: v),
-        "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", lambda: v.reshape(1, -1)),
-        "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", lambda: v),
-        "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", lambda: v),
-        "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", lambda: v),
     }
     hf, values = table[rest]
     return [(p + hf, np.ascontiguousarray(values()))]
