@@ -13,13 +13,14 @@ use sluice_synth::{synthesize, Preset, Quant, SynthOptions, ZeroPoint, PRESETS};
 #[command(after_help = "Presets (published config.json shapes):\n  \
     qwen3.5-35b-a3b     Qwen3.5-35B-A3B: 40 layers, 256 experts, top-8, shared expert (~19.5 GB at 4 bits)\n  \
     qwen3.5-122b-a10b   Qwen3.5-122B-A10B: 48 layers, hidden 3072 (~65 GB at 4 bits)\n  \
+    qwen3.5-397b-a17b   Qwen3.5-397B-A17B: 60 layers, hidden 4096, 512 experts, top-10 (~223 GB at 4 bits)\n  \
     qwen3-30b-a3b       Qwen3-30B-A3B: 48 layers, 128 experts, top-8 (~17.2 GB at 4 bits)\n  \
     qwen3-235b-a22b     Qwen3-235B-A22B: 94 layers, hidden 4096 (~132 GB at 4 bits)\n  \
     tiny-qwen3.5-moe, tiny-qwen3-moe   the same structures at test size (~2 MB)\n\n\
 Example:\n  sluice synth --preset qwen3.5-35b-a3b -o ~/models/q35-synth")]
 pub struct SynthArgs {
     /// Which model's shapes to write (see below; `--preset list` prints them with sizes).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", required_unless_present = "list", default_value = "")]
     preset: String,
     /// Output directory (must not exist; written as DIR.partial and renamed when complete).
     #[arg(long, short = 'o', value_name = "DIR")]

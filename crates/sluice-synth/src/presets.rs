@@ -127,6 +127,34 @@ pub const PRESETS: &[Preset] = &[
         special_tokens_start: 248044,
     },
     Preset {
+        name: "qwen3.5-397b-a17b",
+        family: Family::Qwen35Moe,
+        source: "Qwen3.5-397B-A17B text_config as NVIDIA's Megatron MIMO config for it states \
+                 (\"all values match the HuggingFace text_config\": 60 layers, hidden 4096, 32 \
+                 heads, 2 kv heads of 256, 512 experts top-10 of 1024, shared 1024, DeltaNet \
+                 16 key / 64 value heads of 128, 3 linear : 1 full, partial rotary 0.25, theta \
+                 1e7); agrees with Flash-MoE's 397B profile; vocabulary as the Qwen3.5 family",
+        hidden_size: 4096,
+        layers: 60,
+        heads: 32,
+        kv_heads: 2,
+        head_dim: 256,
+        experts: 512,
+        experts_per_token: 10,
+        moe_intermediate_size: 1024,
+        shared_expert_intermediate_size: 1024,
+        intermediate_size: 0,
+        vocab_size: 248320,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 262144,
+        linear: Some(LinearAttention {
+            value_heads: 64,
+            ..QWEN35_LINEAR
+        }),
+        special_tokens_start: 248044,
+    },
+    Preset {
         name: "qwen3-30b-a3b",
         family: Family::Qwen3Moe,
         source: "huggingface.co/Qwen/Qwen3-30B-A3B config.json; \
