@@ -20,7 +20,12 @@ use sluice_synth::{synthesize, Preset, Quant, SynthOptions, ZeroPoint, PRESETS};
 Example:\n  sluice synth --preset qwen3.5-35b-a3b -o ~/models/q35-synth")]
 pub struct SynthArgs {
     /// Which model's shapes to write (see below; `--preset list` prints them with sizes).
-    #[arg(long, value_name = "NAME", required_unless_present = "list", default_value = "")]
+    #[arg(
+        long,
+        value_name = "NAME",
+        required_unless_present = "list",
+        default_value = ""
+    )]
     preset: String,
     /// Output directory (must not exist; written as DIR.partial and renamed when complete).
     #[arg(long, short = 'o', value_name = "DIR")]
