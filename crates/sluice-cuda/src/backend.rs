@@ -783,7 +783,9 @@ impl CudaBackend {
         experts: &CudaExperts,
         layer: &Arc<InPlaceLayer>,
     ) -> Option<CudaAct> {
-        let split = HostSplit::new(self.host_mode)?;
+        if self.host_mode == HostCompute::Off {
+            return None;
+        }
         let n = routing.rows * routing.k;
         if n > MAX_PAIRS {
             return None;
@@ -793,6 +795,7 @@ impl CudaBackend {
         };
         let mut guard = self.host.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
+            let split = HostSplit::new(self.host_mode)?;
             let capacity = MOE_DECODE_ROWS * x.cols;
             match HostExperts::start(
                 &self.d,

@@ -902,10 +902,16 @@ mod tests {
             .tensor("token_embd.weight", &[64, 4], 0, vec![0; 64 * 4 * 4])
     }
 
-    fn open_error(w: &Writer) -> String {
+    /// `w` written as `m.gguf` in a new temporary directory (kept alive by the caller).
+    fn written(w: &Writer) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.gguf");
         std::fs::write(&path, w.bytes()).unwrap();
+        (dir, path)
+    }
+
+    fn open_error(w: &Writer) -> String {
+        let (_dir, path) = written(w);
         let e = ModelDir::open(&path)
             .expect_err("must not open")
             .to_string();
@@ -1017,9 +1023,7 @@ mod tests {
                 0,
                 vec![0; 64 * 32 * 2 * 4],
             );
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("m.gguf");
-        std::fs::write(&path, w.bytes()).unwrap();
+        let (_dir, path) = written(&w);
         let file = crate::gguf::GgufFile::open(&path).unwrap();
         let c = super::qwen35moe_config(&super::Meta {
             file: &file,
@@ -1066,9 +1070,7 @@ mod tests {
                 *v = s("qwen3next");
             }
         }
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("m.gguf");
-        std::fs::write(&path, w.bytes()).unwrap();
+        let (_dir, path) = written(&w);
         let file = crate::gguf::GgufFile::open(&path).unwrap();
         let c = super::qwen3next_config(&super::Meta {
             file: &file,
@@ -1134,9 +1136,7 @@ mod tests {
             .kv("qwen3moe.attention.head_count_kv", U32, u32v(1))
             .kv("qwen3moe.rope.freq_base", 6, 5e5f32.to_le_bytes().to_vec())
             .kv("tokenizer.ggml.model", STRING, s("gpt2"));
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("m.gguf");
-        std::fs::write(&path, w.bytes()).unwrap();
+        let (_dir, path) = written(&w);
         // No tokenizer vocabulary: the error is about it, after the config was read.
         let e = ModelDir::open(&path).unwrap_err().to_string();
         assert!(e.contains("tokenizer"), "{e}");
