@@ -260,11 +260,19 @@ fn describe_gguf(path: &std::path::Path) -> Result<()> {
     }
     by_type.sort_by_key(|e| std::cmp::Reverse(e.2));
     let total: u64 = file.tensors().iter().map(|t| t.bytes).sum();
+    let parts = file.paths().len();
+    let files = if parts > 1 {
+        format!(
+            "{parts} files of a split set, {} in all",
+            format_bytes(file.file_bytes())
+        )
+    } else {
+        format!("a {} file", format_bytes(file.file_bytes()))
+    };
     println!(
-        "  {} tensors, {} of weights in a {} file",
+        "  {} tensors, {} of weights in {files}",
         file.tensors().len(),
         format_bytes(total),
-        format_bytes(file.file_bytes())
     );
     for (name, n, bytes) in by_type {
         println!("    {name}: {n} tensors, {}", format_bytes(bytes));

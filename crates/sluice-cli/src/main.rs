@@ -74,7 +74,8 @@ enum Command {
 #[derive(Args)]
 pub(crate) struct ModelArgs {
     /// Model directory (config.json, tokenizer.json, *.safetensors), or a llama.cpp GGUF file
-    /// (qwen3moe, qwen35moe, qwen3next; quantised blocks are converted at load) [default:
+    /// (qwen3moe, qwen35moe, qwen3next; quantised blocks are converted at load; any part of a
+    /// split set NAME-00001-of-0000N.gguf opens the whole set) [default:
     /// $SLUICE_MODEL, else the demo model bundled in the repo, models/demo].
     #[arg(long, short = 'm', value_name = "DIR|FILE.gguf")]
     pub(crate) model: Option<PathBuf>,

@@ -134,3 +134,83 @@ fn gguf_metadata_reaches_the_engine() {
     );
     assert_eq!(e.model.info().layers, 2);
 }
+
+/// `gguf` written again as a split set of three files in `dir` (`split_gguf_bytes`, which writes
+/// the bytes `llama-gguf-split --split-max-tensors` does: compared on four fixtures when it was
+/// written); their paths in order.
+fn split_in_three(gguf: &Path, dir: &Path) -> Vec<PathBuf> {
+    use sluice_format::gguf::{split_gguf_bytes, GgufFile};
+    let file = GgufFile::open(gguf).unwrap();
+    let tensors: Vec<_> = file
+        .tensors()
+        .iter()
+        .map(|t| {
+            (
+                t.name.as_str(),
+                &t.dims[..],
+                t.ggml_type,
+                file.tensor_bytes(t),
+            )
+        })
+        .collect();
+    let parts = split_gguf_bytes(file.metadata_entries(), &tensors, tensors.len().div_ceil(3));
+    assert_eq!(parts.len(), 3);
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, bytes)| {
+            let path = dir.join(format!("model-{:05}-of-00003.gguf", i + 1));
+            std::fs::write(&path, bytes).unwrap();
+            path
+        })
+        .collect()
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+#[test]
+fn a_split_set_runs_and_packs_like_its_single_file() {
+    for name in ["qwen3_moe-gguf-q4_k_m", "qwen3_next-gguf-q4_k_m"] {
+        let whole = load(&fixture(name), StreamingOptions::default()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let parts = split_in_three(&fixture(name), tmp.path());
+        // Any part opens the set.
+        let split =
+            load(&parts[1], StreamingOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for mode in [LogitsMode::Prefill, LogitsMode::Decode] {
+            let want = whole.logits(&TOKENS, mode).unwrap();
+            let got = split.logits(&TOKENS, mode).unwrap();
+            assert!(
+                same_bits(&got, &want),
+                "{name} {mode:?}: the split set's logits differ"
+            );
+        }
+        let out = tmp.path().join("packed");
+        pack(&parts[0], &out, &PackOptions { force: false }, &|_, _| {})
+            .unwrap_or_else(|e| panic!("packing {name}'s split set: {e}"));
+        let streamed = load(
+            &out,
+            StreamingOptions {
+                expert_cache: Some(1 << 20),
+                ..StreamingOptions::default()
+            },
+        )
+        .unwrap();
+        let want = whole.logits(&TOKENS, LogitsMode::Decode).unwrap();
+        let got = streamed.logits(&TOKENS, LogitsMode::Decode).unwrap();
+        assert!(
+            same_bits(&got, &want),
+            "{name}: the packed split set's logits differ"
+        );
+        // A missing part is a one-line error that names it.
+        std::fs::remove_file(&parts[2]).unwrap();
+        let e = load(&parts[0], StreamingOptions::default()).err().unwrap();
+        assert!(
+            e.contains("model-00003-of-00003.gguf") && e.contains("missing"),
+            "{e}"
+        );
+        assert!(!e.contains('\n'), "{e}");
+    }
+}

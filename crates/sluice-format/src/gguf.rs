@@ -3,6 +3,9 @@
 //! tensor extent checked against the file before anything is handed out. A defect is a one-line
 //! [`GgufError`] naming the file (and the key or tensor); nothing here panics on bad input.
 //!
+//! A split set (`NAME-00001-of-00003.gguf` ..., as `llama-gguf-split` writes the large models)
+//! opens from any of its parts as one file: the first part's metadata, every part's tensors.
+//!
 //! ```no_run
 //! # fn main() -> Result<(), sluice_format::gguf::GgufError> {
 //! let file = sluice_format::gguf::GgufFile::open("Qwen3-30B-A3B-Q4_K_M.gguf")?;
@@ -209,16 +212,74 @@ impl GgufValue {
 /// A version-3 GGUF file holding the metadata `kv` and no tensors (for tests and tools that
 /// describe a model's tokenizer or config without weights).
 pub fn metadata_only_gguf(kv: &[(String, GgufValue)]) -> Vec<u8> {
+    gguf_bytes(kv, &[])
+}
+
+/// A version-3 GGUF file of the metadata `kv` and the tensors `(name, dims, type, data)` laid
+/// out as llama.cpp's writer does: each tensor's data at a multiple of the alignment
+/// (`general.alignment`, else 32) from the aligned start of the data section.
+pub fn gguf_bytes(
+    kv: &[(String, GgufValue)],
+    tensors: &[(&str, &[u64], GgmlType, &[u8])],
+) -> Vec<u8> {
+    let alignment = kv
+        .iter()
+        .find(|(k, _)| k == "general.alignment")
+        .and_then(|(_, v)| v.as_u64())
+        .unwrap_or(32) as usize;
     let mut b = b"GGUF".to_vec();
     b.extend(3u32.to_le_bytes());
-    b.extend(0u64.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
     b.extend((kv.len() as u64).to_le_bytes());
     for (k, v) in kv {
         GgufValue::String(k.clone()).encode(&mut b);
         b.extend(v.type_id().to_le_bytes());
         v.encode(&mut b);
     }
+    let mut offset = 0u64;
+    for (name, dims, ty, data) in tensors {
+        GgufValue::String(name.to_string()).encode(&mut b);
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in *dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.id().to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        offset += data.len().div_ceil(alignment) as u64 * alignment as u64;
+    }
+    if !tensors.is_empty() {
+        b.resize(b.len().div_ceil(alignment) * alignment, 0);
+    }
+    for (_, _, _, data) in tensors {
+        b.extend(*data);
+        b.resize(b.len().div_ceil(alignment) * alignment, 0);
+    }
     b
+}
+
+/// The files of a split set holding the metadata `kv` and `tensors`, `per_part` tensors to a
+/// file (at least 1), byte for byte as `llama-gguf-split --split-max-tensors` writes them: every
+/// key in the first file, then in each file `split.no` (u16, from 0), `split.tensors.count`
+/// (i32) and `split.count` (u16), in that order. Name file `i` `PREFIX-{i+1:05}-of-{n:05}.gguf`.
+pub fn split_gguf_bytes(
+    kv: &[(String, GgufValue)],
+    tensors: &[(&str, &[u64], GgmlType, &[u8])],
+    per_part: usize,
+) -> Vec<Vec<u8>> {
+    let chunks: Vec<_> = tensors.chunks(per_part.max(1)).collect();
+    let n = chunks.len().max(1);
+    (0..n)
+        .map(|i| {
+            let mut part_kv = if i == 0 { kv.to_vec() } else { Vec::new() };
+            part_kv.push(("split.no".into(), GgufValue::U16(i as u16)));
+            part_kv.push((
+                "split.tensors.count".into(),
+                GgufValue::I32(tensors.len() as i32),
+            ));
+            part_kv.push(("split.count".into(), GgufValue::U16(n as u16)));
+            gguf_bytes(&part_kv, chunks.get(i).copied().unwrap_or(&[]))
+        })
+        .collect()
 }
 
 impl fmt::Display for GgufValue {
@@ -259,7 +320,10 @@ pub struct GgufTensorInfo {
     /// ggml order: `dims[0]` is the row length (contiguous), as llama.cpp prints shapes.
     pub dims: Vec<u64>,
     pub ggml_type: GgmlType,
-    /// Offset of the data from the start of the file.
+    /// The file of a split set that holds the data (0 for a single file): see
+    /// [`GgufFile::paths`].
+    pub part: usize,
+    /// Offset of the data from the start of that file.
     pub offset: u64,
     pub bytes: u64,
 }
@@ -270,10 +334,10 @@ impl GgufTensorInfo {
     }
 }
 
-/// A memory-mapped GGUF file with its metadata and tensor table parsed and checked.
+/// A memory-mapped GGUF file (or split set) with its metadata and tensor table parsed and checked.
 pub struct GgufFile {
-    path: PathBuf,
-    mmap: Arc<Mmap>,
+    /// One file, or every part of a split set in order.
+    parts: Vec<(PathBuf, Arc<Mmap>)>,
     pub version: u32,
     metadata: Vec<(String, GgufValue)>,
     tensors: Vec<GgufTensorInfo>,
@@ -283,7 +347,7 @@ pub struct GgufFile {
 impl fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GgufFile")
-            .field("path", &self.path)
+            .field("paths", &self.paths())
             .field("version", &self.version)
             .field("metadata", &self.metadata.len())
             .field("tensors", &self.tensors.len())
@@ -297,36 +361,119 @@ const MAX_DIMS: u32 = 4;
 const MAX_DEPTH: u32 = 4;
 
 impl GgufFile {
+    /// Opens a GGUF file; a part of a split set opens the whole set (its siblings by name, in
+    /// the same folder).
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
-        let path = path.as_ref().to_path_buf();
-        let err = |message: String| GgufError {
-            path: path.clone(),
-            message,
-        };
-        let file = File::open(&path).map_err(|e| err(format!("cannot open: {e}")))?;
-        // SAFETY: the map is read-only and private to this process; a file truncated or rewritten
-        // underneath it is the same hazard every memory-mapped weight loader accepts, and all
-        // offsets are checked against the length seen at open.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
-        let parsed = parse(&mmap).map_err(err)?;
-        let by_name = parsed
-            .tensors
+        let path = path.as_ref();
+        let (mmap, parsed) = map_and_parse(path)?;
+        let count = split_field(&parsed, "split.count").map_err(|m| gguf_err(path, m))?;
+        match count {
+            None | Some(0) | Some(1) => Ok(Self::from_parts(
+                vec![(path.to_path_buf(), Arc::new(mmap))],
+                vec![parsed],
+            )),
+            Some(n) => Self::open_split(path, n, mmap, parsed),
+        }
+    }
+
+    /// The set of `count` parts that `path` belongs to, checked part by part: each says its own
+    /// place in the set and the set's size, no tensor is in two parts, and the first part's
+    /// `split.tensors.count` matches what the parts hold.
+    fn open_split(path: &Path, count: u64, mmap: Mmap, parsed: Parsed) -> Result<Self, GgufError> {
+        let err = |m: String| gguf_err(path, m);
+        let names = split_names(path, count).ok_or_else(|| {
+            err(format!(
+                "part of a split GGUF set of {count} files, but its name does not end in                  -NNNNN-of-{count:05}.gguf as llama-gguf-split names the parts: give them back                  their names, or merge them into one file with `llama-gguf-split --merge                  FIRST-PART.gguf OUT.gguf`"
+            ))
+        })?;
+        let mut given = Some((mmap, parsed));
+        let mut parts = Vec::with_capacity(names.len());
+        let mut parsed_parts = Vec::with_capacity(names.len());
+        for (i, part) in names.iter().enumerate() {
+            let (mmap, parsed) = if part.file_name() == path.file_name() {
+                given.take().expect("a set names each part once")
+            } else {
+                if !part.exists() {
+                    return Err(err(format!(
+                        "part {} of this split set, {}, is missing: keep every part of the set                          in one folder",
+                        i + 1,
+                        part.display()
+                    )));
+                }
+                map_and_parse(part)?
+            };
+            let perr = |m: String| gguf_err(part, m);
+            let no = split_field(&parsed, "split.no").map_err(perr)?;
+            let n = split_field(&parsed, "split.count").map_err(perr)?;
+            if no != Some(i as u64) || n != Some(count) {
+                return Err(perr(format!(
+                    "expected part {} of a set of {count} (split.no {i}), found split.no {} of                      split.count {}: the parts come from different sets",
+                    i + 1,
+                    no.map_or("missing".into(), |v| v.to_string()),
+                    n.map_or("missing".into(), |v| v.to_string()),
+                )));
+            }
+            parts.push((part.clone(), Arc::new(mmap)));
+            parsed_parts.push(parsed);
+        }
+        let want = split_field(&parsed_parts[0], "split.tensors.count")
+            .map_err(|m| gguf_err(&parts[0].0, m))?;
+        let file = Self::from_parts(parts, parsed_parts);
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        for t in &file.tensors {
+            if let Some(other) = seen.insert(&t.name, t.part) {
+                return Err(err(format!(
+                    "tensor {} is in two parts of the set ({} and {})",
+                    t.name,
+                    file.parts[other].0.display(),
+                    file.parts[t.part].0.display()
+                )));
+            }
+        }
+        if let Some(want) = want.filter(|&w| w != file.tensors.len() as u64) {
+            return Err(err(format!(
+                "the {count} parts hold {} tensors, but the first says the set has {want} \
+                 (split.tensors.count): a part is damaged or from another set",
+                file.tensors.len()
+            )));
+        }
+        Ok(file)
+    }
+
+    /// One file from its parts: the first part's version and metadata, every part's tensors.
+    fn from_parts(parts: Vec<(PathBuf, Arc<Mmap>)>, parsed: Vec<Parsed>) -> Self {
+        let mut parsed = parsed.into_iter();
+        let first = parsed.next().expect("at least one part");
+        let mut tensors = first.tensors;
+        for (i, p) in parsed.enumerate() {
+            tensors.extend(
+                p.tensors
+                    .into_iter()
+                    .map(|t| GgufTensorInfo { part: i + 1, ..t }),
+            );
+        }
+        let by_name = tensors
             .iter()
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
-        Ok(GgufFile {
-            path,
-            mmap: Arc::new(mmap),
-            version: parsed.version,
-            metadata: parsed.metadata,
-            tensors: parsed.tensors,
+        GgufFile {
+            parts,
+            version: first.version,
+            metadata: first.metadata,
+            tensors,
             by_name,
-        })
+        }
     }
 
+    /// The file opened (the first part of a split set).
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.parts[0].0
+    }
+
+    /// Every file: one, or each part of a split set in order.
+    pub fn paths(&self) -> Vec<&Path> {
+        self.parts.iter().map(|(p, _)| p.as_path()).collect()
     }
 
     pub fn metadata(&self, key: &str) -> Option<&GgufValue> {
@@ -354,20 +501,73 @@ impl GgufFile {
 
     /// The bytes of a tensor (bounds were checked at open).
     pub fn tensor_bytes(&self, t: &GgufTensorInfo) -> &[u8] {
-        &self.mmap[t.offset as usize..(t.offset + t.bytes) as usize]
+        &self.parts[t.part].1[t.offset as usize..(t.offset + t.bytes) as usize]
     }
 
     /// The bytes of a tensor as a zero-copy view that keeps the map alive.
     pub fn tensor_host_bytes(&self, t: &GgufTensorInfo) -> HostBytes {
         HostBytes::new(
-            self.mmap.clone(),
+            self.parts[t.part].1.clone(),
             t.offset as usize..(t.offset + t.bytes) as usize,
         )
     }
 
+    /// Bytes of every file of the set together.
     pub fn file_bytes(&self) -> u64 {
-        self.mmap.len() as u64
+        self.parts.iter().map(|(_, m)| m.len() as u64).sum()
     }
+}
+
+fn gguf_err(path: &Path, message: String) -> GgufError {
+    GgufError {
+        path: path.to_path_buf(),
+        message,
+    }
+}
+
+fn map_and_parse(path: &Path) -> Result<(Mmap, Parsed), GgufError> {
+    let file = File::open(path).map_err(|e| gguf_err(path, format!("cannot open: {e}")))?;
+    // SAFETY: the map is read-only and private to this process; a file truncated or rewritten
+    // underneath it is the same hazard every memory-mapped weight loader accepts, and all
+    // offsets are checked against the length seen at open.
+    let mmap =
+        unsafe { Mmap::map(&file) }.map_err(|e| gguf_err(path, format!("cannot map: {e}")))?;
+    let parsed = parse(&mmap).map_err(|m| gguf_err(path, m))?;
+    Ok((mmap, parsed))
+}
+
+/// A `split.*` key of a part as a count (llama.cpp writes u16 and i32): absent is `None`.
+fn split_field(parsed: &Parsed, key: &str) -> Result<Option<u64>, String> {
+    match parsed.metadata.iter().find(|(k, _)| k == key) {
+        None => Ok(None),
+        Some((_, v)) => match v.as_u64() {
+            Some(n) => Ok(Some(n)),
+            None => Err(format!("{key} is {v}, not a count")),
+        },
+    }
+}
+
+/// The paths of the `count` parts of the set `path` belongs to, when its name ends in
+/// llama.cpp's `-NNNNN-of-NNNNN.gguf` (`llama_split_path`: `%s-%05d-of-%05d.gguf`, from 1).
+fn split_names(path: &Path, count: u64) -> Option<Vec<PathBuf>> {
+    let name = path.file_name()?.to_str()?;
+    let stem = name.strip_suffix(".gguf")?;
+    let (head, of) = stem.rsplit_once("-of-")?;
+    let (prefix, no) = head.rsplit_once('-')?;
+    let digits = |s: &str| s.len() >= 5 && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(no) || !digits(of) || of.parse::<u64>().ok()? != count {
+        return None;
+    }
+    let no: u64 = no.parse().ok()?;
+    if no == 0 || no > count || count > 99_999 {
+        return None;
+    }
+    let dir = path.parent().unwrap_or(Path::new(""));
+    Some(
+        (1..=count)
+            .map(|i| dir.join(format!("{prefix}-{i:05}-of-{count:05}.gguf")))
+            .collect(),
+    )
 }
 
 struct Parsed {
@@ -545,6 +745,7 @@ fn parse(data: &[u8]) -> Result<Parsed, String> {
             name,
             dims,
             ggml_type,
+            part: 0,
             offset,
             bytes,
         });

@@ -52,14 +52,6 @@ pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
         .architecture()
         .ok_or_else(|| err("no `general.architecture` key: not a model GGUF".into()))?
         .to_string();
-    if let Some(n) = file.metadata("split.count").and_then(GgufValue::as_u64) {
-        if n > 1 {
-            return Err(err(format!(
-                "part of a split GGUF set of {n} files, which sluice does not read yet; merge it \
-                 into one file with `llama-gguf-split --merge FIRST-PART.gguf OUT.gguf`"
-            )));
-        }
-    }
     let meta = Meta {
         file: &file,
         arch: &arch,
@@ -88,7 +80,11 @@ pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
         config: config.clone(),
         text_config: config,
         quantization,
-        tensors: Tensors::from_map(path, vec![path.to_path_buf()], map),
+        tensors: Tensors::from_map(
+            path,
+            file.paths().into_iter().map(Path::to_path_buf).collect(),
+            map,
+        ),
         tokenizer_config,
         generation,
         tokenizer_json: Some(tokenizer_json),
@@ -526,13 +522,15 @@ fn tensors(
         msg,
     };
     let mut map = BTreeMap::new();
-    // `offset` is the data's place in the file, or `IN_MEMORY` for converted bytes.
-    let mut add = |name: String, dtype, shape, bytes, offset| {
+    let paths = file.paths();
+    // `offset` is the data's place in file `part` of the set, or `IN_MEMORY` for converted
+    // bytes.
+    let mut add = |name: String, dtype, shape, bytes, offset, part: usize| {
         let info = TensorInfo {
             name: name.clone(),
             dtype,
             shape,
-            file: path.to_path_buf(),
+            file: paths[part].to_path_buf(),
             bytes,
             offset,
         };
@@ -569,6 +567,7 @@ fn tensors(
                     shape_of(t),
                     HostBytes::from_vec(bytes),
                     TensorInfo::IN_MEMORY,
+                    0,
                 )
             }
             (_, Transform::NegExpInverse) => {
@@ -579,7 +578,14 @@ fn tensors(
                 if transform == Transform::Row && shape.len() == 1 {
                     shape.insert(0, 1);
                 }
-                add(name, dtype, shape, file.tensor_host_bytes(t), t.offset)
+                add(
+                    name,
+                    dtype,
+                    shape,
+                    file.tensor_host_bytes(t),
+                    t.offset,
+                    t.part,
+                )
             }
             (None, _) if !target.weight || target.transform != Transform::None => {
                 return Err(err(
@@ -673,6 +679,7 @@ fn tensors(
                 shape,
                 HostBytes::from_vec(bytes),
                 TensorInfo::IN_MEMORY,
+                0,
             );
         }
     }

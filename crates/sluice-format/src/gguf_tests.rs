@@ -263,3 +263,182 @@ fn long_values_display_short_without_splitting_a_character() {
         "[-1, 0.5]"
     );
 }
+
+#[test]
+fn gguf_bytes_lays_out_as_the_test_writer() {
+    let w = valid();
+    let bytes = w.bytes();
+    let f = open_bytes(&bytes).unwrap();
+    let tensors: Vec<_> = f
+        .tensors()
+        .iter()
+        .map(|t| (t.name.as_str(), &t.dims[..], t.ggml_type, f.tensor_bytes(t)))
+        .collect();
+    assert_eq!(gguf_bytes(f.metadata_entries(), &tensors), bytes);
+}
+
+/// The tensors of `valid()`'s file with three more, as (name, dims, type, data).
+fn six_tensors() -> Vec<(String, Vec<u64>, GgmlType, Vec<u8>)> {
+    let f32_t = GgmlType::from_id(0).unwrap();
+    (0..6u8)
+        .map(|i| {
+            let n = 4 + i as u64;
+            let data: Vec<u8> = (0..n)
+                .flat_map(|j| (i as f32 + j as f32).to_le_bytes())
+                .collect();
+            (format!("blk.{i}.w"), vec![n], f32_t, data)
+        })
+        .collect()
+}
+
+/// Writes `tensors` as a split set (`split_gguf_bytes`), `per_part` tensors a part; the paths in
+/// order.
+fn write_split(
+    dir: &Path,
+    prefix: &str,
+    kv: &[(String, GgufValue)],
+    tensors: &[(String, Vec<u64>, GgmlType, Vec<u8>)],
+    per_part: usize,
+) -> Vec<PathBuf> {
+    let t: Vec<_> = tensors
+        .iter()
+        .map(|(name, dims, ty, data)| (name.as_str(), &dims[..], *ty, &data[..]))
+        .collect();
+    let parts = split_gguf_bytes(kv, &t, per_part);
+    let n = parts.len();
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, bytes)| {
+            let path = dir.join(format!("{prefix}-{:05}-of-{n:05}.gguf", i + 1));
+            std::fs::write(&path, bytes).unwrap();
+            path
+        })
+        .collect()
+}
+
+fn arch_kv() -> Vec<(String, GgufValue)> {
+    vec![
+        (
+            "general.architecture".into(),
+            GgufValue::String("qwen3moe".into()),
+        ),
+        ("qwen3moe.block_count".into(), GgufValue::U32(6)),
+    ]
+}
+
+#[test]
+fn a_split_set_opens_from_any_part_as_one_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let tensors = six_tensors();
+    let paths = write_split(dir.path(), "m", &arch_kv(), &tensors, 2);
+    assert_eq!(paths.len(), 3);
+    for opened in &paths {
+        let f = GgufFile::open(opened).unwrap();
+        assert_eq!(
+            f.paths(),
+            paths.iter().map(PathBuf::as_path).collect::<Vec<_>>()
+        );
+        assert_eq!(f.path(), paths[0]);
+        assert_eq!(f.architecture(), Some("qwen3moe"));
+        assert_eq!(
+            f.metadata("qwen3moe.block_count")
+                .and_then(GgufValue::as_u64),
+            Some(6)
+        );
+        assert_eq!(f.tensors().len(), 6);
+        for (i, (name, dims, ty, data)) in tensors.iter().enumerate() {
+            let t = f.tensor(name).unwrap();
+            assert_eq!((&t.dims, t.ggml_type, t.part), (dims, *ty, i / 2), "{name}");
+            assert_eq!(f.tensor_bytes(t), &data[..], "{name}");
+            assert_eq!(f.tensor_host_bytes(t).as_slice(), &data[..], "{name}");
+        }
+        let total: u64 = paths
+            .iter()
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .sum();
+        assert_eq!(f.file_bytes(), total);
+    }
+}
+
+#[test]
+fn broken_split_sets_are_refused_naming_the_part() {
+    let tensors = six_tensors();
+    let error = |setup: &dyn Fn(&[PathBuf])| -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = write_split(dir.path(), "m", &arch_kv(), &tensors, 2);
+        setup(&paths);
+        let e = GgufFile::open(&paths[0]).unwrap_err().to_string();
+        assert!(!e.contains('\n'), "{e}");
+        e
+    };
+    let e = error(&|p| std::fs::remove_file(&p[2]).unwrap());
+    assert!(
+        e.contains("part 3") && e.contains("m-00003-of-00003.gguf") && e.contains("missing"),
+        "{e}"
+    );
+    // A part of another set of the same name: its split.no says so.
+    let e = error(&|p| std::fs::copy(&p[1], &p[2]).map(|_| ()).unwrap());
+    assert!(
+        e.contains("m-00003-of-00003.gguf") && e.contains("split.no 1"),
+        "{e}"
+    );
+    // A tensor in two parts.
+    let e = error(&|p| {
+        let mut t = six_tensors();
+        t[4].0 = t[0].0.clone();
+        let dir = p[0].parent().unwrap();
+        write_split(dir, "m", &arch_kv(), &t, 2);
+    });
+    assert!(e.contains("blk.0.w") && e.contains("two parts"), "{e}");
+    // A set short of a part's tensors (split.tensors.count counts them).
+    let e = error(&|p| {
+        let short = &six_tensors()[..5];
+        let b = gguf_bytes(
+            &[
+                ("split.no".into(), GgufValue::U16(2)),
+                ("split.count".into(), GgufValue::U16(3)),
+            ],
+            &short[4..]
+                .iter()
+                .map(|(n, d, t, x)| (n.as_str(), &d[..], *t, &x[..]))
+                .collect::<Vec<_>>(),
+        );
+        std::fs::write(&p[2], b).unwrap();
+    });
+    assert!(
+        e.contains("hold 5 tensors") && e.contains("split.tensors.count"),
+        "{e}"
+    );
+    // Renamed parts cannot be found.
+    let dir = tempfile::tempdir().unwrap();
+    let paths = write_split(dir.path(), "m", &arch_kv(), &tensors, 2);
+    let renamed = dir.path().join("first.gguf");
+    std::fs::rename(&paths[0], &renamed).unwrap();
+    let e = GgufFile::open(&renamed).unwrap_err().to_string();
+    assert!(
+        e.contains("-NNNNN-of-00003.gguf") && e.contains("--merge"),
+        "{e}"
+    );
+}
+
+#[test]
+fn split_names_follow_llama_cpp() {
+    let names = split_names(Path::new("/m/Qwen3-30B-Q4_K_M-00002-of-00003.gguf"), 3).unwrap();
+    assert_eq!(
+        names,
+        (1..=3)
+            .map(|i| PathBuf::from(format!("/m/Qwen3-30B-Q4_K_M-0000{i}-of-00003.gguf")))
+            .collect::<Vec<_>>()
+    );
+    for bad in [
+        "m.gguf",
+        "m-00001-of-00004.gguf",
+        "m-00004-of-00003.gguf",
+        "m-00000-of-00003.gguf",
+        "m-1-of-3.gguf",
+        "m-00001-of-00003.bin",
+    ] {
+        assert!(split_names(Path::new(bad), 3).is_none(), "{bad}");
+    }
+}
