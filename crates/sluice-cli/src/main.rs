@@ -203,6 +203,9 @@ struct LogitsArgs {
 
 fn main() {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        sluice_sys::die_quietly_on_closed_pipe();
+    }
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),

@@ -796,3 +796,21 @@ fn a_vram_budget_on_the_cpu_is_ignored_and_said_so() {
     // Nothing streams because of it: the unpacked model keeps its experts mapped.
     assert!(!stderr.contains("streaming experts from"), "{stderr}");
 }
+
+#[cfg(unix)]
+#[test]
+fn printing_into_a_closed_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    // A pipe whose reader is gone before sluice writes: like `sluice synth --list | head -0`.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["synth", "--list"])
+        .stdout(writer)
+        .output()
+        .expect("running sluice");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.is_empty(), "{stderr}");
+    // Ended by SIGPIPE (13 on Linux and the BSDs), as `cat` would be; a panic exits with 101.
+    assert_eq!(out.status.signal(), Some(13), "{:?}", out.status);
+}

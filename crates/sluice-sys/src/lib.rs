@@ -17,13 +17,16 @@
 //! assert_eq!(format_bytes(17_200_000_000), "17.2 GB");
 //! ```
 
-// The one `unsafe` call (statvfs) lives in `disk`, which allows it; nothing else may.
+// The two `unsafe` calls (statvfs, signal) live in `disk` and `signals`, which allow them;
+// nothing else may.
 #![deny(unsafe_code)]
 
 mod disk;
 mod proc;
+mod signals;
 mod size;
 
 pub use disk::free_disk_bytes;
 pub use proc::{current_rss_bytes, mem_available_bytes, peak_rss_bytes, reset_peak_rss};
+pub use signals::die_quietly_on_closed_pipe;
 pub use size::{format_bytes, format_bytes_binary, parse_bytes, ByteSize, ByteSizeError};
