@@ -230,6 +230,17 @@ fn describe_gguf(path: &std::path::Path) -> Result<()> {
         "context_length",
         "attention.head_count",
         "attention.head_count_kv",
+        "attention.key_length",
+        "rope.dimension_count",
+        "expert_feed_forward_length",
+        "expert_shared_feed_forward_length",
+        // The Gated DeltaNet layers of qwen35moe and qwen3next.
+        "full_attention_interval",
+        "ssm.group_count",
+        "ssm.time_step_rank",
+        "ssm.state_size",
+        "ssm.inner_size",
+        "ssm.conv_kernel",
     ];
     for key in keys {
         let full = if key.starts_with("general.") {

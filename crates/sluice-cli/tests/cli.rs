@@ -814,3 +814,27 @@ fn printing_into_a_closed_pipe_ends_quietly() {
     // Ended by SIGPIPE (13 on Linux and the BSDs), as `cat` would be; a panic exits with 101.
     assert_eq!(out.status.signal(), Some(13), "{:?}", out.status);
 }
+
+#[test]
+fn info_describes_a_deltanet_gguf() {
+    let gguf = fixture("qwen3_5_moe-gguf-q4_k_m").join("model.gguf");
+    let out = sluice(&["info", "-m", gguf.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "(GGUF v3, qwen35moe)",
+        "qwen35moe.full_attention_interval: ",
+        "qwen35moe.ssm.group_count: ",
+        "qwen35moe.ssm.time_step_rank: ",
+        "qwen35moe.ssm.state_size: ",
+        "qwen35moe.ssm.conv_kernel: ",
+        "qwen35moe.expert_shared_feed_forward_length: ",
+        "of weights in a ",
+    ] {
+        assert!(stdout.contains(line), "no {line:?} in:\n{stdout}");
+    }
+}
