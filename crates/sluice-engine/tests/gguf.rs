@@ -28,6 +28,25 @@ fn load(path: &Path, streaming: StreamingOptions) -> Result<Engine<CpuBackend>, 
 
 const TOKENS: [u32; 12] = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 26, 43];
 
+/// `sluice pack GGUF -o OUT`, then OUT loaded with a cache of one expert per layer's worth, so
+/// that every token reads experts from the file.
+fn pack_and_stream(gguf: &Path, out: &Path) -> Engine<CpuBackend> {
+    pack(gguf, out, &PackOptions { force: false }, &|_, _| {})
+        .unwrap_or_else(|e| panic!("packing {}: {e}", gguf.display()));
+    load(
+        out,
+        StreamingOptions {
+            expert_cache: Some(1 << 20),
+            ..StreamingOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 #[test]
 fn packed_gguf_streams_the_same_logits() {
     for name in [
@@ -40,8 +59,7 @@ fn packed_gguf_streams_the_same_logits() {
         let resident = load(&gguf, StreamingOptions::default()).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("packed");
-        pack(&gguf, &out, &PackOptions { force: false }, &|_, _| {})
-            .unwrap_or_else(|e| panic!("packing {name}: {e}"));
+        let streamed = pack_and_stream(&gguf, &out);
         for file in [
             "config.json",
             "tokenizer.json",
@@ -51,25 +69,12 @@ fn packed_gguf_streams_the_same_logits() {
         ] {
             assert!(out.join(file).is_file(), "{name}: pack wrote no {file}");
         }
-        // A cache of one expert per layer's worth: every token reads experts from the file.
-        let streamed = load(
-            &out,
-            StreamingOptions {
-                expert_cache: Some(1 << 20),
-                ..StreamingOptions::default()
-            },
-        )
-        .unwrap();
         assert!(streamed.store.is_some(), "{name}: the packed copy streams");
         for mode in [LogitsMode::Prefill, LogitsMode::Decode] {
             let want = resident.logits(&TOKENS, mode).unwrap();
             let got = streamed.logits(&TOKENS, mode).unwrap();
             assert!(
-                got.len() == want.len()
-                    && got
-                        .iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&got, &want),
                 "{name} {mode:?}: packed logits differ from the GGUF's"
             );
         }
@@ -166,10 +171,6 @@ fn split_in_three(gguf: &Path, dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
 #[test]
 fn a_split_set_runs_and_packs_like_its_single_file() {
     for name in ["qwen3_moe-gguf-q4_k_m", "qwen3_next-gguf-q4_k_m"] {
@@ -187,17 +188,7 @@ fn a_split_set_runs_and_packs_like_its_single_file() {
                 "{name} {mode:?}: the split set's logits differ"
             );
         }
-        let out = tmp.path().join("packed");
-        pack(&parts[0], &out, &PackOptions { force: false }, &|_, _| {})
-            .unwrap_or_else(|e| panic!("packing {name}'s split set: {e}"));
-        let streamed = load(
-            &out,
-            StreamingOptions {
-                expert_cache: Some(1 << 20),
-                ..StreamingOptions::default()
-            },
-        )
-        .unwrap();
+        let streamed = pack_and_stream(&parts[0], &tmp.path().join("packed"));
         let want = whole.logits(&TOKENS, LogitsMode::Decode).unwrap();
         let got = streamed.logits(&TOKENS, LogitsMode::Decode).unwrap();
         assert!(
