@@ -205,3 +205,73 @@ fn a_split_set_runs_and_packs_like_its_single_file() {
         assert!(!e.contains('\n'), "{e}");
     }
 }
+
+/// `gguf` with each layer's `ffn_gate_exps` and `ffn_up_exps` fused into `ffn_gate_up_exps` as
+/// `convert_hf_to_gguf.py --fuse-gate-up-exps` does (`torch.cat([gate, up], dim=1)` on
+/// `[experts, rows, cols]`: per expert, the gate's rows then the up's), written to `out`.
+fn fuse_gate_up(gguf: &Path, out: &Path) -> usize {
+    use sluice_format::gguf::{gguf_bytes, GgufFile};
+    let file = GgufFile::open(gguf).unwrap();
+    let mut fused: Vec<(String, Vec<u64>, sluice_format::gguf::GgmlType, Vec<u8>)> = Vec::new();
+    let mut count = 0;
+    for t in file.tensors() {
+        if t.name.ends_with(".ffn_up_exps.weight") {
+            continue;
+        }
+        let Some(layer) = t.name.strip_suffix(".ffn_gate_exps.weight") else {
+            fused.push((
+                t.name.clone(),
+                t.dims.clone(),
+                t.ggml_type,
+                file.tensor_bytes(t).to_vec(),
+            ));
+            continue;
+        };
+        let up = file.tensor(&format!("{layer}.ffn_up_exps.weight")).unwrap();
+        assert_eq!((up.ggml_type, &up.dims), (t.ggml_type, &t.dims), "{layer}");
+        let (gate, up) = (file.tensor_bytes(t), file.tensor_bytes(up));
+        let per_expert = gate.len() / t.dims[2] as usize;
+        let mut bytes = Vec::with_capacity(2 * gate.len());
+        for e in 0..t.dims[2] as usize {
+            bytes.extend_from_slice(&gate[e * per_expert..(e + 1) * per_expert]);
+            bytes.extend_from_slice(&up[e * per_expert..(e + 1) * per_expert]);
+        }
+        let dims = vec![t.dims[0], 2 * t.dims[1], t.dims[2]];
+        fused.push((
+            format!("{layer}.ffn_gate_up_exps.weight"),
+            dims,
+            t.ggml_type,
+            bytes,
+        ));
+        count += 1;
+    }
+    let tensors: Vec<_> = fused
+        .iter()
+        .map(|(n, d, t, b)| (n.as_str(), &d[..], *t, &b[..]))
+        .collect();
+    std::fs::write(out, gguf_bytes(file.metadata_entries(), &tensors)).unwrap();
+    count
+}
+
+#[test]
+fn fused_gate_and_up_experts_run_like_separate_ones() {
+    for name in ["qwen3_moe-gguf-q4_k_m", "qwen3_5_moe-gguf-q4_k_m"] {
+        let whole = load(&fixture(name), StreamingOptions::default()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("fused.gguf");
+        assert!(
+            fuse_gate_up(&fixture(name), &path) > 0,
+            "{name}: nothing fused"
+        );
+        let fused =
+            load(&path, StreamingOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for mode in [LogitsMode::Prefill, LogitsMode::Decode] {
+            let want = whole.logits(&TOKENS, mode).unwrap();
+            let got = fused.logits(&TOKENS, mode).unwrap();
+            assert!(
+                same_bits(&got, &want),
+                "{name} {mode:?}: fused experts' logits differ"
+            );
+        }
+    }
+}

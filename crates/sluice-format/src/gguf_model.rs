@@ -412,12 +412,6 @@ fn hf_target(
         return Ok(None);
     }
     let module = |m: &str| format!("model.layers.{layer}.{m}");
-    if rest == "ffn_gate_up_exps.weight" {
-        return Err("fused gate and up experts (`ffn_gate_up_exps`, written by \
-                    convert_hf_to_gguf.py --fuse-gate-up-exps) are not supported yet: convert \
-                    the model without that option"
-            .into());
-    }
     let common = match rest {
         "attn_norm.weight" => Some("input_layernorm"),
         "attn_q.weight" => Some("self_attn.q_proj"),
@@ -539,9 +533,11 @@ fn tensors(
     // ggml lists the contiguous dimension first.
     let shape_of =
         |t: &GgufTensorInfo| -> Vec<usize> { t.dims.iter().rev().map(|&d| d as usize).collect() };
-    let mut quantised: Vec<(&GgufTensorInfo, String)> = Vec::new();
+    let pieces = pieces(file).map_err(|(t, msg)| err(t, msg))?;
+    let mut quantised: Vec<(&Piece, String)> = Vec::new();
     let layers = trunk_layers(file, arch);
-    for t in file.tensors() {
+    for piece in &pieces {
+        let t = &piece.info;
         let Some(target) = hf_target(&t.name, arch, file, layers).map_err(|msg| err(t, msg))?
         else {
             continue;
@@ -560,7 +556,7 @@ fn tensors(
         };
         match (dtype, target.transform) {
             (Some(StDtype::F32), Transform::NegExpInverse) => {
-                let bytes = a_log_of(file.tensor_bytes(t)).map_err(|msg| err(t, msg))?;
+                let bytes = a_log_of(piece.bytes(file)).map_err(|msg| err(t, msg))?;
                 add(
                     name,
                     StDtype::F32,
@@ -578,14 +574,8 @@ fn tensors(
                 if transform == Transform::Row && shape.len() == 1 {
                     shape.insert(0, 1);
                 }
-                add(
-                    name,
-                    dtype,
-                    shape,
-                    file.tensor_host_bytes(t),
-                    t.offset,
-                    t.part,
-                )
+                let (bytes, offset, part) = piece.host_bytes(file);
+                add(name, dtype, shape, bytes, offset, part)
             }
             (None, _) if !target.weight || target.transform != Transform::None => {
                 return Err(err(
@@ -608,13 +598,14 @@ fn tensors(
                         ),
                     ));
                 }
-                quantised.push((t, module));
+                quantised.push((piece, module));
             }
         }
     }
     let need: u64 = quantised
         .iter()
-        .map(|(t, _)| {
+        .map(|(piece, _)| {
+            let t = &piece.info;
             let bits = ggml_quants::affine_bits_per_weight(t.ggml_type).unwrap_or(32.0);
             (t.elements() as f64 * bits / 8.0) as u64
         })
@@ -625,10 +616,12 @@ fn tensors(
             msg,
         });
     }
-    let converted = convert_all(file, &quantised).map_err(|(i, msg)| err(quantised[i].0, msg))?;
+    let converted =
+        convert_all(file, &quantised).map_err(|(i, msg)| err(&quantised[i].0.info, msg))?;
     let mut overrides = HashMap::new();
     let mut first = None;
-    for ((t, module), parts) in quantised.iter().zip(converted) {
+    for ((piece, module), parts) in quantised.iter().zip(converted) {
+        let t = &piece.info;
         let WeightFormat::Affine {
             bits,
             group_size,
@@ -692,6 +685,101 @@ fn tensors(
     Ok((map, quant))
 }
 
+/// A tensor as the model reads it: one of the file's, or one half of a fused one.
+struct Piece {
+    info: GgufTensorInfo,
+    /// The piece's bytes when they are not one range of the file (copied out of a fused tensor).
+    owned: Option<Vec<u8>>,
+}
+
+impl Piece {
+    fn bytes<'a>(&'a self, file: &'a GgufFile) -> &'a [u8] {
+        match &self.owned {
+            Some(b) => b,
+            None => file.tensor_bytes(&self.info),
+        }
+    }
+
+    /// The bytes as the tensor map holds them, with their offset and file: a view of the map
+    /// where the piece is a range of the file.
+    fn host_bytes(&self, file: &GgufFile) -> (HostBytes, u64, usize) {
+        match &self.owned {
+            Some(b) => (HostBytes::from_vec(b.clone()), TensorInfo::IN_MEMORY, 0),
+            None => (
+                file.tensor_host_bytes(&self.info),
+                self.info.offset,
+                self.info.part,
+            ),
+        }
+    }
+}
+
+/// The file's tensors as the model reads them: each as it is, except the experts' gate and up
+/// projections fused into one tensor (`blk.N.ffn_gate_up_exps`, written by
+/// `convert_hf_to_gguf.py --fuse-gate-up-exps`: per expert, the gate's rows then the up's,
+/// `[cols, 2 x rows, experts]`), which become the `ffn_gate_exps` and `ffn_up_exps` they were
+/// made from (the same rows, copied).
+fn pieces(file: &GgufFile) -> Result<Vec<Piece>, (&GgufTensorInfo, String)> {
+    let mut out = Vec::with_capacity(file.tensors().len() + 1);
+    for t in file.tensors() {
+        let Some(layer) = t
+            .name
+            .strip_prefix("blk.")
+            .and_then(|r| r.strip_suffix(".ffn_gate_up_exps.weight"))
+        else {
+            out.push(Piece {
+                info: t.clone(),
+                owned: None,
+            });
+            continue;
+        };
+        let [cols, rows2, experts] = t.dims[..] else {
+            let msg = format!(
+                "has dimensions {:?}, expected [cols, 2 x rows, experts]",
+                t.dims
+            );
+            return Err((t, msg));
+        };
+        if rows2 % 2 != 0 {
+            return Err((
+                t,
+                format!("has {rows2} rows per expert: not gate and up halves"),
+            ));
+        }
+        let names = [
+            format!("blk.{layer}.ffn_gate_exps.weight"),
+            format!("blk.{layer}.ffn_up_exps.weight"),
+        ];
+        if let Some(both) = names.iter().find(|n| file.tensor(n).is_some()) {
+            return Err((
+                t,
+                format!("the file also has {both}: fused and separate experts at once"),
+            ));
+        }
+        let rows = rows2 / 2;
+        let row_bytes = (cols / t.ggml_type.block_elements() * t.ggml_type.block_bytes()) as usize;
+        let half = rows as usize * row_bytes;
+        let bytes = file.tensor_bytes(t);
+        for (k, name) in names.into_iter().enumerate() {
+            let mut owned = Vec::with_capacity(half * experts as usize);
+            for e in 0..experts as usize {
+                let start = (2 * e + k) * half;
+                owned.extend_from_slice(&bytes[start..start + half]);
+            }
+            out.push(Piece {
+                info: GgufTensorInfo {
+                    name,
+                    dims: vec![cols, rows, experts],
+                    bytes: owned.len() as u64,
+                    ..t.clone()
+                },
+                owned: Some(owned),
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// Why converting `need` bytes of weights cannot work with `available` bytes of memory, if it
 /// cannot: a clear error instead of the kernel's out-of-memory kill halfway through.
 fn memory_shortfall(need: u64, available: Option<u64>) -> Option<String> {
@@ -712,10 +800,10 @@ fn memory_shortfall(need: u64, available: Option<u64>) -> Option<String> {
 /// Converts the quantised tensors, several at a time (a tensor per task, largest first).
 fn convert_all(
     file: &GgufFile,
-    tensors: &[(&GgufTensorInfo, String)],
+    tensors: &[(&Piece, String)],
 ) -> Result<Vec<ggml_quants::AffineParts>, (usize, String)> {
     let mut order: Vec<usize> = (0..tensors.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].0.bytes));
+    order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].0.info.bytes));
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<Result<ggml_quants::AffineParts, String>>>> =
         Mutex::new((0..tensors.len()).map(|_| None).collect());
@@ -727,10 +815,11 @@ fn convert_all(
             s.spawn(|| loop {
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&i) = order.get(k) else { break };
-                let t = tensors[i].0;
+                let piece = tensors[i].0;
+                let t = &piece.info;
                 let cols = t.dims[0] as usize;
                 let rows = (t.elements() / t.dims[0].max(1)) as usize;
-                let r = ggml_quants::to_affine(t.ggml_type, file.tensor_bytes(t), rows, cols);
+                let r = ggml_quants::to_affine(t.ggml_type, piece.bytes(file), rows, cols);
                 results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
             });
         }
@@ -982,16 +1071,33 @@ mod tests {
     #[test]
     fn qwen35moe_layouts_it_cannot_run_are_one_line_errors() {
         let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        // Fused gate and up experts that cannot be halves of each expert's rows.
         let e = open_error(&qwen35moe().tensor(
             "blk.0.ffn_gate_up_exps.weight",
-            &[64, 64, 2],
+            &[64, 63, 2],
             0,
-            vec![0; 64 * 64 * 2 * 4],
+            vec![0; 64 * 63 * 2 * 4],
         ));
         assert!(
-            e.contains("ffn_gate_up_exps") && e.contains("--fuse-gate-up-exps"),
+            e.contains("ffn_gate_up_exps") && e.contains("63 rows per expert"),
             "{e}"
         );
+        let e = open_error(
+            &qwen35moe()
+                .tensor(
+                    "blk.0.ffn_gate_exps.weight",
+                    &[64, 32, 2],
+                    0,
+                    vec![0; 64 * 32 * 2 * 4],
+                )
+                .tensor(
+                    "blk.0.ffn_gate_up_exps.weight",
+                    &[64, 64, 2],
+                    0,
+                    vec![0; 64 * 64 * 2 * 4],
+                ),
+        );
+        assert!(e.contains("fused and separate"), "{e}");
         // Layer 1 has no ssm_a: a full-attention layer, where attn_qkv is a fused q/k/v.
         let e = open_error(&qwen35moe().tensor(
             "blk.1.attn_qkv.weight",
