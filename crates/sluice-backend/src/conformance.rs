@@ -185,6 +185,16 @@ pub fn activations<B: Backend>(b: &B, _tol: Tolerance) {
     let s = b.slice_rows(&a, 2, 3);
     assert_eq!(b.shape(&s), (3, 13));
     assert_eq!(host(b, &s), data[2 * 13..5 * 13], "slice_rows");
+    let one = b.slice_rows(&a, 6, 1);
+    let c = b.concat_rows(&[&s, &a, &one]);
+    assert_eq!(b.shape(&c), (11, 13));
+    let want = [&data[2 * 13..5 * 13], &data[..], &data[6 * 13..]].concat();
+    assert_eq!(host(b, &c), want, "concat_rows");
+    assert_eq!(
+        host(b, &b.concat_rows(&[&a])),
+        data,
+        "concat_rows of one part"
+    );
 
     // argmax_rows: random rows of a vocabulary's width, and rows with planted ties (the lowest
     // column wins), NaN (never wins), infinities, all NaN (0) and all equal (0).

@@ -266,6 +266,10 @@ pub trait Backend: Send + Sync {
     fn shape(&self, a: &Self::Act) -> (usize, usize);
     /// Rows `[start, start + len)` of `a` as a new activation.
     fn slice_rows(&self, a: &Self::Act, start: usize, len: usize) -> Self::Act;
+    /// `parts` stacked in order, their rows one after another (all of one width; at least one
+    /// part). A batch of requests runs as one activation and is cut back apart with
+    /// [`Backend::slice_rows`] where each needs its own state.
+    fn concat_rows(&self, parts: &[&Self::Act]) -> Self::Act;
     /// The greedy choice of each row of `logits`: the column of its largest value, the lowest
     /// among equals; NaN never wins (a row of NaN gives 0) ([`reference::argmax`]). A device
     /// backend answers with one id per row instead of the whole row.

@@ -196,6 +196,19 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn concat_rows(&self, parts: &[&CpuAct]) -> CpuAct {
+        let cols = parts.first().expect("concat_rows of no parts").cols;
+        assert!(
+            parts.iter().all(|p| p.cols == cols),
+            "concat_rows: widths differ"
+        );
+        CpuAct {
+            data: parts.iter().flat_map(|p| p.data.iter().copied()).collect(),
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols,
+        }
+    }
+
     fn embed(&self, table: &HostMatrix, tokens: &[u32]) -> CpuAct {
         let w = table.as_ref();
         let mut out = CpuAct::zeros(tokens.len(), w.cols);

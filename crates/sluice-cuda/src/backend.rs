@@ -1677,6 +1677,29 @@ impl Backend for CudaBackend {
         out
     }
 
+    fn concat_rows(&self, parts: &[&CudaAct]) -> CudaAct {
+        let cols = parts.first().expect("concat_rows of no parts").cols;
+        assert!(
+            parts.iter().all(|p| p.cols == cols),
+            "concat_rows: widths differ"
+        );
+        let out = self.act(parts.iter().map(|p| p.rows).sum(), cols);
+        if let Some(dst) = out.ptr() {
+            let mut at = 0;
+            for p in parts {
+                let bytes = p.rows * cols * 4;
+                match p.ptr() {
+                    Some(src) if bytes > 0 => self.d.copy(dst + at as u64, src, bytes),
+                    Some(_) => {}
+                    // An earlier failure is recorded; the result is poisoned with it.
+                    None => return self.poisoned(out.rows, cols),
+                }
+                at += bytes;
+            }
+        }
+        out
+    }
+
     fn embed(&self, table: &CudaWeight, tokens: &[u32]) -> CudaAct {
         let out = self.act(tokens.len(), table.mat.cols as usize);
         if tokens.is_empty() {

@@ -7,12 +7,12 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use sluice_backend::{Backend, BackendError, ExpertSource};
 use sluice_format::{FormatError, ModelDir};
 use sluice_models::{CausalLm, ModelError, State};
 
+pub mod batch;
 pub mod chat;
 pub mod npy;
 pub mod output;
@@ -24,8 +24,8 @@ pub mod turn;
 
 use chat::{ChatError, ChatMessage, ChatTemplate};
 use prompt_cache::PromptCache;
-use sampler::{Sampler, SamplingParams};
-use tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
+use sampler::SamplingParams;
+use tokenizer::{Tokenizer, TokenizerError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -53,14 +53,6 @@ pub struct LoadOptions {
     /// Expert cache and I/O settings for streamed experts (packed model directories, or
     /// unpacked ones with `streaming.stream_unpacked`).
     pub streaming: streaming::StreamingOptions,
-}
-
-/// The next token of a generation: sampled from logits on the host, the argmax of logits left
-/// on the backend, or already drawn.
-enum Next<B: Backend> {
-    Host,
-    Argmax(B::Act),
-    Token(u32),
 }
 
 /// How `logits` feeds tokens through the model.
@@ -380,145 +372,20 @@ impl<B: Backend + 'static> Engine<B> {
     }
 
     /// [`Engine::generate`] that resumes from the longest usable state saved in `cache` (see
-    /// [`PromptCache`]) and saves this request's states there afterwards.
+    /// [`PromptCache`]) and saves this request's states there afterwards: a [`batch::Sequence`]
+    /// stepped alone.
     pub fn generate_cached(
         &self,
         mut cache: Option<&mut PromptCache<B>>,
         request: &GenerateRequest<'_>,
-        mut on_event: impl FnMut(TokenEvent<'_>) -> ControlFlow<Halt>,
+        on_event: impl FnMut(TokenEvent<'_>) -> ControlFlow<Halt>,
     ) -> Result<GenerationStats, EngineError> {
-        let GenerateRequest {
-            prompt,
-            params,
-            max_tokens,
-            cancel,
-            ignore_eos,
-            checkpoint,
-        } = *request;
-        params.validate().map_err(EngineError::Input)?;
-        if prompt.is_empty() {
-            return Err(EngineError::Input("the prompt is empty".into()));
-        }
-        let ctx = self.model.info().max_context;
-        if prompt.len() >= ctx {
-            return Err(EngineError::Input(format!(
-                "the prompt has {} tokens but the model's context is {ctx}",
-                prompt.len()
-            )));
-        }
-        let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
-        let max_tokens = max_tokens.min(ctx - prompt.len());
-        let mut sampler = Sampler::new(params.clone());
-        let backend = self.model.backend();
-        let start = Instant::now();
-        let resumed = cache.as_mut().and_then(|c| c.take(backend, prompt));
-        let (mut state, cached_tokens, saved_logits) = match resumed {
-            Some(r) => (r.state, r.cached_tokens, r.logits),
-            None => (self.new_state()?, 0, None),
+        let sink = batch::FnSink {
+            on_event,
+            cancel: request.cancel,
         };
-        let mut stats = GenerationStats {
-            prompt_tokens: prompt.len(),
-            cached_tokens,
-            generated_tokens: 0,
-            prompt_secs: 0.0,
-            decode_secs: 0.0,
-            finish: FinishReason::Cancelled,
-        };
-        // A recurrent state cannot be rewound, so the prompt cache keeps copies of it at the
-        // points a later prompt is likely to share: the checkpoint and the end of this prompt.
-        let snapshots = cache.is_some() && !state.can_rewind();
-        let mut done = cached_tokens;
-        if let Some(at) = checkpoint.filter(|&c| snapshots && c > done && c < prompt.len()) {
-            if self
-                .prefill_cancellable(&mut state, &prompt[done..at], cancel)?
-                .is_none()
-            {
-                return Ok(stats);
-            }
-            if let Some(cache) = cache.as_mut() {
-                cache.insert(prompt[..at].to_vec(), state.clone(), None);
-            }
-            done = at;
-        }
-        let mut logits = match saved_logits {
-            Some(l) => l,
-            None => match self.prefill_cancellable(&mut state, &prompt[done..], cancel)? {
-                Some(l) => l,
-                None => return Ok(stats),
-            },
-        };
-        stats.prompt_secs = start.elapsed().as_secs_f64();
-        // The tokens `state` has consumed, for the prompt cache.
-        let mut consumed = prompt.to_vec();
-        if let (Some(cache), true) = (cache.as_mut(), snapshots) {
-            cache.insert(consumed.clone(), state.clone(), Some(logits.clone()));
-        }
-        let mut stream = StreamDecoder::new(&self.tokenizer, true);
-        let decode_start = Instant::now();
-        let mut finish = FinishReason::Length;
-        // Where the next token comes from: `logits` on the host, or (decided where the logits
-        // are, so that on a GPU a few values come back instead of the vocabulary's logits) the
-        // argmax of greedy decoding or a top-k sampler's draw.
-        let mut next: Next<B> = Next::Host;
-        while stats.generated_tokens < max_tokens {
-            if cancelled() {
-                finish = FinishReason::Cancelled;
-                break;
-            }
-            let token = match std::mem::replace(&mut next, Next::Host) {
-                Next::Argmax(out) => backend.argmax_rows(&out)?[0],
-                Next::Token(t) => t,
-                Next::Host => sampler.sample(&mut logits, &consumed),
-            };
-            if !ignore_eos && self.eos_ids.contains(&token) {
-                finish = FinishReason::Stop;
-                break;
-            }
-            stats.generated_tokens += 1;
-            let text = stream.push(token)?.unwrap_or_default();
-            if let ControlFlow::Break(halt) = on_event(TokenEvent::Token {
-                id: token,
-                text: &text,
-            }) {
-                finish = halt.into();
-                break;
-            }
-            if stats.generated_tokens == max_tokens {
-                break;
-            }
-            let out = self.model.forward(&mut state, &[token], false)?;
-            consumed.push(token);
-            let vocab = backend.shape(&out).1;
-            next = if sampler.is_argmax() {
-                Next::Argmax(out)
-            } else {
-                match sampler.top_request(vocab, &consumed) {
-                    Some(req) => {
-                        let part = backend.top_logits(&out, 0, req.n, &req.cols)?;
-                        match sampler.sample_top(&req, &part, &consumed) {
-                            Some(t) => Next::Token(t),
-                            None => {
-                                logits = backend.to_host(&out)?;
-                                Next::Host
-                            }
-                        }
-                    }
-                    None => {
-                        logits = backend.to_host(&out)?;
-                        Next::Host
-                    }
-                }
-            };
-        }
-        if let Some(rest) = stream.finish()? {
-            let _ = on_event(TokenEvent::Flush { text: &rest });
-        }
-        stats.decode_secs = decode_start.elapsed().as_secs_f64();
-        stats.finish = finish;
-        if let Some(cache) = cache {
-            cache.insert(consumed, state, None);
-        }
-        Ok(stats)
+        let sequence = self.sequence(cache.as_deref_mut(), request, sink)?;
+        batch::run_alone(self, sequence, cache).0
     }
 
     /// Logits `[tokens.len(), vocab]` (row-major) at every position of `tokens`.

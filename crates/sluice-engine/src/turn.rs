@@ -4,9 +4,11 @@
 //! [`FinishReason::StopSequence`](crate::FinishReason::StopSequence).
 
 use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use sluice_backend::Backend;
 
+use crate::batch::Sink;
 use crate::output::{OutputEvent, OutputOptions, OutputParser};
 use crate::prompt_cache::PromptCache;
 use crate::{Engine, EngineError, GenerateRequest, GenerationStats, Halt, TokenEvent};
@@ -31,6 +33,61 @@ impl TurnEvent {
     }
 }
 
+/// A chat turn's [`Sink`]: reads the generated text with an [`OutputParser`] and hands
+/// `on_event` the parsed output as it becomes certain. A stop sequence in the text ends the
+/// generation with [`StopSequence`](crate::FinishReason::StopSequence); `on_event` breaking ends
+/// it as [`Cancelled`](crate::FinishReason::Cancelled). [`TurnSink::end`] sends the `End`.
+pub struct TurnSink<'a, F> {
+    parser: OutputParser,
+    held: Vec<OutputEvent>,
+    on_event: F,
+    cancel: Option<&'a AtomicBool>,
+}
+
+impl<'a, F: FnMut(TurnEvent) -> ControlFlow<()>> TurnSink<'a, F> {
+    pub fn new(output: OutputOptions, cancel: Option<&'a AtomicBool>, on_event: F) -> Self {
+        TurnSink {
+            parser: OutputParser::new(output),
+            held: Vec::new(),
+            on_event,
+            cancel,
+        }
+    }
+
+    /// After the generation ended well: the output still held back, as `End`.
+    pub fn end(mut self) {
+        self.held.extend(self.parser.finish());
+        let _ = (self.on_event)(TurnEvent::End { output: self.held });
+    }
+}
+
+impl<F: FnMut(TurnEvent) -> ControlFlow<()>> Sink for TurnSink<'_, F> {
+    fn event(&mut self, event: TokenEvent<'_>) -> ControlFlow<Halt> {
+        match event {
+            TokenEvent::Token { id, text } => {
+                let output = self.parser.push(text);
+                let flow = (self.on_event)(TurnEvent::Token { id, output });
+                if self.parser.stopped() {
+                    ControlFlow::Break(Halt::StopSequence)
+                } else if flow.is_break() {
+                    ControlFlow::Break(Halt::Cancel)
+                } else {
+                    ControlFlow::Continue(())
+                }
+            }
+            // Not a token: its output goes out with the parser's own held-back text.
+            TokenEvent::Flush { text } => {
+                self.held = self.parser.push(text);
+                ControlFlow::Continue(())
+            }
+        }
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.is_some_and(|c| c.load(Ordering::Relaxed))
+    }
+}
+
 impl<B: Backend + 'static> Engine<B> {
     /// Generates `request` (resuming from and saving to `cache`, as
     /// [`generate_cached`](Engine::generate_cached)) and reads the text with an [`OutputParser`]
@@ -43,33 +100,16 @@ impl<B: Backend + 'static> Engine<B> {
     /// comes last unless the generation fails.
     pub fn chat_turn(
         &self,
-        cache: Option<&mut PromptCache<B>>,
+        mut cache: Option<&mut PromptCache<B>>,
         request: &GenerateRequest<'_>,
         output: OutputOptions,
-        mut on_event: impl FnMut(TurnEvent) -> ControlFlow<()>,
+        on_event: impl FnMut(TurnEvent) -> ControlFlow<()>,
     ) -> Result<GenerationStats, EngineError> {
-        let mut parser = OutputParser::new(output);
-        let mut held = Vec::new();
-        let stats = self.generate_cached(cache, request, |event| match event {
-            TokenEvent::Token { id, text } => {
-                let output = parser.push(text);
-                let flow = on_event(TurnEvent::Token { id, output });
-                if parser.stopped() {
-                    ControlFlow::Break(Halt::StopSequence)
-                } else if flow.is_break() {
-                    ControlFlow::Break(Halt::Cancel)
-                } else {
-                    ControlFlow::Continue(())
-                }
-            }
-            // Not a token: its output goes out with the parser's own held-back text.
-            TokenEvent::Flush { text } => {
-                held = parser.push(text);
-                ControlFlow::Continue(())
-            }
-        })?;
-        held.extend(parser.finish());
-        let _ = on_event(TurnEvent::End { output: held });
+        let sink = TurnSink::new(output, request.cancel, on_event);
+        let sequence = self.sequence(cache.as_deref_mut(), request, sink)?;
+        let (stats, sink) = crate::batch::run_alone(self, sequence, cache);
+        let stats = stats?;
+        sink.end();
         Ok(stats)
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use sluice_backend::Backend;
 
 use crate::loader::Loader;
-use crate::{LayerState, ModelError, ModelInfo, State};
+use crate::{LayerState, ModelError, ModelInfo, Segment, State};
 
 /// The config facts a decoder is built with.
 pub(crate) struct Dims {
@@ -105,9 +105,26 @@ impl<B: Backend> Decoder<B> {
         )?))
     }
 
-    /// The embeddings of `tokens`, after rejecting empty input, ids outside the vocabulary and
-    /// overlong contexts.
-    pub fn embed(&self, state: &State<B>, tokens: &[u32]) -> Result<B::Act, ModelError> {
+    /// The embeddings of every segment's tokens, one after another, after rejecting empty input,
+    /// ids outside the vocabulary and overlong contexts.
+    pub fn embed(&self, segments: &[Segment<'_, B>]) -> Result<B::Act, ModelError> {
+        if segments.is_empty() {
+            return Err(ModelError::Input("no requests to run".into()));
+        }
+        for s in segments {
+            self.check_input(s.state, s.tokens)?;
+        }
+        let tokens: Vec<u32> = match segments {
+            [one] => one.tokens.to_vec(),
+            _ => segments
+                .iter()
+                .flat_map(|s| s.tokens.iter().copied())
+                .collect(),
+        };
+        Ok(self.backend.embed(&self.ends.embed_tokens, &tokens))
+    }
+
+    fn check_input(&self, state: &State<B>, tokens: &[u32]) -> Result<(), ModelError> {
         let info = &self.info;
         if tokens.is_empty() {
             return Err(ModelError::Input("no tokens to run".into()));
@@ -128,7 +145,25 @@ impl<B: Backend> Decoder<B> {
         if state.layers.len() != info.layers {
             return Err(wrong_state());
         }
-        Ok(self.backend.embed(&self.ends.embed_tokens, tokens))
+        Ok(())
+    }
+
+    /// The logits of each segment's last row of `h` (the rows of all segments, in order).
+    pub fn last_logits(&self, h: B::Act, segments: &[Segment<'_, B>]) -> B::Act {
+        let b = self.backend.as_ref();
+        if segments.len() == 1 {
+            return self.logits(h, false);
+        }
+        let mut end = 0;
+        let last: Vec<B::Act> = segments
+            .iter()
+            .map(|s| {
+                end += s.tokens.len();
+                b.slice_rows(&h, end - 1, 1)
+            })
+            .collect();
+        let h = b.concat_rows(&last.iter().collect::<Vec<_>>());
+        self.logits(h, true)
     }
 
     /// The final norm and the output head: on the last row only unless `all_logits`.
@@ -154,4 +189,27 @@ impl<B: Backend> Decoder<B> {
 /// A state made by another model (or with another layer layout) was passed in.
 pub(crate) fn wrong_state() -> ModelError {
     ModelError::Input("state does not belong to this model".into())
+}
+
+/// Runs `f` on each segment's rows of `inputs` with the segment's state, and stacks the results
+/// in segment order: the parts of a layer that keep per-request state (attention caches,
+/// recurrent states). One segment runs on `inputs` as they are.
+pub(crate) fn per_segment<B: Backend, const N: usize>(
+    b: &B,
+    inputs: [&B::Act; N],
+    segments: &mut [Segment<'_, B>],
+    mut f: impl FnMut([&B::Act; N], &mut State<B>) -> Result<B::Act, ModelError>,
+) -> Result<B::Act, ModelError> {
+    if let [one] = segments {
+        return f(inputs, one.state);
+    }
+    let mut outs = Vec::with_capacity(segments.len());
+    let mut row = 0;
+    for s in segments.iter_mut() {
+        let n = s.tokens.len();
+        let parts = inputs.map(|a| b.slice_rows(a, row, n));
+        outs.push(f(parts.each_ref(), s.state)?);
+        row += n;
+    }
+    Ok(b.concat_rows(&outs.iter().collect::<Vec<_>>()))
 }

@@ -126,6 +126,13 @@ impl<B: Backend> State<B> {
     }
 }
 
+/// One request's share of a batched forward call ([`CausalLm::forward_batch`]): its state and
+/// the tokens it runs next (a prompt chunk, or the one token it decodes).
+pub struct Segment<'a, B: Backend> {
+    pub state: &'a mut State<B>,
+    pub tokens: &'a [u32],
+}
+
 /// A causal language model: tokens in, logits out.
 pub trait CausalLm<B: Backend>: Send + Sync {
     fn info(&self) -> &ModelInfo;
@@ -139,6 +146,12 @@ pub trait CausalLm<B: Backend>: Send + Sync {
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<B::Act, ModelError>;
+    /// Runs several requests in one pass: their rows go through every product together (each
+    /// weight, and each routed expert, read once for all of them), attention and recurrent state
+    /// per request. Returns `[segments.len(), vocab]`: each segment's last token's logits. Every
+    /// state advances by its segment's tokens; a row's result is its result alone up to the
+    /// order of summation.
+    fn forward_batch(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError>;
     /// Overrides the number of routed experts per token (`1..=experts`).
     fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError>;
     fn backend(&self) -> &B;

@@ -25,10 +25,10 @@ use serde::Deserialize;
 use sluice_backend::{Backend, DeltaNetDims, ExpertSource, ValueHeadOrder};
 use sluice_format::ModelDir;
 
-use crate::decoder::{wrong_state, Decoder, Dims, Ends};
+use crate::decoder::{per_segment, wrong_state, Decoder, Dims, Ends};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims};
-use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, State};
+use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
 
 /// The fields of the text config this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -495,67 +495,85 @@ impl<B: Backend> FullAttention<B> {
 }
 
 impl<B: Backend> Qwen35Moe<B> {
+    /// The Gated DeltaNet mixer of layer `i`: the products over every row together, the
+    /// convolution window and the recurrence per segment.
     fn linear_attention(
         &self,
         l: &LinearAttention<B>,
         x: &B::Act,
-        state: &mut B::LinearState,
-    ) -> B::Act {
+        i: usize,
+        segments: &mut [Segment<'_, B>],
+    ) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let [qkv, z, beta_logits, a] = b.matmuls(
             x,
             [&l.in_proj_qkv, &l.in_proj_z, &l.in_proj_b, &l.in_proj_a],
         );
-        let qkv = b.causal_conv1d_silu(&qkv, &l.conv1d, state);
-        let y = b.gated_delta_rule(&qkv, &a, &beta_logits, &l.a_log, &l.dt_bias, state);
+        let y = per_segment(
+            b,
+            [&qkv, &a, &beta_logits],
+            segments,
+            |[qkv, a, beta], s| {
+                let LayerState::Linear(state) = &mut s.layers[i] else {
+                    return Err(wrong_state());
+                };
+                let qkv = b.causal_conv1d_silu(qkv, &l.conv1d, state);
+                Ok(b.gated_delta_rule(&qkv, a, beta, &l.a_log, &l.dt_bias, state))
+            },
+        )?;
         let y = b.rms_norm_gated(&y, &z, &l.norm, self.decoder.eps());
-        b.matmul(&y, &l.out_proj)
+        Ok(b.matmul(&y, &l.out_proj))
     }
 
-    fn full_attention(&self, l: &FullAttention<B>, x: &B::Act, cache: &mut B::KvCache) -> B::Act {
+    /// Gated full attention of layer `i`; each segment's rows attend through its own cache.
+    fn full_attention(
+        &self,
+        l: &FullAttention<B>,
+        x: &B::Act,
+        i: usize,
+        segments: &mut [Segment<'_, B>],
+    ) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let [q_gate, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
         let (q, gate) = b.split_chunks(&q_gate, 2 * hd, hd);
         let scale = 1.0 / (hd as f32).sqrt();
-        // q_norm and k_norm per head, partial rotary, at the cache's next positions.
-        let mut o = b.attention_rope(
-            &q,
-            &k,
-            &v,
-            (&l.q_norm, &l.k_norm),
-            eps,
-            (hd, self.rotary_dim, self.rope_theta),
-            cache,
-            self.cfg.num_attention_heads,
-            scale,
-        );
+        let mut o = per_segment(b, [&q, &k, &v], segments, |[q, k, v], s| {
+            let LayerState::Attention(cache) = &mut s.layers[i] else {
+                return Err(wrong_state());
+            };
+            // q_norm and k_norm per head, partial rotary, at the cache's next positions.
+            Ok(b.attention_rope(
+                q,
+                k,
+                v,
+                (&l.q_norm, &l.k_norm),
+                eps,
+                (hd, self.rotary_dim, self.rope_theta),
+                cache,
+                self.cfg.num_attention_heads,
+                scale,
+            ))
+        })?;
         b.sigmoid_mul(&mut o, &gate);
-        b.matmul(&o, &l.o_proj)
+        Ok(b.matmul(&o, &l.o_proj))
     }
-}
 
-impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
-    fn forward(
-        &self,
-        state: &mut State<B>,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<B::Act, ModelError> {
+    /// The hidden states after the last layer, for the rows of every segment in order.
+    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
-        let mut h = self.decoder.embed(state, tokens)?;
+        let mut h = self.decoder.embed(segments)?;
         // The previous layer's MLP output, added to `h` by the next norm (one fused step).
         let mut mlp_out: Option<B::Act> = None;
-        for (i, (l, layer_state)) in self.layers.iter().zip(&mut state.layers).enumerate() {
+        for (i, l) in self.layers.iter().enumerate() {
             let x = match mlp_out.take() {
                 Some(mlp) => b.add_rms_norm(&mut h, &mlp, &l.input_layernorm, eps),
                 None => b.rms_norm(&h, &l.input_layernorm, eps),
             };
-            let mixed = match (&l.mixer, layer_state) {
-                (Mixer::Linear(m), LayerState::Linear(s)) => self.linear_attention(m, &x, s),
-                (Mixer::Full(m), LayerState::Attention(c)) => self.full_attention(m, &x, c),
-                _ => return Err(wrong_state()),
+            let mixed = match &l.mixer {
+                Mixer::Linear(m) => self.linear_attention(m, &x, i, segments)?,
+                Mixer::Full(m) => self.full_attention(m, &x, i, segments)?,
             };
             let x = b.add_rms_norm(&mut h, &mixed, &l.post_attention_layernorm, eps);
             let mlp = l
@@ -566,8 +584,27 @@ impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
         if let Some(mlp) = mlp_out {
             b.add_assign(&mut h, &mlp);
         }
-        state.position += tokens.len();
+        for s in segments {
+            s.state.position += s.tokens.len();
+        }
+        Ok(h)
+    }
+}
+
+impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
+    fn forward(
+        &self,
+        state: &mut State<B>,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<B::Act, ModelError> {
+        let h = self.layers(&mut [Segment { state, tokens }])?;
         Ok(self.decoder.logits(h, all_logits))
+    }
+
+    fn forward_batch(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+        let h = self.layers(segments)?;
+        Ok(self.decoder.last_logits(h, segments))
     }
 
     fn new_state(&self) -> Result<State<B>, ModelError> {

@@ -13,10 +13,10 @@ use serde::Deserialize;
 use sluice_backend::{Backend, ExpertSource};
 use sluice_format::ModelDir;
 
-use crate::decoder::{wrong_state, Decoder, Dims, Ends};
+use crate::decoder::{per_segment, wrong_state, Decoder, Dims, Ends};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims};
-use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, State};
+use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
 
 /// The fields of config.json this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -245,25 +245,65 @@ impl<B: Backend> Layer<B> {
 }
 
 impl<B: Backend> Qwen3Moe<B> {
-    /// Grouped-query attention with RMS-normed q and k and full rotary embeddings.
-    fn attention(&self, l: &Attention<B>, x: &B::Act, cache: &mut B::KvCache) -> B::Act {
+    /// Grouped-query attention with RMS-normed q and k and full rotary embeddings; each
+    /// segment's rows attend through its own cache of layer `i`.
+    fn attention(
+        &self,
+        l: &Attention<B>,
+        x: &B::Act,
+        i: usize,
+        segments: &mut [Segment<'_, B>],
+    ) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let [q, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
         let scale = 1.0 / (hd as f32).sqrt();
-        // q_norm and k_norm per head, rotary on the whole head, at the cache's next positions.
-        let o = b.attention_rope(
-            &q,
-            &k,
-            &v,
-            (&l.q_norm, &l.k_norm),
-            eps,
-            (hd, hd, self.rope_theta),
-            cache,
-            self.cfg.num_attention_heads,
-            scale,
-        );
-        b.matmul(&o, &l.o_proj)
+        let o = per_segment(b, [&q, &k, &v], segments, |[q, k, v], state| {
+            let LayerState::Attention(cache) = &mut state.layers[i] else {
+                return Err(wrong_state());
+            };
+            // q_norm and k_norm per head, rotary on the whole head, at the cache's next positions.
+            Ok(b.attention_rope(
+                q,
+                k,
+                v,
+                (&l.q_norm, &l.k_norm),
+                eps,
+                (hd, hd, self.rope_theta),
+                cache,
+                self.cfg.num_attention_heads,
+                scale,
+            ))
+        })?;
+        Ok(b.matmul(&o, &l.o_proj))
+    }
+
+    /// The hidden states after the last layer, for the rows of every segment in order.
+    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+        let b = self.decoder.backend();
+        let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
+        let mut h = self.decoder.embed(segments)?;
+        // The previous layer's MLP output, added to `h` by the next norm (one fused step).
+        let mut mlp_out: Option<B::Act> = None;
+        for (i, l) in self.layers.iter().enumerate() {
+            let x = match mlp_out.take() {
+                Some(mlp) => b.add_rms_norm(&mut h, &mlp, &l.input_layernorm, eps),
+                None => b.rms_norm(&h, &l.input_layernorm, eps),
+            };
+            let attn = self.attention(&l.self_attn, &x, i, segments)?;
+            let x = b.add_rms_norm(&mut h, &attn, &l.post_attention_layernorm, eps);
+            let mlp = l
+                .mlp
+                .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
+            mlp_out = Some(mlp);
+        }
+        if let Some(mlp) = mlp_out {
+            b.add_assign(&mut h, &mlp);
+        }
+        for s in segments {
+            s.state.position += s.tokens.len();
+        }
+        Ok(h)
     }
 }
 
@@ -274,31 +314,13 @@ impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<B::Act, ModelError> {
-        let b = self.decoder.backend();
-        let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
-        let mut h = self.decoder.embed(state, tokens)?;
-        // The previous layer's MLP output, added to `h` by the next norm (one fused step).
-        let mut mlp_out: Option<B::Act> = None;
-        for (i, (l, layer_state)) in self.layers.iter().zip(&mut state.layers).enumerate() {
-            let LayerState::Attention(cache) = layer_state else {
-                return Err(wrong_state());
-            };
-            let x = match mlp_out.take() {
-                Some(mlp) => b.add_rms_norm(&mut h, &mlp, &l.input_layernorm, eps),
-                None => b.rms_norm(&h, &l.input_layernorm, eps),
-            };
-            let attn = self.attention(&l.self_attn, &x, cache);
-            let x = b.add_rms_norm(&mut h, &attn, &l.post_attention_layernorm, eps);
-            let mlp = l
-                .mlp
-                .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
-            mlp_out = Some(mlp);
-        }
-        if let Some(mlp) = mlp_out {
-            b.add_assign(&mut h, &mlp);
-        }
-        state.position += tokens.len();
+        let h = self.layers(&mut [Segment { state, tokens }])?;
         Ok(self.decoder.logits(h, all_logits))
+    }
+
+    fn forward_batch(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+        let h = self.layers(segments)?;
+        Ok(self.decoder.last_logits(h, segments))
     }
 
     fn new_state(&self) -> Result<State<B>, ModelError> {

@@ -401,18 +401,11 @@ pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32],
     // checks the shapes it relies on itself.
     unsafe {
         match c.kind {
-            Kind::F32 => match nt {
-                1 => dense_rows::<1, DT_F32, 4>(c, r0, r1, res),
-                _ => nt_dispatch!(nt, dense_rows::<DT_F32, 2>(c, r0, r1, res)),
-            },
-            Kind::F16 => match nt {
-                1 => dense_rows::<1, DT_F16, 4>(c, r0, r1, res),
-                _ => nt_dispatch!(nt, dense_rows::<DT_F16, 2>(c, r0, r1, res)),
-            },
-            Kind::Bf16 => match nt {
-                1 => dense_rows::<1, DT_BF16, 4>(c, r0, r1, res),
-                _ => nt_dispatch!(nt, dense_rows::<DT_BF16, 2>(c, r0, r1, res)),
-            },
+            // The same accumulators for every token count: a row's sum is then the same
+            // alone and in a batch (requests decoding together get their results alone).
+            Kind::F32 => nt_dispatch!(nt, dense_rows::<DT_F32, 2>(c, r0, r1, res)),
+            Kind::F16 => nt_dispatch!(nt, dense_rows::<DT_F16, 2>(c, r0, r1, res)),
+            Kind::Bf16 => nt_dispatch!(nt, dense_rows::<DT_BF16, 2>(c, r0, r1, res)),
             // Integer path (`Kernels::Fast`).
             Kind::Q4 { gs, sdt } if !c.xq.is_empty() => match gs {
                 32 => nt_dispatch!(nt, q4i_rows::<32>(c, sdt, r0, r1, res, s)),

@@ -1,0 +1,440 @@
+//! Generations that advance together: a [`Sequence`] is one request's generation as a state
+//! machine, and [`Engine::step`] moves a batch of them one step. The decoding sequences run one
+//! token each in a single forward pass (every weight and routed expert read once for all of
+//! them); one sequence still reading its prompt runs a chunk of it beside them. A sequence can
+//! join or leave between any two steps: that is continuous batching, and
+//! [`Engine::generate_cached`] is a batch of one.
+//!
+//! Decode rows and prompt chunks run as separate passes so that a decoding row always takes the
+//! decode kernels, as it does alone: its logits then differ from its logits alone only by the
+//! order of summation inside the products.
+
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use sluice_backend::Backend;
+use sluice_models::{Segment, State};
+
+use crate::prompt_cache::PromptCache;
+use crate::sampler::Sampler;
+use crate::tokenizer::StreamDecoder;
+use crate::{
+    Engine, EngineError, FinishReason, GenerateRequest, GenerationStats, Halt, TokenEvent,
+    PREFILL_CHUNK,
+};
+
+/// A prompt chunk that runs beside decoding sequences is at most this long, so that a long
+/// prompt delays the others' next token by one such chunk, not by a whole prompt.
+pub const PREFILL_CHUNK_SHARED: usize = 128;
+
+/// Where a sequence's output goes.
+pub trait Sink {
+    /// A token or the final held-back text (see [`TokenEvent`]); breaking stops the generation.
+    fn event(&mut self, event: TokenEvent<'_>) -> ControlFlow<Halt>;
+    /// Checked before every step: true stops the generation ([`FinishReason::Cancelled`]).
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+/// A callback as a [`Sink`], with an optional cancel flag.
+pub struct FnSink<'a, F> {
+    pub on_event: F,
+    pub cancel: Option<&'a AtomicBool>,
+}
+
+impl<F: FnMut(TokenEvent<'_>) -> ControlFlow<Halt>> Sink for FnSink<'_, F> {
+    fn event(&mut self, event: TokenEvent<'_>) -> ControlFlow<Halt> {
+        (self.on_event)(event)
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.is_some_and(|c| c.load(Ordering::Relaxed))
+    }
+}
+
+enum Phase {
+    /// Reading the prompt: `done` of its tokens are in the state.
+    Prompt,
+    /// The token to run next.
+    Decode(u32),
+    Finished(FinishReason),
+}
+
+/// One request's generation, advanced by [`Engine::step`] and ended by [`Sequence::finish`].
+pub struct Sequence<'a, B: Backend, S> {
+    sink: S,
+    sampler: Sampler,
+    state: State<B>,
+    prompt: Vec<u32>,
+    /// Prompt tokens in `state`.
+    done: usize,
+    /// A prompt position to save a snapshot of the state at, still ahead.
+    checkpoint: Option<usize>,
+    /// Whether the prompt cache keeps copies of this state (recurrent models): at the checkpoint
+    /// and at the end of the prompt.
+    snapshots: bool,
+    /// The tokens `state` has consumed, for the prompt cache and the samplers' penalties.
+    consumed: Vec<u32>,
+    /// Logits of the end of the prompt saved by the prompt cache.
+    saved_logits: Option<Vec<f32>>,
+    stream: StreamDecoder<'a>,
+    max_tokens: usize,
+    ignore_eos: bool,
+    phase: Phase,
+    error: Option<EngineError>,
+    stats: GenerationStats,
+    start: Instant,
+    decode_start: Option<Instant>,
+}
+
+impl<'a, B: Backend, S: Sink> Sequence<'a, B, S> {
+    pub fn is_finished(&self) -> bool {
+        matches!(self.phase, Phase::Finished(_))
+    }
+
+    /// Whether the prompt is still being read (the sequence has produced no token yet).
+    pub fn in_prompt(&self) -> bool {
+        matches!(self.phase, Phase::Prompt)
+    }
+
+    pub fn sink(&self) -> &S {
+        &self.sink
+    }
+
+    /// Counts so far (final once finished).
+    pub fn stats(&self) -> &GenerationStats {
+        &self.stats
+    }
+
+    fn end(&mut self, reason: FinishReason) {
+        self.phase = Phase::Finished(reason);
+    }
+
+    fn fail(&mut self, e: EngineError) {
+        self.error = Some(e);
+        self.end(FinishReason::Cancelled);
+    }
+
+    /// The prompt tokens the next prefill pass runs, at most `budget`: up to the checkpoint, then
+    /// up to the end.
+    fn next_chunk(&self, budget: usize) -> std::ops::Range<usize> {
+        let end = self.checkpoint.unwrap_or(self.prompt.len());
+        self.done..end.min(self.done + budget)
+    }
+
+    /// Hands a chosen token on; decides whether the generation goes on.
+    fn take(&mut self, token: u32, eos_ids: &[u32]) {
+        if !self.ignore_eos && eos_ids.contains(&token) {
+            return self.end(FinishReason::Stop);
+        }
+        self.stats.generated_tokens += 1;
+        let text = match self.stream.push(token) {
+            Ok(t) => t.unwrap_or_default(),
+            Err(e) => return self.fail(e.into()),
+        };
+        if let ControlFlow::Break(halt) = self.sink.event(TokenEvent::Token {
+            id: token,
+            text: &text,
+        }) {
+            return self.end(halt.into());
+        }
+        if self.stats.generated_tokens == self.max_tokens {
+            return self.end(FinishReason::Length);
+        }
+        self.phase = Phase::Decode(token);
+    }
+
+    /// Ends the generation: hands over the text still held back, saves the state in `cache`
+    /// (unless the prompt was never read whole) and returns the counts, or the error that
+    /// stopped it, with the sink.
+    pub fn finish(
+        mut self,
+        cache: Option<&mut PromptCache<B>>,
+    ) -> (Result<GenerationStats, EngineError>, S) {
+        if let Some(e) = self.error.take() {
+            return (Err(e), self.sink);
+        }
+        let finish = match self.phase {
+            Phase::Finished(r) => r,
+            _ => FinishReason::Cancelled,
+        };
+        self.stats.finish = finish;
+        let Some(decode_start) = self.decode_start else {
+            // Stopped while reading the prompt: nothing was generated or is worth keeping.
+            return (Ok(self.stats), self.sink);
+        };
+        match self.stream.finish() {
+            Ok(Some(rest)) => {
+                let _ = self.sink.event(TokenEvent::Flush { text: &rest });
+            }
+            Ok(None) => {}
+            Err(e) => return (Err(e.into()), self.sink),
+        }
+        self.stats.decode_secs = decode_start.elapsed().as_secs_f64();
+        if let Some(cache) = cache {
+            cache.insert(self.consumed, self.state, None);
+        }
+        (Ok(self.stats), self.sink)
+    }
+}
+
+impl<B: Backend + 'static> Engine<B> {
+    /// A generation of `request` that [`Engine::step`] advances, resuming from the longest usable
+    /// state saved in `cache`. Fails at once on bad parameters, an empty prompt or one that
+    /// leaves no room in the model's context.
+    pub fn sequence<S: Sink>(
+        &self,
+        cache: Option<&mut PromptCache<B>>,
+        request: &GenerateRequest<'_>,
+        sink: S,
+    ) -> Result<Sequence<'_, B, S>, EngineError> {
+        let GenerateRequest {
+            prompt,
+            params,
+            max_tokens,
+            ignore_eos,
+            checkpoint,
+            cancel: _,
+        } = *request;
+        params.validate().map_err(EngineError::Input)?;
+        if prompt.is_empty() {
+            return Err(EngineError::Input("the prompt is empty".into()));
+        }
+        let ctx = self.model.info().max_context;
+        if prompt.len() >= ctx {
+            return Err(EngineError::Input(format!(
+                "the prompt has {} tokens but the model's context is {ctx}",
+                prompt.len()
+            )));
+        }
+        let start = Instant::now();
+        let snapshots_wanted = cache.is_some();
+        let resumed = cache.and_then(|c| c.take(self.model.backend(), prompt));
+        let (state, cached_tokens, saved_logits) = match resumed {
+            Some(r) => (r.state, r.cached_tokens, r.logits),
+            None => (self.new_state()?, 0, None),
+        };
+        // A recurrent state cannot be rewound, so the prompt cache keeps copies of it at the
+        // points a later prompt is likely to share: the checkpoint and the end of this prompt.
+        let snapshots = snapshots_wanted && !state.can_rewind();
+        Ok(Sequence {
+            sink,
+            sampler: Sampler::new(params.clone()),
+            state,
+            prompt: prompt.to_vec(),
+            done: cached_tokens,
+            checkpoint: checkpoint.filter(|&c| snapshots && c > cached_tokens && c < prompt.len()),
+            snapshots,
+            consumed: prompt.to_vec(),
+            saved_logits,
+            stream: StreamDecoder::new(&self.tokenizer, true),
+            max_tokens: max_tokens.min(ctx - prompt.len()),
+            ignore_eos,
+            phase: Phase::Prompt,
+            error: None,
+            stats: GenerationStats {
+                prompt_tokens: prompt.len(),
+                cached_tokens,
+                generated_tokens: 0,
+                prompt_secs: 0.0,
+                decode_secs: 0.0,
+                finish: FinishReason::Cancelled,
+            },
+            start,
+            decode_start: None,
+        })
+    }
+
+    /// Advances every unfinished sequence of `batch` by one step: each decoding sequence by one
+    /// token (all in one forward pass), and the first sequence still reading its prompt by one
+    /// chunk ([`PREFILL_CHUNK`] tokens alone, [`PREFILL_CHUNK_SHARED`] beside decoding ones).
+    /// A sequence whose sink reports it cancelled ends first. A failed pass ends the sequences
+    /// that were in it with the error ([`Sequence::finish`] returns it).
+    pub fn step<S: Sink>(
+        &self,
+        batch: &mut [&mut Sequence<'_, B, S>],
+        cache: Option<&mut PromptCache<B>>,
+    ) {
+        for s in batch.iter_mut() {
+            if !s.is_finished() && s.sink.cancelled() {
+                s.end(FinishReason::Cancelled);
+            }
+        }
+        // A prompt whose logits the cache saved needs no pass: its first token comes from them.
+        for s in batch.iter_mut() {
+            if s.in_prompt() && s.done == s.prompt.len() {
+                if let Some(logits) = s.saved_logits.take() {
+                    self.prompt_read(s, logits);
+                }
+            }
+        }
+        let decoding: Vec<usize> = (0..batch.len())
+            .filter(|&i| matches!(batch[i].phase, Phase::Decode(_)))
+            .collect();
+        if !decoding.is_empty() {
+            self.decode_pass(batch, &decoding);
+        }
+        if let Some(i) = batch.iter().position(|s| s.in_prompt()) {
+            let budget = match decoding.is_empty() {
+                true => PREFILL_CHUNK,
+                false => PREFILL_CHUNK_SHARED,
+            };
+            self.prompt_pass(batch[i], budget, cache);
+        }
+    }
+
+    fn decode_pass<S: Sink>(&self, batch: &mut [&mut Sequence<'_, B, S>], rows: &[usize]) {
+        let backend = self.model.backend();
+        let tokens: Vec<[u32; 1]> = rows
+            .iter()
+            .map(|&i| match batch[i].phase {
+                Phase::Decode(t) => [t],
+                _ => unreachable!("only decoding sequences are passed"),
+            })
+            .collect();
+        let result = {
+            let mut picked: Vec<&mut &mut Sequence<'_, B, S>> = batch
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| rows.contains(i))
+                .map(|(_, s)| s)
+                .collect();
+            let mut segments: Vec<Segment<'_, B>> = picked
+                .iter_mut()
+                .zip(&tokens)
+                .map(|(s, t)| Segment {
+                    state: &mut s.state,
+                    tokens: t,
+                })
+                .collect();
+            self.model.forward_batch(&mut segments)
+        };
+        let out = match result {
+            Ok(out) => out,
+            Err(e) => return fail_all(batch, rows, e.into()),
+        };
+        for (&i, t) in rows.iter().zip(&tokens) {
+            batch[i].consumed.push(t[0]);
+        }
+        // Greedy rows are answered on the backend, all at once.
+        let argmax = match rows.iter().any(|&i| batch[i].sampler.is_argmax()) {
+            true => match backend.argmax_rows(&out) {
+                Ok(ids) => Some(ids),
+                Err(e) => return fail_all(batch, rows, e.into()),
+            },
+            false => None,
+        };
+        let vocab = backend.shape(&out).1;
+        for (row, &i) in rows.iter().enumerate() {
+            let s = &mut *batch[i];
+            let token = match &argmax {
+                Some(ids) if s.sampler.is_argmax() => Ok(ids[row]),
+                _ => self.sample_row(s, &out, row, vocab),
+            };
+            match token {
+                Ok(t) => s.take(t, &self.eos_ids),
+                Err(e) => s.fail(e),
+            }
+        }
+    }
+
+    /// A token for row `row` of `out`: from the few values a top-k sampler needs when it can
+    /// say which (so a device sends those back, not the vocabulary), else from the whole row.
+    fn sample_row<S: Sink>(
+        &self,
+        s: &mut Sequence<'_, B, S>,
+        out: &B::Act,
+        row: usize,
+        vocab: usize,
+    ) -> Result<u32, EngineError> {
+        let backend = self.model.backend();
+        if let Some(req) = s.sampler.top_request(vocab, &s.consumed) {
+            let part = backend.top_logits(out, row, req.n, &req.cols)?;
+            if let Some(t) = s.sampler.sample_top(&req, &part, &s.consumed) {
+                return Ok(t);
+            }
+        }
+        let mut logits = backend.to_host(&backend.slice_rows(out, row, 1))?;
+        Ok(s.sampler.sample(&mut logits, &s.consumed))
+    }
+
+    fn prompt_pass<S: Sink>(
+        &self,
+        s: &mut Sequence<'_, B, S>,
+        budget: usize,
+        cache: Option<&mut PromptCache<B>>,
+    ) {
+        let chunk = s.next_chunk(budget);
+        let result = {
+            let mut segments = [Segment {
+                state: &mut s.state,
+                tokens: &s.prompt[chunk.clone()],
+            }];
+            self.model
+                .forward_batch(&mut segments)
+                .map_err(EngineError::from)
+                .and_then(|out| match chunk.end == s.prompt.len() {
+                    true => Ok(Some(self.model.backend().to_host(&out)?)),
+                    false => Ok(None),
+                })
+        };
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => return s.fail(e),
+        };
+        s.done = chunk.end;
+        if s.checkpoint == Some(s.done) {
+            s.checkpoint = None;
+            if let Some(cache) = cache {
+                cache.insert(s.prompt[..s.done].to_vec(), s.state.clone(), None);
+            }
+            return;
+        }
+        if let Some(logits) = logits {
+            if let (Some(cache), true) = (cache, s.snapshots) {
+                cache.insert(s.consumed.clone(), s.state.clone(), Some(logits.clone()));
+            }
+            self.prompt_read(s, logits);
+        }
+    }
+
+    /// The prompt is in the state and `logits` are its last token's: the first token.
+    fn prompt_read<S: Sink>(&self, s: &mut Sequence<'_, B, S>, mut logits: Vec<f32>) {
+        s.stats.prompt_secs = s.start.elapsed().as_secs_f64();
+        s.decode_start = Some(Instant::now());
+        if s.max_tokens == 0 {
+            return s.end(FinishReason::Length);
+        }
+        let token = s.sampler.sample(&mut logits, &s.consumed);
+        s.take(token, &self.eos_ids);
+    }
+}
+
+/// Ends the sequences at `rows` of `batch` with `e` (a pass they shared failed).
+fn fail_all<B: Backend, S: Sink>(
+    batch: &mut [&mut Sequence<'_, B, S>],
+    rows: &[usize],
+    e: EngineError,
+) {
+    if let [only] = rows {
+        return batch[*only].fail(e);
+    }
+    let msg = e.to_string();
+    for &i in rows {
+        batch[i].fail(EngineError::Input(msg.clone()));
+    }
+}
+
+/// Runs `sequence` to its end alone.
+pub(crate) fn run_alone<B: Backend + 'static, S: Sink>(
+    engine: &Engine<B>,
+    mut sequence: Sequence<'_, B, S>,
+    mut cache: Option<&mut PromptCache<B>>,
+) -> (Result<GenerationStats, EngineError>, S) {
+    while !sequence.is_finished() {
+        engine.step(&mut [&mut sequence], cache.as_deref_mut());
+    }
+    sequence.finish(cache)
+}
