@@ -14,6 +14,7 @@ import http.client
 import json
 import socket
 import sys
+import threading
 import time
 import traceback
 import urllib.parse
@@ -428,9 +429,61 @@ class Checks:
             print(f"    not a valid call: {m}")
         assert valid / n >= 0.9, f"{valid / n:.0%} < 90%"
 
+    def test_concurrent_streams(self):
+        # Requests of different prompts and lengths, first one at a time, then all at once as
+        # streams: the server batches them (they join and leave at different steps), and each
+        # stream must be complete and give exactly its greedy answer alone.
+        cases = [
+            ("Tell me a story.", 24),
+            ("What is the weather in Paris?", 10),
+            ("Write a poem about the sea.", 32),
+            ("Hi", 6),
+            ("Count to ten.", 16),
+            ("Describe a cat in one sentence.", 20),
+        ]
+        def messages(prompt):
+            return [{"role": "user", "content": prompt}]
+        alone = []
+        for prompt, n in cases:
+            c = self.chat(messages=messages(prompt), max_tokens=n).choices[0]
+            alone.append((c.message.content, c.finish_reason))
+        steps, rows = self.metric("batch_steps_total"), self.metric("batch_rows_total")
+        results = [None] * len(cases)
+
+        def run(i):
+            try:
+                prompt, n = cases[i]
+                stream = self.chat(messages=messages(prompt), max_tokens=n, stream=True)
+                text, finishes = "", []
+                for chunk in stream:
+                    if chunk.choices:
+                        text += chunk.choices[0].delta.content or ""
+                        if chunk.choices[0].finish_reason:
+                            finishes.append(chunk.choices[0].finish_reason)
+                results[i] = (text, finishes)
+            except Exception as e:  # reported below, with the request it belongs to
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for i, ((want, finish), got) in enumerate(zip(alone, results)):
+            assert not isinstance(got, Exception) and got is not None, (i, got)
+            text, finishes = got
+            assert finishes == [finish], (i, finishes, finish)
+            assert text == want, (i, text, want)
+        steps = self.metric("batch_steps_total") - steps
+        rows = self.metric("batch_rows_total") - rows
+        print(f"    {len(cases)} concurrent streams: {steps:.0f} steps advanced {rows:.0f} requests ({rows / steps:.2f} per step)")
+        assert rows / steps > 1.5, (steps, rows)
+
     def test_metrics(self):
         text = http_request(f"{self.root}/metrics").text
-        for name in ("generated_tokens_total", "queue_depth", "decode_tokens_per_second", "prompt_tokens_cached_total"):
+        for name in ("generated_tokens_total", "queue_depth", "decode_tokens_per_second", "prompt_tokens_cached_total",
+                     "requests_running", "batch_steps_total", "batch_rows_total", "time_to_first_token_seconds_total",
+                     "request_latency_seconds_total", "requests_timed_total"):
             assert f"sluice_{name} " in text, name
         assert self.metric("generated_tokens_total") > 0 and self.metric("queue_depth") == 0
         if self.args.expect_streaming:

@@ -43,7 +43,19 @@ pub struct ServeArgs {
     /// three; 0 turns prompt caching off).
     #[arg(long, default_value_t = 8, value_name = "N")]
     prompt_cache: usize,
+    /// Requests generated together at most (continuous batching: each step decodes a token for
+    /// every running request in one pass, reading each weight and expert once for all; more
+    /// requests wait in a queue). Default: what the memory left after loading holds at 4096
+    /// tokens of state per request, at most 8 (said at start).
+    #[arg(long, value_name = "N")]
+    parallel: Option<usize>,
 }
+
+/// Positions of state per request that the default `--parallel` leaves room for.
+const PARALLEL_CONTEXT: usize = 4096;
+/// The default `--parallel` at most: beyond it a step's rows leave the decode kernels on the
+/// GPU (more than 8) and the CPU (16 or more), and per-request speed falls.
+const PARALLEL_MAX: usize = 8;
 
 pub fn run(a: ServeArgs) -> Result<()> {
     let max_body = a.max_body.bytes();
@@ -72,6 +84,23 @@ fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u6
     config.api_key = a.api_key.clone();
     config.max_body_bytes = max_body.min(usize::MAX as u64) as usize;
     config.prompt_cache = a.prompt_cache;
+    config.parallel = match a.parallel {
+        Some(0) => bail!("--parallel must be at least 1"),
+        Some(n) => n,
+        None => {
+            let info = engine.model.info();
+            let per_request =
+                info.state_bytes_fixed + info.state_bytes_per_token * PARALLEL_CONTEXT;
+            let free = engine.model.backend().memory().free as usize;
+            let n = (free / per_request.max(1)).clamp(1, PARALLEL_MAX);
+            eprintln!(
+                "sluice: --parallel {n} (default: up to {PARALLEL_MAX} requests at once; {} of state per request at {PARALLEL_CONTEXT} tokens, {} free)",
+                sluice_sys::format_bytes(per_request as u64),
+                sluice_sys::format_bytes(free as u64),
+            );
+            n
+        }
+    };
     let loopback = a.host.is_loopback();
     let key = a.api_key.is_some();
     let model = config.model_name.clone();

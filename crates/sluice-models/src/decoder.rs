@@ -19,6 +19,9 @@ pub(crate) struct Dims {
     pub experts: usize,
     pub experts_per_token: usize,
     pub rms_norm_eps: f32,
+    /// See [`ModelInfo::state_bytes_per_token`].
+    pub state_bytes_per_token: usize,
+    pub state_bytes_fixed: usize,
 }
 
 /// The weights before and after the layers.
@@ -50,6 +53,8 @@ impl<B: Backend> Decoder<B> {
             experts_per_token: dims.experts_per_token,
             dense_bytes,
             expert_bytes,
+            state_bytes_per_token: dims.state_bytes_per_token,
+            state_bytes_fixed: dims.state_bytes_fixed,
             weight_format: match (&ld.dir.stored_as, &ld.dir.quantization) {
                 (Some(stored), _) => stored.clone(),
                 (None, Some(q)) => format!("{}-bit affine, group {}", q.bits, q.group_size),

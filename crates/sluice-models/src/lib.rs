@@ -67,6 +67,10 @@ pub struct ModelInfo {
     pub dense_bytes: usize,
     /// Bytes of all routed experts.
     pub expert_bytes: usize,
+    /// Bytes one request's state holds (f32): attention caches grow by `state_bytes_per_token`
+    /// per position, recurrent states are `state_bytes_fixed` from the start.
+    pub state_bytes_per_token: usize,
+    pub state_bytes_fixed: usize,
     pub weight_format: String,
 }
 

@@ -199,6 +199,13 @@ impl<B: Backend> Qwen3Moe<B> {
             experts: cfg.num_experts,
             experts_per_token: cfg.num_experts_per_tok,
             rms_norm_eps: cfg.rms_norm_eps as f32,
+            // Keys and values of every layer.
+            state_bytes_per_token: cfg.num_hidden_layers
+                * 2
+                * cfg.num_key_value_heads
+                * cfg.head_dim()
+                * 4,
+            state_bytes_fixed: 0,
         };
         let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
         Ok(Qwen3Moe {

@@ -63,6 +63,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Saved request states kept for prompt reuse (0 turns the prompt cache off).
     pub prompt_cache: usize,
+    /// Generations run together at most (continuous batching); more wait in a queue.
+    pub parallel: usize,
 }
 
 impl ServerConfig {
@@ -73,6 +75,7 @@ impl ServerConfig {
             api_key: None,
             max_body_bytes: 16 << 20,
             prompt_cache: 8,
+            parallel: 4,
         }
     }
 }
@@ -122,7 +125,12 @@ async fn serve<B: Backend + 'static>(
 fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyhow::Result<Router> {
     let engine = Arc::new(engine);
     let metrics = Arc::new(Metrics::default());
-    let queue = worker::start(engine.clone(), metrics.clone(), config.prompt_cache)?;
+    let queue = worker::start(
+        engine.clone(),
+        metrics.clone(),
+        config.prompt_cache,
+        config.parallel,
+    )?;
     let app = Arc::new(App {
         engine,
         queue,
@@ -338,6 +346,7 @@ impl<B: Backend + 'static> App<B> {
             output: p.output.clone(),
             events,
             cancel: cancel.clone(),
+            submitted: std::time::Instant::now(),
         };
         if !self.queue.submit(job) {
             return Err(ApiError::internal("the model thread has stopped"));

@@ -19,8 +19,12 @@ pub struct Metrics {
     pub requests_finished: AtomicU64,
     /// Requests waiting for the model.
     pub queue_depth: AtomicU64,
-    /// Requests on the model now (0 or 1).
+    /// Requests in the running batch now.
     pub running: AtomicU64,
+    /// Batched steps run, and the requests they advanced together (their mean batch size is
+    /// the ratio).
+    pub batch_steps: AtomicU64,
+    pub batch_rows: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub prompt_tokens_cached: AtomicU64,
     pub generated_tokens: AtomicU64,
@@ -35,11 +39,23 @@ struct Timing {
     decode_tokens: u64,
     last_decode_tok_s: f64,
     last_prompt_tok_s: f64,
+    /// Requests timed from the moment they were queued.
+    timed: u64,
+    latency_secs: f64,
+    first_token_secs: f64,
+    last_latency_secs: f64,
+    last_first_token_secs: f64,
 }
 
 impl Metrics {
-    /// Records one finished generation.
-    pub fn record(&self, stats: &sluice_engine::GenerationStats) {
+    /// Records one step of the batch, which advanced `rows` requests.
+    pub fn record_step(&self, rows: usize) {
+        self.batch_steps.fetch_add(1, Relaxed);
+        self.batch_rows.fetch_add(rows as u64, Relaxed);
+    }
+
+    /// Records one ended generation, `latency` after it was queued.
+    pub fn record(&self, stats: &sluice_engine::GenerationStats, latency: std::time::Duration) {
         self.prompt_tokens
             .fetch_add(stats.prompt_tokens as u64, Relaxed);
         self.prompt_tokens_cached
@@ -52,6 +68,14 @@ impl Metrics {
         if stats.generated_tokens > 1 {
             t.last_decode_tok_s = stats.decode_tok_per_sec();
         }
+        let latency = latency.as_secs_f64();
+        // Queued until the first token: everything but the time after it.
+        let first = (latency - stats.decode_secs).max(0.0);
+        t.timed += 1;
+        t.latency_secs += latency;
+        t.first_token_secs += first;
+        t.last_latency_secs = latency;
+        t.last_first_token_secs = first;
     }
 
     /// The exposition text; `store` adds the expert cache's counters when experts stream.
@@ -141,6 +165,48 @@ impl Metrics {
             "gauge",
             "Prompt processing speed of the last request (computed tokens only).",
             t.last_prompt_tok_s,
+        );
+        metric(
+            "batch_steps_total",
+            "counter",
+            "Steps of the running batch (each decodes a token for every request in it).",
+            get(&self.batch_steps),
+        );
+        metric(
+            "batch_rows_total",
+            "counter",
+            "Requests advanced by those steps (over batch_steps_total: the mean batch size).",
+            get(&self.batch_rows),
+        );
+        metric(
+            "requests_timed_total",
+            "counter",
+            "Ended requests counted in the latency sums below.",
+            t.timed as f64,
+        );
+        metric(
+            "request_latency_seconds_total",
+            "counter",
+            "Sum over ended requests of the time from queued to the last token.",
+            t.latency_secs,
+        );
+        metric(
+            "time_to_first_token_seconds_total",
+            "counter",
+            "Sum over ended requests of the time from queued to the first token.",
+            t.first_token_secs,
+        );
+        metric(
+            "last_request_latency_seconds",
+            "gauge",
+            "Time from queued to the last token of the last ended request.",
+            t.last_latency_secs,
+        );
+        metric(
+            "last_time_to_first_token_seconds",
+            "gauge",
+            "Time from queued to the first token of the last ended request.",
+            t.last_first_token_secs,
         );
         metric(
             "prompt_seconds_total",
