@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use sluice_backend::Backend;
 use sluice_engine::Engine;
+use sluice_models::Segment;
 
 /// One benchmark test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -20,6 +21,9 @@ pub enum Test {
     /// token, as in llama-bench: greedy decoding of a random-weight checkpoint soon repeats one token, routes
     /// every step to the same experts and so flatters an expert cache.
     Generate(usize),
+    /// `Batch(n, b)`: `b` requests generate `n` tokens each together, one token of each per
+    /// forward pass ([`sluice_models::CausalLm::forward_batch`]), random inputs as `Generate`.
+    Batch(usize, usize),
 }
 
 impl Test {
@@ -27,12 +31,15 @@ impl Test {
         match self {
             Test::Prompt(n) => format!("pp{n}"),
             Test::Generate(n) => format!("tg{n}"),
+            Test::Batch(n, b) => format!("tg{n}x{b}"),
         }
     }
 
+    /// Tokens a run produces (or reads, for a prompt).
     fn tokens(&self) -> usize {
         match *self {
             Test::Prompt(n) | Test::Generate(n) => n,
+            Test::Batch(n, b) => n * b,
         }
     }
 }
@@ -297,6 +304,25 @@ fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> 
             }
             Ok(start.elapsed().as_secs_f64())
         }
+        Test::Batch(n, b) => {
+            let mut states = (0..b)
+                .map(|_| engine.new_state())
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut tokens: Vec<[u32; 1]> = (0..b).map(|_| [next_token()]).collect();
+            let backend = engine.model.backend();
+            let start = Instant::now();
+            for _ in 0..n {
+                let mut segments: Vec<Segment<'_, B>> = states
+                    .iter_mut()
+                    .zip(&tokens)
+                    .map(|(state, t)| Segment { state, tokens: t })
+                    .collect();
+                let logits = engine.model.forward_batch(&mut segments)?;
+                std::hint::black_box(backend.argmax_rows(&logits)?);
+                tokens.iter_mut().for_each(|t| t[0] = next_token());
+            }
+            Ok(start.elapsed().as_secs_f64())
+        }
     }
 }
 
@@ -309,6 +335,9 @@ pub fn bytes_per_token<B: Backend>(engine: &Engine<B>, test: Test) -> f64 {
         Test::Generate(_) => {
             info.dense_bytes as f64 + per_expert * info.experts_per_token as f64 + row
         }
+        // Like a prompt of `b` tokens: each step reads the dense weights and the distinct
+        // experts of its `b` rows once.
+        Test::Batch(_, b) => bytes_per_token(engine, Test::Prompt(b)),
         Test::Prompt(n) => {
             // Each expert is read once per prefill if any of the n tokens routes to it.
             let p_unused = (1.0 - info.experts_per_token as f64 / info.experts.max(1) as f64)
@@ -402,5 +431,7 @@ mod tests {
     fn test_names() {
         assert_eq!(Test::Prompt(512).name(), "pp512");
         assert_eq!(Test::Generate(128).name(), "tg128");
+        assert_eq!(Test::Batch(64, 8).name(), "tg64x8");
+        assert_eq!(Test::Batch(64, 8).tokens(), 512);
     }
 }

@@ -33,6 +33,11 @@ pub struct BenchArgs {
     /// Numbers of tokens to generate (comma-separated; 0 skips).
     #[arg(long, short = 'n', value_delimiter = ',', default_value = "128")]
     generate: Vec<usize>,
+    /// Requests that generate together (comma-separated): `-n 64 -b 1,8` runs tg64 alone and
+    /// `tg64x8`, eight requests decoding one token each per forward pass (as `serve` batches
+    /// them); tok/s counts every request's tokens.
+    #[arg(long, short = 'b', value_delimiter = ',', default_value = "1")]
+    batch: Vec<usize>,
     /// Repetitions of each test.
     #[arg(long, short = 'r', default_value_t = 3)]
     repetitions: usize,
@@ -112,6 +117,9 @@ impl FromStr for CacheArg {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.batch.contains(&0) {
+        bail!("--batch takes request counts of 1 or more");
+    }
     let mut kernels = a.kernels.clone();
     if kernels.is_empty() {
         kernels.push(sluice_cpu::Kernels::Fast);
@@ -204,12 +212,12 @@ fn run_on<B: Backend + 'static>(
             .iter()
             .filter(|&&n| n > 0)
             .map(|&n| Test::Prompt(n))
-            .chain(
-                a.generate
-                    .iter()
-                    .filter(|&&n| n > 0)
-                    .map(|&n| Test::Generate(n)),
-            )
+            .chain(a.generate.iter().filter(|&&n| n > 0).flat_map(|&n| {
+                a.batch.iter().map(move |&b| match b {
+                    1 => Test::Generate(n),
+                    b => Test::Batch(n, b),
+                })
+            }))
             .collect(),
         repetitions: a.repetitions,
         threads,

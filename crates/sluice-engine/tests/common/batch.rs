@@ -3,8 +3,9 @@
 //! mid-way get what they get alone.
 //!
 //! - Model level ([`check_forward_batch`]): each request's logits at every step of a batched run
-//!   (prompt chunks and decode rows in the same pass) against the same request run alone:
-//!   max|diff| <= 1e-5 x max|logit| (the order of summation may differ, nothing else).
+//!   (decode rows in one pass, prompts beside them, as [`Engine::step`] runs them) against the
+//!   same request run alone: max|diff| <= 1e-5 x max|logit| (the order of summation may differ,
+//!   nothing else).
 //! - Engine level ([`check_continuous_batching`]): greedy generations stepped together, joining
 //!   at different steps and stopping after different lengths, produce exactly their tokens alone.
 
@@ -31,8 +32,7 @@ struct Script {
 }
 
 /// Three requests cut from `tokens` (at least 16 long): they join at steps 0, 1 and 3 and
-/// leave after 6, 2 and 4 decoded tokens, so the batch grows, shrinks and mixes prompt chunks
-/// with decode rows.
+/// leave after 6, 3 and 4 decoded tokens, so the batch grows and shrinks while prompts arrive.
 fn scripts(tokens: &[u32]) -> Vec<Script> {
     let t = |a: usize, b: usize| tokens[a % tokens.len()..b.min(tokens.len())].to_vec();
     vec![
@@ -44,7 +44,7 @@ fn scripts(tokens: &[u32]) -> Vec<Script> {
         Script {
             join: 1,
             prompt: t(2, 13),
-            decode: t(13, 15),
+            decode: t(13, 16),
         },
         Script {
             join: 3,
@@ -90,11 +90,17 @@ pub fn check_forward_batch<B: Backend + 'static>(
         })
         .collect();
 
-    // Together: at step n, every script that has joined and not finished runs its next part.
+    // Together, as `Engine::step` runs them: at step n every script that has joined and not
+    // finished runs its next part; the decoding ones in one pass, each prompt in its own.
     let mut states: Vec<State<B>> = scripts.iter().map(|_| model.new_state().unwrap()).collect();
     let mut got: Vec<Vec<Vec<f32>>> = vec![Vec::new(); scripts.len()];
     let mut max_batch = 0;
-    for step in 0.. {
+    let last = scripts
+        .iter()
+        .map(|s| s.join + s.decode.len())
+        .max()
+        .unwrap();
+    for step in 0..=last {
         let parts: Vec<(usize, &[u32])> = scripts
             .iter()
             .enumerate()
@@ -104,29 +110,36 @@ pub fn check_forward_batch<B: Backend + 'static>(
                 n => (i, std::slice::from_ref(&s.decode[n - 1])),
             })
             .collect();
-        if parts.is_empty() && scripts.iter().all(|s| step > s.join + s.decode.len()) {
-            break;
-        }
-        max_batch = max_batch.max(parts.len());
-        let mut picked: Vec<(usize, &mut State<B>)> = states
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| parts.iter().any(|p| p.0 == *i))
-            .collect();
-        let mut segments: Vec<Segment<'_, B>> = picked
-            .iter_mut()
-            .map(|(i, state)| Segment {
-                state,
-                tokens: parts.iter().find(|p| p.0 == *i).unwrap().1,
-            })
-            .collect();
-        let out = host(b, &model.forward_batch(&mut segments).unwrap());
-        let vocab = out.len() / parts.len();
-        for (row, (i, _)) in parts.iter().enumerate() {
-            got[*i].push(out[row * vocab..(row + 1) * vocab].to_vec());
+        let decoding: Vec<(usize, &[u32])> =
+            parts.iter().copied().filter(|p| p.1.len() == 1).collect();
+        let passes = std::iter::once(decoding.clone())
+            .chain(parts.iter().filter(|p| p.1.len() > 1).map(|&p| vec![p]))
+            .filter(|pass| !pass.is_empty());
+        max_batch = max_batch.max(decoding.len());
+        for pass in passes {
+            let mut picked: Vec<(usize, &mut State<B>)> = states
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| pass.iter().any(|p| p.0 == *i))
+                .collect();
+            let mut segments: Vec<Segment<'_, B>> = picked
+                .iter_mut()
+                .map(|(i, state)| Segment {
+                    state,
+                    tokens: pass.iter().find(|p| p.0 == *i).unwrap().1,
+                })
+                .collect();
+            let out = host(b, &model.forward_batch(&mut segments).unwrap());
+            let vocab = out.len() / pass.len();
+            for (row, (i, _)) in pass.iter().enumerate() {
+                got[*i].push(out[row * vocab..(row + 1) * vocab].to_vec());
+            }
         }
     }
-    assert_eq!(max_batch, 3, "{name}: the script should run three at once");
+    assert_eq!(
+        max_batch, 3,
+        "{name}: the script should decode three at once"
+    );
 
     for (i, (want, got)) in alone.iter().zip(&got).enumerate() {
         assert_eq!(want.len(), got.len(), "{name}: request {i} steps");
