@@ -561,6 +561,101 @@ pub fn rope<B: Backend>(b: &B, tol: Tolerance) {
     }
 }
 
+/// `attention_rope_segments` (several requests, each through its own cache of its own length)
+/// against `attention_rope` on each request's rows alone: requests decoding one token each (as
+/// many as a device launch takes, and more), and requests of several rows.
+pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(61);
+    for (heads, kv_heads, hd, rotary) in [(32, 4, 128, 128), (16, 1, 64, 32), (8, 2, 256, 64)] {
+        let (qw, kw) = (heads * hd, kv_heads * hd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let norms = (
+            b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector"),
+            b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector"),
+        );
+        let rope = (hd, rotary, 10_000.0);
+        for rows in [vec![1; 3], vec![1; 9], vec![2, 1, 3]] {
+            // Each request's cache holds a different number of positions first.
+            let mut caches: Vec<B::KvCache> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, _)| {
+                    let mut c = b.kv_cache(kv_heads, hd, 256).expect("kv_cache");
+                    let n = 1 + (i * 37) % 150;
+                    let act =
+                        |w: usize, rng: &mut Rng| b.act_from_host(&rng.vec(n * w, -2.0, 2.0), n, w);
+                    let (q, k, v) = (act(qw, &mut rng), act(kw, &mut rng), act(kw, &mut rng));
+                    b.attention_rope(
+                        &q,
+                        &k,
+                        &v,
+                        (&norms.0, &norms.1),
+                        1e-6,
+                        rope,
+                        &mut c,
+                        heads,
+                        scale,
+                    );
+                    c
+                })
+                .collect();
+            // Two steps: the second sees the first one's keys and values.
+            for step in 0..2 {
+                let total: usize = rows.iter().sum();
+                let q = rng.vec(total * qw, -2.0, 2.0);
+                let k = rng.vec(total * kw, -2.0, 2.0);
+                let v = rng.vec(total * kw, -2.0, 2.0);
+                let mut alone = Vec::new();
+                let mut first = 0;
+                for (c, &n) in caches.iter().zip(&rows) {
+                    let mut c = c.clone();
+                    let part =
+                        |x: &[f32], w: usize| b.act_from_host(&x[first * w..(first + n) * w], n, w);
+                    let o = b.attention_rope(
+                        &part(&q, qw),
+                        &part(&k, kw),
+                        &part(&v, kw),
+                        (&norms.0, &norms.1),
+                        1e-6,
+                        rope,
+                        &mut c,
+                        heads,
+                        scale,
+                    );
+                    alone.extend(host(b, &o));
+                    first += n;
+                }
+                let lens: Vec<usize> = caches.iter().map(|c| b.kv_len(c)).collect();
+                let mut refs: Vec<&mut B::KvCache> = caches.iter_mut().collect();
+                let got = b.attention_rope_segments(
+                    &b.act_from_host(&q, total, qw),
+                    &b.act_from_host(&k, total, kw),
+                    &b.act_from_host(&v, total, kw),
+                    (&norms.0, &norms.1),
+                    1e-6,
+                    rope,
+                    &mut refs,
+                    &rows,
+                    heads,
+                    scale,
+                );
+                assert_eq!(b.shape(&got), (total, qw));
+                assert_close(
+                    &format!(
+                        "attention_rope_segments {rows:?} ({heads}, {kv_heads}, {hd}) step {step}"
+                    ),
+                    &host(b, &got),
+                    &alone,
+                    tol.other,
+                );
+                for ((c, n), len) in caches.iter().zip(&rows).zip(lens) {
+                    assert_eq!(b.kv_len(c), len + n, "each cache grows by its rows");
+                }
+            }
+        }
+    }
+}
+
 /// Attention over a cache that grows by a prefill then single decode steps, is rewound, and is
 /// cloned (the clone must not share storage).
 pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
@@ -1171,7 +1266,8 @@ macro_rules! conformance_tests {
     };
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
-            activations matmul embed elementwise rope attention route route_matmul moe delta_net);
+            activations matmul embed elementwise rope attention attention_segments route route_matmul
+            moe delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {
         $($attrs)*

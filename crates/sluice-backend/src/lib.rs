@@ -392,6 +392,26 @@ pub trait Backend: Send + Sync {
         let k = self.rms_norm_rope(k, norms.1, eps, head_dim, rotary_dim, theta, position);
         self.attention(&q, &k, v, cache, heads, scale)
     }
+    /// [`Backend::attention_rope`] for several requests at once: `q`, `k` and `v` hold their
+    /// rows one request after another, `rows[i]` of them attending through `caches[i]`; the
+    /// outputs are stacked the same way. The default ([`attention_rope_by_parts`]) cuts the rows
+    /// apart and stacks the results; a device backend can attend in place instead.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rope_segments(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        norms: (&Self::Vector, &Self::Vector),
+        eps: f32,
+        rope: (usize, usize, f32),
+        caches: &mut [&mut Self::KvCache],
+        rows: &[usize],
+        heads: usize,
+        scale: f32,
+    ) -> Self::Act {
+        attention_rope_by_parts(self, q, k, v, norms, eps, rope, caches, rows, heads, scale)
+    }
     /// `x * sigmoid(gate)`, elementwise; or, if `gate` has one column, each row of `x` scaled by
     /// the sigmoid of its gate.
     fn sigmoid_mul(&self, x: &mut Self::Act, gate: &Self::Act);
@@ -529,4 +549,35 @@ pub trait Backend: Send + Sync {
         };
         self.act_from_host(&reference::rms_norm_gated(&xh, &zh, &w, eps), rows, cols)
     }
+}
+
+/// [`Backend::attention_rope_segments`] one request at a time: each request's rows cut out,
+/// attended through its cache, and the outputs stacked (one request: no cutting).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rope_by_parts<B: Backend + ?Sized>(
+    b: &B,
+    q: &B::Act,
+    k: &B::Act,
+    v: &B::Act,
+    norms: (&B::Vector, &B::Vector),
+    eps: f32,
+    rope: (usize, usize, f32),
+    caches: &mut [&mut B::KvCache],
+    rows: &[usize],
+    heads: usize,
+    scale: f32,
+) -> B::Act {
+    assert_eq!(caches.len(), rows.len(), "one cache per request");
+    if let [cache] = caches {
+        return b.attention_rope(q, k, v, norms, eps, rope, cache, heads, scale);
+    }
+    let mut outs = Vec::with_capacity(rows.len());
+    let mut first = 0;
+    for (cache, &n) in caches.iter_mut().zip(rows) {
+        let part = |a: &B::Act| b.slice_rows(a, first, n);
+        let (q, k, v) = (part(q), part(k), part(v));
+        outs.push(b.attention_rope(&q, &k, &v, norms, eps, rope, cache, heads, scale));
+        first += n;
+    }
+    b.concat_rows(&outs.iter().collect::<Vec<_>>())
 }

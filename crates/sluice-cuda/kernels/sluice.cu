@@ -953,7 +953,8 @@ extern "C" __global__ void qkv_norm_rope_append(const float* q, const float* k, 
 // `all_done`, zero before and after).
 __device__ __forceinline__ void split_attention_finish(bool counted, int splits, uint32_t* done,
                                                       int* cached, uint32_t* all_done, int total,
-                                                      const float* mine, int hd, float* out_row) {
+                                                      const float* mine, int hd, float* out_row,
+                                                      uint32_t blocks) {
     __shared__ bool last;
     __shared__ float factor[32];
     __shared__ float sum;
@@ -963,7 +964,7 @@ __device__ __forceinline__ void split_attention_finish(bool counted, int splits,
         last = counted && atomicAdd(done, 1u) == (uint32_t)splits - 1;
         if (last) *done = 0;
         // Every block read *cached before counting itself here.
-        if (cached && atomicAdd(all_done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
+        if (cached && atomicAdd(all_done, 1u) == blocks - 1) {
             *all_done = 0;
             *cached = total;
         }
@@ -1075,7 +1076,7 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
     }
     if (splits == 1) return;
     split_attention_finish(true, splits, done + t * heads + h, cached, all_done, total, mine, hd,
-                           out + ((long)t * heads + h) * hd);
+                           out + ((long)t * heads + h) * hd, gridDim.x * gridDim.y * gridDim.z);
 }
 
 // Split decode attention (few query tokens), head size HD: grid (heads, T, splits), 8 warps. A
@@ -1096,13 +1097,13 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
                                  const float* wk, const float* inv_freq, float eps, int rotary_dim,
                                  float* keys, float* values, float* out, int heads, int kv_heads,
                                  int total, int ntok, float scale, float* partial, uint32_t* done,
-                                 int* cached, uint32_t* all_done) {
+                                 int* cached, uint32_t* all_done, int t, uint32_t blocks) {
     constexpr int DPL = HD / 32, PR = HD > 128 ? 4 : 8, PASS = ATTN_WARPS * PR;
     __shared__ __align__(16) float qs[HD], ks[HD], vs[HD];
     __shared__ __align__(16) float accs[ATTN_WARPS][HD];
     __shared__ float ms[ATTN_WARPS], ls[ATTN_WARPS];
     if (cached) total += *cached;
-    const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int h = blockIdx.x, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int group = heads / kv_heads, kv = h / group;
     const long width = (long)kv_heads * HD;
@@ -1209,8 +1210,19 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
         }
     }
     split_attention_finish(split < active && active > 1, active, done + t * heads + h, cached,
-                           all_done, total, mine, HD, out + ((long)t * heads + h) * HD);
+                           all_done, total, mine, HD, out + ((long)t * heads + h) * HD, blocks);
 }
+
+// One token of each of several requests (grid y: the request), each attending through its own
+// cache: `attention_decode` with ntok = 1 on request r's rows of q, k, v and out, its cache
+// `rows` names, and its own block counters (done + r * heads; all_done + r, counting the
+// request's heads x splits blocks). Up to 8 requests.
+struct KvRows {
+    float* keys[8];
+    float* values[8];
+    int* cached[8];
+    int total[8];
+};
 
 #define ATTENTION_DECODE(HD) \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32, 1) attention_decode_##HD( \
@@ -1219,7 +1231,20 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
         int heads, int kv_heads, int total, int ntok, float scale, float* partial, uint32_t* done, \
         int* cached, uint32_t* all_done) { PDL_START(); \
         attention_decode<HD>(q, k, v, wq, wk, inv_freq, eps, rotary_dim, keys, values, out, heads, \
-                             kv_heads, total, ntok, scale, partial, done, cached, all_done); \
+                             kv_heads, total, ntok, scale, partial, done, cached, all_done, \
+                             blockIdx.y, gridDim.x * gridDim.y * gridDim.z); \
+    } \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32, 1) attention_decode_rows_##HD( \
+        const float* q, const float* k, const float* v, const float* wq, const float* wk, \
+        const float* inv_freq, float eps, int rotary_dim, KvRows rows, float* out, int heads, \
+        int kv_heads, float scale, float* partial, uint32_t* done, uint32_t* all_done) { PDL_START(); \
+        const int r = blockIdx.y; \
+        const long kvw = (long)kv_heads * HD; \
+        attention_decode<HD>(q + (long)r * heads * HD, k + r * kvw, v + r * kvw, wq, wk, inv_freq, \
+                             eps, rotary_dim, rows.keys[r], rows.values[r], \
+                             out + (long)r * heads * HD, heads, kv_heads, rows.total[r], 1, scale, \
+                             partial + (long)r * heads * gridDim.z * (HD + 2), done + r * heads, \
+                             rows.cached[r], all_done + r, 0, gridDim.x * gridDim.z); \
     }
 ATTENTION_DECODE(64) ATTENTION_DECODE(128) ATTENTION_DECODE(256)
 

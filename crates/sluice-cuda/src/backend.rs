@@ -20,7 +20,9 @@ use crate::host_compute::{
 };
 use crate::in_place::{InPlace, InPlaceLayer};
 use crate::kernels::{DECODE_HEAD_DIMS, INT8_KINDS};
-use crate::mat::{describe, ExpertMats, Mat, MatSet, Spread, MAT_SET_MAX, SPREAD_ROWS};
+use crate::mat::{
+    describe, ExpertMats, KvRows, Mat, MatSet, Spread, KV_ROWS_MAX, MAT_SET_MAX, SPREAD_ROWS,
+};
 use crate::vram_experts::{
     device_address, is_pinned, size_slots, CudaPinner, PinnedRanges, Staged, VramExperts,
 };
@@ -233,7 +235,8 @@ const SPLIT_ATTENTION_PAIRS: usize = 256;
 /// Router product and routing run as one launch for at most this many tokens.
 const FUSED_ROUTE_TOKENS: usize = 64;
 /// Word of the block counters that counts a whole split-attention grid (after the per-head
-/// counters and the router's).
+/// counters and the router's); `attention_decode_rows` counts request `r`'s blocks in word
+/// `ALL_DONE_COUNTER + r`.
 const ALL_DONE_COUNTER: usize = SPLIT_ATTENTION_PAIRS + FUSED_ROUTE_TOKENS;
 /// `Mat::kind` of 4-bit affine weights.
 const KIND_Q4: usize = 1;
@@ -382,7 +385,7 @@ impl CudaBackend {
         if slot.is_none() {
             let buf = self
                 .d
-                .alloc_or_record((ALL_DONE_COUNTER + 1) * 4, "block counters")?;
+                .alloc_or_record((ALL_DONE_COUNTER + KV_ROWS_MAX) * 4, "block counters")?;
             self.d.zero(&buf);
             *slot = Some(Arc::new(buf));
         }
@@ -1288,6 +1291,154 @@ impl CudaBackend {
     }
 
     /// The split decode attention kernel for head size `hd`, if it is compiled for it.
+    /// The one-launch attention of one token whose q, k and v rows (already the shapes
+    /// `attention_rope` checked) are at the first three pointers, written to the fourth: the
+    /// norms, rotations and cache writes inside the kernel. `None`, with nothing done, where that
+    /// kernel does not apply; `Some(false)` after a failure (recorded).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rope_token(
+        &self,
+        (qp, kp, vp, o): (u64, u64, u64, u64),
+        norms: (&CudaVector, &CudaVector),
+        eps: f32,
+        rope: (usize, usize, f32),
+        cache: &mut CudaKvCache,
+        heads: usize,
+        scale: f32,
+    ) -> Option<bool> {
+        let (_, rotary_dim, theta) = rope;
+        let (hd, kvh) = (cache.head_dim, cache.kv_heads);
+        let splits = Self::attend_plan(1, heads, kvh, hd).filter(|&s| s > 1)?;
+        let kernel = self.decode_kernel(hd)?;
+        let first = cache.len;
+        if !self.ensure_capacity(cache, first + 1) {
+            return Some(false);
+        }
+        let device_len = self.device_len(cache);
+        let (Some(freq), Some(partial), Some(done)) = (
+            self.rotary_frequencies(theta, rotary_dim),
+            self.d
+                .alloc_or_record(heads * splits * (hd + 2) * 4, "attention splits"),
+            self.done_counters(),
+        ) else {
+            return Some(false);
+        };
+        let prelude = Prelude {
+            k: kp,
+            v: vp,
+            q_norm: self.vec_ptr(norms.0),
+            k_norm: self.vec_ptr(norms.1),
+            inv_freq: freq.ptr,
+            eps,
+            rotary_dim,
+        };
+        self.launch_attention_decode(
+            kernel,
+            (heads, 1, splits),
+            qp,
+            Some(prelude),
+            cache,
+            o,
+            (if device_len.is_some() { 1 } else { first + 1 }) as i32,
+            scale,
+            (partial.ptr, done.ptr),
+            (
+                device_len.unwrap_or(0),
+                device_len.map_or(0, |_| done.ptr + 4 * ALL_DONE_COUNTER as u64),
+            ),
+        );
+        cache.len = first + 1;
+        if device_len.is_some() {
+            cache.device_len_value = Some(cache.len);
+        }
+        Some(true)
+    }
+
+    /// One token of each request of `caches` (at most `KV_ROWS_MAX`, whose shapes
+    /// `attention_rope_token` takes) in one launch: request `r`'s rows of q, k, v and out at the
+    /// pointers, attending through its own cache. False after a failure (recorded).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rows(
+        &self,
+        (qp, kp, vp, o): (u64, u64, u64, u64),
+        norms: (&CudaVector, &CudaVector),
+        eps: f32,
+        rope: (usize, usize, f32),
+        caches: &mut [&mut CudaKvCache],
+        heads: usize,
+        scale: f32,
+    ) -> bool {
+        let (_, rotary_dim, theta) = rope;
+        let (hd, kvh) = (caches[0].head_dim, caches[0].kv_heads);
+        let (Some(splits), Some(kernel)) = (
+            Self::attend_plan(1, heads, kvh, hd),
+            DECODE_HEAD_DIMS
+                .iter()
+                .position(|&d| d == hd)
+                .and_then(|i| self.d.k.attention_decode_rows.get(i)),
+        ) else {
+            return false;
+        };
+        let mut table = KvRows::default();
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let first = cache.len;
+            if !self.ensure_capacity(cache, first + 1) {
+                return false;
+            }
+            let device_len = self.device_len(cache);
+            let (Some(keys), Some(values)) = (&cache.keys, &cache.values) else {
+                return false;
+            };
+            table.keys[r] = keys.ptr;
+            table.values[r] = values.ptr;
+            table.cached[r] = device_len.unwrap_or(0);
+            table.total[r] = if device_len.is_some() {
+                1
+            } else {
+                first as i32 + 1
+            };
+        }
+        let n = caches.len();
+        let (Some(freq), Some(partial), Some(done)) = (
+            self.rotary_frequencies(theta, rotary_dim),
+            self.d
+                .alloc_or_record(n * heads * splits * (hd + 2) * 4, "attention splits"),
+            self.done_counters(),
+        ) else {
+            return false;
+        };
+        self.d.launch(
+            kernel,
+            (heads as u32, n as u32, splits as u32),
+            (ATTENTION_DECODE_THREADS, 1, 1),
+            &[
+                Arg::Ptr(qp),
+                Arg::Ptr(kp),
+                Arg::Ptr(vp),
+                Arg::Ptr(self.vec_ptr(norms.0)),
+                Arg::Ptr(self.vec_ptr(norms.1)),
+                Arg::Ptr(freq.ptr),
+                Arg::F32(eps),
+                Arg::I32(rotary_dim as i32),
+                Arg::KvRows(Box::new(table)),
+                Arg::Ptr(o),
+                Arg::I32(heads as i32),
+                Arg::I32(kvh as i32),
+                Arg::F32(scale),
+                Arg::Ptr(partial.ptr),
+                Arg::Ptr(done.ptr),
+                Arg::Ptr(done.ptr + 4 * ALL_DONE_COUNTER as u64),
+            ],
+        );
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+            if cache.device_len.is_some() {
+                cache.device_len_value = Some(cache.len);
+            }
+        }
+        true
+    }
+
     fn decode_kernel(&self, hd: usize) -> Option<&CudaFunction> {
         let i = DECODE_HEAD_DIMS.iter().position(|&d| d == hd)?;
         self.d.k.attention_decode.get(i)
@@ -1328,6 +1479,25 @@ impl Drop for CudaBackend {
             eprint!("{report}");
         }
     }
+}
+
+/// Whether `attention_rope`'s shapes let one launch do the norms, rotations and cache writes.
+fn rope_fuses(
+    (q, k, v): (&CudaAct, &CudaAct, &CudaAct),
+    norms: (&CudaVector, &CudaVector),
+    (head_dim, rotary_dim, _): (usize, usize, f32),
+    cache: &CudaKvCache,
+    heads: usize,
+) -> bool {
+    let (hd, kvh) = (cache.head_dim, cache.kv_heads);
+    head_dim == hd
+        && hd <= MAX_HEAD_DIM
+        && (norms.0.len, norms.1.len) == (hd, hd)
+        && (k.cols, v.cols, q.cols) == (kvh * hd, kvh * hd, heads * hd)
+        && (k.rows, v.rows) == (q.rows, q.rows)
+        && heads.is_multiple_of(kvh)
+        && rotary_dim <= hd
+        && rotary_dim.is_multiple_of(2)
 }
 
 impl Backend for CudaBackend {
@@ -2083,19 +2253,31 @@ impl Backend for CudaBackend {
     ) -> CudaAct {
         let (head_dim, rotary_dim, theta) = rope;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
-        let fused = head_dim == hd
-            && hd <= MAX_HEAD_DIM
-            && (norms.0.len, norms.1.len) == (hd, hd)
-            && (k.cols, v.cols, q.cols) == (kvh * hd, kvh * hd, heads * hd)
-            && (k.rows, v.rows) == (q.rows, q.rows)
-            && heads.is_multiple_of(kvh)
-            && rotary_dim <= hd
-            && rotary_dim.is_multiple_of(2);
-        if !fused {
+        if !rope_fuses((q, k, v), norms, rope, cache, heads) {
             let position = cache.len;
             let q = self.rms_norm_rope(q, norms.0, eps, head_dim, rotary_dim, theta, position);
             let k = self.rms_norm_rope(k, norms.1, eps, head_dim, rotary_dim, theta, position);
             return self.attention(&q, &k, v, cache, heads, scale);
+        }
+        // One token: the norms, rotations and cache writes inside the attention kernel.
+        if q.rows == 1 {
+            let out = self.act(1, q.cols);
+            if let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), out.ptr())
+            {
+                match self.attention_rope_token(
+                    (qp, kp, vp, o),
+                    norms,
+                    eps,
+                    rope,
+                    cache,
+                    heads,
+                    scale,
+                ) {
+                    Some(true) => return out,
+                    Some(false) => return self.poisoned(1, q.cols),
+                    None => {}
+                }
+            }
         }
         // One launch for the norms, the rotations and the cache writes of q, k and v.
         let rows = q.rows;
@@ -2114,59 +2296,6 @@ impl Backend for CudaBackend {
         ) else {
             return self.poisoned(rows, q.cols);
         };
-        // One token: the norms, rotations and cache writes inside the attention kernel.
-        let fused_kernel = match Self::attend_plan(rows, heads, kvh, hd) {
-            Some(splits) if rows == 1 && splits > 1 => {
-                self.decode_kernel(hd).map(|kernel| (kernel, splits))
-            }
-            _ => None,
-        };
-        if let Some((kernel, splits)) = fused_kernel {
-            let out = self.act(rows, q.cols);
-            let (Some(partial), Some(done)) = (
-                self.d
-                    .alloc_or_record(rows * heads * splits * (hd + 2) * 4, "attention splits"),
-                self.done_counters(),
-            ) else {
-                return self.poisoned(rows, q.cols);
-            };
-            if let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), out.ptr())
-            {
-                let prelude = Prelude {
-                    k: kp,
-                    v: vp,
-                    q_norm: self.vec_ptr(norms.0),
-                    k_norm: self.vec_ptr(norms.1),
-                    inv_freq: freq.ptr,
-                    eps,
-                    rotary_dim,
-                };
-                self.launch_attention_decode(
-                    kernel,
-                    (heads, rows, splits),
-                    qp,
-                    Some(prelude),
-                    cache,
-                    o,
-                    (if device_len.is_some() {
-                        rows
-                    } else {
-                        first + rows
-                    }) as i32,
-                    scale,
-                    (partial.ptr, done.ptr),
-                    (
-                        device_len.unwrap_or(0),
-                        device_len.map_or(0, |_| done.ptr + 4 * ALL_DONE_COUNTER as u64),
-                    ),
-                );
-            }
-            cache.len = first + rows;
-            if device_len.is_some() {
-                cache.device_len_value = Some(cache.len);
-            }
-            return out;
-        }
         let q_rot = self.act(rows, q.cols);
         if let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), q_rot.ptr()) {
             self.d.launch(
@@ -2201,6 +2330,69 @@ impl Backend for CudaBackend {
         let out = self.attend(&q_rot, cache, heads, scale, device_len);
         if device_len.is_some() {
             cache.device_len_value = Some(cache.len);
+        }
+        out
+    }
+
+    fn attention_rope_segments(
+        &self,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        norms: (&CudaVector, &CudaVector),
+        eps: f32,
+        rope: (usize, usize, f32),
+        caches: &mut [&mut CudaKvCache],
+        rows: &[usize],
+        heads: usize,
+        scale: f32,
+    ) -> CudaAct {
+        // Requests decoding a token each: every token attends where its rows are, through its
+        // own cache, with no rows cut out or stacked (those copies were 31% of an 8-request
+        // step's GPU time, Qwen3-30B-A3B shape).
+        let in_place = rows.len() > 1
+            && q.rows == rows.len()
+            && rows.iter().all(|&n| n == 1)
+            && caches.iter().all(|c| {
+                rope_fuses((q, k, v), norms, rope, c, heads)
+                    && Self::attend_plan(1, heads, c.kv_heads, c.head_dim).is_some_and(|s| s > 1)
+                    && self.decode_kernel(c.head_dim).is_some()
+            });
+        if !in_place {
+            return sluice_backend::attention_rope_by_parts(
+                self, q, k, v, norms, eps, rope, caches, rows, heads, scale,
+            );
+        }
+        let out = self.act(q.rows, q.cols);
+        let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), out.ptr()) else {
+            return self.poisoned(q.rows, q.cols);
+        };
+        if rows.len() <= KV_ROWS_MAX && rows.len() * heads <= SPLIT_ATTENTION_PAIRS {
+            return match self.attention_rows(
+                (qp, kp, vp, o),
+                norms,
+                eps,
+                rope,
+                caches,
+                heads,
+                scale,
+            ) {
+                true => out,
+                false => self.poisoned(q.rows, q.cols),
+            };
+        }
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let row = |p: u64, cols: usize| p + (i * cols * 4) as u64;
+            let ptrs = (
+                row(qp, q.cols),
+                row(kp, k.cols),
+                row(vp, v.cols),
+                row(o, q.cols),
+            );
+            if self.attention_rope_token(ptrs, norms, eps, rope, cache, heads, scale) != Some(true)
+            {
+                return self.poisoned(q.rows, q.cols);
+            }
         }
         out
     }

@@ -13,7 +13,7 @@ use sluice_backend::{BackendError, MemoryInfo};
 
 use crate::graph::{Flushed, Graphs, Launch};
 use crate::kernels::Kernels;
-use crate::mat::{Mat, MatSet};
+use crate::mat::{KvRows, Mat, MatSet};
 
 /// Freed device memory kept for reuse, by size. Everything runs on one stream, so a buffer
 /// dropped on the host may be handed to the next allocation at once: the kernels that used it
@@ -83,6 +83,8 @@ pub(crate) enum Arg {
     Ids([u32; 8]),
     /// Boxed: it is large, and most arguments are not.
     MatSet(Box<MatSet>),
+    /// Boxed likewise (`struct KvRows`).
+    KvRows(Box<KvRows>),
 }
 
 impl PartialEq for Arg {
@@ -96,6 +98,7 @@ impl PartialEq for Arg {
             (Arg::Mat(a), Arg::Mat(b)) => a == b,
             (Arg::Ids(a), Arg::Ids(b)) => a == b,
             (Arg::MatSet(a), Arg::MatSet(b)) => a == b,
+            (Arg::KvRows(a), Arg::KvRows(b)) => a == b,
             _ => false,
         }
     }
@@ -112,6 +115,7 @@ impl Arg {
             Arg::Mat(v) => v as *const Mat as *mut c_void,
             Arg::Ids(v) => v as *const [u32; 8] as *mut c_void,
             Arg::MatSet(v) => &**v as *const MatSet as *mut c_void,
+            Arg::KvRows(v) => &**v as *const KvRows as *mut c_void,
         }
     }
 }

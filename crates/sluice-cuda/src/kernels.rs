@@ -69,6 +69,8 @@ pub(crate) struct Kernels {
     /// Split decode attention by head size 64, 128, 256 (`DECODE_HEAD_DIMS`), optionally with
     /// the q/k norms, rotations and cache writes fused in.
     pub attention_decode: Vec<CudaFunction>,
+    /// `attention_decode` for one token of each of several requests (`DECODE_HEAD_DIMS`).
+    pub attention_decode_rows: Vec<CudaFunction>,
     pub route: CudaFunction,
     /// The router's product and `route` in one launch, by weight kind.
     pub route_gemv: Vec<CudaFunction>,
@@ -213,6 +215,10 @@ impl Kernels {
             attention_decode: DECODE_HEAD_DIMS
                 .iter()
                 .map(|h| f(&format!("attention_decode_{h}")))
+                .collect::<Result<_, _>>()?,
+            attention_decode_rows: DECODE_HEAD_DIMS
+                .iter()
+                .map(|h| f(&format!("attention_decode_rows_{h}")))
                 .collect::<Result<_, _>>()?,
             route: f("route")?,
             route_gemv: KINDS

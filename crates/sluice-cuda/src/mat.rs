@@ -323,3 +323,17 @@ mod tests {
         assert_eq!(dense.spread_threads(), None);
     }
 }
+
+/// The caches of up to eight requests decoding together (`struct KvRows`): request `r`'s keys,
+/// values, device-side length (0: none) and length argument.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct KvRows {
+    pub keys: [u64; KV_ROWS_MAX],
+    pub values: [u64; KV_ROWS_MAX],
+    pub cached: [u64; KV_ROWS_MAX],
+    pub total: [i32; KV_ROWS_MAX],
+}
+
+/// Requests one `attention_decode_rows` launch takes.
+pub(crate) const KV_ROWS_MAX: usize = 8;

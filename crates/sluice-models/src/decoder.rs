@@ -218,3 +218,19 @@ pub(crate) fn per_segment<B: Backend, const N: usize>(
     }
     Ok(b.concat_rows(&outs.iter().collect::<Vec<_>>()))
 }
+
+/// Each segment's attention cache of layer `layer`, and its row count.
+pub(crate) fn attention_caches<'s, B: Backend>(
+    segments: &'s mut [Segment<'_, B>],
+    layer: usize,
+) -> Result<(Vec<&'s mut B::KvCache>, Vec<usize>), ModelError> {
+    let rows = segments.iter().map(|s| s.tokens.len()).collect();
+    let caches = segments
+        .iter_mut()
+        .map(|s| match &mut s.state.layers[layer] {
+            LayerState::Attention(cache) => Ok(cache),
+            LayerState::Linear(_) => Err(wrong_state()),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((caches, rows))
+}

@@ -25,7 +25,7 @@ use serde::Deserialize;
 use sluice_backend::{Backend, DeltaNetDims, ExpertSource, ValueHeadOrder};
 use sluice_format::ModelDir;
 
-use crate::decoder::{per_segment, wrong_state, Decoder, Dims, Ends};
+use crate::decoder::{attention_caches, per_segment, wrong_state, Decoder, Dims, Ends};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims};
 use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
@@ -549,23 +549,20 @@ impl<B: Backend> Qwen35Moe<B> {
         let [q_gate, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
         let (q, gate) = b.split_chunks(&q_gate, 2 * hd, hd);
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut o = per_segment(b, [&q, &k, &v], segments, |[q, k, v], s| {
-            let LayerState::Attention(cache) = &mut s.layers[i] else {
-                return Err(wrong_state());
-            };
-            // q_norm and k_norm per head, partial rotary, at the cache's next positions.
-            Ok(b.attention_rope(
-                q,
-                k,
-                v,
-                (&l.q_norm, &l.k_norm),
-                eps,
-                (hd, self.rotary_dim, self.rope_theta),
-                cache,
-                self.cfg.num_attention_heads,
-                scale,
-            ))
-        })?;
+        let (mut caches, rows) = attention_caches(segments, i)?;
+        // q_norm and k_norm per head, partial rotary, at each cache's next positions.
+        let mut o = b.attention_rope_segments(
+            &q,
+            &k,
+            &v,
+            (&l.q_norm, &l.k_norm),
+            eps,
+            (hd, self.rotary_dim, self.rope_theta),
+            &mut caches,
+            &rows,
+            self.cfg.num_attention_heads,
+            scale,
+        );
         b.sigmoid_mul(&mut o, &gate);
         Ok(b.matmul(&o, &l.o_proj))
     }

@@ -13,10 +13,10 @@ use serde::Deserialize;
 use sluice_backend::{Backend, ExpertSource};
 use sluice_format::ModelDir;
 
-use crate::decoder::{per_segment, wrong_state, Decoder, Dims, Ends};
+use crate::decoder::{attention_caches, Decoder, Dims, Ends};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims};
-use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
+use crate::{config_error, CausalLm, ModelError, ModelInfo, Segment, State};
 
 /// The fields of config.json this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -265,23 +265,20 @@ impl<B: Backend> Qwen3Moe<B> {
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
         let [q, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
         let scale = 1.0 / (hd as f32).sqrt();
-        let o = per_segment(b, [&q, &k, &v], segments, |[q, k, v], state| {
-            let LayerState::Attention(cache) = &mut state.layers[i] else {
-                return Err(wrong_state());
-            };
-            // q_norm and k_norm per head, rotary on the whole head, at the cache's next positions.
-            Ok(b.attention_rope(
-                q,
-                k,
-                v,
-                (&l.q_norm, &l.k_norm),
-                eps,
-                (hd, hd, self.rope_theta),
-                cache,
-                self.cfg.num_attention_heads,
-                scale,
-            ))
-        })?;
+        let (mut caches, rows) = attention_caches(segments, i)?;
+        // q_norm and k_norm per head, rotary on the whole head, at each cache's next positions.
+        let o = b.attention_rope_segments(
+            &q,
+            &k,
+            &v,
+            (&l.q_norm, &l.k_norm),
+            eps,
+            (hd, hd, self.rope_theta),
+            &mut caches,
+            &rows,
+            self.cfg.num_attention_heads,
+            scale,
+        );
         Ok(b.matmul(&o, &l.o_proj))
     }
 
