@@ -1290,7 +1290,6 @@ impl CudaBackend {
         );
     }
 
-    /// The split decode attention kernel for head size `hd`, if it is compiled for it.
     /// The one-launch attention of one token whose q, k and v rows (already the shapes
     /// `attention_rope` checked) are at the first three pointers, written to the fourth: the
     /// norms, rotations and cache writes inside the kernel. `None`, with nothing done, where that
@@ -1439,6 +1438,7 @@ impl CudaBackend {
         true
     }
 
+    /// The split decode attention kernel for head size `hd`, if it is compiled for it.
     fn decode_kernel(&self, hd: usize) -> Option<&CudaFunction> {
         let i = DECODE_HEAD_DIMS.iter().position(|&d| d == hd)?;
         self.d.k.attention_decode.get(i)

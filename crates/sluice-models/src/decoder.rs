@@ -153,6 +153,23 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
+    /// After the last layer: its MLP output (`mlp_out`, not yet added) added to `h`, and every
+    /// segment's position advanced by its tokens.
+    pub fn end_layers(
+        &self,
+        mut h: B::Act,
+        mlp_out: Option<B::Act>,
+        segments: &mut [Segment<'_, B>],
+    ) -> B::Act {
+        if let Some(mlp) = mlp_out {
+            self.backend.add_assign(&mut h, &mlp);
+        }
+        for s in segments {
+            s.state.position += s.tokens.len();
+        }
+        h
+    }
+
     /// The logits of each segment's last row of `h` (the rows of all segments, in order).
     pub fn last_logits(&self, h: B::Act, segments: &[Segment<'_, B>]) -> B::Act {
         let b = self.backend.as_ref();

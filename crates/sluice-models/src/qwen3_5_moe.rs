@@ -589,13 +589,7 @@ impl<B: Backend> Qwen35Moe<B> {
                 .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
             mlp_out = Some(mlp);
         }
-        if let Some(mlp) = mlp_out {
-            b.add_assign(&mut h, &mlp);
-        }
-        for s in segments {
-            s.state.position += s.tokens.len();
-        }
-        Ok(h)
+        Ok(self.decoder.end_layers(h, mlp_out, segments))
     }
 }
 
