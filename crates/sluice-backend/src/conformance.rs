@@ -589,7 +589,7 @@ pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
                         &q,
                         &k,
                         &v,
-                        (&norms.0, &norms.1),
+                        Some((&norms.0, &norms.1)),
                         1e-6,
                         rope,
                         &mut c,
@@ -615,7 +615,7 @@ pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
                         &part(&q, qw),
                         &part(&k, kw),
                         &part(&v, kw),
-                        (&norms.0, &norms.1),
+                        Some((&norms.0, &norms.1)),
                         1e-6,
                         rope,
                         &mut c,
@@ -631,7 +631,7 @@ pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
                     &b.act_from_host(&q, total, qw),
                     &b.act_from_host(&k, total, kw),
                     &b.act_from_host(&v, total, kw),
-                    (&norms.0, &norms.1),
+                    Some((&norms.0, &norms.1)),
                     1e-6,
                     rope,
                     &mut refs,
@@ -790,7 +790,7 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
                 &q,
                 &k,
                 &v,
-                (&q_norm, &k_norm),
+                Some((&q_norm, &k_norm)),
                 eps,
                 (hd, rd, theta),
                 fused,
@@ -821,6 +821,85 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
         step(&mut fused, &mut plain, 1);
         step(&mut fused_copy, &mut plain_copy, 1);
         assert_eq!(b.kv_len(&fused_copy), 10, "a copy keeps its own length");
+    }
+}
+
+/// `attention_rope` and `attention_rope_segments` without q/k norms (Mixtral): rotary alone,
+/// then attention, against the host reference, over a prefill, decode steps, and requests
+/// decoding together through caches of different lengths.
+pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(62);
+    for (heads, kv_heads, hd, rd) in [(8, 2, 128, 128), (4, 1, 64, 32)] {
+        let (qw, kw) = (heads * hd, kv_heads * hd);
+        let (theta, scale) = (1_000_000.0, 1.0 / (hd as f32).sqrt());
+        // Per request: its cache and the host copies of its rotated keys and its values.
+        let mut reqs: Vec<(B::KvCache, Vec<f32>, Vec<f32>)> = (0..3)
+            .map(|_| {
+                (
+                    b.kv_cache(kv_heads, hd, 64).expect("kv_cache"),
+                    vec![],
+                    vec![],
+                )
+            })
+            .collect();
+        let mut expect = |rows: usize, keys: &mut Vec<f32>, values: &mut Vec<f32>| {
+            let (mut q, mut k) = (rng.vec(rows * qw, -2.0, 2.0), rng.vec(rows * kw, -2.0, 2.0));
+            let v = rng.vec(rows * kw, -2.0, 2.0);
+            let (raw_q, raw_k) = (q.clone(), k.clone());
+            let at = keys.len() / kw;
+            reference::rope(&mut q, qw, hd, rd, theta, at);
+            reference::rope(&mut k, kw, hd, rd, theta, at);
+            keys.extend_from_slice(&k);
+            values.extend_from_slice(&v);
+            let want = reference::attention(&q, keys, values, heads, kv_heads, hd, scale);
+            (raw_q, raw_k, v, want)
+        };
+        // Each request alone: a prefill of a different length, then a decode step.
+        for (i, rows) in [7, 1, 19, 1, 2, 1].into_iter().enumerate() {
+            let (cache, keys, values) = &mut reqs[i / 2];
+            let (q, k, v, want) = expect(rows, keys, values);
+            let got = b.attention_rope(
+                &b.act_from_host(&q, rows, qw),
+                &b.act_from_host(&k, rows, kw),
+                &b.act_from_host(&v, rows, kw),
+                None,
+                1e-6,
+                (hd, rd, theta),
+                cache,
+                heads,
+                scale,
+            );
+            let what = format!("attention_rope without norms {heads}/{kv_heads}x{hd}, {rows} rows");
+            assert_close(&what, &host(b, &got), &want, tol.other);
+        }
+        // Then the three decoding together, twice.
+        for step in 0..2 {
+            let mut parts = (vec![], vec![], vec![], vec![]);
+            for (_, keys, values) in reqs.iter_mut() {
+                let (q, k, v, want) = expect(1, keys, values);
+                parts.0.extend(q);
+                parts.1.extend(k);
+                parts.2.extend(v);
+                parts.3.extend(want);
+            }
+            let mut caches: Vec<&mut B::KvCache> = reqs.iter_mut().map(|r| &mut r.0).collect();
+            let got = b.attention_rope_segments(
+                &b.act_from_host(&parts.0, 3, qw),
+                &b.act_from_host(&parts.1, 3, kw),
+                &b.act_from_host(&parts.2, 3, kw),
+                None,
+                1e-6,
+                (hd, rd, theta),
+                &mut caches,
+                &[1, 1, 1],
+                heads,
+                scale,
+            );
+            let what = format!(
+                "attention_rope_segments without norms {heads}/{kv_heads}x{hd}, step {step}"
+            );
+            assert_close(&what, &host(b, &got), &parts.3, tol.other);
+        }
     }
 }
 
@@ -1266,7 +1345,7 @@ macro_rules! conformance_tests {
     };
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
-            activations matmul embed elementwise rope attention attention_segments route route_matmul
+            activations matmul embed elementwise rope attention attention_segments attention_without_norms route route_matmul
             moe delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {

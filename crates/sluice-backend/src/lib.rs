@@ -370,8 +370,9 @@ pub trait Backend: Send + Sync {
         scale: f32,
     ) -> Self::Act;
     /// Attention with its prelude: `q` and `k` each through [`Backend::rms_norm_rope`] with
-    /// its norm weight (`norms`: q's, k's) and `rope` (head size, rotary size, theta) at the
-    /// cache's next positions, then [`Backend::attention`]. Backends that fuse the norms, the rotations and the cache writes
+    /// its norm weight (`norms`: q's, k's; `None`: no norm, [`Backend::rope`] alone) and `rope`
+    /// (head size, rotary size, theta) at the cache's next positions, then
+    /// [`Backend::attention`]. Backends that fuse the norms, the rotations and the cache writes
     /// give the same values.
     #[allow(clippy::too_many_arguments)]
     fn attention_rope(
@@ -379,17 +380,15 @@ pub trait Backend: Send + Sync {
         q: &Self::Act,
         k: &Self::Act,
         v: &Self::Act,
-        norms: (&Self::Vector, &Self::Vector),
+        norms: Option<(&Self::Vector, &Self::Vector)>,
         eps: f32,
         rope: (usize, usize, f32),
         cache: &mut Self::KvCache,
         heads: usize,
         scale: f32,
     ) -> Self::Act {
-        let (head_dim, rotary_dim, theta) = rope;
         let position = self.kv_len(cache);
-        let q = self.rms_norm_rope(q, norms.0, eps, head_dim, rotary_dim, theta, position);
-        let k = self.rms_norm_rope(k, norms.1, eps, head_dim, rotary_dim, theta, position);
+        let (q, k) = norm_rope_qk(self, q, k, norms, eps, rope, position);
         self.attention(&q, &k, v, cache, heads, scale)
     }
     /// [`Backend::attention_rope`] for several requests at once: `q`, `k` and `v` hold their
@@ -402,7 +401,7 @@ pub trait Backend: Send + Sync {
         q: &Self::Act,
         k: &Self::Act,
         v: &Self::Act,
-        norms: (&Self::Vector, &Self::Vector),
+        norms: Option<(&Self::Vector, &Self::Vector)>,
         eps: f32,
         rope: (usize, usize, f32),
         caches: &mut [&mut Self::KvCache],
@@ -551,6 +550,32 @@ pub trait Backend: Send + Sync {
     }
 }
 
+/// `q` and `k` of [`Backend::attention_rope`] before attention, rows at `position..`: each through
+/// [`Backend::rms_norm_rope`] with its norm, or [`Backend::rope`] alone on a copy when `norms` is
+/// `None`.
+pub fn norm_rope_qk<B: Backend + ?Sized>(
+    b: &B,
+    q: &B::Act,
+    k: &B::Act,
+    norms: Option<(&B::Vector, &B::Vector)>,
+    eps: f32,
+    (head_dim, rotary_dim, theta): (usize, usize, f32),
+    position: usize,
+) -> (B::Act, B::Act) {
+    let prelude = |x: &B::Act, norm: Option<&B::Vector>| match norm {
+        Some(w) => b.rms_norm_rope(x, w, eps, head_dim, rotary_dim, theta, position),
+        None => {
+            let mut y = b.slice_rows(x, 0, b.shape(x).0);
+            b.rope(&mut y, head_dim, rotary_dim, theta, position);
+            y
+        }
+    };
+    (
+        prelude(q, norms.map(|n| n.0)),
+        prelude(k, norms.map(|n| n.1)),
+    )
+}
+
 /// [`Backend::attention_rope_segments`] one request at a time: each request's rows cut out,
 /// attended through its cache, and the outputs stacked (one request: no cutting).
 #[allow(clippy::too_many_arguments)]
@@ -559,7 +584,7 @@ pub fn attention_rope_by_parts<B: Backend + ?Sized>(
     q: &B::Act,
     k: &B::Act,
     v: &B::Act,
-    norms: (&B::Vector, &B::Vector),
+    norms: Option<(&B::Vector, &B::Vector)>,
     eps: f32,
     rope: (usize, usize, f32),
     caches: &mut [&mut B::KvCache],

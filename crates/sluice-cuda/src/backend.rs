@@ -2244,21 +2244,21 @@ impl Backend for CudaBackend {
         q: &CudaAct,
         k: &CudaAct,
         v: &CudaAct,
-        norms: (&CudaVector, &CudaVector),
+        norms: Option<(&CudaVector, &CudaVector)>,
         eps: f32,
         rope: (usize, usize, f32),
         cache: &mut CudaKvCache,
         heads: usize,
         scale: f32,
     ) -> CudaAct {
-        let (head_dim, rotary_dim, theta) = rope;
+        let (_, rotary_dim, theta) = rope;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
-        if !rope_fuses((q, k, v), norms, rope, cache, heads) {
-            let position = cache.len;
-            let q = self.rms_norm_rope(q, norms.0, eps, head_dim, rotary_dim, theta, position);
-            let k = self.rms_norm_rope(k, norms.1, eps, head_dim, rotary_dim, theta, position);
+        // The fused kernels normalise q and k; attention without the norms runs op by op.
+        let fused = norms.filter(|&n| rope_fuses((q, k, v), n, rope, cache, heads));
+        let Some(norms) = fused else {
+            let (q, k) = sluice_backend::norm_rope_qk(self, q, k, norms, eps, rope, cache.len);
             return self.attention(&q, &k, v, cache, heads, scale);
-        }
+        };
         // One token: the norms, rotations and cache writes inside the attention kernel.
         if q.rows == 1 {
             let out = self.act(1, q.cols);
@@ -2339,7 +2339,7 @@ impl Backend for CudaBackend {
         q: &CudaAct,
         k: &CudaAct,
         v: &CudaAct,
-        norms: (&CudaVector, &CudaVector),
+        norms: Option<(&CudaVector, &CudaVector)>,
         eps: f32,
         rope: (usize, usize, f32),
         caches: &mut [&mut CudaKvCache],
@@ -2350,19 +2350,22 @@ impl Backend for CudaBackend {
         // Requests decoding a token each: every token attends where its rows are, through its
         // own cache, with no rows cut out or stacked (those copies were 31% of an 8-request
         // step's GPU time, Qwen3-30B-A3B shape).
-        let in_place = rows.len() > 1
-            && q.rows == rows.len()
-            && rows.iter().all(|&n| n == 1)
-            && caches.iter().all(|c| {
-                rope_fuses((q, k, v), norms, rope, c, heads)
-                    && Self::attend_plan(1, heads, c.kv_heads, c.head_dim).is_some_and(|s| s > 1)
-                    && self.decode_kernel(c.head_dim).is_some()
-            });
-        if !in_place {
+        let in_place = norms.filter(|&n| {
+            rows.len() > 1
+                && q.rows == rows.len()
+                && rows.iter().all(|&n| n == 1)
+                && caches.iter().all(|c| {
+                    rope_fuses((q, k, v), n, rope, c, heads)
+                        && Self::attend_plan(1, heads, c.kv_heads, c.head_dim)
+                            .is_some_and(|s| s > 1)
+                        && self.decode_kernel(c.head_dim).is_some()
+                })
+        });
+        let Some(norms) = in_place else {
             return sluice_backend::attention_rope_by_parts(
                 self, q, k, v, norms, eps, rope, caches, rows, heads, scale,
             );
-        }
+        };
         let out = self.act(q.rows, q.cols);
         let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), out.ptr()) else {
             return self.poisoned(q.rows, q.cols);

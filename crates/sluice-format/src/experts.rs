@@ -2,12 +2,14 @@
 //! layouts: `sluice pack`, the unpacked streaming store and the model loader all read routed
 //! experts through it, so they accept the same checkpoints.
 //!
-//! Three layouts are read, per MoE block at `prefix` (`*.layers.N.mlp`):
+//! Three layouts are read, per MoE block at `prefix` (`*.layers.N.mlp`, or
+//! `*.layers.N.block_sparse_moe` in Mixtral):
 //! - mlx-community's stacks: `{prefix}.switch_mlp.{gate,up,down}_proj`, `[E, out, in]` each;
 //! - transformers 5's fused parameters: `{prefix}.experts.gate_up_proj` (with or without
 //!   `.weight`), `[E, 2 * inter, hidden]` with the gate rows first, and
 //!   `{prefix}.experts.down_proj`;
-//! - official per-expert modules: `{prefix}.experts.{e}.{gate,up,down}_proj`.
+//! - official per-expert modules: `{prefix}.experts.{e}.{gate,up,down}_proj`, or Mixtral's
+//!   `{prefix}.experts.{e}.{w1,w3,w2}` (gate, up, down).
 //!
 //! Each may be dense or MLX affine-quantised (`.scales`/`.biases` beside the weight). Besides
 //! the zero-copy [`HostMatrix`] views, the scan says where each byte slice of each expert lies
@@ -23,6 +25,12 @@ use crate::{FormatError, QuantConfig, Tensors};
 
 /// The projections of an expert, in the order of [`Expert::matrices`].
 pub const PROJECTIONS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// Mixtral's names for [`PROJECTIONS`] in per-expert modules (`w1` gate, `w3` up, `w2` down).
+const MIXTRAL_PROJECTIONS: [&str; 3] = ["w1", "w3", "w2"];
+
+/// The module names of an MoE block under `*.layers.N.`.
+const MOE_MODULES: [&str; 2] = ["mlp", "block_sparse_moe"];
 
 /// A byte range of one of the checkpoint's files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,13 +147,14 @@ fn layout(tensor: String, msg: impl Into<String>) -> FormatError {
     }
 }
 
-/// `Some((prefix, stack, layer))` when `name` is under `*.layers.N.mlp.{switch_mlp,experts}.`,
-/// where `prefix` is `*.layers.N.mlp` and `stack` the part before `.layers.`.
+/// `Some((prefix, stack, layer))` when `name` is under `*.layers.N.mlp.{switch_mlp,experts}.`
+/// (or `block_sparse_moe` for `mlp`), where `prefix` is `*.layers.N.mlp` and `stack` the part
+/// before `.layers.`.
 fn expert_prefix(name: &str) -> Option<(String, String, usize)> {
     let segs: Vec<&str> = name.split('.').collect();
     (0..segs.len().saturating_sub(4)).find_map(|i| {
         if segs[i] != "layers"
-            || segs[i + 2] != "mlp"
+            || !MOE_MODULES.contains(&segs[i + 2])
             || !matches!(segs[i + 3], "switch_mlp" | "experts")
             || !segs[i + 1].bytes().all(|b| b.is_ascii_digit())
         {
@@ -225,8 +234,13 @@ impl<'a> Scanner<'a> {
                 .unzip();
             return zip3(&fused, gate, up, down);
         }
-        // Official per-expert modules: `{prefix}.experts.{e}.{gate,up,down}_proj`.
+        // Official per-expert modules: `{prefix}.experts.{e}.{gate,up,down}_proj`, or Mixtral's
+        // `w1`, `w3`, `w2`.
         let under = format!("{prefix}.experts.");
+        let names = match self.t.contains(&format!("{under}0.w1.weight")) {
+            true => MIXTRAL_PROJECTIONS,
+            false => PROJECTIONS,
+        };
         let mut ids = BTreeSet::new();
         for n in self.t.names().filter(|n| n.starts_with(&under)) {
             let id = n[under.len()..].split('.').next().unwrap_or("");
@@ -236,14 +250,14 @@ impl<'a> Scanner<'a> {
                 }
                 Err(_) => return Err(layout(
                     n.to_string(),
-                    "is not in a known expert layout (`experts.N.*_proj`, `experts.gate_up_proj` + `experts.down_proj`, or `switch_mlp.*_proj`)",
+                    "is not in a known expert layout (`experts.N.*_proj`, `experts.N.w1`/`w3`/`w2`, `experts.gate_up_proj` + `experts.down_proj`, or `switch_mlp.*_proj`)",
                 )),
             }
         }
         let n = ids.len();
         if let Some(missing) = (0..n).find(|e| !ids.contains(e)) {
             return Err(layout(
-                format!("{under}{missing}.gate_proj.weight"),
+                format!("{under}{missing}.{}.weight", names[0]),
                 format!(
                     "is missing although experts up to {} exist (incomplete checkpoint?)",
                     ids.last().copied().unwrap_or(0)
@@ -252,7 +266,7 @@ impl<'a> Scanner<'a> {
         }
         (0..n)
             .map(|e| {
-                let [g, u, d] = PROJECTIONS.map(|p| format!("{under}{e}.{p}"));
+                let [g, u, d] = names.map(|p| format!("{under}{e}.{p}"));
                 let [(gm, gs), (um, us), (dm, ds)] =
                     [self.matrix(&g)?, self.matrix(&u)?, self.matrix(&d)?];
                 Ok(Expert {

@@ -555,7 +555,7 @@ impl<B: Backend> Qwen35Moe<B> {
             &q,
             &k,
             &v,
-            (&l.q_norm, &l.k_norm),
+            Some((&l.q_norm, &l.k_norm)),
             eps,
             (hd, self.rotary_dim, self.rope_theta),
             &mut caches,

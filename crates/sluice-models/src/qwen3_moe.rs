@@ -271,7 +271,7 @@ impl<B: Backend> Qwen3Moe<B> {
             &q,
             &k,
             &v,
-            (&l.q_norm, &l.k_norm),
+            Some((&l.q_norm, &l.k_norm)),
             eps,
             (hd, hd, self.rope_theta),
             &mut caches,

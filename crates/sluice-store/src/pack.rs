@@ -61,7 +61,7 @@ pub enum PackError {
     SourceOverlap { out: PathBuf, src: PathBuf },
     #[error("{0} is already packed (it has experts.json); pack the original checkpoint instead")]
     AlreadyPacked(PathBuf),
-    #[error("{0} has no routed experts (no `*.layers.N.mlp.switch_mlp.*` or `*.layers.N.mlp.experts.*` tensors): nothing to pack, load it directly")]
+    #[error("{0} has no routed experts (no `*.layers.N.mlp.switch_mlp.*`, `*.layers.N.mlp.experts.*` or `*.layers.N.block_sparse_moe.*` tensors): nothing to pack, load it directly")]
     NoExperts(PathBuf),
     #[error("not enough free space in {}: packing needs {:.2} GB, {:.2} GB free{} (free some space or choose another output directory)", dir.display(), *need as f64 / 1e9, *free as f64 / 1e9, if *replacing { "; the existing output is removed only after the new one is complete" } else { "" })]
     NoSpace {

@@ -201,6 +201,62 @@ fn per_expert_modules_across_shards() {
 }
 
 #[test]
+fn mixtral_per_expert_w1_w3_w2() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = "model.layers.1.block_sparse_moe";
+    let mut specs = vec![dense(format!("{p}.gate.weight"), &[E, H])];
+    for e in 0..E {
+        // Listed down first: the order comes from the names, not the file.
+        specs.push(dense(format!("{p}.experts.{e}.w2.weight"), &[H, I]));
+        specs.push(dense(format!("{p}.experts.{e}.w1.weight"), &[I, H]));
+        specs.push(dense(format!("{p}.experts.{e}.w3.weight"), &[I, H]));
+    }
+    write(dir.path(), "m.safetensors", &specs);
+    let t = Tensors::open_dir(dir.path()).unwrap();
+    let s = scan(&t, None).unwrap();
+    assert_eq!(s.layers.len(), 1);
+    let l = &s.layers[0];
+    assert_eq!((l.layer, l.prefix.as_str()), (1, p));
+    assert_eq!(l.experts.len(), E);
+    // gate (w1) and up (w3) are [I, H], down (w2) is [H, I].
+    let shapes = l.experts[2].matrices.each_ref().map(|m| (m.rows, m.cols));
+    assert_eq!(shapes, [(I, H), (I, H), (H, I)]);
+    // w1 is gate, w3 is up: their bytes are those tensors' bytes.
+    let w = |n: &str| t.matrix(&format!("{p}.experts.2.{n}"), None, None).unwrap();
+    assert_eq!(
+        l.experts[2].matrices[0].data.as_slice(),
+        w("w1").data.as_slice()
+    );
+    assert_eq!(
+        l.experts[2].matrices[1].data.as_slice(),
+        w("w3").data.as_slice()
+    );
+    assert_eq!(
+        l.experts[2].matrices[2].data.as_slice(),
+        w("w2").data.as_slice()
+    );
+    assert!(!s.tensors.contains(&format!("{p}.gate.weight")));
+    check_slices(&t, &s);
+    let found = layer_experts(&t, None, p).unwrap();
+    assert_eq!(found.len(), E);
+}
+
+#[test]
+fn mixtral_mlx_stacks_under_block_sparse_moe() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = "model.layers.0.block_sparse_moe.switch_mlp";
+    let mut specs = q4(&format!("{p}.gate_proj"), &[E], I, H);
+    specs.extend(q4(&format!("{p}.up_proj"), &[E], I, H));
+    specs.extend(q4(&format!("{p}.down_proj"), &[E], H, I));
+    write(dir.path(), "m.safetensors", &specs);
+    let t = Tensors::open_dir(dir.path()).unwrap();
+    let s = scan(&t, Some(&quant())).unwrap();
+    assert_eq!(s.layers[0].prefix, "model.layers.0.block_sparse_moe");
+    assert_eq!(s.layers[0].experts.len(), E);
+    check_slices(&t, &s);
+}
+
+#[test]
 fn only_the_main_decoder_stack_is_scanned() {
     let dir = tempfile::tempdir().unwrap();
     let mut specs = Vec::new();
@@ -356,4 +412,13 @@ fn expert_prefixes() {
     );
     assert_eq!(expert_prefix("model.layers.0.mlp.gate.weight"), None);
     assert_eq!(expert_prefix("model.layers.x.mlp.experts.0.w"), None);
+    assert_eq!(
+        expert_prefix("model.layers.7.block_sparse_moe.experts.0.w1.weight"),
+        Some(("model.layers.7.block_sparse_moe".into(), "model".into(), 7))
+    );
+    assert_eq!(
+        expert_prefix("model.layers.7.block_sparse_moe.gate.weight"),
+        None
+    );
+    assert_eq!(expert_prefix("model.layers.7.self_attn.experts.0.w1"), None);
 }
