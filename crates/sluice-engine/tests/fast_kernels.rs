@@ -30,7 +30,7 @@ use compare::{assert_fast_within_bounds, kl_and_agreement, max_diff_over_max_ref
 mod reference;
 use reference::{reference_tokens, repo};
 
-const FIXTURES: [&str; 11] = [
+const FIXTURES: [&str; 14] = [
     "qwen3_moe-bf16",
     "qwen3_moe-q4",
     "qwen3_moe-q8",
@@ -42,6 +42,9 @@ const FIXTURES: [&str; 11] = [
     "qwen3_5_moe-q4",
     "qwen3_5_moe-q8",
     "qwen3_next-bf16",
+    "mixtral-bf16",
+    "mixtral-q4",
+    "mixtral-hf",
 ];
 
 #[test]

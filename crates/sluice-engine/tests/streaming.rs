@@ -65,6 +65,8 @@ fn streamed_logits_are_bit_identical_to_resident() {
         "qwen3_5_moe-q4",
         "qwen3_5_moe-bf16",
         "qwen3_next-bf16",
+        "mixtral-q4",
+        "mixtral-hf",
     ] {
         let resident = load(&fixture(name), StreamingOptions::default());
         assert!(resident.store.is_none());
@@ -172,6 +174,8 @@ fn unpacked_streaming_is_bit_identical_to_resident() {
         "qwen3_5_moe-q4",
         "qwen3_5_moe-bf16",
         "qwen3_next-bf16",
+        "mixtral-q4",
+        "mixtral-hf",
     ] {
         let dir = fixture(name);
         let resident = load(&dir, StreamingOptions::default());

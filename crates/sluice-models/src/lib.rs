@@ -9,7 +9,7 @@
 //! Layout: [`loader`] reads weights by name; [`moe`] is the MoE block every architecture shares
 //! (router, routed experts, shared expert, next-layer prefetch) and [`experts`] where its experts
 //! live; [`decoder`] the embedding, final norm and output head around the layers. Each
-//! architecture file (`qwen3_moe.rs`, `qwen3_5_moe.rs`) holds its config, its attention and its
+//! architecture file (`qwen3_moe.rs`, `qwen3_5_moe.rs`, `mixtral.rs`) holds its config, its attention and its
 //! forward pass, top to bottom.
 
 #![forbid(unsafe_code)]
@@ -24,6 +24,7 @@ pub use experts::Experts;
 mod decoder;
 pub mod experts;
 mod loader;
+pub mod mixtral;
 mod moe;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
@@ -161,6 +162,9 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     fn backend(&self) -> &B;
 }
 
+/// The `model_type`s [`load`] reads, for error messages.
+const SUPPORTED: &str = "qwen3_moe, qwen3_5_moe, qwen3_next, mixtral";
+
 /// What a model directory's config says about its experts, read and checked as the architecture
 /// reads it, before any weight (e.g. to size an expert cache first).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,9 +190,14 @@ pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
             c.check(dir)?;
             (c.num_experts, c.num_experts_per_tok)
         }
+        "mixtral" => {
+            let c: mixtral::MixtralConfig = dir.parse_config()?;
+            c.check(dir)?;
+            (c.num_local_experts, c.num_experts_per_tok)
+        }
         other => {
             return Err(ModelError::Unsupported(format!(
-                "{}: model_type `{other}` is not supported (supported: qwen3_moe, qwen3_5_moe, qwen3_next)",
+                "{}: model_type `{other}` is not supported (supported: {SUPPORTED})",
                 dir.path.join("config.json").display()
             )))
         }
@@ -220,11 +229,42 @@ pub fn load_with_experts<B: Backend + 'static>(
         "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => Ok(Box::new(
             qwen3_5_moe::Qwen35Moe::load(dir, backend, experts)?,
         )),
+        "mixtral" => Ok(Box::new(mixtral::Mixtral::load(dir, backend, experts)?)),
         other => Err(ModelError::Unsupported(format!(
-            "{}: model_type `{other}` is not supported (supported: qwen3_moe, qwen3_5_moe, qwen3_next)",
+            "{}: model_type `{other}` is not supported (supported: {SUPPORTED})",
             dir.path.join("config.json").display()
         ))),
     }
+}
+
+/// The theta of a plain rotary embedding: `rope_theta`, or transformers 5's
+/// `rope_parameters.rope_theta`. Any rope scaling in `scalings` (`rope_scaling`,
+/// `rope_parameters`) other than the default is an error, as is a missing theta.
+pub(crate) fn default_rope_theta(
+    dir: &ModelDir,
+    rope_theta: Option<f64>,
+    scalings: [&Option<serde_json::Value>; 2],
+) -> Result<f64, ModelError> {
+    for scaling in scalings.into_iter().flatten() {
+        let kind = scaling
+            .get("rope_type")
+            .or_else(|| scaling.get("type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        if kind != "default" {
+            return Err(config_error(
+                dir,
+                format!("rope scaling `{kind}` is not supported yet (only the default rotary embedding)"),
+            ));
+        }
+    }
+    let from_params = scalings[1]
+        .as_ref()
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(|t| t.as_f64());
+    rope_theta
+        .or(from_params)
+        .ok_or_else(|| config_error(dir, "missing `rope_theta`"))
 }
 
 /// Returns a config error naming config.json.

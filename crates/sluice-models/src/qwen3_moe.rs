@@ -16,7 +16,7 @@ use sluice_format::ModelDir;
 use crate::decoder::{attention_caches, Decoder, Dims, Ends};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims};
-use crate::{config_error, CausalLm, ModelError, ModelInfo, Segment, State};
+use crate::{config_error, default_rope_theta, CausalLm, ModelError, ModelInfo, Segment, State};
 
 /// The fields of config.json this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -74,30 +74,11 @@ impl Qwen3MoeConfig {
     }
 
     fn rope_theta(&self, dir: &ModelDir) -> Result<f64, ModelError> {
-        for scaling in [&self.rope_scaling, &self.rope_parameters]
-            .into_iter()
-            .flatten()
-        {
-            let kind = scaling
-                .get("rope_type")
-                .or_else(|| scaling.get("type"))
-                .and_then(|t| t.as_str())
-                .unwrap_or("default");
-            if kind != "default" {
-                return Err(config_error(
-                    dir,
-                    format!("rope scaling `{kind}` is not supported yet (only the default rotary embedding)"),
-                ));
-            }
-        }
-        let from_params = self
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(|t| t.as_f64());
-        self.rope_theta
-            .or(from_params)
-            .ok_or_else(|| config_error(dir, "missing `rope_theta`"))
+        default_rope_theta(
+            dir,
+            self.rope_theta,
+            [&self.rope_scaling, &self.rope_parameters],
+        )
     }
 
     fn is_sparse(&self, layer: usize) -> bool {

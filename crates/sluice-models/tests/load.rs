@@ -61,3 +61,50 @@ fn the_config_plan_reads_the_architecture_config() {
         sluice_models::config_plan(&ModelDir::open(tmp.path()).unwrap()).expect_err("k > experts");
     assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
 }
+
+#[test]
+fn mixtral_configs_load_or_say_what_is_unsupported() {
+    let load = |tmp: &tempfile::TempDir| {
+        let dir = ModelDir::open(tmp.path()).unwrap();
+        sluice_models::load(&dir, Arc::new(CpuBackend::new())).map(|m| m.info().clone())
+    };
+    // A sliding window shorter than the context caps the context there (full attention within
+    // the window is the same numbers); a longer one changes nothing.
+    let tmp = edited("mixtral-hf", |c| c["sliding_window"] = 64.into());
+    assert_eq!(load(&tmp).unwrap().max_context, 64);
+    let tmp = edited("mixtral-hf", |c| {
+        c["sliding_window"] = serde_json::Value::Null
+    });
+    let info = load(&tmp).unwrap();
+    assert_eq!((info.max_context, info.experts), (512, 8));
+    assert_eq!(info.model_type, "mixtral");
+    for (key, value, says) in [
+        ("hidden_act", serde_json::json!("gelu"), "hidden_act `gelu`"),
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "factor": 4.0}),
+            "rope scaling `yarn`",
+        ),
+        (
+            "num_key_value_heads",
+            serde_json::json!(3),
+            "num_key_value_heads (3)",
+        ),
+        (
+            "num_experts_per_tok",
+            serde_json::json!(9),
+            "num_local_experts (8)",
+        ),
+    ] {
+        let tmp = edited("mixtral-hf", |c| c[key] = value.clone());
+        let err = load(&tmp).expect_err(key).to_string();
+        assert!(
+            err.contains("config.json") && err.contains(says),
+            "{key}: {err}"
+        );
+    }
+    // The router's expert count is checked against the config.
+    let tmp = edited("mixtral-q4", |c| c["num_local_experts"] = 16.into());
+    let err = load(&tmp).expect_err("16 experts").to_string();
+    assert!(err.contains("block_sparse_moe.gate"), "{err}");
+}

@@ -31,7 +31,9 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 fn is_expert_tensor(name: &str) -> bool {
-    name.contains(".mlp.switch_mlp.") || name.contains(".mlp.experts.")
+    [".mlp.", ".block_sparse_moe."].iter().any(|m| {
+        name.contains(&format!("{m}switch_mlp.")) || name.contains(&format!("{m}experts."))
+    })
 }
 
 /// The source's experts of the MoE block at `prefix`, in whichever layout it has.
@@ -56,14 +58,18 @@ fn source_experts(dir: &ModelDir, prefix: &str) -> Vec<[HostMatrix; 3]> {
             .map(|e| [gu[e].rows(0..i), gu[e].rows(i..2 * i), d[e].clone()])
             .collect();
     }
+    // Per-expert modules: gate, up, down are Mixtral's w1, w3, w2.
+    let names = match t.contains(&format!("{prefix}.experts.0.w1.weight")) {
+        true => ["w1", "w3", "w2"],
+        false => ["gate_proj", "up_proj", "down_proj"],
+    };
     (0..)
-        .take_while(|e| t.contains(&format!("{prefix}.experts.{e}.gate_proj.weight")))
+        .take_while(|e| t.contains(&format!("{prefix}.experts.{e}.{}.weight", names[0])))
         .map(|e| {
-            let m = |p: &str| {
+            names.map(|p| {
                 t.matrix(&format!("{prefix}.experts.{e}.{p}"), q, None)
                     .unwrap()
-            };
-            [m("gate_proj"), m("up_proj"), m("down_proj")]
+            })
         })
         .collect()
 }
@@ -163,6 +169,8 @@ fn packs_every_fixture_layout_byte_identically() {
         "qwen3_moe-transformers",
         "qwen3_5_moe-q4",
         "qwen3_5_moe-bf16",
+        "mixtral-q4",
+        "mixtral-hf",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("packed");
