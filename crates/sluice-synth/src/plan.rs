@@ -232,15 +232,17 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
             let (nh, kv, hd) = (preset.heads, preset.kv_heads, preset.head_dim);
             // Qwen3.5's gated attention projects queries and their gates together.
             let q_rows = match preset.family {
-                Family::Qwen3Moe => nh * hd,
+                Family::Qwen3Moe | Family::Mixtral => nh * hd,
                 Family::Qwen35Moe => 2 * nh * hd,
             };
             b.linear(&format!("{p}.self_attn.q_proj"), &[], q_rows, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.k_proj"), &[], kv * hd, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.v_proj"), &[], kv * hd, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.o_proj"), &[], h, nh * hd, 1.0, q);
-            b.ones(format!("{p}.self_attn.q_norm.weight"), hd);
-            b.ones(format!("{p}.self_attn.k_norm.weight"), hd);
+            if preset.family != Family::Mixtral {
+                b.ones(format!("{p}.self_attn.q_norm.weight"), hd);
+                b.ones(format!("{p}.self_attn.k_norm.weight"), hd);
+            }
         } else if let Some(lin) = preset.linear {
             let la = format!("{p}.linear_attn");
             let key_dim = lin.key_heads * lin.key_head_dim;
@@ -274,7 +276,7 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
             );
             b.ones(format!("{la}.norm.weight"), lin.value_head_dim);
         }
-        let mlp = format!("{p}.mlp");
+        let mlp = format!("{p}.{}", preset.moe_module());
         let (e, i) = (preset.experts, preset.moe_intermediate_size);
         b.linear_spread(
             &format!("{mlp}.gate"),

@@ -15,6 +15,9 @@ pub enum Family {
     /// `qwen3_5_moe`: Gated DeltaNet + gated full attention every `full_attention_interval`
     /// layers, shared expert; config under `text_config`, tensors under `language_model.`.
     Qwen35Moe,
+    /// `mixtral`: full attention without q/k norms, MoE under `block_sparse_moe`, no shared
+    /// expert.
+    Mixtral,
 }
 
 /// Gated DeltaNet (linear attention) dimensions of a `qwen3_5_moe` preset.
@@ -199,6 +202,29 @@ pub const PRESETS: &[Preset] = &[
         special_tokens_start: 151643,
     },
     Preset {
+        name: "mixtral-8x7b",
+        family: Family::Mixtral,
+        source: "huggingface.co/mistralai/Mixtral-8x7B-v0.1 config.json; \
+                 agrees with llama.cpp's and mlx-lm's Mixtral defaults (mlx_lm/models/mixtral.py)",
+        hidden_size: 4096,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        experts: 8,
+        experts_per_token: 2,
+        // Mixtral's `intermediate_size` is each expert's width.
+        moe_intermediate_size: 14336,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 14336,
+        vocab_size: 32000,
+        rope_theta: 1e6,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 32768,
+        linear: None,
+        special_tokens_start: 31993,
+    },
+    Preset {
         name: "tiny-qwen3.5-moe",
         family: Family::Qwen35Moe,
         source: "qwen3.5-35b-a3b's structure at test size",
@@ -247,6 +273,27 @@ pub const PRESETS: &[Preset] = &[
         linear: None,
         special_tokens_start: 1000,
     },
+    Preset {
+        name: "tiny-mixtral",
+        family: Family::Mixtral,
+        source: "mixtral-8x7b's structure at test size",
+        hidden_size: 128,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        experts: 8,
+        experts_per_token: 2,
+        moe_intermediate_size: 96,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 96,
+        vocab_size: 1024,
+        rope_theta: 1e6,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 4096,
+        linear: None,
+        special_tokens_start: 1000,
+    },
 ];
 
 impl Preset {
@@ -277,7 +324,7 @@ impl Preset {
     /// Module-path prefix of the decoder stack as mlx-lm writes it (`...layers.N`).
     pub fn model_prefix(&self) -> &'static str {
         match self.family {
-            Family::Qwen3Moe => "model",
+            Family::Qwen3Moe | Family::Mixtral => "model",
             Family::Qwen35Moe => "language_model.model",
         }
     }
@@ -285,8 +332,16 @@ impl Preset {
     /// Path of the output head.
     pub fn lm_head(&self) -> &'static str {
         match self.family {
-            Family::Qwen3Moe => "lm_head",
+            Family::Qwen3Moe | Family::Mixtral => "lm_head",
             Family::Qwen35Moe => "language_model.lm_head",
+        }
+    }
+
+    /// The MoE block's module name under `...layers.N.`.
+    pub fn moe_module(&self) -> &'static str {
+        match self.family {
+            Family::Mixtral => "block_sparse_moe",
+            Family::Qwen3Moe | Family::Qwen35Moe => "mlp",
         }
     }
 
@@ -299,7 +354,7 @@ impl Preset {
         quant.insert("mode".into(), json!("affine"));
         let router = json!({"group_size": 64, "bits": 8});
         for l in 0..self.layers {
-            let p = format!("{}.layers.{l}.mlp", self.model_prefix());
+            let p = format!("{}.layers.{l}.{}", self.model_prefix(), self.moe_module());
             quant.insert(format!("{p}.gate"), router.clone());
             if self.shared_expert_intermediate_size > 0 {
                 quant.insert(format!("{p}.shared_expert_gate"), router.clone());
@@ -370,6 +425,30 @@ impl Preset {
                     },
                 })
             }
+            (Family::Mixtral, _) => json!({
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "bos_token_id": endoftext,
+                "eos_token_id": eos,
+                "head_dim": self.head_dim,
+                "hidden_act": "silu",
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.moe_intermediate_size,
+                "max_position_embeddings": self.max_position_embeddings,
+                "num_attention_heads": self.heads,
+                "num_experts_per_tok": self.experts_per_token,
+                "num_hidden_layers": self.layers,
+                "num_key_value_heads": self.kv_heads,
+                "num_local_experts": self.experts,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": self.rope_theta,
+                "sliding_window": null,
+                "tie_word_embeddings": false,
+                "torch_dtype": "bfloat16",
+                "vocab_size": self.vocab_size,
+                "quantization": quant,
+                "quantization_config": quant,
+            }),
             _ => json!({
                 "architectures": ["Qwen3MoeForCausalLM"],
                 "model_type": "qwen3_moe",
