@@ -49,10 +49,27 @@ def config_qwen3_5():
     )
 
 
+def config_mixtral():
+    """A tiny Mixtral: 3 layers, top-2 of 8, no q/k norm; head_dim from hidden / heads."""
+    from transformers import MixtralConfig
+    return MixtralConfig(
+        vocab_size=500, hidden_size=128, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=512, sliding_window=None,
+        tie_word_embeddings=False, router_jitter_noise=0.0, eos_token_id=[495, 493],
+    )
+
+
 MODELS = {
     "qwen3_moe": (config, Qwen3MoeForCausalLM),
     "qwen3_5_moe": (config_qwen3_5, AutoModelForCausalLM),
+    "mixtral": (config_mixtral, AutoModelForCausalLM),
 }
+
+
+def moe_block(layer):
+    """The layer's MoE block: `mlp` (Qwen; Mixtral in transformers 5) or `block_sparse_moe`."""
+    return getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
 
 
 def init_(model, seed, router_gain=1.0):
@@ -73,7 +90,7 @@ def init_(model, seed, router_gain=1.0):
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 fan_in = p.shape[-1]
-                gain = router_gain if name.endswith("mlp.gate.weight") else 1.0
+                gain = router_gain if name.endswith(("mlp.gate.weight", "moe.gate.weight")) else 1.0
                 if name.endswith("in_proj_a.weight"):
                     gain = 0.5
                 p.copy_(gain * torch.randn(p.shape, generator=g) / fan_in**0.5)
@@ -93,10 +110,11 @@ def routing_gap(model, ids):
         gaps.append((top[:, k - 1] - top[:, k]).min().item())
 
     for layer in model.model.layers:
-        gate = getattr(layer.mlp, "gate", None)
+        moe = moe_block(layer)
+        gate = getattr(moe, "gate", None)
         if gate is not None and not hasattr(gate, "weight"):
             gate = None
-        if gate is not None and hasattr(layer.mlp, "experts"):
+        if gate is not None and hasattr(moe, "experts"):
             hooks.append(gate.register_forward_hook(hook))
     with torch.no_grad():
         model(ids)

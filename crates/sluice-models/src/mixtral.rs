@@ -193,6 +193,12 @@ impl<B: Backend> Layer<B> {
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.kv_heads());
         let p = format!("model.layers.{i}");
         let a = format!("{p}.self_attn");
+        // Checkpoints keep the block as `block_sparse_moe`; transformers 5 names it `mlp` in
+        // memory, and a checkpoint written without converting back keeps that name.
+        let moe = match ld.has(&format!("{p}.mlp.gate.weight")) {
+            true => "mlp",
+            false => "block_sparse_moe",
+        };
         let dims = MoeDims {
             experts: cfg.num_local_experts,
             hidden,
@@ -210,7 +216,7 @@ impl<B: Backend> Layer<B> {
             },
             post_attention_layernorm: ld
                 .vector(&format!("{p}.post_attention_layernorm.weight"), hidden)?,
-            block_sparse_moe: Mlp::sparse(ld, i, &format!("{p}.block_sparse_moe"), &dims)?,
+            block_sparse_moe: Mlp::sparse(ld, i, &format!("{p}.{moe}"), &dims)?,
         })
     }
 }
