@@ -4,8 +4,8 @@
 Companion of scripts/make_fixtures.py (whose helpers it imports, without changing that
 script's outputs). Writes
 
-    tests/fixtures/mixtral-bf16   mlx-community layout (block_sparse_moe.switch_mlp), bf16
-    tests/fixtures/mixtral-q4     mlx_lm convert -q: 4-bit g64 (router too), rope_theta 1e4
+    tests/fixtures/mixtral-q4     mlx-community layout (block_sparse_moe.switch_mlp stacks),
+                                  mlx_lm convert -q: 4-bit g64 (router too), rope_theta 1e4
     tests/fixtures/mixtral-hf     official layout: per-expert block_sparse_moe.experts.E.w1/w2/w3,
                                   2 shards, 1 KV head, a sliding_window longer than the context
 
@@ -70,14 +70,6 @@ class Spec:
 
 
 SPECS = [
-    Spec(
-        name="mixtral-bf16",
-        layout="mlx",
-        seed=7000,
-        text="<|im_start|>user\nWhy do rivers bend before they reach the sea?<|im_end|>\n",
-        description="mlx-community layout (block_sparse_moe.switch_mlp stacked experts), bf16, "
-        "top-2 of 8, 4 heads / 2 KV heads of 32, rope_theta=1e6, untied lm_head.",
-    ),
     Spec(
         name="mixtral-q4",
         layout="mlx",

@@ -42,9 +42,9 @@ const FIXTURES: [&str; 14] = [
     "qwen3_5_moe-q4",
     "qwen3_5_moe-q8",
     "qwen3_next-bf16",
-    "mixtral-bf16",
     "mixtral-q4",
     "mixtral-hf",
+    "mixtral-transformers",
 ];
 
 #[test]

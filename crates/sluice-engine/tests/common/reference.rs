@@ -148,9 +148,9 @@ macro_rules! reference_suite {
             qwen3_moe_gguf_legacy: "qwen3_moe-gguf-legacy",
             qwen3_5_moe_gguf_q4_k_m: "qwen3_5_moe-gguf-q4_k_m",
             qwen3_next_gguf_q4_k_m: "qwen3_next-gguf-q4_k_m",
-            mixtral_bf16: "mixtral-bf16",
             mixtral_q4: "mixtral-q4",
             mixtral_hf: "mixtral-hf",
+            mixtral_transformers: "mixtral-transformers",
         });
     };
 }
