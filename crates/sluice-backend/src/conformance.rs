@@ -12,7 +12,7 @@
 use crate::reference::{self, HostLinearState};
 use crate::{
     Backend, DeltaNetDims, Dtype, ExpertKey, FfnWeights, HostBytes, HostMatrix, HostRouting,
-    MatRef, ValueHeadOrder, WeightFormat,
+    MatRef, SigmoidRouting, ValueHeadOrder, WeightFormat,
 };
 
 /// How far a backend may stray from the reference, relative to the largest reference value.
@@ -490,6 +490,20 @@ pub fn elementwise<B: Backend>(b: &B, tol: Tolerance) {
         let mut h = b.act_from_host(&x, rows, cols);
         b.add_assign(&mut h, &ya);
         assert_close(&format!("add_assign {case}"), &host(b, &h), &sum, tol.other);
+        let bias = rng.vec(cols, -1.0, 1.0);
+        let mut h = b.act_from_host(&x, rows, cols);
+        b.add_bias(&mut h, &b.vector(&bias).expect("vector"));
+        let biased: Vec<f32> = x
+            .iter()
+            .enumerate()
+            .map(|(i, a)| a + bias[i % cols])
+            .collect();
+        assert_close(
+            &format!("add_bias {case}"),
+            &host(b, &h),
+            &biased,
+            tol.other,
+        );
         assert_close(
             &format!("swiglu {case}"),
             &host(b, &b.swiglu(&xa, &ya)),
@@ -899,6 +913,51 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
                 "attention_rope_segments without norms {heads}/{kv_heads}x{hd}, step {step}"
             );
             assert_close(&what, &host(b, &got), &parts.3, tol.other);
+        }
+    }
+}
+
+/// Sigmoid routing with a selection bias, in groups or not (GLM-4.5's and DeepSeek-V3's shapes):
+/// exact choices (a planted tie goes to the lower index) and weights.
+pub fn route_sigmoid<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(8);
+    for (rows, experts, k, groups, top_groups) in [
+        (1, 8, 2, 1, 1),
+        (5, 128, 8, 1, 1),
+        (3, 160, 8, 1, 1),
+        (4, 256, 8, 8, 4),
+        (2, 64, 6, 8, 3),
+        (3, 32, 1, 4, 2),
+    ] {
+        let mut logits = rng.vec(rows * experts, -4.0, 4.0);
+        let mut bias = rng.vec(experts, -0.2, 0.2);
+        // Experts 0 and 1 alike in every row: a tie wherever they stand.
+        bias[1] = bias[0];
+        for r in 0..rows {
+            logits[r * experts + 1] = logits[r * experts];
+        }
+        for (normalize, scale) in [(true, 2.5), (false, 1.0)] {
+            let how = SigmoidRouting {
+                groups,
+                top_groups,
+                normalize,
+                scale,
+            };
+            let routing = b.route_sigmoid(
+                &b.act_from_host(&logits, rows, experts),
+                &b.vector(&bias).expect("vector"),
+                k,
+                how,
+            );
+            let got = b.read_routing(&routing).expect("read_routing");
+            let want = reference::route_sigmoid(&logits, &bias, k, how);
+            let case = format!("route_sigmoid {rows} rows of {experts} experts, top {k}, {how:?}");
+            assert_eq!(
+                (got.k, &got.experts),
+                (want.k, &want.experts),
+                "{case}: experts"
+            );
+            assert_close(&case, &got.weights, &want.weights, tol.other);
         }
     }
 }
@@ -1345,7 +1404,7 @@ macro_rules! conformance_tests {
     };
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
-            activations matmul embed elementwise rope attention attention_segments attention_without_norms route route_matmul
+            activations matmul embed elementwise rope attention attention_segments attention_without_norms route route_sigmoid route_matmul
             moe delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {

@@ -55,6 +55,18 @@ pub struct HostRouting {
     pub weights: Vec<f32>,
 }
 
+/// The sigmoid router of DeepSeek-V3 and GLM-4.5 (`noaux_tc`): experts are chosen by
+/// `sigmoid(logit) + bias` within the best `top_groups` of `groups` equal groups (a group's score:
+/// the sum of its two best), and weighted by their `sigmoid(logit)`, optionally renormalised to sum
+/// to one, then scaled by `scale`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SigmoidRouting {
+    pub groups: usize,
+    pub top_groups: usize,
+    pub normalize: bool,
+    pub scale: f32,
+}
+
 /// What a sampler needs of one row of logits when it keeps only the best few tokens: the `n` best
 /// columns with their values (see [`Backend::top_logits`]) and the values at a few named columns.
 #[derive(Debug, Clone, PartialEq)]
@@ -317,6 +329,8 @@ pub trait Backend: Send + Sync {
     /// and scales it by `weight`.
     fn rms_norm(&self, x: &Self::Act, weight: &Self::Vector, eps: f32) -> Self::Act;
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act);
+    /// `bias` (one value per column) added to every row of `x`.
+    fn add_bias(&self, x: &mut Self::Act, bias: &Self::Vector);
     /// `h += y`, then the RMS norm of the new `h` (the residual step of a pre-norm decoder; one
     /// pass on backends that fuse it).
     fn add_rms_norm(
@@ -420,6 +434,15 @@ pub trait Backend: Send + Sync {
     /// Softmax over router logits `[rows, experts]`, top-`k` per row (the lower index wins a
     /// tie), optionally renormalised to sum to one.
     fn route(&self, logits: &Self::Act, k: usize, normalize: bool) -> Self::Routing;
+    /// [`SigmoidRouting`] of router logits `[rows, experts]` with the per-expert selection
+    /// `bias`, top `k` (the lower index wins a tie).
+    fn route_sigmoid(
+        &self,
+        logits: &Self::Act,
+        bias: &Self::Vector,
+        k: usize,
+        how: SigmoidRouting,
+    ) -> Self::Routing;
     /// `route` of the router's logits `x gate^T` (one pass on backends that fuse them).
     fn route_matmul(
         &self,
@@ -454,7 +477,8 @@ pub trait Backend: Send + Sync {
     }
     /// `y += sigmoid(x gate^T) * ffn(x)`: a shared expert scaled by its one-row `gate`, added to
     /// the routed experts' output (Qwen3.5, Qwen3-Next). A backend may fuse the SwiGLU, the gate
-    /// and the sum into the down projection; the default is those calls one by one.
+    /// and the sum into the down projection; the default is those calls one by one. (Ungated
+    /// shared experts, as GLM-4.5's, are `add_assign` of `ffn`.)
     fn add_shared_expert(
         &self,
         y: &mut Self::Act,

@@ -291,6 +291,58 @@ pub fn route(logits: &[f32], experts: usize, k: usize, normalize: bool) -> HostR
     out
 }
 
+/// [`crate::SigmoidRouting`] of each row of router logits with the selection `bias`: experts chosen
+/// by `sigmoid + bias` within the best groups (a group scores the sum of its two best; groups
+/// outside count as 0, as transformers and mlx-lm do), ties to the lower index, weighted by their
+/// sigmoid.
+pub fn route_sigmoid(
+    logits: &[f32],
+    bias: &[f32],
+    k: usize,
+    how: crate::SigmoidRouting,
+) -> HostRouting {
+    let experts = bias.len();
+    let per_group = experts / how.groups;
+    let mut out = HostRouting {
+        k,
+        experts: Vec::new(),
+        weights: Vec::new(),
+    };
+    let by_value = |v: &[f64]| {
+        let mut order: Vec<usize> = (0..v.len()).collect();
+        order.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+        order
+    };
+    for row in logits.chunks(experts) {
+        let sig: Vec<f64> = row.iter().map(|&s| sigmoid(s as f64)).collect();
+        let mut choice: Vec<f64> = sig.iter().zip(bias).map(|(s, &b)| s + b as f64).collect();
+        if how.groups > 1 {
+            let group_scores: Vec<f64> = choice
+                .chunks(per_group)
+                .map(|g| by_value(g)[..2].iter().map(|&i| g[i]).sum())
+                .collect();
+            let kept = &by_value(&group_scores)[..how.top_groups];
+            for (g, part) in choice.chunks_mut(per_group).enumerate() {
+                if !kept.contains(&g) {
+                    part.fill(0.0);
+                }
+            }
+        }
+        let chosen = &by_value(&choice)[..k];
+        let total: f64 = chosen.iter().map(|&i| sig[i]).sum();
+        for &i in chosen {
+            let w = if how.normalize && k > 1 {
+                sig[i] / total
+            } else {
+                sig[i]
+            };
+            out.experts.push(i as u32);
+            out.weights.push((w * how.scale as f64) as f32);
+        }
+    }
+    out
+}
+
 /// `sum_j weight_j * ffn_{expert_j}(x)` per row, `experts[e]` the weights of expert `e`.
 pub fn moe(
     x: &[f32],

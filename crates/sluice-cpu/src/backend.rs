@@ -3,7 +3,7 @@
 
 use sluice_backend::{
     Backend, BackendError, ExpertKey, FfnWeights, HostExpert, HostLinearState, HostMatrix,
-    HostRouting, MemoryInfo,
+    HostRouting, MemoryInfo, SigmoidRouting,
 };
 
 use std::sync::Mutex;
@@ -250,6 +250,13 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn add_bias(&self, x: &mut CpuAct, bias: &Vec<f32>) {
+        assert_eq!(x.cols, bias.len(), "one bias per column");
+        for row in x.data.chunks_mut(x.cols) {
+            row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+        }
+    }
+
     fn swiglu(&self, gate: &CpuAct, up: &CpuAct) -> CpuAct {
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols));
         let mut out = gate.clone();
@@ -476,6 +483,21 @@ impl Backend for CpuBackend {
             *o *= g * sigmoid(*g);
         }
         out
+    }
+
+    fn route_sigmoid(
+        &self,
+        logits: &CpuAct,
+        bias: &Vec<f32>,
+        k: usize,
+        how: SigmoidRouting,
+    ) -> HostRouting {
+        assert_eq!(logits.cols, bias.len(), "one bias per expert");
+        assert!(k >= 1 && k <= bias.len());
+        assert!(how.groups >= 1 && bias.len().is_multiple_of(how.groups));
+        assert!(how.top_groups >= 1 && how.top_groups <= how.groups);
+        // Once per token per layer over a few hundred experts: the reference is fast enough.
+        sluice_backend::reference::route_sigmoid(&logits.data, bias, k, how)
     }
 
     fn route(&self, logits: &CpuAct, k: usize, normalize: bool) -> HostRouting {

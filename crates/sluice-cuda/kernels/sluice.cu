@@ -829,6 +829,14 @@ extern "C" __global__ void sigmoid_mul(float* x, const float* gate, long n, int 
     x[i] *= sigmoid1(g);
 }
 
+// x[r, c] += bias[c].
+extern "C" __global__ void add_bias(float* x, const float* bias, long n, int cols) {
+    PDL_START();
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    x[i] += bias[i % cols];
+}
+
 // Each chunk of `chunk` values split after `first`: a gets the first parts, b the rests.
 extern "C" __global__ void split_chunks(const float* x, float* a, float* b, long n, int chunk,
                                         int first) {
@@ -1462,6 +1470,99 @@ extern "C" __global__ void __launch_bounds__(128) route(const float* logits, int
     const long t = (long)blockIdx.x * 4 + warp;
     if (t >= ntok) return;
     route_row(logits + t * E, E, k, normalize, probs[warp], ids + t * k, weights + t * k);
+}
+
+// The warp's largest `best` and its index (ties to the lower index), in every lane.
+__device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (ob > best || (ob == best && oi < best_i)) {
+            best = ob;
+            best_i = oi;
+        }
+    }
+}
+
+// DeepSeek-V3 / GLM-4.5 routing (`noaux_tc`) of one row of E router logits by one warp: experts
+// chosen by sigmoid(logit) + bias within the best top_groups of `groups` (<= 32) equal groups (a
+// group scores the sum of its two best; the others count as 0), ties to the lower index; weighted
+// by sigmoid(logit), renormalised when `normalize` (and k > 1), times `scale`. `choice` is E
+// floats of shared memory.
+__device__ void route_sigmoid_row(const float* row, const float* bias, int E, int k, int groups,
+                                  int top_groups, int normalize, float scale, float* choice,
+                                  uint32_t* ids, float* weights) {
+    const int lane = threadIdx.x % 32;
+    for (int i = lane; i < E; i += 32) choice[i] = sigmoid1(__ldcg(row + i)) + bias[i];
+    __syncwarp();
+    if (groups > 1) {
+        const int per = E / groups;
+        float score = -INFINITY;
+        if (lane < groups) {
+            float a = -INFINITY, b = -INFINITY;  // the group's two best
+            for (int i = lane * per; i < (lane + 1) * per; i++) {
+                const float c = choice[i];
+                if (c > a) {
+                    b = a;
+                    a = c;
+                } else if (c > b) {
+                    b = c;
+                }
+            }
+            score = a + b;
+        }
+        uint32_t kept = 0;
+        for (int j = 0; j < top_groups; j++) {
+            const bool open = lane < groups && !((kept >> lane) & 1u);
+            float best = open ? score : -INFINITY;
+            int best_i = open ? lane : 0x7fffffff;
+            warp_argmax(best, best_i);
+            kept |= 1u << best_i;
+        }
+        for (int i = lane; i < E; i += 32)
+            if (!((kept >> (i / per)) & 1u)) choice[i] = 0.0f;
+        __syncwarp();
+    }
+    float total = 0.0f, my_w = 0.0f;
+    int my_id = 0;
+    for (int j = 0; j < k; j++) {
+        float best = -INFINITY;
+        int best_i = 0x7fffffff;
+        for (int i = lane; i < E; i += 32) {
+            const float c = choice[i];
+            if (c > best || (c == best && i < best_i)) {
+                best = c;
+                best_i = i;
+            }
+        }
+        warp_argmax(best, best_i);
+        const float w = sigmoid1(__ldcg(row + best_i));
+        total += w;
+        if (lane == j) {
+            my_w = w;
+            my_id = best_i;
+        }
+        if (lane == 0) choice[best_i] = -INFINITY;
+        __syncwarp();
+    }
+    if (lane < k) {
+        ids[lane] = (uint32_t)my_id;
+        weights[lane] = (normalize && k > 1 ? my_w / total : my_w) * scale;
+    }
+}
+
+// route_sigmoid_row for each row of logits [T, E]: one warp per row; E <= 1024, k <= 32.
+extern "C" __global__ void __launch_bounds__(128) route_sigmoid(
+    const float* logits, const float* bias, int ntok, int E, int k, int groups, int top_groups,
+    int normalize, float scale, uint32_t* ids, float* weights) {
+    PDL_START();
+    __shared__ float choice[4][1024];
+    const int warp = threadIdx.x / 32;
+    const long t = (long)blockIdx.x * 4 + warp;
+    if (t >= ntok) return;
+    route_sigmoid_row(logits + t * E, bias, E, k, groups, top_groups, normalize, scale,
+                      choice[warp], ids + t * k, weights + t * k);
 }
 
 // A routed pair the MoE kernels skip (its expert computed elsewhere: host_split_plan).

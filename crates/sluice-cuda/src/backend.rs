@@ -8,7 +8,7 @@ use cudarc::driver::CudaFunction;
 use sluice_backend::{
     Backend, BackendError, DeltaNetDims, ExpertCachePlan, ExpertCacheStats, ExpertKey,
     ExpertSource, FfnWeights, HostExpert, HostLinearState, HostMatrix, HostPinner, HostRouting,
-    MemoryInfo, TopLogits, ValueHeadOrder,
+    MemoryInfo, SigmoidRouting, TopLogits, ValueHeadOrder,
 };
 
 use sluice_cpu::{CpuBackend, Kernels};
@@ -2085,6 +2085,24 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn add_bias(&self, x: &mut CudaAct, bias: &CudaVector) {
+        assert_eq!(x.cols, bias.len, "one bias per column");
+        let n = x.rows * x.cols;
+        match x.ptr() {
+            Some(xp) => self.elementwise(
+                &self.d.k.add_bias,
+                n,
+                &[
+                    Arg::Ptr(xp),
+                    Arg::Ptr(self.vec_ptr(bias)),
+                    Arg::I64(n as i64),
+                    Arg::I32(x.cols as i32),
+                ],
+            ),
+            None => x.buf = None,
+        }
+    }
+
     fn add_rms_norm(&self, h: &mut CudaAct, y: &CudaAct, weight: &CudaVector, eps: f32) -> CudaAct {
         let n = weight.len;
         assert_eq!((h.rows, h.cols), (y.rows, y.cols));
@@ -2441,6 +2459,65 @@ impl Backend for CudaBackend {
             );
         }
         (a, b)
+    }
+
+    fn route_sigmoid(
+        &self,
+        logits: &CudaAct,
+        bias: &CudaVector,
+        k: usize,
+        how: SigmoidRouting,
+    ) -> CudaRouting {
+        let (rows, experts) = (logits.rows, logits.cols);
+        assert_eq!(experts, bias.len, "one bias per expert");
+        assert!(k >= 1 && k <= experts);
+        assert!(how.groups >= 1 && experts.is_multiple_of(how.groups));
+        assert!(how.top_groups >= 1 && how.top_groups <= how.groups);
+        let mut routing = CudaRouting {
+            ids: None,
+            weights: None,
+            rows,
+            k,
+        };
+        if experts > MAX_ROUTED_EXPERTS
+            || k > MAX_EXPERTS_PER_TOKEN
+            || how.groups > 32
+            || (how.groups > 1 && experts / how.groups < 2)
+        {
+            self.d.record(BackendError::Unsupported(format!(
+                "sigmoid routing, top {k} of {experts} experts in {} groups: the CUDA kernel \
+                 takes at most {MAX_EXPERTS_PER_TOKEN} of {MAX_ROUTED_EXPERTS}, in at most 32 \
+                 groups of 2 or more",
+                how.groups
+            )));
+            return routing;
+        }
+        let Some(lp) = logits.ptr() else {
+            return routing;
+        };
+        routing.ids = self.d.alloc_or_record(rows * k * 4, "routing");
+        routing.weights = self.d.alloc_or_record(rows * k * 4, "routing");
+        if let (Some(ids), Some(w)) = (&routing.ids, &routing.weights) {
+            self.d.launch(
+                &self.d.k.route_sigmoid,
+                (grid(rows, 4), 1, 1),
+                (128, 1, 1),
+                &[
+                    Arg::Ptr(lp),
+                    Arg::Ptr(self.vec_ptr(bias)),
+                    Arg::I32(rows as i32),
+                    Arg::I32(experts as i32),
+                    Arg::I32(k as i32),
+                    Arg::I32(how.groups as i32),
+                    Arg::I32(how.top_groups as i32),
+                    Arg::I32(how.normalize as i32),
+                    Arg::F32(how.scale),
+                    Arg::Ptr(ids.ptr),
+                    Arg::Ptr(w.ptr),
+                ],
+            );
+        }
+        routing
     }
 
     fn route(&self, logits: &CudaAct, k: usize, normalize: bool) -> CudaRouting {

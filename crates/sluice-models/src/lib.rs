@@ -9,7 +9,7 @@
 //! Layout: [`loader`] reads weights by name; [`moe`] is the MoE block every architecture shares
 //! (router, routed experts, shared expert, next-layer prefetch) and [`experts`] where its experts
 //! live; [`decoder`] the embedding, final norm and output head around the layers. Each
-//! architecture file (`qwen3_moe.rs`, `qwen3_5_moe.rs`, `mixtral.rs`) holds its config, its attention and its
+//! architecture file (`qwen3_moe.rs`, `qwen3_5_moe.rs`, `mixtral.rs`, `glm4_moe.rs`) holds its config, its attention and its
 //! forward pass, top to bottom.
 
 #![forbid(unsafe_code)]
@@ -23,6 +23,7 @@ pub use experts::Experts;
 
 mod decoder;
 pub mod experts;
+pub mod glm4_moe;
 mod loader;
 pub mod mixtral;
 mod moe;
@@ -163,7 +164,7 @@ pub trait CausalLm<B: Backend>: Send + Sync {
 }
 
 /// The `model_type`s [`load`] reads, for error messages.
-const SUPPORTED: &str = "qwen3_moe, qwen3_5_moe, qwen3_next, mixtral";
+const SUPPORTED: &str = "qwen3_moe, qwen3_5_moe, qwen3_next, mixtral, glm4_moe";
 
 /// What a model directory's config says about its experts, read and checked as the architecture
 /// reads it, before any weight (e.g. to size an expert cache first).
@@ -194,6 +195,11 @@ pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
             let c: mixtral::MixtralConfig = dir.parse_config()?;
             c.check(dir)?;
             (c.num_local_experts, c.num_experts_per_tok)
+        }
+        "glm4_moe" => {
+            let c: glm4_moe::Glm4MoeConfig = dir.parse_config()?;
+            c.check(dir)?;
+            (c.n_routed_experts, c.num_experts_per_tok)
         }
         other => {
             return Err(ModelError::Unsupported(format!(
@@ -230,6 +236,7 @@ pub fn load_with_experts<B: Backend + 'static>(
             qwen3_5_moe::Qwen35Moe::load(dir, backend, experts)?,
         )),
         "mixtral" => Ok(Box::new(mixtral::Mixtral::load(dir, backend, experts)?)),
+        "glm4_moe" => Ok(Box::new(glm4_moe::Glm4Moe::load(dir, backend, experts)?)),
         other => Err(ModelError::Unsupported(format!(
             "{}: model_type `{other}` is not supported (supported: {SUPPORTED})",
             dir.path.join("config.json").display()

@@ -15,7 +15,7 @@ use sluice_format::ModelDir;
 
 use crate::decoder::{attention_caches, Decoder, Dims, Ends};
 use crate::loader::Loader;
-use crate::moe::{Mlp, MoeDims};
+use crate::moe::{Mlp, MoeDims, Routing};
 use crate::{config_error, default_rope_theta, CausalLm, ModelError, ModelInfo, Segment, State};
 
 /// The fields of config.json this architecture reads.
@@ -203,8 +203,8 @@ impl<B: Backend> Layer<B> {
             experts: cfg.num_local_experts,
             hidden,
             inter: cfg.intermediate_size,
-            shared_inter: None,
-            norm_topk_prob: true,
+            shared: None,
+            routing: Routing::Softmax { normalize: true },
         };
         Ok(Layer {
             input_layernorm: ld.vector(&format!("{p}.input_layernorm.weight"), hidden)?,

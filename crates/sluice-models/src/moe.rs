@@ -1,11 +1,30 @@
 //! The feed-forward half of a decoder layer, shared by every architecture here: a sparse MoE
-//! block (softmax router, top-k routed experts, optionally a shared expert scaled by its sigmoid
-//! gate) or, for the layers a config marks dense, a plain SwiGLU block.
+//! block (a softmax router as Qwen's and Mixtral's, or DeepSeek-V3's sigmoid router with its
+//! selection bias as GLM-4.5's; top-k routed experts; optionally a shared expert, scaled by a
+//! sigmoid gate or added as is) or, for the layers a config marks dense, a plain SwiGLU block.
 
-use sluice_backend::{Backend, FfnWeights};
+use sluice_backend::{Backend, FfnWeights, SigmoidRouting};
 
 use crate::loader::Loader;
 use crate::{Experts, ModelError};
+
+/// How a block's router turns its logits into experts and weights.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Routing {
+    /// Softmax over all experts, top k, renormalised to sum to one when `normalize`.
+    Softmax { normalize: bool },
+    /// DeepSeek-V3's `noaux_tc`: the router has a selection bias `gate.e_score_correction_bias`.
+    Sigmoid(SigmoidRouting),
+}
+
+/// A shared expert: always run, beside the routed ones.
+pub(crate) struct SharedDims {
+    /// Module name under the block: `shared_expert` (Qwen) or `shared_experts` (GLM).
+    pub name: &'static str,
+    pub inter: usize,
+    /// Scaled by `sigmoid(x shared_expert_gate^T)` (Qwen) or added as is (GLM).
+    pub gated: bool,
+}
 
 /// The shapes of one MoE block.
 pub(crate) struct MoeDims {
@@ -13,24 +32,44 @@ pub(crate) struct MoeDims {
     pub hidden: usize,
     /// Of each routed expert.
     pub inter: usize,
-    /// Of the shared expert; `None` when there is none.
-    pub shared_inter: Option<usize>,
-    /// Renormalise the top-k routing weights to sum to one.
-    pub norm_topk_prob: bool,
+    pub shared: Option<SharedDims>,
+    pub routing: Routing,
 }
 
 pub(crate) struct SharedExpert<B: Backend> {
     ffn: FfnWeights<B::Weight>,
     /// `[1, hidden]`: the shared expert's output is scaled by `sigmoid(gate(x))`.
-    gate: B::Weight,
+    gate: Option<B::Weight>,
+}
+
+/// The router: `gate` is `[experts, hidden]`.
+pub(crate) enum Router<B: Backend> {
+    Softmax {
+        gate: B::Weight,
+        normalize: bool,
+    },
+    Sigmoid {
+        gate: B::Weight,
+        bias: B::Vector,
+        how: SigmoidRouting,
+    },
+}
+
+impl<B: Backend> Router<B> {
+    fn route(&self, b: &B, x: &B::Act, k: usize) -> B::Routing {
+        match self {
+            Router::Softmax { gate, normalize } => b.route_matmul(x, gate, k, *normalize),
+            Router::Sigmoid { gate, bias, how } => {
+                b.route_sigmoid(&b.matmul(x, gate), bias, k, *how)
+            }
+        }
+    }
 }
 
 pub(crate) struct SparseMoe<B: Backend> {
-    /// The router: `[experts, hidden]`.
-    gate: B::Weight,
+    router: Router<B>,
     experts: Experts<B>,
     shared_expert: Option<SharedExpert<B>>,
-    norm_topk_prob: bool,
 }
 
 pub(crate) enum Mlp<B: Backend> {
@@ -39,8 +78,8 @@ pub(crate) enum Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    /// The sparse block of decoder layer `layer` under `prefix` (`gate`, the experts,
-    /// `shared_expert`, `shared_expert_gate`).
+    /// The sparse block of decoder layer `layer` under `prefix` (`gate`, the experts, the shared
+    /// expert and its gate).
     pub fn sparse(
         ld: &mut Loader<B>,
         layer: usize,
@@ -48,19 +87,29 @@ impl<B: Backend> Mlp<B> {
         d: &MoeDims,
     ) -> Result<Self, ModelError> {
         let gate = ld.matrix(&format!("{prefix}.gate"), d.experts, d.hidden)?;
+        let router = match d.routing {
+            Routing::Softmax { normalize } => Router::Softmax { gate, normalize },
+            Routing::Sigmoid(how) => Router::Sigmoid {
+                gate,
+                bias: ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), d.experts)?,
+                how,
+            },
+        };
         let experts = ld.experts(layer, prefix, d.experts, d.hidden, d.inter)?;
-        let shared_expert = match d.shared_inter {
-            Some(inter) => Some(SharedExpert {
-                ffn: ld.ffn(&format!("{prefix}.shared_expert"), d.hidden, inter)?,
-                gate: ld.matrix(&format!("{prefix}.shared_expert_gate"), 1, d.hidden)?,
+        let shared_expert = match &d.shared {
+            Some(s) => Some(SharedExpert {
+                ffn: ld.ffn(&format!("{prefix}.{}", s.name), d.hidden, s.inter)?,
+                gate: match s.gated {
+                    true => Some(ld.matrix(&format!("{prefix}.{}_gate", s.name), 1, d.hidden)?),
+                    false => None,
+                },
             }),
             None => None,
         };
         Ok(Mlp::Sparse(SparseMoe {
-            gate,
+            router,
             experts,
             shared_expert,
-            norm_topk_prob: d.norm_topk_prob,
         }))
     }
 
@@ -87,12 +136,12 @@ impl<B: Backend> Mlp<B> {
             Mlp::Dense(ffn) => return Ok(b.ffn(x, ffn)),
             Mlp::Sparse(moe) => moe,
         };
-        let routing = b.route_matmul(x, &moe.gate, k, moe.norm_topk_prob);
+        let routing = moe.router.route(b, x, k);
         // The next router applied to this layer's input: a guess at its experts one layer early,
         // computed with this layer's routing so that one read brings both back.
         let guess = match next {
             Some(Mlp::Sparse(next)) if next.experts.wants_prefetch(b, x) => {
-                Some((next, b.route_matmul(x, &next.gate, k, next.norm_topk_prob)))
+                Some((next, next.router.route(b, x, k)))
             }
             _ => None,
         };
@@ -101,8 +150,13 @@ impl<B: Backend> Mlp<B> {
                 next.experts.prefetch(b, guess);
             }
         })?;
-        if let Some(shared) = &moe.shared_expert {
-            b.add_shared_expert(&mut y, x, &shared.ffn, &shared.gate);
+        match &moe.shared_expert {
+            Some(SharedExpert {
+                ffn,
+                gate: Some(gate),
+            }) => b.add_shared_expert(&mut y, x, ffn, gate),
+            Some(SharedExpert { ffn, gate: None }) => b.add_assign(&mut y, &b.ffn(x, ffn)),
+            None => {}
         }
         Ok(y)
     }

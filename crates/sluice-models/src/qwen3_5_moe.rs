@@ -27,7 +27,7 @@ use sluice_format::ModelDir;
 
 use crate::decoder::{attention_caches, per_segment, wrong_state, Decoder, Dims, Ends};
 use crate::loader::Loader;
-use crate::moe::{Mlp, MoeDims};
+use crate::moe::{Mlp, MoeDims, Routing, SharedDims};
 use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
 
 /// The fields of the text config this architecture reads.
@@ -410,8 +410,14 @@ impl<B: Backend> Layer<B> {
                     experts: cfg.num_experts,
                     hidden,
                     inter: cfg.moe_intermediate_size,
-                    shared_inter: Some(cfg.shared_expert_intermediate_size),
-                    norm_topk_prob: cfg.norm_topk_prob,
+                    shared: Some(SharedDims {
+                        name: "shared_expert",
+                        inter: cfg.shared_expert_intermediate_size,
+                        gated: true,
+                    }),
+                    routing: Routing::Softmax {
+                        normalize: cfg.norm_topk_prob,
+                    },
                 };
                 Mlp::sparse(ld, i, &m, &dims)?
             } else {

@@ -15,7 +15,7 @@ use sluice_format::ModelDir;
 
 use crate::decoder::{attention_caches, Decoder, Dims, Ends};
 use crate::loader::Loader;
-use crate::moe::{Mlp, MoeDims};
+use crate::moe::{Mlp, MoeDims, Routing};
 use crate::{config_error, default_rope_theta, CausalLm, ModelError, ModelInfo, Segment, State};
 
 /// The fields of config.json this architecture reads.
@@ -221,8 +221,10 @@ impl<B: Backend> Layer<B> {
                     experts: cfg.num_experts,
                     hidden,
                     inter: cfg.moe_intermediate_size,
-                    shared_inter: None,
-                    norm_topk_prob: cfg.norm_topk_prob,
+                    shared: None,
+                    routing: Routing::Softmax {
+                        normalize: cfg.norm_topk_prob,
+                    },
                 };
                 Mlp::sparse(ld, i, &format!("{p}.mlp"), &dims)?
             } else {
