@@ -67,6 +67,8 @@ fn streamed_logits_are_bit_identical_to_resident() {
         "qwen3_next-bf16",
         "mixtral-q4",
         "mixtral-hf",
+        "glm4_moe-q4",
+        "glm4_moe-hf",
     ] {
         let resident = load(&fixture(name), StreamingOptions::default());
         assert!(resident.store.is_none());
@@ -176,6 +178,8 @@ fn unpacked_streaming_is_bit_identical_to_resident() {
         "qwen3_next-bf16",
         "mixtral-q4",
         "mixtral-hf",
+        "glm4_moe-q4",
+        "glm4_moe-hf",
     ] {
         let dir = fixture(name);
         let resident = load(&dir, StreamingOptions::default());

@@ -171,6 +171,7 @@ fn packs_every_fixture_layout_byte_identically() {
         "qwen3_5_moe-bf16",
         "mixtral-q4",
         "mixtral-hf",
+        "glm4_moe-hf",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("packed");

@@ -261,6 +261,7 @@ macro_rules! batch_suite {
         batch_suite!(@one $make; $(#[$attr])*; qwen3_5_moe_q4_batch, "qwen3_5_moe-q4");
         batch_suite!(@one $make; $(#[$attr])*; qwen3_next_bf16_batch, "qwen3_next-bf16");
         batch_suite!(@one $make; $(#[$attr])*; mixtral_q4_batch, "mixtral-q4");
+        batch_suite!(@one $make; $(#[$attr])*; glm4_moe_hf_batch, "glm4_moe-hf");
 
         #[test]
         $(#[$attr])*

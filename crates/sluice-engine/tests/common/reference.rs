@@ -151,6 +151,8 @@ macro_rules! reference_suite {
             mixtral_q4: "mixtral-q4",
             mixtral_hf: "mixtral-hf",
             mixtral_transformers: "mixtral-transformers",
+            glm4_moe_q4: "glm4_moe-q4",
+            glm4_moe_hf: "glm4_moe-hf",
         });
     };
 }
