@@ -38,11 +38,17 @@ def main():
     layers = lm.model.layers
     chosen = []
     for layer in layers:
-        mlp = layer.mlp
+        # The MoE block (Mixtral's is `block_sparse_moe`); leading dense layers have no router.
+        mlp = getattr(layer, "block_sparse_moe", None) or layer.mlp
+        if "gate" not in mlp:
+            continue
         gate = mlp.gate
 
         def hooked_gate(x, gate=gate):
             out = gate(x)
+            if isinstance(out, tuple):  # GLM's router returns (experts, weights)
+                chosen.append(np.array(out[0]))
+                return out
             k = text["num_experts_per_tok"]
             chosen.append(np.array(mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]))
             return out
@@ -63,7 +69,7 @@ def main():
     mx.eval(logits)
     ref = np.array(logits[0].astype(mx.float32))
 
-    experts = text["num_experts"]
+    experts = next(text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in text)
     counts = np.zeros(experts, dtype=np.int64)
     for c in chosen:
         np.add.at(counts, c.reshape(-1), 1)

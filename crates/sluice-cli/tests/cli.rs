@@ -287,7 +287,12 @@ fn generate_runs_the_hybrid_models() {
 
 #[test]
 fn synth_tiny_presets_load_and_generate() {
-    for preset in ["tiny-qwen3.5-moe", "tiny-qwen3-moe", "tiny-mixtral"] {
+    for preset in [
+        "tiny-qwen3.5-moe",
+        "tiny-qwen3-moe",
+        "tiny-mixtral",
+        "tiny-glm4-moe",
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("m");
         let d = dir.to_str().unwrap();

@@ -108,3 +108,46 @@ fn mixtral_configs_load_or_say_what_is_unsupported() {
     let err = load(&tmp).expect_err("16 experts").to_string();
     assert!(err.contains("block_sparse_moe.gate"), "{err}");
 }
+
+#[test]
+fn glm4_moe_configs_say_what_is_unsupported() {
+    let load = |tmp: &tempfile::TempDir| {
+        let dir = ModelDir::open(tmp.path()).unwrap();
+        sluice_models::load(&dir, Arc::new(CpuBackend::new())).map(|m| m.info().clone())
+    };
+    for (key, value, says) in [
+        (
+            "scoring_func",
+            serde_json::json!("softmax"),
+            "scoring_func `softmax`",
+        ),
+        ("n_group", serde_json::json!(3), "n_group (3)"),
+        ("topk_group", serde_json::json!(5), "topk_group (5)"),
+        (
+            "partial_rotary_factor",
+            serde_json::json!(0.01),
+            "partial_rotary_factor",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+            "rope scaling `yarn`",
+        ),
+    ] {
+        let tmp = edited("glm4_moe-hf", |c| c[key] = value.clone());
+        let err = load(&tmp).expect_err(key).to_string();
+        assert!(
+            err.contains("config.json") && err.contains(says),
+            "{key}: {err}"
+        );
+    }
+    // Without q/k norms configured, the checkpoint's norm weights are not read (and not needed).
+    let tmp = edited("glm4_moe-q4", |c| c["use_qk_norm"] = true.into());
+    let err = load(&tmp).expect_err("no q_norm").to_string();
+    assert!(err.contains("q_norm"), "{err}");
+    let info = load(&edited("glm4_moe-hf", |_| {})).unwrap();
+    assert_eq!(
+        (info.model_type.as_str(), info.layers, info.experts),
+        ("glm4_moe", 3, 8)
+    );
+}

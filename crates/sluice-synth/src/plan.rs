@@ -195,6 +195,23 @@ impl Builder {
         );
     }
 
+    /// A bf16 `[out, in]` matrix of standard deviation `gain / sqrt(in)`, never quantised.
+    fn dense(&mut self, name: &str, out: usize, inp: usize, gain: f32) {
+        let a = gain / (inp as f32).sqrt() * 3f32.sqrt();
+        let fill = Fill::Uniform { lo: -a, hi: a };
+        self.push(
+            format!("{name}.weight"),
+            StDtype::BF16,
+            vec![out, inp],
+            fill,
+        );
+    }
+
+    /// `n` values uniform on [-a, a).
+    fn uniform(&mut self, name: String, dtype: StDtype, n: usize, a: f32) {
+        self.push(name, dtype, vec![n], Fill::Uniform { lo: -a, hi: a });
+    }
+
     fn ones(&mut self, name: String, n: usize) {
         self.push(name, StDtype::BF16, vec![n], Fill::Constant(1.0));
     }
@@ -232,16 +249,29 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
             let (nh, kv, hd) = (preset.heads, preset.kv_heads, preset.head_dim);
             // Qwen3.5's gated attention projects queries and their gates together.
             let q_rows = match preset.family {
-                Family::Qwen3Moe | Family::Mixtral => nh * hd,
+                Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe => nh * hd,
                 Family::Qwen35Moe => 2 * nh * hd,
             };
             b.linear(&format!("{p}.self_attn.q_proj"), &[], q_rows, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.k_proj"), &[], kv * hd, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.v_proj"), &[], kv * hd, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.o_proj"), &[], h, nh * hd, 1.0, q);
-            if preset.family != Family::Mixtral {
-                b.ones(format!("{p}.self_attn.q_norm.weight"), hd);
-                b.ones(format!("{p}.self_attn.k_norm.weight"), hd);
+            match preset.family {
+                Family::Qwen3Moe | Family::Qwen35Moe => {
+                    b.ones(format!("{p}.self_attn.q_norm.weight"), hd);
+                    b.ones(format!("{p}.self_attn.k_norm.weight"), hd);
+                }
+                Family::Glm4Moe => {
+                    for (n, rows) in [("q", nh * hd), ("k", kv * hd), ("v", kv * hd)] {
+                        b.uniform(
+                            format!("{p}.self_attn.{n}_proj.bias"),
+                            StDtype::BF16,
+                            rows,
+                            0.1,
+                        );
+                    }
+                }
+                Family::Mixtral => {}
             }
         } else if let Some(lin) = preset.linear {
             let la = format!("{p}.linear_attn");
@@ -277,26 +307,55 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
             b.ones(format!("{la}.norm.weight"), lin.value_head_dim);
         }
         let mlp = format!("{p}.{}", preset.moe_module());
+        if l < preset.first_dense_layers {
+            let i = preset.intermediate_size;
+            b.linear(&format!("{mlp}.gate_proj"), &[], i, h, 1.0, q);
+            b.linear(&format!("{mlp}.up_proj"), &[], i, h, 1.0, q);
+            b.linear(&format!("{mlp}.down_proj"), &[], h, i, 1.0, q);
+            continue;
+        }
         let (e, i) = (preset.experts, preset.moe_intermediate_size);
-        b.linear_spread(
-            &format!("{mlp}.gate"),
-            &[],
-            e,
-            h,
-            ROUTER_GAIN,
-            ROUTER_SPREAD,
-            router,
-        );
+        if preset.family == Family::Glm4Moe {
+            // A bf16 router (no popularity skew) and the selection bias, float32.
+            b.dense(&format!("{mlp}.gate"), e, h, ROUTER_GAIN);
+            b.uniform(
+                format!("{mlp}.gate.e_score_correction_bias"),
+                StDtype::F32,
+                e,
+                0.02,
+            );
+        } else {
+            b.linear_spread(
+                &format!("{mlp}.gate"),
+                &[],
+                e,
+                h,
+                ROUTER_GAIN,
+                ROUTER_SPREAD,
+                router,
+            );
+        }
         b.linear(&format!("{mlp}.switch_mlp.gate_proj"), &[e], i, h, 1.0, q);
         b.linear(&format!("{mlp}.switch_mlp.up_proj"), &[e], i, h, 1.0, q);
         b.linear(&format!("{mlp}.switch_mlp.down_proj"), &[e], h, i, 1.0, q);
         let s = preset.shared_expert_intermediate_size;
         if s > 0 {
-            let se = format!("{mlp}.shared_expert");
+            // GLM's shared experts are ungated and named in the plural.
+            let glm = preset.family == Family::Glm4Moe;
+            let se = format!(
+                "{mlp}.{}",
+                if glm {
+                    "shared_experts"
+                } else {
+                    "shared_expert"
+                }
+            );
             b.linear(&format!("{se}.gate_proj"), &[], s, h, 1.0, q);
             b.linear(&format!("{se}.up_proj"), &[], s, h, 1.0, q);
             b.linear(&format!("{se}.down_proj"), &[], h, s, 1.0, q);
-            b.linear(&format!("{mlp}.shared_expert_gate"), &[], 1, h, 1.0, router);
+            if !glm {
+                b.linear(&format!("{mlp}.shared_expert_gate"), &[], 1, h, 1.0, router);
+            }
         }
     }
     b.ones(format!("{m}.norm.weight"), h);

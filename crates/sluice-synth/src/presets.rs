@@ -18,6 +18,10 @@ pub enum Family {
     /// `mixtral`: full attention without q/k norms, MoE under `block_sparse_moe`, no shared
     /// expert.
     Mixtral,
+    /// `glm4_moe`: attention with q/k/v biases and half-head rotary, no q/k norms (as the Air),
+    /// leading dense layers, a sigmoid router with a selection bias (kept in bf16, as mlx-lm
+    /// leaves it) and an ungated shared expert.
+    Glm4Moe,
 }
 
 /// Gated DeltaNet (linear attention) dimensions of a `qwen3_5_moe` preset.
@@ -56,6 +60,8 @@ pub struct Preset {
     pub partial_rotary_factor: f64,
     pub max_position_embeddings: usize,
     pub linear: Option<LinearAttention>,
+    /// Leading layers with a dense SwiGLU of `intermediate_size` instead of experts.
+    pub first_dense_layers: usize,
     /// Id of `<|endoftext|>`; the other special tokens follow it (as in Qwen's vocabularies).
     pub special_tokens_start: usize,
 }
@@ -102,6 +108,7 @@ pub const PRESETS: &[Preset] = &[
         partial_rotary_factor: 0.25,
         max_position_embeddings: 262144,
         linear: Some(QWEN35_LINEAR),
+        first_dense_layers: 0,
         special_tokens_start: 248044,
     },
     Preset {
@@ -127,6 +134,7 @@ pub const PRESETS: &[Preset] = &[
             value_heads: 64,
             ..QWEN35_LINEAR
         }),
+        first_dense_layers: 0,
         special_tokens_start: 248044,
     },
     Preset {
@@ -155,6 +163,7 @@ pub const PRESETS: &[Preset] = &[
             value_heads: 64,
             ..QWEN35_LINEAR
         }),
+        first_dense_layers: 0,
         special_tokens_start: 248044,
     },
     Preset {
@@ -177,6 +186,7 @@ pub const PRESETS: &[Preset] = &[
         partial_rotary_factor: 1.0,
         max_position_embeddings: 40960,
         linear: None,
+        first_dense_layers: 0,
         special_tokens_start: 151643,
     },
     Preset {
@@ -199,6 +209,7 @@ pub const PRESETS: &[Preset] = &[
         partial_rotary_factor: 1.0,
         max_position_embeddings: 40960,
         linear: None,
+        first_dense_layers: 0,
         special_tokens_start: 151643,
     },
     Preset {
@@ -222,7 +233,33 @@ pub const PRESETS: &[Preset] = &[
         partial_rotary_factor: 1.0,
         max_position_embeddings: 32768,
         linear: None,
+        first_dense_layers: 0,
         special_tokens_start: 31993,
+    },
+    Preset {
+        name: "glm-4.5-air",
+        family: Family::Glm4Moe,
+        source: "huggingface.co/zai-org/GLM-4.5-Air config.json; agrees with THUDM/slime \
+                 scripts/models/glm4.5-106B-A12B.sh (1 dense + 45 MoE layers, 96 heads, 8 KV \
+                 groups of 128, hidden 4096, dense 10944, experts 1408 and shared 1408, rotary \
+                 0.5, theta 1e6, vocabulary 151552)",
+        hidden_size: 4096,
+        layers: 46,
+        heads: 96,
+        kv_heads: 8,
+        head_dim: 128,
+        experts: 128,
+        experts_per_token: 8,
+        moe_intermediate_size: 1408,
+        shared_expert_intermediate_size: 1408,
+        intermediate_size: 10944,
+        vocab_size: 151552,
+        rope_theta: 1e6,
+        partial_rotary_factor: 0.5,
+        max_position_embeddings: 131072,
+        linear: None,
+        first_dense_layers: 1,
+        special_tokens_start: 151329,
     },
     Preset {
         name: "tiny-qwen3.5-moe",
@@ -250,6 +287,7 @@ pub const PRESETS: &[Preset] = &[
             conv_kernel: 4,
             full_attention_interval: 4,
         }),
+        first_dense_layers: 0,
         special_tokens_start: 1000,
     },
     Preset {
@@ -271,6 +309,29 @@ pub const PRESETS: &[Preset] = &[
         partial_rotary_factor: 1.0,
         max_position_embeddings: 4096,
         linear: None,
+        first_dense_layers: 0,
+        special_tokens_start: 1000,
+    },
+    Preset {
+        name: "tiny-glm4-moe",
+        family: Family::Glm4Moe,
+        source: "glm-4.5-air's structure at test size",
+        hidden_size: 128,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        experts: 16,
+        experts_per_token: 4,
+        moe_intermediate_size: 64,
+        shared_expert_intermediate_size: 64,
+        intermediate_size: 256,
+        vocab_size: 1024,
+        rope_theta: 1e6,
+        partial_rotary_factor: 0.5,
+        max_position_embeddings: 4096,
+        linear: None,
+        first_dense_layers: 1,
         special_tokens_start: 1000,
     },
     Preset {
@@ -292,6 +353,7 @@ pub const PRESETS: &[Preset] = &[
         partial_rotary_factor: 1.0,
         max_position_embeddings: 4096,
         linear: None,
+        first_dense_layers: 0,
         special_tokens_start: 1000,
     },
 ];
@@ -324,7 +386,7 @@ impl Preset {
     /// Module-path prefix of the decoder stack as mlx-lm writes it (`...layers.N`).
     pub fn model_prefix(&self) -> &'static str {
         match self.family {
-            Family::Qwen3Moe | Family::Mixtral => "model",
+            Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe => "model",
             Family::Qwen35Moe => "language_model.model",
         }
     }
@@ -332,7 +394,7 @@ impl Preset {
     /// Path of the output head.
     pub fn lm_head(&self) -> &'static str {
         match self.family {
-            Family::Qwen3Moe | Family::Mixtral => "lm_head",
+            Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe => "lm_head",
             Family::Qwen35Moe => "language_model.lm_head",
         }
     }
@@ -341,7 +403,7 @@ impl Preset {
     pub fn moe_module(&self) -> &'static str {
         match self.family {
             Family::Mixtral => "block_sparse_moe",
-            Family::Qwen3Moe | Family::Qwen35Moe => "mlp",
+            Family::Qwen3Moe | Family::Qwen35Moe | Family::Glm4Moe => "mlp",
         }
     }
 
@@ -353,7 +415,12 @@ impl Preset {
         quant.insert("bits".into(), json!(bits));
         quant.insert("mode".into(), json!("affine"));
         let router = json!({"group_size": 64, "bits": 8});
-        for l in 0..self.layers {
+        // GLM's router is not a linear layer for mlx-lm: it stays in bf16, with no entry.
+        let router_layers = match self.family {
+            Family::Glm4Moe => 0,
+            _ => self.layers,
+        };
+        for l in 0..router_layers {
             let p = format!("{}.layers.{l}.{}", self.model_prefix(), self.moe_module());
             quant.insert(format!("{p}.gate"), router.clone());
             if self.shared_expert_intermediate_size > 0 {
@@ -425,6 +492,39 @@ impl Preset {
                     },
                 })
             }
+            (Family::Glm4Moe, _) => json!({
+                "architectures": ["Glm4MoeForCausalLM"],
+                "model_type": "glm4_moe",
+                "attention_bias": true,
+                "eos_token_id": [eos, endoftext],
+                "first_k_dense_replace": self.first_dense_layers,
+                "head_dim": self.head_dim,
+                "hidden_act": "silu",
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "max_position_embeddings": self.max_position_embeddings,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "n_group": 1,
+                "n_routed_experts": self.experts,
+                "n_shared_experts": self.shared_expert_intermediate_size / self.moe_intermediate_size,
+                "norm_topk_prob": true,
+                "num_attention_heads": self.heads,
+                "num_experts_per_tok": self.experts_per_token,
+                "num_hidden_layers": self.layers,
+                "num_key_value_heads": self.kv_heads,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "rms_norm_eps": 1e-5,
+                "rope_scaling": null,
+                "rope_theta": self.rope_theta,
+                "routed_scaling_factor": 1.0,
+                "tie_word_embeddings": false,
+                "topk_group": 1,
+                "torch_dtype": "bfloat16",
+                "use_qk_norm": false,
+                "vocab_size": self.vocab_size,
+                "quantization": quant,
+                "quantization_config": quant,
+            }),
             (Family::Mixtral, _) => json!({
                 "architectures": ["MixtralForCausalLM"],
                 "model_type": "mixtral",

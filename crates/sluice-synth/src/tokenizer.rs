@@ -107,8 +107,8 @@ pub fn tokenizer_config_json(preset: &Preset) -> Value {
         );
     }
     let template = match preset.family {
-        // The synthetic vocabulary has Qwen's special tokens, so Mixtral gets Qwen3's template.
-        Family::Qwen3Moe | Family::Mixtral => QWEN3_TEMPLATE,
+        // The synthetic vocabulary has Qwen's special tokens, so the others get Qwen3's template.
+        Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe => QWEN3_TEMPLATE,
         Family::Qwen35Moe => QWEN35_TEMPLATE,
     };
     json!({
