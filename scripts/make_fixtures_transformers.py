@@ -60,10 +60,26 @@ def config_mixtral():
     )
 
 
+def config_glm4_moe():
+    """A tiny GLM-4.5 MoE: a dense first layer, sigmoid routing in 2 groups (best 1 kept) with a
+    selection bias, scaling 1.5, a shared expert, q/k norm, q/k/v biases, half-head rotary."""
+    from transformers import Glm4MoeConfig
+    return Glm4MoeConfig(
+        vocab_size=500, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5,
+        n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2,
+        n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True, rms_norm_eps=1e-5,
+        rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=[495, 493],
+    )
+
+
 MODELS = {
     "qwen3_moe": (config, Qwen3MoeForCausalLM),
     "qwen3_5_moe": (config_qwen3_5, AutoModelForCausalLM),
     "mixtral": (config_mixtral, AutoModelForCausalLM),
+    "glm4_moe": (config_glm4_moe, AutoModelForCausalLM),
 }
 
 
@@ -83,6 +99,10 @@ def init_(model, seed, router_gain=1.0):
                 p.copy_(2 * torch.rand(p.shape, generator=g) - 1)
             elif "conv1d" in name:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("e_score_correction_bias"):  # moves the choices, not the weights
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):  # attention biases
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
             elif p.ndim == 1:  # norms: away from their neutral value so a wrong formula shows
                 base = 0.0 if zero_centred and not name.endswith("linear_attn.norm.weight") else 1.0
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
@@ -105,7 +125,20 @@ def routing_gap(model, ids):
     def hook(m, inp, _out):
         # From the input and weight: what the router module returns differs between versions.
         x = inp[0].float().reshape(-1, m.weight.shape[1])
-        p = torch.softmax(x @ m.weight.float().T, -1)
+        logits = x @ m.weight.float().T
+        if hasattr(m, "e_score_correction_bias"):  # sigmoid + selection bias, in groups
+            p = torch.sigmoid(logits) + m.e_score_correction_bias.float()
+            groups, keep = model.config.n_group, model.config.topk_group
+            if groups > 1:
+                g = p.reshape(p.shape[0], groups, -1)
+                scores = torch.topk(g, 2, -1).values.sum(-1)
+                top_g = torch.topk(scores, keep + 1, -1).values
+                gaps.append((top_g[:, keep - 1] - top_g[:, keep]).min().item())
+                kept = torch.zeros_like(scores, dtype=torch.bool)
+                kept.scatter_(1, torch.topk(scores, keep, -1).indices, True)
+                p = torch.where(kept[..., None], g, torch.zeros_like(g)).reshape(p.shape)
+        else:
+            p = torch.softmax(logits, -1)
         top = torch.topk(p, k + 1, -1).values
         gaps.append((top[:, k - 1] - top[:, k]).min().item())
 

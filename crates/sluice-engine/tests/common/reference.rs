@@ -153,6 +153,7 @@ macro_rules! reference_suite {
             mixtral_transformers: "mixtral-transformers",
             glm4_moe_q4: "glm4_moe-q4",
             glm4_moe_hf: "glm4_moe-hf",
+            glm4_moe_transformers: "glm4_moe-transformers",
         });
     };
 }
