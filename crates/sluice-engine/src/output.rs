@@ -1,8 +1,8 @@
 //! Turns the text a chat model generates, arriving piece by piece, into the parts of an OpenAI
 //! chat completion: reasoning (`<think>...</think>`, Qwen3 / Qwen3.5 / DeepSeek-R1 style),
 //! content, and tool calls (`<tool_call>...</tool_call>` with a JSON body as Qwen2.5 / Qwen3 /
-//! Hermes write it, or an XML body as Qwen3-Coder / Qwen3.5 write it). It also applies OpenAI
-//! `stop` strings.
+//! Hermes write it, an XML body as Qwen3-Coder / Qwen3.5 write it, or the name and
+//! `<arg_key>`/`<arg_value>` pairs GLM-4.5 writes). It also applies OpenAI `stop` strings.
 //!
 //! Streaming and non-streaming give the same result: [`OutputParser::push`] only returns what can
 //! no longer change, holding back text that might still become a marker or a stop string, and
@@ -407,8 +407,8 @@ pub fn parse_complete(opts: OutputOptions, text: &str) -> ParsedOutput {
     }
 }
 
-/// Reads the body between `<tool_call>` and `</tool_call>`; None if it is neither a JSON call nor
-/// an XML `<function=...>` call.
+/// Reads the body between `<tool_call>` and `</tool_call>`; None if it is neither a JSON call, an
+/// XML `<function=...>` call nor a GLM call.
 fn parse_tool_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> {
     let body = body.trim();
     if body.starts_with('{') {
@@ -416,8 +416,46 @@ fn parse_tool_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> 
     } else if body.starts_with("<function=") {
         parse_xml_call(body, tools)
     } else {
-        None
+        parse_glm_call(body, tools)
     }
+}
+
+/// GLM-4.5's `f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...`: the name on the first
+/// line, then key/value pairs whose values are typed as XML parameters are (GLM's template writes
+/// strings as they are and everything else as JSON).
+fn parse_glm_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> {
+    let end = body.find("<arg_key>").unwrap_or(body.len());
+    let name = body[..end].trim();
+    if name.is_empty() || name.contains(|c: char| c.is_whitespace() || "<>{}".contains(c)) {
+        return None;
+    }
+    /// The text between `open` and `close` at the start of `s` (after whitespace), and the rest.
+    fn tag<'s>(s: &'s str, open: &str, close: &str) -> Option<(&'s str, &'s str)> {
+        let r = s.trim_start().strip_prefix(open)?;
+        let c = r.find(close)?;
+        Some((&r[..c], &r[c + close.len()..]))
+    }
+    let mut args = Map::new();
+    let mut s = &body[end..];
+    while !s.trim().is_empty() {
+        let (key, r) = tag(s, "<arg_key>", "</arg_key>")?;
+        let (raw, r) = tag(r, "<arg_value>", "</arg_value>")?;
+        let key = key.trim();
+        if key.is_empty() {
+            return None;
+        }
+        let value = type_value(raw, param_types(tools, name, key).as_deref());
+        args.insert(key.to_string(), value);
+        s = r;
+    }
+    // A bare word is a call only if it names an offered tool.
+    if args.is_empty() && find_tool(tools, name).is_none() {
+        return None;
+    }
+    Some(ParsedToolCall {
+        name: name.to_string(),
+        arguments: Value::Object(args).to_string(),
+    })
 }
 
 /// `{"name": "f", "arguments": {...}}`; `arguments` may be a JSON string holding an object, or be
@@ -490,13 +528,18 @@ fn parse_xml_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> {
     })
 }
 
+/// The function `func` of an OpenAI `tools` array.
+fn find_tool<'t>(tools: Option<&'t Value>, func: &str) -> Option<&'t Value> {
+    tools?.as_array()?.iter().find_map(|t| {
+        let f = t.get("function").unwrap_or(t);
+        (f.get("name")?.as_str()? == func).then_some(f)
+    })
+}
+
 /// The JSON-schema `type` of parameter `param` of function `func` in an OpenAI `tools` array, as
 /// a list (`"type"` may be a string or an array of strings); None if the schema does not say.
 fn param_types(tools: Option<&Value>, func: &str, param: &str) -> Option<Vec<String>> {
-    let tool = tools?.as_array()?.iter().find_map(|t| {
-        let f = t.get("function").unwrap_or(t);
-        (f.get("name")?.as_str()? == func).then_some(f)
-    })?;
+    let tool = find_tool(tools, func)?;
     let ty = tool
         .get("parameters")?
         .get("properties")?

@@ -514,6 +514,9 @@ fn streaming_matches_parse_complete_for_any_chunking() {
         "{\"name\": \"f\", \"arguments\": {\"a\": 1}}",
         "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>",
         "<tool_call>\n<function=f>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+        "<arg_key>",
+        "</arg_value>",
         "<function=f>",
         "<parameter=a>",
         "</parameter>",
@@ -581,4 +584,74 @@ fn streaming_matches_parse_complete_for_any_chunking() {
     // The generator reaches the interesting paths.
     assert!(tool_calls > 50, "{tool_calls}");
     assert!(stops > 50, "{stops}");
+}
+
+#[test]
+fn glm_tool_call_with_typed_args() {
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "zip": {"type": "string"},
+        "units": {"type": "object"}
+    }}}}]);
+    let o = OutputOptions {
+        tools: Some(tools),
+        ..opts()
+    };
+    // As GLM-4.5's chat template writes a call: strings as they are, the rest as JSON.
+    let text = "Checking.<tool_call>get_weather\n\
+            <arg_key>city</arg_key>\n<arg_value>Paris, France</arg_value>\n\
+            <arg_key>days</arg_key>\n<arg_value>3</arg_value>\n\
+            <arg_key>zip</arg_key>\n<arg_value>75001</arg_value>\n\
+            <arg_key>units</arg_key>\n<arg_value>{\"t\": \"C\"}</arg_value>\n\
+            <arg_key>extra</arg_key>\n<arg_value>[1, true]</arg_value>\n\
+            </tool_call>";
+    for chunks in [vec![text], text.split_inclusive('>').collect::<Vec<_>>()] {
+        let (ev, _) = stream(o.clone(), &chunks);
+        assert_eq!(
+            ev,
+            [
+                content("Checking."),
+                call(
+                    "get_weather",
+                    r#"{"city":"Paris, France","days":3,"zip":"75001","units":{"t":"C"},"extra":[1,true]}"#
+                )
+            ]
+        );
+    }
+    // No arguments, with and without a newline after the name: a call when the name is an offered
+    // tool's, else text.
+    let o = OutputOptions {
+        tools: Some(json!([{"type": "function", "function": {"name": "get_time"}}])),
+        ..opts()
+    };
+    for text in [
+        "<tool_call>get_time\n</tool_call>",
+        "<tool_call>get_time</tool_call>",
+    ] {
+        let out = parse_complete(o.clone(), text);
+        let want = ParsedToolCall {
+            name: "get_time".into(),
+            arguments: "{}".into(),
+        };
+        assert_eq!(out.tool_calls, [want]);
+        assert_eq!(parse_complete(opts(), text).content, text);
+    }
+}
+
+#[test]
+fn malformed_glm_tool_call_is_content_verbatim() {
+    for body in [
+        "",
+        "two words\n<arg_key>a</arg_key><arg_value>1</arg_value>",
+        "f\n<arg_key>a</arg_key>\n",
+        "f\n<arg_key>a</arg_key><arg_value>1",
+        "f\n<arg_key></arg_key><arg_value>1</arg_value>",
+        "f\n<arg_key>a</arg_key><arg_value>1</arg_value>trailing",
+    ] {
+        let text = format!("<tool_call>{body}</tool_call>");
+        assert_eq!(parse_complete(opts(), &text).content, text, "{body:?}");
+    }
 }
