@@ -34,9 +34,10 @@ use sluice_sys::{format_bytes, ByteSize};
     name = "sluice",
     version,
     about = "Run Mixture-of-Experts language models, streaming experts from disk",
-    long_about = "Run Mixture-of-Experts language models (Qwen3-MoE family) from a Hugging Face \
-                  or mlx-community model directory: config.json, tokenizer.json and safetensors, \
-                  in bf16/f16/f32 or MLX 4/8-bit quantisation.",
+    long_about = "Run Mixture-of-Experts language models (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, \
+                  GLM-4.5 MoE, Mixtral) from a Hugging Face or mlx-community model directory: \
+                  config.json, tokenizer.json and safetensors, in bf16/f16/f32 or MLX 4/8-bit \
+                  quantisation, or from a llama.cpp GGUF file (the Qwen families).",
     after_help = "Examples:\n  \
         sluice generate --model ./Qwen3-30B-A3B-4bit --prompt \"Why is the sky blue?\" --chat -n 200\n  \
         sluice logits --model ./tiny --tokens 1,2,3 --mode prefill --out logits.npy"
