@@ -256,22 +256,19 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
             b.linear(&format!("{p}.self_attn.k_proj"), &[], kv * hd, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.v_proj"), &[], kv * hd, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.o_proj"), &[], h, nh * hd, 1.0, q);
-            match preset.family {
-                Family::Qwen3Moe | Family::Qwen35Moe => {
-                    b.ones(format!("{p}.self_attn.q_norm.weight"), hd);
-                    b.ones(format!("{p}.self_attn.k_norm.weight"), hd);
+            if preset.qk_norm {
+                b.ones(format!("{p}.self_attn.q_norm.weight"), hd);
+                b.ones(format!("{p}.self_attn.k_norm.weight"), hd);
+            }
+            if preset.family == Family::Glm4Moe {
+                for (n, rows) in [("q", nh * hd), ("k", kv * hd), ("v", kv * hd)] {
+                    b.uniform(
+                        format!("{p}.self_attn.{n}_proj.bias"),
+                        StDtype::BF16,
+                        rows,
+                        0.1,
+                    );
                 }
-                Family::Glm4Moe => {
-                    for (n, rows) in [("q", nh * hd), ("k", kv * hd), ("v", kv * hd)] {
-                        b.uniform(
-                            format!("{p}.self_attn.{n}_proj.bias"),
-                            StDtype::BF16,
-                            rows,
-                            0.1,
-                        );
-                    }
-                }
-                Family::Mixtral => {}
             }
         } else if let Some(lin) = preset.linear {
             let la = format!("{p}.linear_attn");

@@ -18,7 +18,7 @@ pub enum Family {
     /// `mixtral`: full attention without q/k norms, MoE under `block_sparse_moe`, no shared
     /// expert.
     Mixtral,
-    /// `glm4_moe`: attention with q/k/v biases and half-head rotary, no q/k norms (as the Air),
+    /// `glm4_moe`: attention with q/k/v biases and half-head rotary, q/k norms where `qk_norm`,
     /// leading dense layers, a sigmoid router with a selection bias (kept in bf16, as mlx-lm
     /// leaves it) and an ungated shared expert.
     Glm4Moe,
@@ -62,6 +62,10 @@ pub struct Preset {
     pub linear: Option<LinearAttention>,
     /// Leading layers with a dense SwiGLU of `intermediate_size` instead of experts.
     pub first_dense_layers: usize,
+    /// GLM: per-head RMSNorm of q and k (`use_qk_norm`; the Qwen families always have it,
+    /// Mixtral never), and the routed weights' `routed_scaling_factor`.
+    pub qk_norm: bool,
+    pub routed_scaling_factor: f64,
     /// Id of `<|endoftext|>`; the other special tokens follow it (as in Qwen's vocabularies).
     pub special_tokens_start: usize,
 }
@@ -109,6 +113,8 @@ pub const PRESETS: &[Preset] = &[
         max_position_embeddings: 262144,
         linear: Some(QWEN35_LINEAR),
         first_dense_layers: 0,
+        qk_norm: true,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
     },
     Preset {
@@ -135,6 +141,8 @@ pub const PRESETS: &[Preset] = &[
             ..QWEN35_LINEAR
         }),
         first_dense_layers: 0,
+        qk_norm: true,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
     },
     Preset {
@@ -164,6 +172,8 @@ pub const PRESETS: &[Preset] = &[
             ..QWEN35_LINEAR
         }),
         first_dense_layers: 0,
+        qk_norm: true,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
     },
     Preset {
@@ -187,6 +197,8 @@ pub const PRESETS: &[Preset] = &[
         max_position_embeddings: 40960,
         linear: None,
         first_dense_layers: 0,
+        qk_norm: true,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 151643,
     },
     Preset {
@@ -210,6 +222,8 @@ pub const PRESETS: &[Preset] = &[
         max_position_embeddings: 40960,
         linear: None,
         first_dense_layers: 0,
+        qk_norm: true,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 151643,
     },
     Preset {
@@ -234,6 +248,8 @@ pub const PRESETS: &[Preset] = &[
         max_position_embeddings: 32768,
         linear: None,
         first_dense_layers: 0,
+        qk_norm: false,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 31993,
     },
     Preset {
@@ -259,7 +275,62 @@ pub const PRESETS: &[Preset] = &[
         max_position_embeddings: 131072,
         linear: None,
         first_dense_layers: 1,
+        qk_norm: false,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 151329,
+    },
+    Preset {
+        name: "glm-4.5",
+        family: Family::Glm4Moe,
+        source: "huggingface.co/zai-org/GLM-4.5 config.json; agrees with THUDM/slime \
+                 scripts/models/glm4.5-355B-A32B.sh (3 dense + 89 MoE layers, 96 heads, 8 KV \
+                 groups of 128, q/k norm, hidden 5120, dense 12288, 160 experts of 1536 top-8 \
+                 scaled by 2.5, shared 1536, rotary 0.5, theta 1e6, vocabulary 151552)",
+        hidden_size: 5120,
+        layers: 92,
+        heads: 96,
+        kv_heads: 8,
+        head_dim: 128,
+        experts: 160,
+        experts_per_token: 8,
+        moe_intermediate_size: 1536,
+        shared_expert_intermediate_size: 1536,
+        intermediate_size: 12288,
+        vocab_size: 151552,
+        rope_theta: 1e6,
+        partial_rotary_factor: 0.5,
+        max_position_embeddings: 131072,
+        linear: None,
+        first_dense_layers: 3,
+        qk_norm: true,
+        routed_scaling_factor: 2.5,
+        special_tokens_start: 151329,
+    },
+    Preset {
+        name: "mixtral-8x22b",
+        family: Family::Mixtral,
+        source: "huggingface.co/mistralai/Mixtral-8x22B-v0.1 config.json (hidden 6144, 56 layers, \
+                 48 heads, 8 KV heads, experts of 16384, vocabulary 32768, theta 1e6, 65536 \
+                 positions)",
+        hidden_size: 6144,
+        layers: 56,
+        heads: 48,
+        kv_heads: 8,
+        head_dim: 128,
+        experts: 8,
+        experts_per_token: 2,
+        moe_intermediate_size: 16384,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 16384,
+        vocab_size: 32768,
+        rope_theta: 1e6,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 65536,
+        linear: None,
+        first_dense_layers: 0,
+        qk_norm: false,
+        routed_scaling_factor: 1.0,
+        special_tokens_start: 32761,
     },
     Preset {
         name: "tiny-qwen3.5-moe",
@@ -288,6 +359,8 @@ pub const PRESETS: &[Preset] = &[
             full_attention_interval: 4,
         }),
         first_dense_layers: 0,
+        qk_norm: true,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
     },
     Preset {
@@ -310,6 +383,8 @@ pub const PRESETS: &[Preset] = &[
         max_position_embeddings: 4096,
         linear: None,
         first_dense_layers: 0,
+        qk_norm: true,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
     },
     Preset {
@@ -332,6 +407,8 @@ pub const PRESETS: &[Preset] = &[
         max_position_embeddings: 4096,
         linear: None,
         first_dense_layers: 1,
+        qk_norm: false,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
     },
     Preset {
@@ -354,6 +431,8 @@ pub const PRESETS: &[Preset] = &[
         max_position_embeddings: 4096,
         linear: None,
         first_dense_layers: 0,
+        qk_norm: false,
+        routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
     },
 ];
@@ -516,11 +595,11 @@ impl Preset {
                 "rms_norm_eps": 1e-5,
                 "rope_scaling": null,
                 "rope_theta": self.rope_theta,
-                "routed_scaling_factor": 1.0,
+                "routed_scaling_factor": self.routed_scaling_factor,
                 "tie_word_embeddings": false,
                 "topk_group": 1,
                 "torch_dtype": "bfloat16",
-                "use_qk_norm": false,
+                "use_qk_norm": self.qk_norm,
                 "vocab_size": self.vocab_size,
                 "quantization": quant,
                 "quantization_config": quant,
