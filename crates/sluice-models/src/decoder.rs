@@ -7,7 +7,52 @@ use std::sync::Arc;
 use sluice_backend::Backend;
 
 use crate::loader::Loader;
-use crate::{LayerState, ModelError, ModelInfo, Segment, State};
+use crate::{CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
+
+/// What an architecture file gives: its [`Decoder`] (the ends and the model's facts), its layers'
+/// forward pass and a new request's state. [`CausalLm`] follows from these.
+pub(crate) trait Architecture<B: Backend>: Send + Sync {
+    fn decoder(&self) -> &Decoder<B>;
+    fn decoder_mut(&mut self) -> &mut Decoder<B>;
+    /// The hidden states after the last layer, for the rows of every segment in order; every
+    /// segment's state advanced by its tokens.
+    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError>;
+    /// The state of a new request (empty caches, position 0).
+    fn new_state(&self) -> Result<State<B>, ModelError>;
+}
+
+impl<B: Backend + 'static, M: Architecture<B>> CausalLm<B> for M {
+    fn forward(
+        &self,
+        state: &mut State<B>,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<B::Act, ModelError> {
+        let h = self.layers(&mut [Segment { state, tokens }])?;
+        Ok(self.decoder().logits(h, all_logits))
+    }
+
+    fn forward_batch(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+        let h = self.layers(segments)?;
+        Ok(self.decoder().last_logits(h, segments))
+    }
+
+    fn new_state(&self) -> Result<State<B>, ModelError> {
+        Architecture::new_state(self)
+    }
+
+    fn info(&self) -> &ModelInfo {
+        self.decoder().info()
+    }
+
+    fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
+        self.decoder_mut().set_experts_per_token(k)
+    }
+
+    fn backend(&self) -> &B {
+        self.decoder().backend()
+    }
+}
 
 /// The config facts a decoder is built with.
 pub(crate) struct Dims {
@@ -108,6 +153,21 @@ impl<B: Backend> Decoder<B> {
             head_dim,
             self.info.max_context,
         )?))
+    }
+
+    /// A new request's state when every one of `layers` layers is attention.
+    pub fn attention_only_state(
+        &self,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<State<B>, ModelError> {
+        Ok(State {
+            layers: (0..layers)
+                .map(|_| self.attention_state(kv_heads, head_dim))
+                .collect::<Result<_, _>>()?,
+            position: 0,
+        })
     }
 
     /// The embeddings of every segment's tokens, one after another, after rejecting empty input,

@@ -25,10 +25,12 @@ use serde::Deserialize;
 use sluice_backend::{Backend, DeltaNetDims, ExpertSource, ValueHeadOrder};
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, per_segment, wrong_state, Decoder, Dims, Ends};
+use crate::decoder::{
+    attention_caches, per_segment, wrong_state, Architecture, Decoder, Dims, Ends,
+};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims, Routing, SharedDims};
-use crate::{config_error, CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
+use crate::{config_error, LayerState, ModelError, Segment, State};
 
 /// The fields of the text config this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -574,7 +576,7 @@ impl<B: Backend> Qwen35Moe<B> {
     }
 
     /// The hidden states after the last layer, for the rows of every segment in order.
-    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+    fn run_layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
         let mut h = self.decoder.embed(segments)?;
@@ -599,20 +601,17 @@ impl<B: Backend> Qwen35Moe<B> {
     }
 }
 
-impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
-    fn forward(
-        &self,
-        state: &mut State<B>,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<B::Act, ModelError> {
-        let h = self.layers(&mut [Segment { state, tokens }])?;
-        Ok(self.decoder.logits(h, all_logits))
+impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
+    fn decoder(&self) -> &Decoder<B> {
+        &self.decoder
     }
 
-    fn forward_batch(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
-        let h = self.layers(segments)?;
-        Ok(self.decoder.last_logits(h, segments))
+    fn decoder_mut(&mut self) -> &mut Decoder<B> {
+        &mut self.decoder
+    }
+
+    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+        self.run_layers(segments)
     }
 
     fn new_state(&self) -> Result<State<B>, ModelError> {
@@ -630,17 +629,5 @@ impl<B: Backend> CausalLm<B> for Qwen35Moe<B> {
                 .collect::<Result<_, ModelError>>()?,
             position: 0,
         })
-    }
-
-    fn info(&self) -> &ModelInfo {
-        self.decoder.info()
-    }
-
-    fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
-        self.decoder.set_experts_per_token(k)
-    }
-
-    fn backend(&self) -> &B {
-        self.decoder.backend()
     }
 }

@@ -13,10 +13,10 @@ use serde::Deserialize;
 use sluice_backend::{Backend, ExpertSource};
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, Decoder, Dims, Ends};
+use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims, Routing};
-use crate::{config_error, default_rope_theta, CausalLm, ModelError, ModelInfo, Segment, State};
+use crate::{config_error, default_rope_theta, ModelError, Segment, State};
 
 /// The fields of config.json this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -266,7 +266,7 @@ impl<B: Backend> Qwen3Moe<B> {
     }
 
     /// The hidden states after the last layer, for the rows of every segment in order.
-    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+    fn run_layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
         let mut h = self.decoder.embed(segments)?;
@@ -288,41 +288,22 @@ impl<B: Backend> Qwen3Moe<B> {
     }
 }
 
-impl<B: Backend> CausalLm<B> for Qwen3Moe<B> {
-    fn forward(
-        &self,
-        state: &mut State<B>,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<B::Act, ModelError> {
-        let h = self.layers(&mut [Segment { state, tokens }])?;
-        Ok(self.decoder.logits(h, all_logits))
+impl<B: Backend> Architecture<B> for Qwen3Moe<B> {
+    fn decoder(&self) -> &Decoder<B> {
+        &self.decoder
     }
 
-    fn forward_batch(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
-        let h = self.layers(segments)?;
-        Ok(self.decoder.last_logits(h, segments))
+    fn decoder_mut(&mut self) -> &mut Decoder<B> {
+        &mut self.decoder
+    }
+
+    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+        self.run_layers(segments)
     }
 
     fn new_state(&self) -> Result<State<B>, ModelError> {
-        let (kv_heads, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim());
-        Ok(State {
-            layers: (0..self.layers.len())
-                .map(|_| self.decoder.attention_state(kv_heads, hd))
-                .collect::<Result<_, _>>()?,
-            position: 0,
-        })
-    }
-
-    fn info(&self) -> &ModelInfo {
-        self.decoder.info()
-    }
-
-    fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
-        self.decoder.set_experts_per_token(k)
-    }
-
-    fn backend(&self) -> &B {
-        self.decoder.backend()
+        let hd = self.cfg.head_dim();
+        self.decoder
+            .attention_only_state(self.layers.len(), self.cfg.num_key_value_heads, hd)
     }
 }
