@@ -1944,17 +1944,25 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
 
 // Rows per block of moe_down_q4_w.
 #define MOE_DOWN_W_ROWS 4
+// Rows of the down projection longer than this many values (Mixtral's 14336) are cut into
+// slices of about this length, up to MOE_DOWN_W_SLICES, that warps take separately: one warp
+// streaming a whole long row kept too few loads in flight (Mixtral-8x7B's down projections ran
+// at 0.33 TB/s on an H100). The slices depend on the row length alone, so the sums' order does
+// not change with the experts a call has.
+#define MOE_DOWN_W_SLICE 2048
+#define MOE_DOWN_W_SLICES 8
 
 // moe_down for 4-bit weights: a block of W warps takes MOE_DOWN_W_ROWS output rows of token
-// blockIdx.y; warp w the token's w-th, (w + W)-th, ... present expert in ascending id (each warp
-// ranks the experts itself, a lane per expert), every load of a column step in flight together;
-// the dots meet in shared memory and are added weighted in ascending id, onto `out` when
-// `accumulate`, else from zero (bit-identical however the experts are split over calls).
+// blockIdx.y; warp w the token's w-th, (w + W)-th, ... (expert, column slice) pair, the present
+// experts in ascending id (each warp ranks the experts itself, a lane per expert), every load of a
+// column step in flight together; the dots meet in shared memory, the slices of an expert are
+// added in order, and the experts weighted in ascending id, onto `out` when `accumulate`, else
+// from zero (bit-identical however the experts are split over calls).
 __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present, int n_present,
                              const uint32_t* ids, const float* weights, int K, const float* h,
                              float* out, int hidden, int accumulate) {
     constexpr int CW = 8, NW = 1, R = MOE_DOWN_W_ROWS, NC = 3;
-    __shared__ float dots[MOE_MAX_K][R];
+    __shared__ float dots[MOE_MAX_K * MOE_DOWN_W_SLICES][R];
     __shared__ float weight[MOE_MAX_K];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const long t = blockIdx.y;
@@ -1976,7 +1984,17 @@ __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present,
     }
     const unsigned here_mask = __ballot_sync(FULL_MASK, here);
     const int n = __popc(here_mask);
-    for (int p = warp; p < n; p += warps) {
+    // Every expert of a layer has the down projection's shape: the first present one's says it.
+    int S = 1, width = 0;
+    if (n > 0) {
+        const int j0 = __ffs(__ballot_sync(FULL_MASK, here && rank == 0)) - 1;
+        const int cols = experts[__shfl_sync(FULL_MASK, slot, j0)].down.cols;
+        S = min(MOE_DOWN_W_SLICES, (cols + MOE_DOWN_W_SLICE - 1) / MOE_DOWN_W_SLICE);
+        S = max(S, 1);
+        width = ((cols + S - 1) / S + 32 * CW - 1) / (32 * CW) * (32 * CW);
+    }
+    for (int u = warp; u < n * S; u += warps) {
+        const int p = u / S, sl = u % S;
         const int j = __ffs(__ballot_sync(FULL_MASK, here && rank == p)) - 1;
         const int sj = __shfl_sync(FULL_MASK, slot, j);
         const float wp = __shfl_sync(FULL_MASK, wj, j);
@@ -1984,16 +2002,17 @@ __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present,
         const float* hp = h + (t * K + j) * (long)d.cols;
         const int groups_per_row = d.cols >> d.gshift;
         const long words_per_row = d.cols / 8;
+        const int c_end = min(d.cols, (sl + 1) * width);
         float dot[R];
 #pragma unroll
         for (int i = 0; i < R; i++) dot[i] = 0.0f;
-        for (int c0 = 0; c0 < d.cols; c0 += NC * 32 * CW) {
+        for (int c0 = sl * width; c0 < c_end; c0 += NC * 32 * CW) {
             uint32_t wq[NC][R][NW];
             float s[NC][R], b[NC][R], hv[NC][CW];
 #pragma unroll
             for (int k = 0; k < NC; k++) {
                 const int c = c0 + lane * CW + k * 32 * CW;
-                if (c < d.cols) {
+                if (c < c_end) {
                     load_floats<CW>(hp + c, hv[k]);
 #pragma unroll
                     for (int i = 0; i < R; i++) {
@@ -2008,7 +2027,7 @@ __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present,
 #pragma unroll
             for (int k = 0; k < NC; k++) {
                 const int c = c0 + lane * CW + k * 32 * CW;
-                if (c < d.cols) {
+                if (c < c_end) {
 #pragma unroll
                     for (int i = 0; i < R; i++)
                         dot[i] = q4_dequant_dot<NW>(wq[k][i], s[k][i], b[k][i], hv[k], dot[i]);
@@ -2018,20 +2037,24 @@ __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present,
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const float v = warp_sum(dot[i]);
-            if (lane == 0) dots[p][i] = v;
+            if (lane == 0) dots[u][i] = v;
         }
-        if (lane == 0) weight[p] = wp;
+        if (lane == 0 && sl == 0) weight[p] = wp;
     }
     __syncthreads();
     if (threadIdx.x < R && r0 + threadIdx.x < hidden) {
         const long o = t * hidden + r0 + threadIdx.x;
         float acc = accumulate ? out[o] : 0.0f;
-        for (int p = 0; p < n; p++) acc = fmaf(weight[p], dots[p][threadIdx.x], acc);
+        for (int p = 0; p < n; p++) {
+            float dp = dots[p * S][threadIdx.x];
+            for (int sl = 1; sl < S; sl++) dp += dots[p * S + sl][threadIdx.x];
+            acc = fmaf(weight[p], dp, acc);
+        }
         out[o] = acc;
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) moe_down_q4_w(
+extern "C" __global__ void __launch_bounds__(256) moe_down_q4_w(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
     PDL_START();

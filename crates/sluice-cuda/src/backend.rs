@@ -247,6 +247,10 @@ const MOE_DECODE_ROWS: usize = 8;
 
 /// `MOE_DOWN_W_ROWS` in the kernels: output rows per block of `moe_down_q4_w`.
 const MOE_DOWN_W_ROWS: usize = 4;
+/// `MOE_DOWN_W_SLICE` and `MOE_DOWN_W_SLICES` in the kernels: how `moe_down_q4_w` cuts long rows
+/// into column slices that warps take separately.
+const MOE_DOWN_W_SLICE: usize = 2048;
+const MOE_DOWN_W_SLICES: usize = 8;
 
 /// One token's product with a matrix of at least this many rows (an output head) runs a warp per
 /// two rows (`gemv_*_t1_r2`): faster there than the column-spread and block-per-row kernels.
@@ -682,10 +686,15 @@ impl CudaBackend {
                 &down_args,
             );
         } else if q4_down {
+            // A warp per (expert, column slice): eight warps where there are eight such pairs.
+            let slices = (sample.down.cols as usize)
+                .div_ceil(MOE_DOWN_W_SLICE)
+                .clamp(1, MOE_DOWN_W_SLICES);
+            let threads = if routing.k * slices >= 8 { 256 } else { 128 };
             self.d.launch(
                 &k.moe_down_q4_w,
                 (grid(x.cols, MOE_DOWN_W_ROWS), routing.rows as u32, 1),
-                (128, 1, 1),
+                (threads, 1, 1),
                 &down_args,
             );
         } else {
