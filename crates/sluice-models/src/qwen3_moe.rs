@@ -264,9 +264,19 @@ impl<B: Backend> Qwen3Moe<B> {
         );
         Ok(b.matmul(&o, &l.o_proj))
     }
+}
+
+impl<B: Backend> Architecture<B> for Qwen3Moe<B> {
+    fn decoder(&self) -> &Decoder<B> {
+        &self.decoder
+    }
+
+    fn decoder_mut(&mut self) -> &mut Decoder<B> {
+        &mut self.decoder
+    }
 
     /// The hidden states after the last layer, for the rows of every segment in order.
-    fn run_layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
+    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
         let mut h = self.decoder.embed(segments)?;
@@ -285,20 +295,6 @@ impl<B: Backend> Qwen3Moe<B> {
             mlp_out = Some(mlp);
         }
         Ok(self.decoder.end_layers(h, mlp_out, segments))
-    }
-}
-
-impl<B: Backend> Architecture<B> for Qwen3Moe<B> {
-    fn decoder(&self) -> &Decoder<B> {
-        &self.decoder
-    }
-
-    fn decoder_mut(&mut self) -> &mut Decoder<B> {
-        &mut self.decoder
-    }
-
-    fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
-        self.run_layers(segments)
     }
 
     fn new_state(&self) -> Result<State<B>, ModelError> {
