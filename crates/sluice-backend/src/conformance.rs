@@ -12,7 +12,7 @@
 use crate::reference::{self, HostLinearState};
 use crate::{
     Backend, DeltaNetDims, Dtype, ExpertKey, FfnWeights, HostBytes, HostMatrix, HostRouting,
-    MatRef, SigmoidRouting, ValueHeadOrder, WeightFormat,
+    MatRef, Rope, SigmoidRouting, ValueHeadOrder, WeightFormat,
 };
 
 /// How far a backend may stray from the reference, relative to the largest reference value.
@@ -534,38 +534,47 @@ pub fn elementwise<B: Backend>(b: &B, tol: Tolerance) {
     }
 }
 
-/// Rotary embedding: whole and partial heads, two thetas, far positions.
+/// Rotary embedding: whole and partial heads (MLA's 64 of 576 among them), three thetas, far
+/// positions, YaRN frequencies.
 pub fn rope<B: Backend>(b: &B, tol: Tolerance) {
     let mut rng = Rng::new(5);
-    for (head_dim, rotary_dim) in [(64, 64), (128, 32), (256, 64)] {
-        for (theta, first) in [(1e4f32, 0usize), (1e7, 1000), (1e6, 40_000)] {
+    let yarn = Some(crate::Yarn {
+        factor: 40.0,
+        original_max_position: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+    });
+    for (head_dim, rotary_dim) in [(64, 64), (128, 32), (256, 64), (576, 64)] {
+        for (theta, first, yarn) in [
+            (1e4f32, 0usize, None),
+            (1e7, 1000, None),
+            (1e6, 40_000, None),
+            (1e4, 5000, yarn),
+        ] {
+            let rope = Rope {
+                yarn,
+                ..Rope::new(head_dim, rotary_dim, theta)
+            };
             for rows in [1, 7] {
                 let cols = 4 * head_dim;
                 let x = rng.vec(rows * cols, -1.0, 1.0);
                 let mut got = b.act_from_host(&x, rows, cols);
-                b.rope(&mut got, head_dim, rotary_dim, theta, first);
+                b.rope(&mut got, rope, first);
                 let mut want = x.clone();
-                reference::rope(&mut want, cols, head_dim, rotary_dim, theta, first);
-                assert_close(
-                    &format!(
-                        "rope head {head_dim} rotary {rotary_dim} theta {theta} at {first}, {rows} rows"
-                    ),
-                    &host(b, &got),
-                    &want,
-                    tol.other,
-                );
+                reference::rope(&mut want, cols, rope, first);
+                let case = format!("{rope:?} at {first}, {rows} rows");
+                assert_close(&format!("rope {case}"), &host(b, &got), &want, tol.other);
                 let w = rng.vec(head_dim, 0.5, 1.5);
                 let (xa, wv) = (
                     b.act_from_host(&x, rows, cols),
                     b.vector(&w).expect("vector"),
                 );
-                let fused = b.rms_norm_rope(&xa, &wv, 1e-6, head_dim, rotary_dim, theta, first);
+                let fused = b.rms_norm_rope(&xa, &wv, 1e-6, rope, first);
                 let mut want = reference::rms_norm(&x, &w, 1e-6);
-                reference::rope(&mut want, cols, head_dim, rotary_dim, theta, first);
+                reference::rope(&mut want, cols, rope, first);
                 assert_close(
-                    &format!(
-                        "rms_norm_rope head {head_dim} rotary {rotary_dim} theta {theta} at {first}, {rows} rows"
-                    ),
+                    &format!("rms_norm_rope {case}"),
                     &host(b, &fused),
                     &want,
                     tol.other,
@@ -587,7 +596,7 @@ pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
             b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector"),
             b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector"),
         );
-        let rope = (hd, rotary, 10_000.0);
+        let rope = Rope::new(hd, rotary, 10_000.0);
         for rows in [vec![1; 3], vec![1; 9], vec![2, 1, 3]] {
             // Each request's cache holds a different number of positions first.
             let mut caches: Vec<B::KvCache> = rows
@@ -806,14 +815,14 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
                 &v,
                 Some((&q_norm, &k_norm)),
                 eps,
-                (hd, rd, theta),
+                Rope::new(hd, rd, theta),
                 fused,
                 heads,
                 scale,
             );
             let at = b.kv_len(plain);
-            let q = b.rms_norm_rope(&q, &q_norm, eps, hd, rd, theta, at);
-            let k = b.rms_norm_rope(&k, &k_norm, eps, hd, rd, theta, at);
+            let q = b.rms_norm_rope(&q, &q_norm, eps, Rope::new(hd, rd, theta), at);
+            let k = b.rms_norm_rope(&k, &k_norm, eps, Rope::new(hd, rd, theta), at);
             let want = b.attention(&q, &k, &v, plain, heads, scale);
             assert_eq!(
                 host(b, &got),
@@ -861,8 +870,8 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
             let v = rng.vec(rows * kw, -2.0, 2.0);
             let (raw_q, raw_k) = (q.clone(), k.clone());
             let at = keys.len() / kw;
-            reference::rope(&mut q, qw, hd, rd, theta, at);
-            reference::rope(&mut k, kw, hd, rd, theta, at);
+            reference::rope(&mut q, qw, Rope::new(hd, rd, theta), at);
+            reference::rope(&mut k, kw, Rope::new(hd, rd, theta), at);
             keys.extend_from_slice(&k);
             values.extend_from_slice(&v);
             let want = reference::attention(&q, keys, values, heads, kv_heads, hd, scale);
@@ -878,7 +887,7 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
                 &b.act_from_host(&v, rows, kw),
                 None,
                 1e-6,
-                (hd, rd, theta),
+                Rope::new(hd, rd, theta),
                 cache,
                 heads,
                 scale,
@@ -903,7 +912,7 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
                 &b.act_from_host(&parts.2, 3, kw),
                 None,
                 1e-6,
-                (hd, rd, theta),
+                Rope::new(hd, rd, theta),
                 &mut caches,
                 &[1, 1, 1],
                 heads,

@@ -31,6 +31,7 @@
 
 mod error;
 mod experts;
+mod rope;
 mod tiers;
 mod weight;
 
@@ -42,6 +43,7 @@ pub use experts::{
     ExpertError, ExpertErrorKind, ExpertKey, ExpertLayer, ExpertSource, HostExpert, MatrixShape,
 };
 pub use reference::HostLinearState;
+pub use rope::{Rope, Yarn};
 pub use tiers::{ExpertCachePlan, ExpertCacheStats, HostPinner, PinnedRegion};
 pub use weight::{Dtype, HostBytes, HostMatrix, MatRef, WeightError, WeightFormat};
 
@@ -345,31 +347,21 @@ pub trait Backend: Send + Sync {
     }
     /// `silu(gate) * up`, elementwise.
     fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
-    /// Rotary embedding, rotate-half (GPT-NeoX) form, on the first `rotary_dim` of each head of
-    /// `head_dim` values; row `i` is at position `first_position + i`.
-    fn rope(
-        &self,
-        x: &mut Self::Act,
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f32,
-        first_position: usize,
-    );
+    /// [`Rope`] (rotate-half, GPT-NeoX form) of every head of `x`; row `i` is at position
+    /// `first_position + i`.
+    fn rope(&self, x: &mut Self::Act, rope: Rope, first_position: usize);
     /// `rms_norm` of every head (`weight` has `head_dim` values) followed by `rope`: the q and k
     /// normalisation of Qwen3 attention, one pass on backends that fuse it.
-    #[allow(clippy::too_many_arguments)]
     fn rms_norm_rope(
         &self,
         x: &Self::Act,
         weight: &Self::Vector,
         eps: f32,
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f32,
+        rope: Rope,
         first_position: usize,
     ) -> Self::Act {
         let mut y = self.rms_norm(x, weight, eps);
-        self.rope(&mut y, head_dim, rotary_dim, theta, first_position);
+        self.rope(&mut y, rope, first_position);
         y
     }
     /// Appends `k`, `v` (`[rows, kv_heads * head_dim]`) to `cache` and returns causal grouped-query
@@ -385,7 +377,7 @@ pub trait Backend: Send + Sync {
     ) -> Self::Act;
     /// Attention with its prelude: `q` and `k` each through [`Backend::rms_norm_rope`] with
     /// its norm weight (`norms`: q's, k's; `None`: no norm, [`Backend::rope`] alone) and `rope`
-    /// (head size, rotary size, theta) at the cache's next positions, then
+    /// at the cache's next positions, then
     /// [`Backend::attention`]. Backends that fuse the norms, the rotations and the cache writes
     /// give the same values.
     #[allow(clippy::too_many_arguments)]
@@ -396,7 +388,7 @@ pub trait Backend: Send + Sync {
         v: &Self::Act,
         norms: Option<(&Self::Vector, &Self::Vector)>,
         eps: f32,
-        rope: (usize, usize, f32),
+        rope: Rope,
         cache: &mut Self::KvCache,
         heads: usize,
         scale: f32,
@@ -417,7 +409,7 @@ pub trait Backend: Send + Sync {
         v: &Self::Act,
         norms: Option<(&Self::Vector, &Self::Vector)>,
         eps: f32,
-        rope: (usize, usize, f32),
+        rope: Rope,
         caches: &mut [&mut Self::KvCache],
         rows: &[usize],
         heads: usize,
@@ -583,14 +575,14 @@ pub fn norm_rope_qk<B: Backend + ?Sized>(
     k: &B::Act,
     norms: Option<(&B::Vector, &B::Vector)>,
     eps: f32,
-    (head_dim, rotary_dim, theta): (usize, usize, f32),
+    rope: Rope,
     position: usize,
 ) -> (B::Act, B::Act) {
     let prelude = |x: &B::Act, norm: Option<&B::Vector>| match norm {
-        Some(w) => b.rms_norm_rope(x, w, eps, head_dim, rotary_dim, theta, position),
+        Some(w) => b.rms_norm_rope(x, w, eps, rope, position),
         None => {
             let mut y = b.slice_rows(x, 0, b.shape(x).0);
-            b.rope(&mut y, head_dim, rotary_dim, theta, position);
+            b.rope(&mut y, rope, position);
             y
         }
     };
@@ -610,7 +602,7 @@ pub fn attention_rope_by_parts<B: Backend + ?Sized>(
     v: &B::Act,
     norms: Option<(&B::Vector, &B::Vector)>,
     eps: f32,
-    rope: (usize, usize, f32),
+    rope: Rope,
     caches: &mut [&mut B::KvCache],
     rows: &[usize],
     heads: usize,

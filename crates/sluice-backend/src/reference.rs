@@ -169,23 +169,16 @@ pub fn swiglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// Rotate-half rotary embedding of the first `rotary_dim` values of each head; row `r` is at
-/// position `first_position + r`. Frequencies and angles in f32, as MLX and transformers compute
-/// them (the angle's rounding shows at long positions).
-pub fn rope(
-    x: &mut [f32],
-    cols: usize,
-    head_dim: usize,
-    rotary_dim: usize,
-    theta: f32,
-    first_position: usize,
-) {
-    let half = rotary_dim / 2;
+/// [`crate::Rope`] of every head; row `r` is at position `first_position + r`. Frequencies and
+/// angles in f32, as MLX and transformers compute them (the angle's rounding shows at long
+/// positions).
+pub fn rope(x: &mut [f32], cols: usize, rope: crate::Rope, first_position: usize) {
+    let half = rope.rotary_dim / 2;
+    let inv_freq = rope.inv_freq();
     for (r, row) in x.chunks_mut(cols).enumerate() {
         let pos = (first_position + r) as f32;
-        for head in row.chunks_mut(head_dim) {
-            for i in 0..half {
-                let freq = 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32);
+        for head in row.chunks_mut(rope.head_dim) {
+            for (i, &freq) in inv_freq.iter().enumerate() {
                 let (sin, cos) = ((pos * freq) as f64).sin_cos();
                 let (a, b) = (head[i] as f64, head[i + half] as f64);
                 head[i] = (a * cos - b * sin) as f32;

@@ -3,7 +3,7 @@
 
 use sluice_backend::{
     Backend, BackendError, ExpertKey, FfnWeights, HostExpert, HostLinearState, HostMatrix,
-    HostRouting, MemoryInfo, SigmoidRouting,
+    HostRouting, MemoryInfo, Rope, SigmoidRouting,
 };
 
 use std::sync::Mutex;
@@ -264,24 +264,15 @@ impl Backend for CpuBackend {
         out
     }
 
-    fn rope(
-        &self,
-        x: &mut CpuAct,
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f32,
-        first_position: usize,
-    ) {
+    fn rope(&self, x: &mut CpuAct, rope: Rope, first_position: usize) {
+        let (head_dim, rotary_dim) = (rope.head_dim, rope.rotary_dim);
         assert!(
             rotary_dim <= head_dim
                 && rotary_dim.is_multiple_of(2)
                 && x.cols.is_multiple_of(head_dim)
         );
         let half = rotary_dim / 2;
-        // Frequencies as mlx and transformers compute them: theta^(-2i/d) in f32.
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32))
-            .collect();
+        let inv_freq = rope.inv_freq();
         let cols = x.cols;
         team::chunks_mut(&mut x.data, cols, |r, row| {
             let pos = (first_position + r) as f32;

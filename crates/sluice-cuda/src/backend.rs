@@ -8,7 +8,7 @@ use cudarc::driver::CudaFunction;
 use sluice_backend::{
     Backend, BackendError, DeltaNetDims, ExpertCachePlan, ExpertCacheStats, ExpertKey,
     ExpertSource, FfnWeights, HostExpert, HostLinearState, HostMatrix, HostPinner, HostRouting,
-    MemoryInfo, SigmoidRouting, TopLogits, ValueHeadOrder,
+    MemoryInfo, Rope, SigmoidRouting, TopLogits, ValueHeadOrder,
 };
 
 use sluice_cpu::{CpuBackend, Kernels};
@@ -26,6 +26,9 @@ use crate::mat::{
 use crate::vram_experts::{
     device_address, is_pinned, size_slots, CudaPinner, PinnedRanges, Staged, VramExperts,
 };
+
+/// What tells one set of rotary frequencies from another ([`Rope::freq_key`]).
+type RopeFreqKey = (usize, u32, Option<[u32; 5]>);
 
 /// f32 activations `[rows, cols]` in device memory; `None` after a failure (the backend reports
 /// it from the next host read).
@@ -178,8 +181,8 @@ impl Clone for CudaLinearState {
 pub struct CudaBackend {
     d: Arc<Device>,
     description: String,
-    /// Rotary frequencies per (theta bits, rotary dims), computed on the host.
-    inv_freq: Mutex<HashMap<(u32, usize), Arc<DevBuf>>>,
+    /// Rotary frequencies per [`Rope::freq_key`], computed on the host.
+    inv_freq: Mutex<HashMap<RopeFreqKey, Arc<DevBuf>>>,
     /// Counters of finished blocks for kernels whose last block finishes the work (zero between
     /// calls): split attention's per (head, token) from 0, fused routing's per token after.
     done_counters: Mutex<Option<Arc<DevBuf>>>,
@@ -432,22 +435,20 @@ impl CudaBackend {
         Ok(mat)
     }
 
-    /// `theta^(-2i/d)` for `i < d/2`, in f32 exactly as the CPU backend computes it.
-    fn rotary_frequencies(&self, theta: f32, rotary_dim: usize) -> Option<Arc<DevBuf>> {
+    /// [`Rope::inv_freq`] on the device, exactly as the CPU backend computes it; one buffer per
+    /// distinct set of frequencies.
+    fn rotary_frequencies(&self, rope: Rope) -> Option<Arc<DevBuf>> {
         let mut cache = self.inv_freq.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(b) = cache.get(&(theta.to_bits(), rotary_dim)) {
+        if let Some(b) = cache.get(&rope.freq_key()) {
             return Some(b.clone());
         }
-        let freq: Vec<f32> = (0..rotary_dim / 2)
-            .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32))
-            .collect();
         let buf = Arc::new(
             self.d
-                .upload(&freq, "rotary frequencies")
+                .upload(&rope.inv_freq(), "rotary frequencies")
                 .map_err(|e| self.d.record(e))
                 .ok()?,
         );
-        cache.insert((theta.to_bits(), rotary_dim), buf.clone());
+        cache.insert(rope.freq_key(), buf.clone());
         Some(buf)
     }
 
@@ -1309,12 +1310,12 @@ impl CudaBackend {
         (qp, kp, vp, o): (u64, u64, u64, u64),
         norms: (&CudaVector, &CudaVector),
         eps: f32,
-        rope: (usize, usize, f32),
+        rope: Rope,
         cache: &mut CudaKvCache,
         heads: usize,
         scale: f32,
     ) -> Option<bool> {
-        let (_, rotary_dim, theta) = rope;
+        let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         let splits = Self::attend_plan(1, heads, kvh, hd).filter(|&s| s > 1)?;
         let kernel = self.decode_kernel(hd)?;
@@ -1324,7 +1325,7 @@ impl CudaBackend {
         }
         let device_len = self.device_len(cache);
         let (Some(freq), Some(partial), Some(done)) = (
-            self.rotary_frequencies(theta, rotary_dim),
+            self.rotary_frequencies(rope),
             self.d
                 .alloc_or_record(heads * splits * (hd + 2) * 4, "attention splits"),
             self.done_counters(),
@@ -1371,12 +1372,12 @@ impl CudaBackend {
         (qp, kp, vp, o): (u64, u64, u64, u64),
         norms: (&CudaVector, &CudaVector),
         eps: f32,
-        rope: (usize, usize, f32),
+        rope: Rope,
         caches: &mut [&mut CudaKvCache],
         heads: usize,
         scale: f32,
     ) -> bool {
-        let (_, rotary_dim, theta) = rope;
+        let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (caches[0].head_dim, caches[0].kv_heads);
         let (Some(splits), Some(kernel)) = (
             Self::attend_plan(1, heads, kvh, hd),
@@ -1408,7 +1409,7 @@ impl CudaBackend {
         }
         let n = caches.len();
         let (Some(freq), Some(partial), Some(done)) = (
-            self.rotary_frequencies(theta, rotary_dim),
+            self.rotary_frequencies(rope),
             self.d
                 .alloc_or_record(n * heads * splits * (hd + 2) * 4, "attention splits"),
             self.done_counters(),
@@ -1494,7 +1495,11 @@ impl Drop for CudaBackend {
 fn rope_fuses(
     (q, k, v): (&CudaAct, &CudaAct, &CudaAct),
     norms: (&CudaVector, &CudaVector),
-    (head_dim, rotary_dim, _): (usize, usize, f32),
+    Rope {
+        head_dim,
+        rotary_dim,
+        ..
+    }: Rope,
     cache: &CudaKvCache,
     heads: usize,
 ) -> bool {
@@ -2150,18 +2155,12 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn rope(
-        &self,
-        x: &mut CudaAct,
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f32,
-        first_position: usize,
-    ) {
+    fn rope(&self, x: &mut CudaAct, rope: Rope, first_position: usize) {
+        let (head_dim, rotary_dim) = (rope.head_dim, rope.rotary_dim);
         assert!(rotary_dim <= head_dim && rotary_dim.is_multiple_of(2));
         assert!(x.cols.is_multiple_of(head_dim));
         let n = x.rows * (x.cols / head_dim) * (rotary_dim / 2);
-        let Some(freq) = self.rotary_frequencies(theta, rotary_dim) else {
+        let Some(freq) = self.rotary_frequencies(rope) else {
             x.buf = None;
             return;
         };
@@ -2187,21 +2186,20 @@ impl Backend for CudaBackend {
         x: &CudaAct,
         weight: &CudaVector,
         eps: f32,
-        head_dim: usize,
-        rotary_dim: usize,
-        theta: f32,
+        rope: Rope,
         first_position: usize,
     ) -> CudaAct {
+        let (head_dim, rotary_dim) = (rope.head_dim, rope.rotary_dim);
         assert_eq!(weight.len, head_dim, "one norm weight per head value");
         assert!(rotary_dim <= head_dim && rotary_dim.is_multiple_of(2));
         assert!(x.cols.is_multiple_of(head_dim));
         if head_dim > MAX_HEAD_DIM {
             let mut y = self.rms_norm(x, weight, eps);
-            self.rope(&mut y, head_dim, rotary_dim, theta, first_position);
+            self.rope(&mut y, rope, first_position);
             return y;
         }
         let out = self.act(x.rows, x.cols);
-        let Some(freq) = self.rotary_frequencies(theta, rotary_dim) else {
+        let Some(freq) = self.rotary_frequencies(rope) else {
             return self.poisoned(x.rows, x.cols);
         };
         if let (Some(xp), Some(o)) = (x.ptr(), out.ptr()) {
@@ -2273,12 +2271,12 @@ impl Backend for CudaBackend {
         v: &CudaAct,
         norms: Option<(&CudaVector, &CudaVector)>,
         eps: f32,
-        rope: (usize, usize, f32),
+        rope: Rope,
         cache: &mut CudaKvCache,
         heads: usize,
         scale: f32,
     ) -> CudaAct {
-        let (_, rotary_dim, theta) = rope;
+        let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         // The fused kernels normalise q and k; attention without the norms runs op by op.
         let fused = norms.filter(|&n| rope_fuses((q, k, v), n, rope, cache, heads));
@@ -2316,11 +2314,9 @@ impl Backend for CudaBackend {
             Some(splits) if splits > 1 => self.device_len(cache),
             _ => None,
         };
-        let (Some(keys), Some(values), Some(freq)) = (
-            &cache.keys,
-            &cache.values,
-            self.rotary_frequencies(theta, rotary_dim),
-        ) else {
+        let (Some(keys), Some(values), Some(freq)) =
+            (&cache.keys, &cache.values, self.rotary_frequencies(rope))
+        else {
             return self.poisoned(rows, q.cols);
         };
         let q_rot = self.act(rows, q.cols);
@@ -2368,7 +2364,7 @@ impl Backend for CudaBackend {
         v: &CudaAct,
         norms: Option<(&CudaVector, &CudaVector)>,
         eps: f32,
-        rope: (usize, usize, f32),
+        rope: Rope,
         caches: &mut [&mut CudaKvCache],
         rows: &[usize],
         heads: usize,

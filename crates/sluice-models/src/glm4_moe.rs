@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, ExpertSource, SigmoidRouting};
+use sluice_backend::{Backend, ExpertSource, Rope, SigmoidRouting};
 use sluice_format::ModelDir;
 
 use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
@@ -346,7 +346,7 @@ impl<B: Backend> Glm4Moe<B> {
             &v,
             l.norms.as_ref().map(|(qn, kn)| (qn, kn)),
             self.decoder.eps(),
-            (hd, self.rotary_dim, self.rope_theta),
+            Rope::new(hd, self.rotary_dim, self.rope_theta),
             &mut caches,
             &rows,
             self.cfg.num_attention_heads,

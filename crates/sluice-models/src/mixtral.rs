@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, ExpertSource};
+use sluice_backend::{Backend, ExpertSource, Rope};
 use sluice_format::ModelDir;
 
 use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
@@ -242,7 +242,7 @@ impl<B: Backend> Mixtral<B> {
             &v,
             None,
             self.decoder.eps(),
-            (hd, hd, self.rope_theta),
+            Rope::new(hd, hd, self.rope_theta),
             &mut caches,
             &rows,
             self.cfg.num_attention_heads,

@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, DeltaNetDims, ExpertSource, ValueHeadOrder};
+use sluice_backend::{Backend, DeltaNetDims, ExpertSource, Rope, ValueHeadOrder};
 use sluice_format::ModelDir;
 
 use crate::decoder::{
@@ -565,7 +565,7 @@ impl<B: Backend> Qwen35Moe<B> {
             &v,
             Some((&l.q_norm, &l.k_norm)),
             eps,
-            (hd, self.rotary_dim, self.rope_theta),
+            Rope::new(hd, self.rotary_dim, self.rope_theta),
             &mut caches,
             &rows,
             self.cfg.num_attention_heads,
