@@ -852,9 +852,25 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
 /// decoding together through caches of different lengths.
 pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
     let mut rng = Rng::new(62);
-    for (heads, kv_heads, hd, rd) in [(8, 2, 128, 128), (4, 1, 64, 32)] {
+    let yarn = crate::Yarn {
+        factor: 40.0,
+        original_max_position: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+    };
+    // The last: Multi-head Latent Attention's absorbed form (one 576-wide key head, 64 rotated).
+    for (heads, kv_heads, hd, rd, yarn) in [
+        (8, 2, 128, 128, None),
+        (4, 1, 64, 32, None),
+        (16, 1, 576, 64, Some(yarn)),
+    ] {
         let (qw, kw) = (heads * hd, kv_heads * hd);
         let (theta, scale) = (1_000_000.0, 1.0 / (hd as f32).sqrt());
+        let rope = Rope {
+            yarn,
+            ..Rope::new(hd, rd, theta)
+        };
         // Per request: its cache and the host copies of its rotated keys and its values.
         let mut reqs: Vec<(B::KvCache, Vec<f32>, Vec<f32>)> = (0..3)
             .map(|_| {
@@ -870,8 +886,8 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
             let v = rng.vec(rows * kw, -2.0, 2.0);
             let (raw_q, raw_k) = (q.clone(), k.clone());
             let at = keys.len() / kw;
-            reference::rope(&mut q, qw, Rope::new(hd, rd, theta), at);
-            reference::rope(&mut k, kw, Rope::new(hd, rd, theta), at);
+            reference::rope(&mut q, qw, rope, at);
+            reference::rope(&mut k, kw, rope, at);
             keys.extend_from_slice(&k);
             values.extend_from_slice(&v);
             let want = reference::attention(&q, keys, values, heads, kv_heads, hd, scale);
@@ -887,7 +903,7 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
                 &b.act_from_host(&v, rows, kw),
                 None,
                 1e-6,
-                Rope::new(hd, rd, theta),
+                rope,
                 cache,
                 heads,
                 scale,
@@ -912,7 +928,7 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
                 &b.act_from_host(&parts.2, 3, kw),
                 None,
                 1e-6,
-                Rope::new(hd, rd, theta),
+                rope,
                 &mut caches,
                 &[1, 1, 1],
                 heads,
@@ -922,6 +938,55 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
                 "attention_rope_segments without norms {heads}/{kv_heads}x{hd}, step {step}"
             );
             assert_close(&what, &host(b, &got), &parts.3, tol.other);
+        }
+    }
+}
+
+/// `join_chunks` (the inverse of `split_chunks`) and `matmul_heads` (one product per head) in
+/// every weight format, with the shapes of Multi-head Latent Attention's absorbed projections.
+pub fn matmul_heads<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(63);
+    for (rows, a_chunk, b_chunk, chunks) in [(1, 64, 512, 16), (5, 3, 8, 2), (2, 512, 64, 1)] {
+        let (xa, xb) = (
+            rng.vec(rows * chunks * a_chunk, -1.0, 1.0),
+            rng.vec(rows * chunks * b_chunk, -1.0, 1.0),
+        );
+        let got = b.join_chunks(
+            &b.act_from_host(&xa, rows, chunks * a_chunk),
+            a_chunk,
+            &b.act_from_host(&xb, rows, chunks * b_chunk),
+            b_chunk,
+        );
+        let case = format!("join_chunks {rows} rows of {chunks} x ({a_chunk} + {b_chunk})");
+        assert_eq!(
+            b.shape(&got),
+            (rows, chunks * (a_chunk + b_chunk)),
+            "{case}"
+        );
+        let want = reference::join_chunks(&xa, a_chunk, &xb, b_chunk);
+        assert_eq!(host(b, &got), want, "{case}");
+    }
+    let required = required_formats();
+    for format in required.iter().chain(&optional_formats()) {
+        // (heads, out, in): embed_q's [512, 128] and unembed_out's [128, 512] per head, and odd.
+        for (heads, out, inp) in [(16, 512, 128), (16, 128, 512), (3, 5, 128)] {
+            let m = random_matrix(&mut rng, *format, heads * out, inp);
+            let w = match b.weight(m.clone()) {
+                Ok(w) => w,
+                Err(crate::BackendError::Unsupported(_)) if !required.contains(format) => break,
+                Err(e) => panic!("weight({format}, [{}, {inp}]): {e}", heads * out),
+            };
+            for rows in [1, 2, 9, 40] {
+                let x = rng.vec(rows * heads * inp, -1.0, 1.0);
+                let got = b.matmul_heads(&b.act_from_host(&x, rows, heads * inp), &w, heads);
+                let want = reference::matmul_heads(&x, rows, &m.as_ref(), heads);
+                assert_close(
+                    &format!("matmul_heads {format} {heads} x [{out}, {inp}], {rows} rows"),
+                    &host(b, &got),
+                    &want,
+                    tol.matmul,
+                );
+            }
         }
     }
 }
@@ -1416,7 +1481,7 @@ macro_rules! conformance_tests {
     };
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
-            activations matmul embed elementwise rope attention attention_segments attention_without_norms route route_sigmoid route_matmul
+            activations matmul matmul_heads embed elementwise rope attention attention_segments attention_without_norms route route_sigmoid route_matmul
             moe delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {

@@ -423,6 +423,20 @@ pub trait Backend: Send + Sync {
     /// Views each row as consecutive chunks of `chunk` values and splits every chunk after its
     /// first `first` values: returns (all the first parts, all the rest), each concatenated.
     fn split_chunks(&self, x: &Self::Act, chunk: usize, first: usize) -> (Self::Act, Self::Act);
+    /// The inverse of [`Backend::split_chunks`]: each row of `a` seen as chunks of `a_chunk`
+    /// values and each row of `b` as as many chunks of `b_chunk`, interleaved chunk by chunk (`a`'s
+    /// first).
+    fn join_chunks(
+        &self,
+        a: &Self::Act,
+        a_chunk: usize,
+        b: &Self::Act,
+        b_chunk: usize,
+    ) -> Self::Act;
+    /// One product per head: `x` `[rows, heads * in]` and `w` `[heads * out, in]`, head `h`'s
+    /// `in` columns of `x` times its `out` rows of `w` (transposed) give its `out` columns of the
+    /// result `[rows, heads * out]` (Multi-head Latent Attention's absorbed projections).
+    fn matmul_heads(&self, x: &Self::Act, w: &Self::Weight, heads: usize) -> Self::Act;
     /// Softmax over router logits `[rows, experts]`, top-`k` per row (the lower index wins a
     /// tie), optionally renormalised to sum to one.
     fn route(&self, logits: &Self::Act, k: usize, normalize: bool) -> Self::Routing;

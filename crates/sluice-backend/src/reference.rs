@@ -258,6 +258,43 @@ pub fn split_chunks(x: &[f32], chunk: usize, first: usize) -> (Vec<f32>, Vec<f32
     (a, b)
 }
 
+/// [`crate::Backend::join_chunks`]: chunks of `a` and `b` interleaved.
+pub fn join_chunks(a: &[f32], a_chunk: usize, b: &[f32], b_chunk: usize) -> Vec<f32> {
+    assert!(a_chunk > 0 && b_chunk > 0, "join_chunks: empty chunks");
+    assert_eq!(
+        a.len() / a_chunk,
+        b.len() / b_chunk,
+        "join_chunks: chunk counts differ"
+    );
+    a.chunks(a_chunk)
+        .zip(b.chunks(b_chunk))
+        .flat_map(|(x, y)| x.iter().chain(y).copied())
+        .collect()
+}
+
+/// [`crate::Backend::matmul_heads`]: `x` `[rows, heads * w.cols]`, `w` `[heads * out, in]`.
+pub fn matmul_heads(x: &[f32], rows: usize, w: &MatRef, heads: usize) -> Vec<f32> {
+    assert!(
+        heads > 0 && w.rows.is_multiple_of(heads),
+        "matmul_heads: rows per head"
+    );
+    let (inp, out) = (w.cols, w.rows / heads);
+    assert_eq!(x.len(), rows * heads * inp, "matmul_heads: input width");
+    let mut y = vec![0.0; rows * heads * out];
+    for h in 0..heads {
+        let xh: Vec<f32> = (0..rows)
+            .flat_map(|r| &x[(r * heads + h) * inp..(r * heads + h + 1) * inp])
+            .copied()
+            .collect();
+        let yh = matmul(&xh, rows, &w.rows(h * out..(h + 1) * out));
+        for r in 0..rows {
+            y[(r * heads + h) * out..(r * heads + h + 1) * out]
+                .copy_from_slice(&yh[r * out..(r + 1) * out]);
+        }
+    }
+    y
+}
+
 /// Softmax over each row of router logits, top `k` (the lower index wins a tie), optionally
 /// renormalised to sum to one.
 pub fn route(logits: &[f32], experts: usize, k: usize, normalize: bool) -> HostRouting {

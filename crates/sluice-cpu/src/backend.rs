@@ -372,6 +372,43 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn join_chunks(&self, a: &CpuAct, a_chunk: usize, b: &CpuAct, b_chunk: usize) -> CpuAct {
+        assert_eq!(a.rows, b.rows, "join_chunks: row counts differ");
+        let data = sluice_backend::reference::join_chunks(&a.data, a_chunk, &b.data, b_chunk);
+        let cols = a.cols + b.cols;
+        CpuAct {
+            data,
+            rows: a.rows,
+            cols,
+        }
+    }
+
+    fn matmul_heads(&self, x: &CpuAct, w: &HostMatrix, heads: usize) -> CpuAct {
+        assert!(
+            heads > 0 && w.rows.is_multiple_of(heads),
+            "matmul_heads: rows per head"
+        );
+        let (inp, out) = (w.cols, w.rows / heads);
+        assert_eq!(x.cols, heads * inp, "matmul_heads: input width");
+        let w = w.as_ref();
+        let mut y = CpuAct::zeros(x.rows, heads * out);
+        let (mut xh, mut yh) = (vec![0.0; x.rows * inp], vec![0.0; x.rows * out]);
+        for h in 0..heads {
+            for r in 0..x.rows {
+                let at = r * x.cols + h * inp;
+                xh[r * inp..(r + 1) * inp].copy_from_slice(&x.data[at..at + inp]);
+            }
+            yh.fill(0.0);
+            let wh = w.rows(h * out..(h + 1) * out);
+            kernels::matmul(self.kernels, &wh, &xh, x.rows, &mut yh);
+            for r in 0..x.rows {
+                let at = r * y.cols + h * out;
+                y.data[at..at + out].copy_from_slice(&yh[r * out..(r + 1) * out]);
+            }
+        }
+        y
+    }
+
     fn split_chunks(&self, x: &CpuAct, chunk: usize, first: usize) -> (CpuAct, CpuAct) {
         assert!(first <= chunk && x.cols.is_multiple_of(chunk));
         let n = x.cols / chunk;

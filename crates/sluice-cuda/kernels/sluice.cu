@@ -849,6 +849,17 @@ extern "C" __global__ void split_chunks(const float* x, float* a, float* b, long
     else b[c * (chunk - first) + j - first] = x[i];
 }
 
+// The inverse of split_chunks: chunks of ca values of a and cb values of b, interleaved.
+extern "C" __global__ void join_chunks(const float* a, const float* b, float* out, long n, int ca,
+                                       int cb) {
+    PDL_START();
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long c = i / (ca + cb);
+    const int j = (int)(i % (ca + cb));
+    out[i] = j < ca ? a[c * ca + j] : b[c * cb + j - ca];
+}
+
 // Rotate-half rotary embedding on the first rotary_dim values of each head; row r at position
 // first + r. `inv_freq` (rotary_dim / 2 values) comes from the host, computed as the CPU backend
 // and MLX do, so that long positions (where an ulp of frequency shows) agree; angles in f32.
@@ -1737,6 +1748,29 @@ __device__ void gemv_b(const Mat& w, const float* x, float* y) {
 #pragma unroll
         for (int t = 0; t < T; t++) y[t * (long)w.rows + r] = acc[0][t];
     }
+}
+
+// One product per head (Multi-head Latent Attention's absorbed projections): x [rows, heads *
+// w.cols], W [heads * out, w.cols]; y[t, j] = x[t, head(j) * w.cols ..] . W[j] with head(j) =
+// j / out. A warp per output value, any weight format; small matrices, so no tiling.
+extern "C" __global__ void __launch_bounds__(256) matmul_heads(Mat w, const float* x, float* y,
+                                                              int rows, int out) {
+    PDL_START();
+    const long gw = (long)blockIdx.x * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (gw >= (long)rows * w.rows) return;
+    const long t = gw / w.rows;
+    const int j = (int)(gw % w.rows);
+    const float* xr = x + (t * (w.rows / out) + j / out) * (long)w.cols;
+    float s = 0.0f;
+    for (int c = lane * 8; c < w.cols; c += 256) {
+        float wv[8];
+        load8(w, j, c, wv);
+#pragma unroll
+        for (int k = 0; k < 8; k++) s = fmaf(wv[k], xr[c + k], s);
+    }
+    s = warp_sum(s);
+    if (lane == 0) y[t * w.rows + j] = s;
 }
 
 #define GEMV_B(K, KN, T) \

@@ -2443,6 +2443,59 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn join_chunks(&self, a: &CudaAct, a_chunk: usize, b: &CudaAct, b_chunk: usize) -> CudaAct {
+        assert!(a_chunk > 0 && b_chunk > 0 && a.rows == b.rows);
+        assert!(a.cols.is_multiple_of(a_chunk) && b.cols.is_multiple_of(b_chunk));
+        assert_eq!(
+            a.cols / a_chunk,
+            b.cols / b_chunk,
+            "join_chunks: chunk counts differ"
+        );
+        let out = self.act(a.rows, a.cols + b.cols);
+        let n = out.rows * out.cols;
+        if let (Some(ap), Some(bp), Some(o)) = (a.ptr(), b.ptr(), out.ptr()) {
+            self.elementwise(
+                &self.d.k.join_chunks,
+                n,
+                &[
+                    Arg::Ptr(ap),
+                    Arg::Ptr(bp),
+                    Arg::Ptr(o),
+                    Arg::I64(n as i64),
+                    Arg::I32(a_chunk as i32),
+                    Arg::I32(b_chunk as i32),
+                ],
+            );
+        }
+        out
+    }
+
+    fn matmul_heads(&self, x: &CudaAct, w: &CudaWeight, heads: usize) -> CudaAct {
+        let (rows, inp) = (w.mat.rows as usize, w.mat.cols as usize);
+        assert!(
+            heads > 0 && rows.is_multiple_of(heads),
+            "matmul_heads: rows per head"
+        );
+        assert_eq!(x.cols, heads * inp, "matmul_heads: input width");
+        let out = self.act(x.rows, rows);
+        let warps = x.rows * rows;
+        if let (Some(xp), Some(o), true) = (x.ptr(), out.ptr(), warps > 0) {
+            self.d.launch(
+                &self.d.k.matmul_heads,
+                (warps.div_ceil(8) as u32, 1, 1),
+                (256, 1, 1),
+                &[
+                    Arg::Mat(w.mat),
+                    Arg::Ptr(xp),
+                    Arg::Ptr(o),
+                    Arg::I32(x.rows as i32),
+                    Arg::I32((rows / heads) as i32),
+                ],
+            );
+        }
+        out
+    }
+
     fn split_chunks(&self, x: &CudaAct, chunk: usize, first: usize) -> (CudaAct, CudaAct) {
         assert!(first <= chunk && x.cols.is_multiple_of(chunk));
         let chunks = x.cols / chunk;
