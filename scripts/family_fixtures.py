@@ -10,7 +10,7 @@ A family gives a `Family`: its specs (each with `name`, `layout` "mlx" | "hf", `
 `shards`, `quant_bits`, `quant_group`, `description`), `hf_config(spec, tok)`, `make_weights(spec,
 seed, head_seed)`, the mlx module whose MoE block to watch (`moe_class`, and `router_scores(block,
 x)` giving `[(values, k), ...]`: each set of values a top-k is taken over, the experts' last), and
-`numpy_forward(path, tokens)`.
+`numpy_forward(path, tokens)`, and optionally `post_build(spec, dir)`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class Family:
     moe_class: type
     router_scores: Callable
     numpy_forward: Callable
+    # Called with (spec, dir) after a fixture's files are written (say, to rename a model_type
+    # that transformers' config loader, which mlx_lm.convert uses, does not know).
+    post_build: Callable | None = None
 
 
 def save_hf(config: dict, weights: dict, out: Path, shards: int) -> None:
@@ -89,6 +92,8 @@ def build(fam: Family, spec, seed: int, head_seed: int, dst: Path, tok: Tokenize
     if spec.layout == "hf":
         save_hf(config, weights, dst, spec.shards)
         copy_tokenizer(dst)
+        if fam.post_build:
+            fam.post_build(spec, dst)
         return
     with tempfile.TemporaryDirectory(prefix="sluice-src-") as tmp:
         src = Path(tmp) / "hf"
@@ -104,6 +109,8 @@ def build(fam: Family, spec, seed: int, head_seed: int, dst: Path, tok: Tokenize
         if f.name not in keep and not (f.name.startswith("model") and f.suffix == ".safetensors"):
             f.unlink()
     copy_tokenizer(dst)
+    if fam.post_build:
+        fam.post_build(spec, dst)
 
 
 _ROUTER_LOG: list | None = None
@@ -161,8 +168,10 @@ def evaluate(fam: Family, spec, path: Path, tok: Tokenizer):
         usage[l] = usage.get(l, 0) + mf.router_analysis([(l, s)], k)[1][l]
     h = model.model.embed_tokens(mx.array([tokens], dtype=mx.int32))
     ratios = []
+    # A boolean causal mask (DeepSeek-V3's attention takes no "causal" string).
+    mask = mx.tril(mx.ones((len(tokens), len(tokens)), dtype=mx.bool_))
     for layer in model.model.layers:
-        h2 = layer(h, "causal", None)
+        h2 = layer(h, mask, None)
         ratios.append(float(mx.sqrt(mx.mean((h2 - h) ** 2)) / mx.sqrt(mx.mean(h * h))))
         h = h2
     return dict(

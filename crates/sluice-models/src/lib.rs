@@ -9,19 +9,20 @@
 //! Layout: [`loader`] reads weights by name; [`moe`] is the MoE block every architecture shares
 //! (router, routed experts, shared expert, next-layer prefetch) and [`experts`] where its experts
 //! live; [`decoder`] the embedding, final norm and output head around the layers. Each
-//! architecture file (`qwen3_moe.rs`, `qwen3_5_moe.rs`, `mixtral.rs`, `glm4_moe.rs`) holds its config, its attention and its
+//! architecture file (`qwen3_moe.rs`, `qwen3_5_moe.rs`, `mixtral.rs`, `glm4_moe.rs`, `deepseek_v3.rs`) holds its config, its attention and its
 //! forward pass, top to bottom.
 
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
 
-use sluice_backend::{Backend, BackendError, ExpertError, ExpertSource};
+use sluice_backend::{Backend, BackendError, ExpertError, ExpertSource, Yarn};
 use sluice_format::{FormatError, ModelDir};
 
 pub use experts::Experts;
 
 mod decoder;
+pub mod deepseek_v3;
 pub mod experts;
 pub mod glm4_moe;
 mod loader;
@@ -164,7 +165,8 @@ pub trait CausalLm<B: Backend>: Send + Sync {
 }
 
 /// The `model_type`s [`load`] reads, for error messages.
-const SUPPORTED: &str = "qwen3_moe, qwen3_5_moe, qwen3_next, mixtral, glm4_moe";
+const SUPPORTED: &str =
+    "qwen3_moe, qwen3_5_moe, qwen3_next, mixtral, glm4_moe, deepseek_v3, kimi_k2";
 
 /// What a model directory's config says about its experts, read and checked as the architecture
 /// reads it, before any weight (e.g. to size an expert cache first).
@@ -198,6 +200,11 @@ pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
         }
         "glm4_moe" => {
             let c: glm4_moe::Glm4MoeConfig = dir.parse_config()?;
+            c.check(dir)?;
+            (c.n_routed_experts, c.num_experts_per_tok)
+        }
+        "deepseek_v3" | "kimi_k2" => {
+            let c: deepseek_v3::DeepseekV3Config = dir.parse_config()?;
             c.check(dir)?;
             (c.n_routed_experts, c.num_experts_per_tok)
         }
@@ -237,6 +244,9 @@ pub fn load_with_experts<B: Backend + 'static>(
         )),
         "mixtral" => Ok(Box::new(mixtral::Mixtral::load(dir, backend, experts)?)),
         "glm4_moe" => Ok(Box::new(glm4_moe::Glm4Moe::load(dir, backend, experts)?)),
+        "deepseek_v3" | "kimi_k2" => Ok(Box::new(deepseek_v3::DeepseekV3::load(
+            dir, backend, experts,
+        )?)),
         other => Err(ModelError::Unsupported(format!(
             "{}: model_type `{other}` is not supported (supported: {SUPPORTED})",
             dir.path.join("config.json").display()
@@ -272,6 +282,74 @@ pub(crate) fn default_rope_theta(
     rope_theta
         .or(from_params)
         .ok_or_else(|| config_error(dir, "missing `rope_theta`"))
+}
+
+/// A rotary embedding's theta and YaRN scaling, if any, from `rope_theta` and `rope_scaling` or
+/// transformers 5's `rope_parameters` (`scalings`). Other scaling types are an error.
+pub(crate) fn yarn_rope_theta(
+    dir: &ModelDir,
+    rope_theta: Option<f64>,
+    scalings: [&Option<serde_json::Value>; 2],
+) -> Result<(f64, Option<YarnConfig>), ModelError> {
+    let yarn = scalings.into_iter().flatten().find(|s| {
+        s.get("rope_type").or_else(|| s.get("type")).and_then(|t| t.as_str()) == Some("yarn")
+    });
+    let Some(y) = yarn else {
+        return Ok((default_rope_theta(dir, rope_theta, scalings)?, None));
+    };
+    let theta = rope_theta
+        .or_else(|| y.get("rope_theta").and_then(|t| t.as_f64()))
+        .ok_or_else(|| config_error(dir, "missing `rope_theta`"))?;
+    let num = |key: &str, default: Option<f64>| {
+        y.get(key).and_then(|v| v.as_f64()).or(default).ok_or_else(|| {
+            config_error(dir, format!("yarn rope scaling needs `{key}`"))
+        })
+    };
+    let factor = num("factor", None)?;
+    let original = num("original_max_position_embeddings", None)?;
+    if !(factor >= 1.0 && original >= 1.0 && original.fract() == 0.0) {
+        return Err(config_error(
+            dir,
+            format!(
+                "yarn rope scaling needs factor >= 1 and a whole original_max_position_embeddings \
+                 (got {factor} and {original})"
+            ),
+        ));
+    }
+    Ok((
+        theta,
+        Some(YarnConfig {
+            yarn: Yarn {
+                factor: factor as f32,
+                original_max_position: original as usize,
+                beta_fast: num("beta_fast", Some(32.0))? as f32,
+                beta_slow: num("beta_slow", Some(1.0))? as f32,
+                truncate: y.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true),
+            },
+            mscale: num("mscale", Some(1.0))?,
+            mscale_all_dim: num("mscale_all_dim", Some(0.0))?,
+        }),
+    ))
+}
+
+/// YaRN's frequencies and its two attention temperatures as configured.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct YarnConfig {
+    pub yarn: Yarn,
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
+}
+
+impl YarnConfig {
+    /// YaRN's temperature `0.1 * m * ln(factor) + 1` (1 when the factor is at most 1).
+    pub fn temperature(&self, m: f64) -> f64 {
+        let f = self.yarn.factor as f64;
+        if f <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * f.ln() + 1.0
+        }
+    }
 }
 
 /// Returns a config error naming config.json.

@@ -4,7 +4,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use sluice_backend::{Backend, ExpertSource, FfnWeights, HostExpert, HostMatrix};
+use sluice_backend::{Backend, ExpertSource, FfnWeights, HostBytes, HostExpert, HostMatrix};
 use sluice_format::{ModelDir, QuantConfig};
 
 use crate::{Experts, ModelError};
@@ -42,7 +42,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         self.dir.tensors.contains(name)
     }
 
-    fn upload(&mut self, tensor: &str, m: HostMatrix) -> Result<B::Weight, ModelError> {
+    pub fn upload(&mut self, tensor: &str, m: HostMatrix) -> Result<B::Weight, ModelError> {
         self.bytes += m.nbytes();
         self.backend.weight(m).map_err(|source| ModelError::Weight {
             tensor: tensor.to_string(),
@@ -84,6 +84,34 @@ impl<'a, B: Backend> Loader<'a, B> {
         ranges: &[Range<usize>],
     ) -> Result<B::Weight, ModelError> {
         let m = self.host_matrix(prefix, out, inp)?.gather_rows(ranges);
+        self.upload(prefix, m)
+    }
+
+    /// A stacked 3-D tensor `[n, out, in]` of module `prefix` as one matrix `[n * out, in]` (mlx's
+    /// per-head `MultiLinear` projections).
+    pub fn stacked_matrix(
+        &mut self,
+        prefix: &str,
+        n: usize,
+        out: usize,
+        inp: usize,
+    ) -> Result<B::Weight, ModelError> {
+        let parts = self
+            .dir
+            .tensors
+            .matrix_stack(prefix, self.quant, Some((n, out, inp)))?;
+        let join = |f: fn(&HostMatrix) -> &HostBytes| {
+            HostBytes::from_vec(parts.iter().flat_map(|m| f(m).as_slice()).copied().collect())
+        };
+        let m = HostMatrix::new(
+            parts[0].format,
+            n * out,
+            inp,
+            join(|m| &m.data),
+            join(|m| &m.scales),
+            join(|m| &m.biases),
+        )
+        .map_err(|e| ModelError::Unsupported(format!("tensor `{prefix}`: {e}")))?;
         self.upload(prefix, m)
     }
 

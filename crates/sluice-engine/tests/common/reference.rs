@@ -154,6 +154,8 @@ macro_rules! reference_suite {
             glm4_moe_q4: "glm4_moe-q4",
             glm4_moe_hf: "glm4_moe-hf",
             glm4_moe_transformers: "glm4_moe-transformers",
+            deepseek_v3_q4: "deepseek_v3-q4",
+            deepseek_v3_hf: "deepseek_v3-hf",
         });
     };
 }
