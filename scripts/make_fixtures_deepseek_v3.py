@@ -168,16 +168,16 @@ def make_weights(spec: Spec, seed: int, head_seed: int) -> dict[str, np.ndarray]
         p = f"model.layers.{i}"
         w[f"{p}.input_layernorm.weight"] = uniform((H,), 0.6, 1.4)
         a = f"{p}.self_attn"
-        # Queries and keys lifted to sharp attention (the latent is normalised, so its gain is in
-        # kv_b_proj).
+        # Queries and keys at moderate gain: attention sharp enough to matter, not so sharp that
+        # a 4-bit rounding flips it (the latent is normalised; its gain is in kv_b_proj).
         if spec.q_lora_rank is None:
-            w[f"{a}.q_proj.weight"] = normal((HEADS * qh, H), 2.5 * H**-0.5)
+            w[f"{a}.q_proj.weight"] = normal((HEADS * qh, H), 1.5 * H**-0.5)
         else:
             r = spec.q_lora_rank
             w[f"{a}.q_a_proj.weight"] = normal((r, H), H**-0.5)
             w[f"{a}.q_a_layernorm.weight"] = uniform((r,), 0.6, 1.4)
-            w[f"{a}.q_b_proj.weight"] = normal((HEADS * qh, r), 2.5 * r**-0.5)
-        w[f"{a}.kv_a_proj_with_mqa.weight"] = normal((KV_LORA + ROPE, H), 2.5 * H**-0.5)
+            w[f"{a}.q_b_proj.weight"] = normal((HEADS * qh, r), 1.5 * r**-0.5)
+        w[f"{a}.kv_a_proj_with_mqa.weight"] = normal((KV_LORA + ROPE, H), 1.5 * H**-0.5)
         w[f"{a}.kv_a_layernorm.weight"] = uniform((KV_LORA,), 0.6, 1.4)
         w[f"{a}.kv_b_proj.weight"] = normal((HEADS * (NOPE + V_DIM), KV_LORA), 1.5 * KV_LORA**-0.5)
         w[f"{a}.o_proj.weight"] = normal((H, HEADS * V_DIM), ATTN_OUT_GAIN * (HEADS * V_DIM) ** -0.5 * 2)

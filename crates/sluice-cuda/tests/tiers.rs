@@ -77,6 +77,7 @@ fn tiered_logits_are_bit_identical_to_resident() {
         "qwen3_next-bf16",
         "mixtral-hf",
         "glm4_moe-hf",
+        "deepseek_v3-hf",
     ] {
         let resident = load(&fixture(name), StreamingOptions::default());
         assert!(resident.store.is_none());

@@ -69,6 +69,8 @@ fn streamed_logits_are_bit_identical_to_resident() {
         "mixtral-hf",
         "glm4_moe-q4",
         "glm4_moe-hf",
+        "deepseek_v3-q4",
+        "deepseek_v3-hf",
     ] {
         let resident = load(&fixture(name), StreamingOptions::default());
         assert!(resident.store.is_none());
@@ -180,6 +182,8 @@ fn unpacked_streaming_is_bit_identical_to_resident() {
         "mixtral-hf",
         "glm4_moe-q4",
         "glm4_moe-hf",
+        "deepseek_v3-q4",
+        "deepseek_v3-hf",
     ] {
         let dir = fixture(name);
         let resident = load(&dir, StreamingOptions::default());

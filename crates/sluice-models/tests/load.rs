@@ -151,3 +151,50 @@ fn glm4_moe_configs_say_what_is_unsupported() {
         ("glm4_moe", 3, 8)
     );
 }
+
+#[test]
+fn deepseek_v3_configs_say_what_is_unsupported() {
+    let load = |tmp: &tempfile::TempDir| {
+        let dir = ModelDir::open(tmp.path()).unwrap();
+        sluice_models::load(&dir, Arc::new(CpuBackend::new())).map(|m| m.info().clone())
+    };
+    let yarn = |mscale: f64, all: f64| {
+        serde_json::json!({"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                           "mscale": mscale, "mscale_all_dim": all})
+    };
+    for (key, value, says) in [
+        ("topk_method", serde_json::json!("greedy"), "topk_method `greedy`"),
+        ("n_group", serde_json::json!(3), "n_group (3)"),
+        ("qk_rope_head_dim", serde_json::json!(31), "qk_rope_head_dim 31"),
+        ("attention_bias", serde_json::json!(true), "attention_bias"),
+        ("rope_scaling", yarn(1.0, 0.0), "mscale 1 and mscale_all_dim 0"),
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "dynamic", "factor": 2.0}),
+            "rope scaling `dynamic`",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "factor": 4.0}),
+            "original_max_position_embeddings",
+        ),
+    ] {
+        let tmp = edited("deepseek_v3-hf", |c| c[key] = value.clone());
+        let err = load(&tmp).expect_err(key).to_string();
+        assert!(
+            err.contains("config.json") && err.contains(says),
+            "{key}: {err}"
+        );
+    }
+    // The query projection the config names is the one read: q_proj without q_lora_rank.
+    let tmp = edited("deepseek_v3-hf", |c| c["q_lora_rank"] = serde_json::Value::Null);
+    let err = load(&tmp).expect_err("no q_proj").to_string();
+    assert!(err.contains("q_proj"), "{err}");
+    let info = load(&edited("deepseek_v3-q4", |_| {})).unwrap();
+    assert_eq!(
+        (info.model_type.as_str(), info.layers, info.experts),
+        ("kimi_k2", 3, 8)
+    );
+    // The cache holds one latent head of 32 + 128 values for keys and for values, per layer.
+    assert_eq!(info.state_bytes_per_token, 3 * 2 * 160 * 4);
+}

@@ -172,6 +172,8 @@ fn packs_every_fixture_layout_byte_identically() {
         "mixtral-q4",
         "mixtral-hf",
         "glm4_moe-hf",
+        "deepseek_v3-q4",
+        "deepseek_v3-hf",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("packed");

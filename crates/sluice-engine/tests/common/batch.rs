@@ -262,6 +262,7 @@ macro_rules! batch_suite {
         batch_suite!(@one $make; $(#[$attr])*; qwen3_next_bf16_batch, "qwen3_next-bf16");
         batch_suite!(@one $make; $(#[$attr])*; mixtral_q4_batch, "mixtral-q4");
         batch_suite!(@one $make; $(#[$attr])*; glm4_moe_hf_batch, "glm4_moe-hf");
+        batch_suite!(@one $make; $(#[$attr])*; deepseek_v3_q4_batch, "deepseek_v3-q4");
 
         #[test]
         $(#[$attr])*
