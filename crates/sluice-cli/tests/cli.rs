@@ -292,6 +292,7 @@ fn synth_tiny_presets_load_and_generate() {
         "tiny-qwen3-moe",
         "tiny-mixtral",
         "tiny-glm4-moe",
+        "tiny-deepseek-v3",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("m");

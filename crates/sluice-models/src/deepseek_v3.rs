@@ -343,10 +343,7 @@ fn transpose_heads(m: &HostMatrix, heads: usize) -> HostMatrix {
                 .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
                 .collect(),
         ),
-        _ => (
-            Dtype::F32,
-            t.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        ),
+        _ => (Dtype::F32, t.iter().flat_map(|v| v.to_le_bytes()).collect()),
     };
     HostMatrix::new(
         WeightFormat::Dense(dtype),
@@ -479,9 +476,17 @@ impl<B: Backend> DeepseekV3<B> {
         };
         let (q_pe, q_nope) = b.split_chunks(&q, cfg.q_head_dim(), rope);
         // Each head's query into latent space, beside its rotated part: [rotated, latent].
-        let q = b.join_chunks(&q_pe, rope, &b.matmul_heads(&q_nope, &l.embed_q, heads), lora);
-        let (k_pe, latent) =
-            b.split_chunks(&b.matmul(x, &l.kv_a_proj_with_mqa), cfg.latent_head_dim(), rope);
+        let q = b.join_chunks(
+            &q_pe,
+            rope,
+            &b.matmul_heads(&q_nope, &l.embed_q, heads),
+            lora,
+        );
+        let (k_pe, latent) = b.split_chunks(
+            &b.matmul(x, &l.kv_a_proj_with_mqa),
+            cfg.latent_head_dim(),
+            rope,
+        );
         let latent = b.rms_norm(&latent, &l.kv_a_layernorm, eps);
         let k = b.join_chunks(&k_pe, rope, &latent, lora);
         // The values are the keys as they were before rotation: each head's output is then

@@ -292,7 +292,10 @@ pub(crate) fn yarn_rope_theta(
     scalings: [&Option<serde_json::Value>; 2],
 ) -> Result<(f64, Option<YarnConfig>), ModelError> {
     let yarn = scalings.into_iter().flatten().find(|s| {
-        s.get("rope_type").or_else(|| s.get("type")).and_then(|t| t.as_str()) == Some("yarn")
+        s.get("rope_type")
+            .or_else(|| s.get("type"))
+            .and_then(|t| t.as_str())
+            == Some("yarn")
     });
     let Some(y) = yarn else {
         return Ok((default_rope_theta(dir, rope_theta, scalings)?, None));
@@ -301,9 +304,10 @@ pub(crate) fn yarn_rope_theta(
         .or_else(|| y.get("rope_theta").and_then(|t| t.as_f64()))
         .ok_or_else(|| config_error(dir, "missing `rope_theta`"))?;
     let num = |key: &str, default: Option<f64>| {
-        y.get(key).and_then(|v| v.as_f64()).or(default).ok_or_else(|| {
-            config_error(dir, format!("yarn rope scaling needs `{key}`"))
-        })
+        y.get(key)
+            .and_then(|v| v.as_f64())
+            .or(default)
+            .ok_or_else(|| config_error(dir, format!("yarn rope scaling needs `{key}`")))
     };
     let factor = num("factor", None)?;
     let original = num("original_max_position_embeddings", None)?;

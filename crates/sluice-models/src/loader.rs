@@ -101,7 +101,13 @@ impl<'a, B: Backend> Loader<'a, B> {
             .tensors
             .matrix_stack(prefix, self.quant, Some((n, out, inp)))?;
         let join = |f: fn(&HostMatrix) -> &HostBytes| {
-            HostBytes::from_vec(parts.iter().flat_map(|m| f(m).as_slice()).copied().collect())
+            HostBytes::from_vec(
+                parts
+                    .iter()
+                    .flat_map(|m| f(m).as_slice())
+                    .copied()
+                    .collect(),
+            )
         };
         let m = HostMatrix::new(
             parts[0].format,

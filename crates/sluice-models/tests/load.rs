@@ -163,11 +163,23 @@ fn deepseek_v3_configs_say_what_is_unsupported() {
                            "mscale": mscale, "mscale_all_dim": all})
     };
     for (key, value, says) in [
-        ("topk_method", serde_json::json!("greedy"), "topk_method `greedy`"),
+        (
+            "topk_method",
+            serde_json::json!("greedy"),
+            "topk_method `greedy`",
+        ),
         ("n_group", serde_json::json!(3), "n_group (3)"),
-        ("qk_rope_head_dim", serde_json::json!(31), "qk_rope_head_dim 31"),
+        (
+            "qk_rope_head_dim",
+            serde_json::json!(31),
+            "qk_rope_head_dim 31",
+        ),
         ("attention_bias", serde_json::json!(true), "attention_bias"),
-        ("rope_scaling", yarn(1.0, 0.0), "mscale 1 and mscale_all_dim 0"),
+        (
+            "rope_scaling",
+            yarn(1.0, 0.0),
+            "mscale 1 and mscale_all_dim 0",
+        ),
         (
             "rope_scaling",
             serde_json::json!({"type": "dynamic", "factor": 2.0}),
@@ -187,7 +199,9 @@ fn deepseek_v3_configs_say_what_is_unsupported() {
         );
     }
     // The query projection the config names is the one read: q_proj without q_lora_rank.
-    let tmp = edited("deepseek_v3-hf", |c| c["q_lora_rank"] = serde_json::Value::Null);
+    let tmp = edited("deepseek_v3-hf", |c| {
+        c["q_lora_rank"] = serde_json::Value::Null
+    });
     let err = load(&tmp).expect_err("no q_proj").to_string();
     assert!(err.contains("q_proj"), "{err}");
     let info = load(&edited("deepseek_v3-q4", |_| {})).unwrap();

@@ -245,12 +245,43 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
         let p = format!("{m}.layers.{l}");
         b.ones(format!("{p}.input_layernorm.weight"), h);
         b.ones(format!("{p}.post_attention_layernorm.weight"), h);
-        if preset.is_full_attention(l) {
+        if let Some(mla) = preset.mla {
+            let a = format!("{p}.self_attn");
+            let nh = preset.heads;
+            let (nope, rope, lora, v) = (
+                mla.qk_nope_head_dim,
+                mla.qk_rope_head_dim,
+                mla.kv_lora_rank,
+                mla.v_head_dim,
+            );
+            let q_rows = nh * (nope + rope);
+            match mla.q_lora_rank {
+                Some(r) => {
+                    b.linear(&format!("{a}.q_a_proj"), &[], r, h, 1.0, q);
+                    b.ones(format!("{a}.q_a_layernorm.weight"), r);
+                    b.linear(&format!("{a}.q_b_proj"), &[], q_rows, r, 1.0, q);
+                }
+                None => b.linear(&format!("{a}.q_proj"), &[], q_rows, h, 1.0, q),
+            }
+            b.linear(
+                &format!("{a}.kv_a_proj_with_mqa"),
+                &[],
+                lora + rope,
+                h,
+                1.0,
+                q,
+            );
+            b.ones(format!("{a}.kv_a_layernorm.weight"), lora);
+            // mlx-lm's per-head halves of kv_b_proj: [heads, lora, nope] and [heads, v, lora].
+            b.linear(&format!("{a}.embed_q"), &[nh], lora, nope, 1.0, q);
+            b.linear(&format!("{a}.unembed_out"), &[nh], v, lora, 1.0, q);
+            b.linear(&format!("{a}.o_proj"), &[], h, nh * v, 1.0, q);
+        } else if preset.is_full_attention(l) {
             let (nh, kv, hd) = (preset.heads, preset.kv_heads, preset.head_dim);
             // Qwen3.5's gated attention projects queries and their gates together.
             let q_rows = match preset.family {
-                Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe => nh * hd,
                 Family::Qwen35Moe => 2 * nh * hd,
+                _ => nh * hd,
             };
             b.linear(&format!("{p}.self_attn.q_proj"), &[], q_rows, h, 1.0, q);
             b.linear(&format!("{p}.self_attn.k_proj"), &[], kv * hd, h, 1.0, q);
@@ -312,7 +343,8 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
             continue;
         }
         let (e, i) = (preset.experts, preset.moe_intermediate_size);
-        if preset.family == Family::Glm4Moe {
+        let sigmoid_router = matches!(preset.family, Family::Glm4Moe | Family::DeepseekV3);
+        if sigmoid_router {
             // A bf16 router (no popularity skew) and the selection bias, float32.
             b.dense(&format!("{mlp}.gate"), e, h, ROUTER_GAIN);
             b.uniform(
@@ -337,8 +369,8 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
         b.linear(&format!("{mlp}.switch_mlp.down_proj"), &[e], h, i, 1.0, q);
         let s = preset.shared_expert_intermediate_size;
         if s > 0 {
-            // GLM's shared experts are ungated and named in the plural.
-            let glm = preset.family == Family::Glm4Moe;
+            // GLM's and DeepSeek's shared experts are ungated and named in the plural.
+            let glm = sigmoid_router;
             let se = format!(
                 "{mlp}.{}",
                 if glm {
@@ -400,6 +432,26 @@ mod tests {
         assert_eq!(experts, 40 * 256 * 3 * 2048 * 512 * 9 / 16);
         // mlx-community's Qwen3.5-35B-A3B-4bit text weights are ~19.5 GB.
         assert!((19.0e9..20.5e9).contains(&(total as f64)), "{total}");
+    }
+
+    #[test]
+    fn deepseek_v3_has_the_published_size() {
+        let p = Preset::find("deepseek-v3").unwrap();
+        let t = tensors(p, q4(), ZeroPoint::Centred, 0);
+        let experts: u64 = t
+            .iter()
+            .filter(|t| t.name.contains("switch_mlp"))
+            .map(|t| t.nbytes())
+            .sum();
+        // 58 MoE layers x 256 x 3 x 7168 x 2048 x 4.5 bits.
+        assert_eq!(experts, 58 * 256 * 3 * 7168 * 2048 * 9 / 16);
+        // 671B parameters at 4.5 bits (the embedding and head too): ~377 GB.
+        let total: u64 = t.iter().map(|t| t.nbytes()).sum();
+        assert!((370e9..385e9).contains(&(total as f64)), "{total}");
+        let mla = t
+            .iter()
+            .find(|t| t.name.ends_with("layers.5.self_attn.embed_q.weight"));
+        assert_eq!(mla.unwrap().shape, [128, 512, 128 * 4 / 32]);
     }
 
     #[test]

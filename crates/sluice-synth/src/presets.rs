@@ -22,6 +22,26 @@ pub enum Family {
     /// leading dense layers, a sigmoid router with a selection bias (kept in bf16, as mlx-lm
     /// leaves it) and an ungated shared expert.
     Glm4Moe,
+    /// `deepseek_v3` (or `kimi_k2`): Multi-head Latent Attention ([`Mla`]) in mlx-lm's layout
+    /// (per-head `embed_q` / `unembed_out`), leading dense layers, GLM's sigmoid router and
+    /// ungated shared experts.
+    DeepseekV3,
+}
+
+/// Multi-head Latent Attention dimensions and rotary scaling of a `deepseek_v3` preset.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mla {
+    pub model_type: &'static str,
+    /// `None`: queries straight from `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// YaRN: factor, original context, beta_fast, beta_slow (mscale = mscale_all_dim = 1).
+    pub yarn: (f64, usize, f64, f64),
 }
 
 /// Gated DeltaNet (linear attention) dimensions of a `qwen3_5_moe` preset.
@@ -68,6 +88,8 @@ pub struct Preset {
     pub routed_scaling_factor: f64,
     /// Id of `<|endoftext|>`; the other special tokens follow it (as in Qwen's vocabularies).
     pub special_tokens_start: usize,
+    /// DeepSeek-V3's attention (`heads`; `kv_heads` and `head_dim` unused).
+    pub mla: Option<Mla>,
 }
 
 /// The special tokens every preset's tokenizer has, in id order from `special_tokens_start`.
@@ -116,6 +138,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: true,
         routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
+        mla: None,
     },
     Preset {
         name: "qwen3.5-122b-a10b",
@@ -144,6 +167,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: true,
         routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
+        mla: None,
     },
     Preset {
         name: "qwen3.5-397b-a17b",
@@ -175,6 +199,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: true,
         routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
+        mla: None,
     },
     Preset {
         name: "qwen3-30b-a3b",
@@ -200,6 +225,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: true,
         routed_scaling_factor: 1.0,
         special_tokens_start: 151643,
+        mla: None,
     },
     Preset {
         name: "qwen3-235b-a22b",
@@ -225,6 +251,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: true,
         routed_scaling_factor: 1.0,
         special_tokens_start: 151643,
+        mla: None,
     },
     Preset {
         name: "mixtral-8x7b",
@@ -251,6 +278,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: false,
         routed_scaling_factor: 1.0,
         special_tokens_start: 31993,
+        mla: None,
     },
     Preset {
         name: "glm-4.5-air",
@@ -278,6 +306,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: false,
         routed_scaling_factor: 1.0,
         special_tokens_start: 151329,
+        mla: None,
     },
     Preset {
         name: "glm-4.5",
@@ -305,6 +334,86 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: true,
         routed_scaling_factor: 2.5,
         special_tokens_start: 151329,
+        mla: None,
+    },
+    Preset {
+        name: "deepseek-v3",
+        family: Family::DeepseekV3,
+        source: "huggingface.co/deepseek-ai/DeepSeek-V3 config.json (V3-0324, V3.1 and R1 share \
+                 the shape): 3 dense + 58 MoE layers, hidden 7168, 128 heads, q_lora_rank 1536, \
+                 kv_lora_rank 512, 128 + 64 query values per head, 128 value values, 256 experts \
+                 of 2048 top-8 in 8 groups (best 4) scaled by 2.5, one shared expert, dense 18432, \
+                 vocabulary 129280, YaRN factor 40 over 4096; agrees with mlx-lm's deepseek_v3 \
+                 defaults and the DeepSeek-V3 technical report (671B, 37B active)",
+        hidden_size: 7168,
+        layers: 61,
+        heads: 128,
+        kv_heads: 128,
+        head_dim: 192,
+        experts: 256,
+        experts_per_token: 8,
+        moe_intermediate_size: 2048,
+        shared_expert_intermediate_size: 2048,
+        intermediate_size: 18432,
+        vocab_size: 129280,
+        rope_theta: 10000.0,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 163840,
+        linear: None,
+        first_dense_layers: 3,
+        qk_norm: false,
+        routed_scaling_factor: 2.5,
+        special_tokens_start: 129200,
+        mla: Some(Mla {
+            model_type: "deepseek_v3",
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            n_group: 8,
+            topk_group: 4,
+            yarn: (40.0, 4096, 32.0, 1.0),
+        }),
+    },
+    Preset {
+        name: "kimi-k2",
+        family: Family::DeepseekV3,
+        source: "huggingface.co/moonshotai/Kimi-K2-Instruct-0905 config.json as reported by \
+                 hf-model-inspector (61 layers, hidden 7168, 64 heads, dense 18432, vocabulary \
+                 163840, theta 50000, YaRN factor 64 over 4096 with beta 1/1); the MoE (384 \
+                 experts of 2048, top-8, one group, one shared expert, 1 dense layer, scaling \
+                 2.827) and MLA ranks as DeepSeek-V3's, per the Kimi K2 technical report",
+        hidden_size: 7168,
+        layers: 61,
+        heads: 64,
+        kv_heads: 64,
+        head_dim: 192,
+        experts: 384,
+        experts_per_token: 8,
+        moe_intermediate_size: 2048,
+        shared_expert_intermediate_size: 2048,
+        intermediate_size: 18432,
+        vocab_size: 163840,
+        rope_theta: 50000.0,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 262144,
+        linear: None,
+        first_dense_layers: 1,
+        qk_norm: false,
+        routed_scaling_factor: 2.827,
+        special_tokens_start: 163584,
+        mla: Some(Mla {
+            model_type: "kimi_k2",
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            n_group: 1,
+            topk_group: 1,
+            yarn: (64.0, 4096, 1.0, 1.0),
+        }),
     },
     Preset {
         name: "mixtral-8x22b",
@@ -331,6 +440,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: false,
         routed_scaling_factor: 1.0,
         special_tokens_start: 32761,
+        mla: None,
     },
     Preset {
         name: "tiny-qwen3.5-moe",
@@ -362,6 +472,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: true,
         routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
+        mla: None,
     },
     Preset {
         name: "tiny-qwen3-moe",
@@ -386,6 +497,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: true,
         routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
+        mla: None,
     },
     Preset {
         name: "tiny-glm4-moe",
@@ -410,6 +522,42 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: false,
         routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
+        mla: None,
+    },
+    Preset {
+        name: "tiny-deepseek-v3",
+        family: Family::DeepseekV3,
+        source: "deepseek-v3's structure at test size",
+        hidden_size: 128,
+        layers: 4,
+        heads: 4,
+        kv_heads: 4,
+        head_dim: 96,
+        experts: 16,
+        experts_per_token: 4,
+        moe_intermediate_size: 64,
+        shared_expert_intermediate_size: 64,
+        intermediate_size: 256,
+        vocab_size: 1024,
+        rope_theta: 10000.0,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 4096,
+        linear: None,
+        first_dense_layers: 1,
+        qk_norm: false,
+        routed_scaling_factor: 2.5,
+        special_tokens_start: 1000,
+        mla: Some(Mla {
+            model_type: "deepseek_v3",
+            q_lora_rank: Some(64),
+            kv_lora_rank: 128,
+            qk_nope_head_dim: 64,
+            qk_rope_head_dim: 32,
+            v_head_dim: 32,
+            n_group: 4,
+            topk_group: 2,
+            yarn: (40.0, 4096, 32.0, 1.0),
+        }),
     },
     Preset {
         name: "tiny-mixtral",
@@ -434,6 +582,7 @@ pub const PRESETS: &[Preset] = &[
         qk_norm: false,
         routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
+        mla: None,
     },
 ];
 
@@ -465,7 +614,7 @@ impl Preset {
     /// Module-path prefix of the decoder stack as mlx-lm writes it (`...layers.N`).
     pub fn model_prefix(&self) -> &'static str {
         match self.family {
-            Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe => "model",
+            Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe | Family::DeepseekV3 => "model",
             Family::Qwen35Moe => "language_model.model",
         }
     }
@@ -473,7 +622,7 @@ impl Preset {
     /// Path of the output head.
     pub fn lm_head(&self) -> &'static str {
         match self.family {
-            Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe => "lm_head",
+            Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe | Family::DeepseekV3 => "lm_head",
             Family::Qwen35Moe => "language_model.lm_head",
         }
     }
@@ -482,7 +631,7 @@ impl Preset {
     pub fn moe_module(&self) -> &'static str {
         match self.family {
             Family::Mixtral => "block_sparse_moe",
-            Family::Qwen3Moe | Family::Qwen35Moe | Family::Glm4Moe => "mlp",
+            Family::Qwen3Moe | Family::Qwen35Moe | Family::Glm4Moe | Family::DeepseekV3 => "mlp",
         }
     }
 
@@ -494,9 +643,10 @@ impl Preset {
         quant.insert("bits".into(), json!(bits));
         quant.insert("mode".into(), json!("affine"));
         let router = json!({"group_size": 64, "bits": 8});
-        // GLM's router is not a linear layer for mlx-lm: it stays in bf16, with no entry.
+        // GLM's and DeepSeek's router is not a linear layer for mlx-lm: it stays in bf16, with
+        // no entry.
         let router_layers = match self.family {
-            Family::Glm4Moe => 0,
+            Family::Glm4Moe | Family::DeepseekV3 => 0,
             _ => self.layers,
         };
         for l in 0..router_layers {
@@ -604,6 +754,57 @@ impl Preset {
                 "quantization": quant,
                 "quantization_config": quant,
             }),
+            (Family::DeepseekV3, _) => {
+                let mla = self.mla.expect("deepseek_v3 presets have MLA dimensions");
+                let (factor, original, beta_fast, beta_slow) = mla.yarn;
+                json!({
+                    "architectures": ["DeepseekV3ForCausalLM"],
+                    "model_type": mla.model_type,
+                    "attention_bias": false,
+                    "bos_token_id": endoftext,
+                    "eos_token_id": eos,
+                    "first_k_dense_replace": self.first_dense_layers,
+                    "hidden_act": "silu",
+                    "hidden_size": self.hidden_size,
+                    "intermediate_size": self.intermediate_size,
+                    "kv_lora_rank": mla.kv_lora_rank,
+                    "max_position_embeddings": self.max_position_embeddings,
+                    "moe_intermediate_size": self.moe_intermediate_size,
+                    "moe_layer_freq": 1,
+                    "n_group": mla.n_group,
+                    "n_routed_experts": self.experts,
+                    "n_shared_experts": self.shared_expert_intermediate_size / self.moe_intermediate_size,
+                    "norm_topk_prob": true,
+                    "num_attention_heads": self.heads,
+                    "num_experts_per_tok": self.experts_per_token,
+                    "num_hidden_layers": self.layers,
+                    "num_key_value_heads": self.heads,
+                    "q_lora_rank": mla.q_lora_rank,
+                    "qk_nope_head_dim": mla.qk_nope_head_dim,
+                    "qk_rope_head_dim": mla.qk_rope_head_dim,
+                    "rms_norm_eps": 1e-6,
+                    "rope_scaling": {
+                        "type": "yarn",
+                        "factor": factor,
+                        "original_max_position_embeddings": original,
+                        "beta_fast": beta_fast,
+                        "beta_slow": beta_slow,
+                        "mscale": 1.0,
+                        "mscale_all_dim": 1.0,
+                    },
+                    "rope_theta": self.rope_theta,
+                    "routed_scaling_factor": self.routed_scaling_factor,
+                    "scoring_func": "sigmoid",
+                    "tie_word_embeddings": false,
+                    "topk_group": mla.topk_group,
+                    "topk_method": "noaux_tc",
+                    "torch_dtype": "bfloat16",
+                    "v_head_dim": mla.v_head_dim,
+                    "vocab_size": self.vocab_size,
+                    "quantization": quant,
+                    "quantization_config": quant,
+                })
+            }
             (Family::Mixtral, _) => json!({
                 "architectures": ["MixtralForCausalLM"],
                 "model_type": "mixtral",

@@ -108,7 +108,7 @@ pub fn tokenizer_config_json(preset: &Preset) -> Value {
     }
     let template = match preset.family {
         // The synthetic vocabulary has Qwen's special tokens, so the others get Qwen3's template.
-        Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe => QWEN3_TEMPLATE,
+        Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe | Family::DeepseekV3 => QWEN3_TEMPLATE,
         Family::Qwen35Moe => QWEN35_TEMPLATE,
     };
     json!({
