@@ -75,11 +75,32 @@ def config_glm4_moe():
     )
 
 
+def config_deepseek_v3():
+    """A tiny DeepSeek-V3: Multi-head Latent Attention (q through rank 64, latent 128, 64 + 32
+    query values and 32 value values per head), interleaved rotary with YaRN (factor 40, mscale
+    and mscale_all_dim 1), a dense first layer, sigmoid routing in 4 groups (best 2 kept) with a
+    selection bias, scaling 2.5, a shared expert."""
+    from transformers import DeepseekV3Config
+    return DeepseekV3Config(
+        vocab_size=500, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=128, q_lora_rank=64,
+        qk_rope_head_dim=32, v_head_dim=32, qk_nope_head_dim=64, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_interleave=True, attention_bias=False, eos_token_id=[495, 493],
+    )
+
+
 MODELS = {
     "qwen3_moe": (config, Qwen3MoeForCausalLM),
     "qwen3_5_moe": (config_qwen3_5, AutoModelForCausalLM),
     "mixtral": (config_mixtral, AutoModelForCausalLM),
     "glm4_moe": (config_glm4_moe, AutoModelForCausalLM),
+    "deepseek_v3": (config_deepseek_v3, AutoModelForCausalLM),
 }
 
 
@@ -114,6 +135,11 @@ def init_(model, seed, router_gain=1.0):
                 if name.endswith("in_proj_a.weight"):
                     gain = 0.5
                 p.copy_(gain * torch.randn(p.shape, generator=g) / fan_in**0.5)
+    # DeepSeek-V3's selection bias is a buffer in transformers, not a parameter: drawn too.
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias") and not b.abs().any():
+            with torch.no_grad():
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def routing_gap(model, ids):

@@ -1016,28 +1016,26 @@ __device__ __forceinline__ void split_attention_finish(bool counted, int splits,
 // warps combine. With one split the block writes the output; with more (few tokens: decode) it
 // writes (max, sum, unnormalised output) to `partial` [T, heads, splits, hd + 2], and the last
 // block of a (head, token) to finish, counted in `done` (zero before, left zero after), combines
-// them. hd <= 256, splits <= 32. With `cached` (splits > 1 only) the cache's length before this
+// them. hd <= 32 * P, splits <= 32. With `cached` (splits > 1 only) the cache's length before this
 // call is kept on the device: total is the call's tokens plus *cached, and the last block of the
 // grid to finish, counted in `all_done` (zero before and after), stores the new length there.
-extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* keys,
-                                                            const float* values, float* out,
-                                                            int heads, int kv_heads, int hd,
-                                                            int total, int ntok, float scale,
-                                                            float* partial, uint32_t* done,
-                                                            int* cached, uint32_t* all_done) {
-    PDL_START();
+template <int P>
+__device__ void attention_generic(const float* q, const float* keys, const float* values, float* out,
+                                  int heads, int kv_heads, int hd, int total, int ntok, float scale,
+                                  float* partial, uint32_t* done, int* cached,
+                                  uint32_t* all_done) {
     if (cached) total += *cached;
     const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int kv = h / (heads / kv_heads);
     const int width = kv_heads * hd;
-    const int per_lane = (hd + 31) / 32;  // <= 8
+    const int per_lane = (hd + 31) / 32;  // <= P
     const int n = total - ntok + t + 1;
     const int chunk = (n + splits - 1) / splits;
     const int p0 = split * chunk, p1 = min(n, p0 + chunk);
-    float qv[8], acc[8];
+    float qv[P], acc[P];
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < P; j++) {
         const int d = lane + 32 * j;
         qv[j] = (j < per_lane && d < hd) ? q[((long)t * heads + h) * hd + d] : 0.0f;
         acc[j] = 0.0f;
@@ -1047,7 +1045,7 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
         const float* k = keys + (long)p * width + (long)kv * hd;
         float dot = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < P; j++) {
             const int d = lane + 32 * j;
             if (j < per_lane && d < hd) dot = fmaf(qv[j], k[d], dot);
         }
@@ -1058,20 +1056,20 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
         l = l * correction + e;
         const float* v = values + (long)p * width + (long)kv * hd;
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < P; j++) {
             const int d = lane + 32 * j;
             if (j < per_lane && d < hd) acc[j] = acc[j] * correction + e * v[d];
         }
         m = m_new;
     }
     __shared__ float ms[4], ls[4];
-    __shared__ float accs[4][256];
+    __shared__ float accs[4][P * 32];
     if (lane == 0) {
         ms[warp] = m;
         ls[warp] = l;
     }
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < P; j++) {
         const int d = lane + 32 * j;
         if (j < per_lane && d < hd) accs[warp][d] = acc[j];
     }
@@ -1096,6 +1094,28 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
     if (splits == 1) return;
     split_attention_finish(true, splits, done + t * heads + h, cached, all_done, total, mine, hd,
                            out + ((long)t * heads + h) * hd, gridDim.x * gridDim.y * gridDim.z);
+}
+
+// The head sizes of `attention`: up to 256 (8 values per lane), and up to 768 (24: Multi-head
+// Latent Attention's absorbed head of 576).
+extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* keys,
+                                                            const float* values, float* out,
+                                                            int heads, int kv_heads, int hd,
+                                                            int total, int ntok, float scale,
+                                                            float* partial, uint32_t* done,
+                                                            int* cached, uint32_t* all_done) {
+    PDL_START();
+    attention_generic<8>(q, keys, values, out, heads, kv_heads, hd, total, ntok, scale, partial,
+                         done, cached, all_done);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_wide(
+    const float* q, const float* keys, const float* values, float* out, int heads, int kv_heads,
+    int hd, int total, int ntok, float scale, float* partial, uint32_t* done, int* cached,
+    uint32_t* all_done) {
+    PDL_START();
+    attention_generic<24>(q, keys, values, out, heads, kv_heads, hd, total, ntok, scale, partial,
+                          done, cached, all_done);
 }
 
 // Split decode attention (few query tokens), head size HD: grid (heads, T, splits), 8 warps. A

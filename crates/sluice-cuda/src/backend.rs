@@ -206,6 +206,9 @@ pub struct CudaBackend {
 
 /// Limits of the kernels (checked where the shapes are first known).
 const MAX_HEAD_DIM: usize = 256;
+/// The largest attention head the unfused kernels take (`attention_wide`: Multi-head Latent
+/// Attention's absorbed head of 576).
+const MAX_ATTENTION_HEAD_DIM: usize = 768;
 /// `TOP_MAX` in the kernels: the most columns `top_logits` sorts on the device.
 const TOP_LOGITS_MAX: usize = 1024;
 const MAX_ROUTED_EXPERTS: usize = 1024;
@@ -1223,7 +1226,10 @@ impl CudaBackend {
                     (device_len.unwrap_or(0), all_done),
                 ),
                 None => self.d.launch(
-                    &self.d.k.attention,
+                    match hd > MAX_HEAD_DIM {
+                        true => &self.d.k.attention_wide,
+                        false => &self.d.k.attention,
+                    },
                     (heads as u32, rows as u32, splits as u32),
                     (128, 1, 1),
                     &[
@@ -1747,9 +1753,10 @@ impl Backend for CudaBackend {
         head_dim: usize,
         _capacity: usize,
     ) -> Result<CudaKvCache, BackendError> {
-        if head_dim > MAX_HEAD_DIM {
+        if head_dim > MAX_ATTENTION_HEAD_DIM {
             return Err(BackendError::Unsupported(format!(
-                "attention heads of {head_dim}: the CUDA kernels take at most {MAX_HEAD_DIM}"
+                "attention heads of {head_dim}: the CUDA kernels take at most \
+                 {MAX_ATTENTION_HEAD_DIM}"
             )));
         }
         // Allocated at the first append and grown by doubling: the model's context may be far

@@ -67,6 +67,8 @@ pub(crate) struct Kernels {
     pub rope: CudaFunction,
     pub rms_norm_rope: CudaFunction,
     pub attention: CudaFunction,
+    /// `attention` for heads of 257 to 768 values.
+    pub attention_wide: CudaFunction,
     /// Prefill attention by head size 64, 128: 64 query rows of one kv head per block, register
     /// tiles.
     pub attention_tiles: Vec<CudaFunction>,
@@ -216,6 +218,7 @@ impl Kernels {
             rope: f("rope")?,
             rms_norm_rope: f("rms_norm_rope")?,
             attention: f("attention")?,
+            attention_wide: f("attention_wide")?,
             attention_tiles: [64, 128]
                 .iter()
                 .map(|h| f(&format!("attention_tiles_{h}")))

@@ -30,7 +30,7 @@ use compare::{assert_fast_within_bounds, kl_and_agreement, max_diff_over_max_ref
 mod reference;
 use reference::{reference_tokens, repo};
 
-const FIXTURES: [&str; 19] = [
+const FIXTURES: [&str; 20] = [
     "qwen3_moe-bf16",
     "qwen3_moe-q4",
     "qwen3_moe-q8",
@@ -50,6 +50,7 @@ const FIXTURES: [&str; 19] = [
     "glm4_moe-transformers",
     "deepseek_v3-q4",
     "deepseek_v3-hf",
+    "deepseek_v3-transformers",
 ];
 
 #[test]

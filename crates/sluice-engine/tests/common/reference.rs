@@ -156,6 +156,7 @@ macro_rules! reference_suite {
             glm4_moe_transformers: "glm4_moe-transformers",
             deepseek_v3_q4: "deepseek_v3-q4",
             deepseek_v3_hf: "deepseek_v3-hf",
+            deepseek_v3_transformers: "deepseek_v3-transformers",
         });
     };
 }
