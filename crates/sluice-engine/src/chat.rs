@@ -12,7 +12,10 @@
 //! Tool-call arguments that arrive as a JSON string (the OpenAI wire format) are parsed into an
 //! object before rendering, as vLLM does: templates such as Qwen3.5's iterate
 //! `tool_call.arguments|items`, and Qwen3's `tojson` of an object reproduces the spacing the
-//! model emitted.
+//! model emitted. Templates that can only print the string are the exception: DeepSeek's
+//! (V3, R1, V3.1) concatenate `'...' + tool['function']['arguments']`, which fails on an object.
+//! [`ChatTemplate::new`] finds these by rendering a probe call both ways, as minja (llama.cpp's
+//! Jinja engine) does to decide the opposite, and then gives them the arguments as JSON text.
 
 use std::fmt::Write as _;
 
@@ -93,6 +96,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// The template prints tool-call arguments given as JSON text but not as an object.
+    string_arguments: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -100,6 +105,7 @@ impl std::fmt::Debug for ChatTemplate {
         f.debug_struct("ChatTemplate")
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
+            .field("string_arguments", &self.string_arguments)
             .finish_non_exhaustive()
     }
 }
@@ -124,11 +130,42 @@ impl ChatTemplate {
         let source = rewrite_generation_tags(source);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| syntax_error(&e, &source))?;
-        Ok(ChatTemplate {
+        let mut template = ChatTemplate {
             env,
             bos_token,
             eos_token,
-        })
+            string_arguments: false,
+        };
+        template.string_arguments = template.needs_string_arguments();
+        Ok(template)
+    }
+
+    /// Whether a past tool call renders when its arguments are JSON text but not when they are
+    /// an object. minja (google/minja `chat-template.hpp`, used by llama.cpp) probes templates the
+    /// same way for `requires_object_arguments`; here objects are the default, so the probe asks
+    /// the opposite question. A template that fails both ways keeps objects.
+    fn needs_string_arguments(&self) -> bool {
+        const NEEDLE: &str = "argument_needle";
+        let renders = |object_arguments: bool| {
+            let arguments = serde_json::json!({ NEEDLE: "probe" });
+            let call = serde_json::json!({
+                "id": "call_probe",
+                "type": "function",
+                "function": {"name": "probe_tool", "arguments": arguments},
+            });
+            let messages = [
+                ChatMessage::new("user", "Probe."),
+                ChatMessage {
+                    content: None,
+                    tool_calls: Some(serde_json::Value::Array(vec![call])),
+                    ..ChatMessage::new("assistant", "")
+                },
+            ];
+            let no_extra = serde_json::Map::new();
+            self.render_with(&messages, None, false, &no_extra, object_arguments)
+                .is_ok_and(|out| out.contains(NEEDLE))
+        };
+        !renders(true) && renders(false)
     }
 
     /// Renders `messages` (plus `tools`, the generation prompt and any extra template kwargs
@@ -139,6 +176,19 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ChatError> {
+        let objects = !self.string_arguments;
+        self.render_with(messages, tools, add_generation_prompt, extra, objects)
+    }
+
+    /// [`render`](Self::render), with tool-call arguments as objects or as JSON text.
+    fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+        object_arguments: bool,
     ) -> Result<String, ChatError> {
         let mut ctx = serde_json::Map::new();
         if let Some(b) = &self.bos_token {
@@ -155,7 +205,10 @@ impl ChatTemplate {
             }
             ctx.insert(k.clone(), v.clone());
         }
-        ctx.insert("messages".into(), normalize_messages(messages));
+        ctx.insert(
+            "messages".into(),
+            normalize_messages(messages, object_arguments),
+        );
         ctx.insert(
             "tools".into(),
             tools.cloned().unwrap_or(serde_json::Value::Null),
@@ -170,8 +223,9 @@ impl ChatTemplate {
     }
 }
 
-/// Serialises the messages, parsing JSON-string tool-call arguments into objects.
-fn normalize_messages(messages: &[ChatMessage]) -> serde_json::Value {
+/// Serialises the messages with tool-call arguments as objects (JSON-string arguments parsed,
+/// when they hold an object) or as JSON text (objects written compactly, as minja does).
+fn normalize_messages(messages: &[ChatMessage], object_arguments: bool) -> serde_json::Value {
     let mut out = Vec::with_capacity(messages.len());
     for m in messages {
         let mut v = serde_json::to_value(m).unwrap_or(serde_json::Value::Null);
@@ -183,14 +237,12 @@ fn normalize_messages(messages: &[ChatMessage]) -> serde_json::Value {
                     Some(call)
                 };
                 if let Some(args) = target.and_then(|t| t.get_mut("arguments")) {
-                    if let Some(s) = args.as_str() {
-                        if s.trim().is_empty() {
-                            *args = serde_json::Value::Object(serde_json::Map::new());
-                        } else if let Ok(obj @ serde_json::Value::Object(_)) =
-                            serde_json::from_str::<serde_json::Value>(s)
-                        {
-                            *args = obj;
+                    if object_arguments {
+                        if let Some(parsed) = args.as_str().and_then(arguments_object) {
+                            *args = parsed;
                         }
+                    } else if args.is_object() {
+                        *args = serde_json::Value::String(args.to_string());
                     }
                 }
             }
@@ -198,6 +250,17 @@ fn normalize_messages(messages: &[ChatMessage]) -> serde_json::Value {
         out.push(v);
     }
     serde_json::Value::Array(out)
+}
+
+/// The object a JSON-string `arguments` holds (empty text: no arguments); None if it holds
+/// something else.
+fn arguments_object(s: &str) -> Option<serde_json::Value> {
+    if s.trim().is_empty() {
+        return Some(serde_json::Value::Object(serde_json::Map::new()));
+    }
+    serde_json::from_str::<serde_json::Value>(s)
+        .ok()
+        .filter(serde_json::Value::is_object)
 }
 
 /// transformers' `{% generation %}` blocks (assistant-mask markers) render their body; minijinja

@@ -1,8 +1,23 @@
 //! Turns the text a chat model generates, arriving piece by piece, into the parts of an OpenAI
 //! chat completion: reasoning (`<think>...</think>`, Qwen3 / Qwen3.5 / DeepSeek-R1 style),
-//! content, and tool calls (`<tool_call>...</tool_call>` with a JSON body as Qwen2.5 / Qwen3 /
-//! Hermes write it, an XML body as Qwen3-Coder / Qwen3.5 write it, or the name and
-//! `<arg_key>`/`<arg_value>` pairs GLM-4.5 writes). It also applies OpenAI `stop` strings.
+//! content, and tool calls. It also applies OpenAI `stop` strings. The tool-call formats read:
+//!
+//! - `<tool_call>...</tool_call>` with a JSON body as Qwen2.5 / Qwen3 / Hermes write it, an XML
+//!   body as Qwen3-Coder / Qwen3.5 write it, or the name and `<arg_key>`/`<arg_value>` pairs
+//!   GLM-4.5 writes;
+//! - a DeepSeek section, `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` (the bars are U+FF5C,
+//!   the "▁" U+2581), holding calls `<｜tool▁call▁begin｜>HEAD<｜tool▁sep｜>TAIL<｜tool▁call▁end｜>`:
+//!   DeepSeek-V3 / R1 write `function<｜tool▁sep｜>NAME` then the arguments in a ```` ```json ````
+//!   fence, DeepSeek-V3.1 `NAME<｜tool▁sep｜>{ARGS}`;
+//! - a Kimi K2 section, `<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>` (or the
+//!   singular `tool_call_section` spelling), holding calls
+//!   `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{ARGS}<|tool_call_end|>`,
+//!   whose `functions.NAME:IDX` is kept as the call's id. A Kimi section also ends unclosed
+//!   reasoning, as K2-Thinking may open one without writing `</think>` first.
+//!
+//! A section is tool calls only if every call in it reads; otherwise its text is content,
+//! verbatim. Its end marker may be missing at the end of the output (as vLLM and llama.cpp
+//! accept).
 //!
 //! Streaming and non-streaming give the same result: [`OutputParser::push`] only returns what can
 //! no longer change, holding back text that might still become a marker or a stop string, and
@@ -36,6 +51,67 @@ const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 const TOOL_OPEN: &str = "<tool_call>";
 const TOOL_CLOSE: &str = "</tool_call>";
+// DeepSeek-V3 / R1 / V3.1 special tokens: fullwidth bars (U+FF5C) and "▁" (U+2581).
+const DS_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const DS_CALLS_END: &str = "<｜tool▁calls▁end｜>";
+const DS_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
+const DS_CALL_END: &str = "<｜tool▁call▁end｜>";
+const DS_SEP: &str = "<｜tool▁sep｜>";
+// Kimi K2. vLLM and llama.cpp also accept the singular `tool_call_section` spelling of the
+// section markers, which the models are reported to write at times.
+const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
+const KIMI_SECTION_BEGIN_SINGULAR: &str = "<|tool_call_section_begin|>";
+const KIMI_SECTION_ENDS: &[&str] = &["<|tool_calls_section_end|>", "<|tool_call_section_end|>"];
+const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
+const KIMI_ARGS_BEGIN: &str = "<|tool_call_argument_begin|>";
+const KIMI_CALL_END: &str = "<|tool_call_end|>";
+
+/// How a block of tool calls is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    /// `<tool_call>` around one call (JSON, XML or GLM body).
+    Tagged,
+    /// A DeepSeek section of calls.
+    DeepSeek,
+    /// A Kimi K2 section of calls.
+    Kimi,
+}
+
+/// A marker that opens a block of tool calls, the markers that may close it, and its format.
+#[derive(Debug, PartialEq, Eq)]
+struct Block {
+    open: &'static str,
+    closes: &'static [&'static str],
+    format: Format,
+}
+
+static BLOCKS: [Block; 4] = [
+    Block {
+        open: TOOL_OPEN,
+        closes: &[TOOL_CLOSE],
+        format: Format::Tagged,
+    },
+    Block {
+        open: DS_CALLS_BEGIN,
+        closes: &[DS_CALLS_END],
+        format: Format::DeepSeek,
+    },
+    Block {
+        open: KIMI_SECTION_BEGIN,
+        closes: KIMI_SECTION_ENDS,
+        format: Format::Kimi,
+    },
+    Block {
+        open: KIMI_SECTION_BEGIN_SINGULAR,
+        closes: KIMI_SECTION_ENDS,
+        format: Format::Kimi,
+    },
+];
+
+/// Markers that end reasoning when tool calls are parsed: `</think>`, and Kimi's section openers
+/// (vLLM's and llama.cpp's Kimi K2 parsers let a section end unclosed reasoning).
+const REASONING_ENDS_WITH_TOOLS: [&str; 3] =
+    [THINK_CLOSE, KIMI_SECTION_BEGIN, KIMI_SECTION_BEGIN_SINGULAR];
 
 /// How to read a model's output. The default reads it as plain text: no reasoning, no tool calls,
 /// no stop strings.
@@ -46,8 +122,8 @@ pub struct OutputOptions {
     pub starts_in_reasoning: bool,
     /// Split `<think>...</think>` into reasoning at all (false: everything is content).
     pub parse_reasoning: bool,
-    /// Parse `<tool_call>...</tool_call>` blocks (false when the request offered no tools: text
-    /// stays content).
+    /// Parse tool calls, in any of the formats the module lists (false when the request offered
+    /// no tools: text stays content).
     pub parse_tool_calls: bool,
     /// OpenAI `stop` strings (up to 4, non-empty): generation stops at the first occurrence; the
     /// stop string and what follows are not returned. Empty strings are ignored.
@@ -84,6 +160,10 @@ pub struct ParsedToolCall {
     /// JSON object text, compact (`serde_json::to_string` of the arguments object), keys in the
     /// order the model wrote them.
     pub arguments: String,
+    /// The id the model wrote for the call, where its format has one (Kimi K2's
+    /// `functions.NAME:IDX`). Kimi's chat template prints a call's id back into the next prompt,
+    /// so a server should answer with this id rather than one of its own.
+    pub id: Option<String>,
 }
 
 /// Where the text being read sits.
@@ -99,8 +179,8 @@ enum Mode {
     /// Dropping whitespace, after `</think>` or a tool call; content follows.
     SkipWhitespace,
     Content,
-    /// After `<tool_call>`: the body is collected until `</tool_call>`.
-    ToolBody,
+    /// After a block's opening marker: the body is collected until one of its closing markers.
+    Block(&'static Block),
 }
 
 /// Splits stop-free text into reasoning, content and tool calls.
@@ -145,14 +225,25 @@ impl Splitter {
                     }
                     self.mode = Mode::Reasoning { fresh: false };
                 }
-                if let Some(i) = self.buf.find(THINK_CLOSE) {
+                let ends: &[&str] = if self.parse_tool_calls {
+                    &REASONING_ENDS_WITH_TOOLS
+                } else {
+                    &[THINK_CLOSE]
+                };
+                if let Some((i, end)) = find_first(&self.buf, ends) {
                     emit_reasoning(out, self.buf[..i].trim_end_matches('\n'));
-                    self.buf.drain(..i + THINK_CLOSE.len());
-                    self.mode = Mode::SkipWhitespace;
+                    if end == THINK_CLOSE {
+                        self.buf.drain(..i + end.len());
+                        self.mode = Mode::SkipWhitespace;
+                    } else {
+                        // A tool section: content mode opens it.
+                        self.buf.drain(..i);
+                        self.mode = Mode::Content;
+                    }
                     return true;
                 }
                 // Trailing "\n"s are dropped if `</think>` comes next, so they wait too.
-                let cut = self.buf.len() - partial_suffix(&self.buf, THINK_CLOSE);
+                let cut = self.buf.len() - longest_partial(&self.buf, ends);
                 let cut = self.buf[..cut].trim_end_matches('\n').len();
                 emit_reasoning(out, &self.buf[..cut]);
                 self.buf.drain(..cut);
@@ -173,34 +264,39 @@ impl Splitter {
                     self.buf.clear();
                     return false;
                 }
-                if let Some(i) = self.buf.find(TOOL_OPEN) {
+                let opened = BLOCKS
+                    .iter()
+                    .filter_map(|b| Some((self.buf.find(b.open)?, b)))
+                    .min_by_key(|&(i, _)| i);
+                if let Some((i, block)) = opened {
                     emit_content(out, &self.buf[..i]);
-                    self.buf.drain(..i + TOOL_OPEN.len());
-                    self.mode = Mode::ToolBody;
+                    self.buf.drain(..i + block.open.len());
+                    self.mode = Mode::Block(block);
                     return true;
                 }
-                let cut = self.buf.len() - partial_suffix(&self.buf, TOOL_OPEN);
+                let partial = BLOCKS.iter().map(|b| partial_suffix(&self.buf, b.open));
+                let cut = self.buf.len() - partial.max().unwrap_or(0);
                 emit_content(out, &self.buf[..cut]);
                 self.buf.drain(..cut);
                 false
             }
-            Mode::ToolBody => {
-                let Some(i) = self.buf.find(TOOL_CLOSE) else {
+            Mode::Block(block) => {
+                let Some((i, close)) = find_first(&self.buf, block.closes) else {
                     return false;
                 };
                 let body = &self.buf[..i];
-                match parse_tool_call(body, self.tools.as_ref()) {
-                    Some(call) => {
-                        out.push(OutputEvent::ToolCall(call));
+                match parse_block(block.format, body, self.tools.as_ref()) {
+                    Some(calls) => {
+                        out.extend(calls.into_iter().map(OutputEvent::ToolCall));
                         self.mode = Mode::SkipWhitespace;
                     }
                     None => {
                         // Malformed: the client still sees exactly what the model wrote.
-                        emit_content(out, &format!("{TOOL_OPEN}{body}{TOOL_CLOSE}"));
+                        emit_content(out, &format!("{}{body}{close}", block.open));
                         self.mode = Mode::Content;
                     }
                 }
-                self.buf.drain(..i + TOOL_CLOSE.len());
+                self.buf.drain(..i + close.len());
                 true
             }
         }
@@ -214,7 +310,17 @@ impl Splitter {
             Mode::Reasoning { .. } => emit_reasoning(out, &rest),
             Mode::SkipWhitespace => {}
             Mode::Start | Mode::Content => emit_content(out, &rest),
-            Mode::ToolBody => emit_content(out, &format!("{TOOL_OPEN}{rest}")),
+            // A section's end marker may be missing (vLLM and llama.cpp accept that too); an
+            // unclosed `<tool_call>` is text, as a partial call would be.
+            Mode::Block(block) => match block.format {
+                Format::DeepSeek | Format::Kimi => {
+                    match parse_block(block.format, &rest, self.tools.as_ref()) {
+                        Some(calls) => out.extend(calls.into_iter().map(OutputEvent::ToolCall)),
+                        None => emit_content(out, &format!("{}{rest}", block.open)),
+                    }
+                }
+                Format::Tagged => emit_content(out, &format!("{}{rest}", block.open)),
+            },
         }
         self.mode = Mode::Content;
     }
@@ -242,6 +348,23 @@ fn emit_content(out: &mut Vec<OutputEvent>, text: &str) {
     }
 }
 
+/// The earliest occurrence in `text` of any of `markers`: its position and the marker.
+fn find_first(text: &str, markers: &[&'static str]) -> Option<(usize, &'static str)> {
+    markers
+        .iter()
+        .filter_map(|&m| Some((text.find(m)?, m)))
+        .min_by_key(|&(i, _)| i)
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of one of `markers`.
+fn longest_partial(text: &str, markers: &[&str]) -> usize {
+    markers
+        .iter()
+        .map(|m| partial_suffix(text, m))
+        .max()
+        .unwrap_or(0)
+}
+
 /// Length of the longest suffix of `text` that is a proper prefix of `marker` (0 if none).
 fn partial_suffix(text: &str, marker: &str) -> usize {
     let max = (marker.len() - 1).min(text.len());
@@ -255,7 +378,7 @@ fn partial_suffix(text: &str, marker: &str) -> usize {
 }
 
 /// Reads streamed model output into [`OutputEvent`]s. Stop strings are applied to the raw text
-/// first, then `<think>` and `<tool_call>` blocks are split out of what precedes the stop.
+/// first, then reasoning and tool-call blocks are split out of what precedes the stop.
 pub struct OutputParser {
     stops: Vec<String>,
     /// Raw text that might still be the start of a stop string.
@@ -290,10 +413,10 @@ impl OutputParser {
     }
 
     /// Feeds newly generated text; returns the events that are now certain. Text that might be
-    /// the start of a marker (`<think>`, `</think>`, `<tool_call>`) or of a stop string is held
-    /// back until it is decided, as are trailing newlines of reasoning (dropped before
-    /// `</think>`). When a stop string is found everything before it is returned, as
-    /// [`finish`](Self::finish) would.
+    /// the start of a marker (`<think>`, `</think>`, a tool-call opener) or of a stop string is
+    /// held back until it is decided, as are trailing newlines of reasoning (dropped before
+    /// `</think>`) and a whole tool-call block until it closes. When a stop string is found
+    /// everything before it is returned, as [`finish`](Self::finish) would.
     pub fn push(&mut self, text: &str) -> Vec<OutputEvent> {
         let mut out = Vec::new();
         if self.done {
@@ -314,8 +437,10 @@ impl OutputParser {
         self.stopped
     }
 
-    /// End of generation: flushes held-back text. An unclosed or malformed tool call is returned
-    /// as Content text (its raw text, verbatim), never dropped. Later calls return nothing.
+    /// End of generation: flushes held-back text. A malformed tool call, or an unclosed
+    /// `<tool_call>`, is returned as Content text (its raw text, verbatim), never dropped; an
+    /// unclosed DeepSeek or Kimi section is still read as calls if every call in it is complete.
+    /// Later calls return nothing.
     pub fn finish(&mut self) -> Vec<OutputEvent> {
         let mut out = Vec::new();
         if self.done {
@@ -407,6 +532,86 @@ pub fn parse_complete(opts: OutputOptions, text: &str) -> ParsedOutput {
     }
 }
 
+/// Reads the body of a block of tool calls; None if any of it does not read as a call.
+fn parse_block(format: Format, body: &str, tools: Option<&Value>) -> Option<Vec<ParsedToolCall>> {
+    match format {
+        Format::Tagged => parse_tool_call(body, tools).map(|c| vec![c]),
+        Format::DeepSeek => parse_section(body, DS_CALL_BEGIN, DS_CALL_END, parse_deepseek_call),
+        Format::Kimi => parse_section(body, KIMI_CALL_BEGIN, KIMI_CALL_END, parse_kimi_call),
+    }
+}
+
+/// The calls of a section: one or more `begin CALL end`, whitespace around them allowed and
+/// nothing else.
+fn parse_section(
+    body: &str,
+    begin: &str,
+    end: &str,
+    parse_call: fn(&str) -> Option<ParsedToolCall>,
+) -> Option<Vec<ParsedToolCall>> {
+    let mut calls = Vec::new();
+    let mut rest = body.trim_start();
+    while !rest.is_empty() {
+        let r = rest.strip_prefix(begin)?;
+        let e = r.find(end)?;
+        calls.push(parse_call(&r[..e])?);
+        rest = r[e + end.len()..].trim_start();
+    }
+    (!calls.is_empty()).then_some(calls)
+}
+
+/// One DeepSeek call, between `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>`. V3.1:
+/// `NAME<｜tool▁sep｜>{ARGS}`. V3 / R1: `function<｜tool▁sep｜>NAME`, a newline, then the arguments
+/// in a json code fence; the type must be "function", as llama.cpp has it (vLLM takes any).
+fn parse_deepseek_call(call: &str) -> Option<ParsedToolCall> {
+    let (head, tail) = call.split_once(DS_SEP)?;
+    let tail = tail.trim();
+    if tail.starts_with('{') {
+        return named_call(head.trim(), tail, None);
+    }
+    if head.trim() != "function" {
+        return None;
+    }
+    let (name, fenced) = tail.split_once('\n')?;
+    let args = fenced.trim().strip_prefix("```json")?.strip_suffix("```")?;
+    named_call(name.trim(), args.trim(), None)
+}
+
+/// One Kimi call, between `<|tool_call_begin|>` and `<|tool_call_end|>`:
+/// `functions.NAME:IDX<|tool_call_argument_begin|>{ARGS}`, or a bare `NAME:IDX` (vLLM accepts
+/// both). The whole `functions.NAME:IDX` is the call's id.
+fn parse_kimi_call(call: &str) -> Option<ParsedToolCall> {
+    let (id, args) = call.split_once(KIMI_ARGS_BEGIN)?;
+    let id = id.trim();
+    let (func, index) = id.rsplit_once(':')?;
+    if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let name = func.strip_prefix("functions.").unwrap_or(func);
+    named_call(name, args.trim(), Some(id.to_string()))
+}
+
+/// A call from a name and the JSON text of its arguments object; None if the name is not a
+/// plausible function name or the arguments are not a JSON object.
+fn named_call(name: &str, args: &str, id: Option<String>) -> Option<ParsedToolCall> {
+    if !valid_name(name) {
+        return None;
+    }
+    let Value::Object(args) = serde_json::from_str::<Value>(args).ok()? else {
+        return None;
+    };
+    Some(ParsedToolCall {
+        name: name.to_string(),
+        arguments: Value::Object(args).to_string(),
+        id,
+    })
+}
+
+/// A function name: not empty, and no whitespace or markup characters.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && !name.contains(|c: char| c.is_whitespace() || "<>{}".contains(c))
+}
+
 /// Reads the body between `<tool_call>` and `</tool_call>`; None if it is neither a JSON call, an
 /// XML `<function=...>` call nor a GLM call.
 fn parse_tool_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> {
@@ -426,7 +631,7 @@ fn parse_tool_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> 
 fn parse_glm_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> {
     let end = body.find("<arg_key>").unwrap_or(body.len());
     let name = body[..end].trim();
-    if name.is_empty() || name.contains(|c: char| c.is_whitespace() || "<>{}".contains(c)) {
+    if !valid_name(name) {
         return None;
     }
     /// The text between `open` and `close` at the start of `s` (after whitespace), and the rest.
@@ -455,6 +660,7 @@ fn parse_glm_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> {
     Some(ParsedToolCall {
         name: name.to_string(),
         arguments: Value::Object(args).to_string(),
+        id: None,
     })
 }
 
@@ -480,6 +686,7 @@ fn parse_json_call(body: &str) -> Option<ParsedToolCall> {
     Some(ParsedToolCall {
         name: name.to_string(),
         arguments: Value::Object(args).to_string(),
+        id: None,
     })
 }
 
@@ -525,6 +732,7 @@ fn parse_xml_call(body: &str, tools: Option<&Value>) -> Option<ParsedToolCall> {
     Some(ParsedToolCall {
         name: name.to_string(),
         arguments: Value::Object(args).to_string(),
+        id: None,
     })
 }
 

@@ -464,7 +464,7 @@ async fn chat_inner<B: Backend + 'static>(
             OutputEvent::Reasoning(t) => reasoning.push_str(&t),
             OutputEvent::Content(t) => content.push_str(&t),
             OutputEvent::ToolCall(c) => calls.push(json!({
-                "id": tool_call_id(),
+                "id": c.id.unwrap_or_else(tool_call_id),
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments},
             })),
@@ -753,7 +753,7 @@ impl ChunkFormat for ChatChunks {
                         self.tool_calls += 1;
                         json!({"tool_calls": [{
                             "index": index,
-                            "id": tool_call_id(),
+                            "id": c.id.unwrap_or_else(tool_call_id),
                             "type": "function",
                             "function": {"name": c.name, "arguments": c.arguments},
                         }]})
@@ -848,5 +848,27 @@ mod tests {
         assert_eq!(id.len(), 29);
         assert!(id[5..].chars().all(|c| c.is_ascii_alphanumeric()));
         assert_ne!(tool_call_id(), tool_call_id());
+    }
+
+    #[test]
+    fn streamed_tool_calls_keep_the_models_own_id() {
+        use sluice_engine::output::ParsedToolCall;
+        let call = |id: Option<&str>| {
+            OutputEvent::ToolCall(ParsedToolCall {
+                name: "f".into(),
+                arguments: "{}".into(),
+                id: id.map(str::to_string),
+            })
+        };
+        let mut chunks = ChatChunks { tool_calls: 0 };
+        let out = chunks.choices(vec![call(Some("functions.f:0")), call(None)]);
+        let ids: Vec<&str> = out
+            .iter()
+            .filter_map(|c| c["delta"]["tool_calls"][0]["id"].as_str())
+            .collect();
+        assert_eq!(ids.len(), 2);
+        assert_eq!(ids[0], "functions.f:0");
+        assert!(ids[1].starts_with("call_"), "{}", ids[1]);
+        assert_eq!(out[1]["delta"]["tool_calls"][0]["index"], 1);
     }
 }

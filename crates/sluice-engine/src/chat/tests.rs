@@ -13,6 +13,18 @@ const QWEN35: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/data/qwen3_5_chat_template.jinja"
 ));
+const DEEPSEEK_V31: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/deepseek_v3_1_chat_template.jinja"
+));
+const KIMI_K2: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/kimi_k2_instruct_chat_template.jinja"
+));
+const KIMI_K2_THINKING: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/kimi_k2_thinking_chat_template.jinja"
+));
 
 fn msg(role: &str, content: &str) -> ChatMessage {
     ChatMessage::new(role, content)
@@ -481,4 +493,239 @@ fn message_serialization() {
     );
     let back: ChatMessage = serde_json::from_str(r#"{"role":"user","content":"hi"}"#).unwrap();
     assert_eq!(back, msg("user", "hi"));
+}
+
+/// A conversation with a past tool call (or two) and the tool's replies: system, user, the
+/// assistant's call turn, a tool reply per call.
+fn past_calls(
+    first_id: &str,
+    arguments: serde_json::Value,
+    second: Option<serde_json::Value>,
+    content: Option<&str>,
+    reasoning: Option<&str>,
+) -> Vec<ChatMessage> {
+    let mut calls = vec![json!({
+        "id": first_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments}
+    })];
+    calls.extend(second.clone());
+    let mut msgs = vec![
+        msg("system", "You are helpful."),
+        msg("user", "Weather in Paris?"),
+        ChatMessage {
+            content: content.map(str::to_string),
+            tool_calls: Some(serde_json::Value::Array(calls)),
+            reasoning_content: reasoning.map(str::to_string),
+            ..msg("assistant", "")
+        },
+        ChatMessage {
+            tool_call_id: Some(first_id.into()),
+            ..msg("tool", "{\"temp_c\": 18}")
+        },
+    ];
+    if let Some(call) = second {
+        msgs.push(ChatMessage {
+            tool_call_id: call["id"].as_str().map(str::to_string),
+            ..msg("tool", "12:00")
+        });
+    }
+    msgs
+}
+
+fn get_time_call(id: &str) -> serde_json::Value {
+    json!({"id": id, "type": "function", "function": {"name": "get_time", "arguments": "{}"}})
+}
+
+// The expected prompts below were rendered from the same template files and conversations by
+// Python's jinja2 3.1.6 through tests/data/render_reference.py.
+
+#[test]
+fn deepseek_v31_renders_past_tool_calls_with_string_arguments() {
+    let t = ChatTemplate::new(
+        DEEPSEEK_V31,
+        Some("<｜begin▁of▁sentence｜>".into()),
+        Some("<｜end▁of▁sentence｜>".into()),
+    )
+    .unwrap();
+    // The template concatenates `'...' + tool['function']['arguments']`: the probe found that it
+    // needs the arguments as JSON text.
+    assert!(t.string_arguments);
+    let tools = weather_tool();
+    let msgs = past_calls(
+        "call_1",
+        json!("{\"location\":\"Paris\",\"unit\":\"celsius\"}"),
+        None,
+        None,
+        None,
+    );
+    let out = t.render(&msgs, Some(&tools), true, &no_extra()).unwrap();
+    assert_eq!(
+        out,
+        "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Weather in Paris?<｜Assistant｜></think>\
+         <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\":\"Paris\",\"unit\":\"celsius\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>\
+         <｜tool▁output▁begin｜>{\"temp_c\": 18}<｜tool▁output▁end｜>"
+    );
+    // Two calls after some text, the first with object arguments (written as compact JSON), then
+    // the answer and a new question; `thinking` opens the reasoning.
+    let mut msgs = past_calls(
+        "call_1",
+        json!({"location": "Paris", "unit": "celsius"}),
+        Some(get_time_call("call_2")),
+        Some("Let me check."),
+        None,
+    );
+    msgs.push(msg("assistant", "18 °C at noon."));
+    msgs.push(msg("user", "Thanks"));
+    let mut extra = no_extra();
+    extra.insert("thinking".into(), json!(true));
+    let out = t.render(&msgs, Some(&tools), true, &extra).unwrap();
+    assert_eq!(
+        out,
+        "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Weather in Paris?<｜Assistant｜></think>Let me check.\
+         <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\":\"Paris\",\"unit\":\"celsius\"}<｜tool▁call▁end｜>\
+         <｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>\
+         <｜tool▁output▁begin｜>{\"temp_c\": 18}<｜tool▁output▁end｜><｜tool▁output▁begin｜>12:00<｜tool▁output▁end｜>\
+         18 °C at noon.<｜end▁of▁sentence｜><｜User｜>Thanks<｜Assistant｜><think>"
+    );
+    // What the answer then generates parses back into the same calls.
+    let answer = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\":\"Paris\",\"unit\":\"celsius\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    let parsed = crate::output::parse_complete(
+        crate::output::OutputOptions {
+            parse_tool_calls: true,
+            ..Default::default()
+        },
+        answer,
+    );
+    assert_eq!(
+        parsed.tool_calls[0].arguments,
+        "{\"location\":\"Paris\",\"unit\":\"celsius\"}"
+    );
+}
+
+/// Kimi K2's tool declaration as its templates print it: `tools | tojson`, Python's spacing.
+const KIMI_TOOLS: &str = r#"[{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city, e.g. Zürich", "parameters": {"type": "object", "properties": {"location": {"type": "string", "description": "City name"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}}]"#;
+
+#[test]
+fn kimi_k2_renders_past_tool_calls_with_their_ids() {
+    let t = ChatTemplate::new(KIMI_K2, None, Some("<|im_end|>".into())).unwrap();
+    // `arguments is string` picks either form; objects stay the default.
+    assert!(!t.string_arguments);
+    let tools = weather_tool();
+    let msgs = past_calls(
+        "functions.get_weather:0",
+        json!("{\"location\":\"Paris\",\"unit\":\"celsius\"}"),
+        None,
+        None,
+        None,
+    );
+    let out = t.render(&msgs, Some(&tools), true, &no_extra()).unwrap();
+    let want = format!(
+        "<|im_system|>tool_declare<|im_middle|>\n  # Tools\n  {KIMI_TOOLS}<|im_end|>\
+         <|im_system|>system<|im_middle|>You are helpful.<|im_end|>\
+         <|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>\
+         <|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
+         <|tool_call_argument_begin|>{{\"location\": \"Paris\", \"unit\": \"celsius\"}}<|tool_call_end|><|tool_calls_section_end|><|im_end|>\
+         <|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n    {{\"temp_c\": 18}}<|im_end|>\
+         <|im_assistant|>assistant<|im_middle|>"
+    );
+    assert_eq!(out, want);
+    let mut msgs = past_calls(
+        "functions.get_weather:0",
+        json!({"location": "Paris", "unit": "celsius"}),
+        Some(get_time_call("functions.get_time:1")),
+        Some("Let me check."),
+        Some("Two tools."),
+    );
+    msgs.push(msg("assistant", "18 °C at noon."));
+    msgs.push(msg("user", "Thanks"));
+    let out = t.render(&msgs, Some(&tools), true, &no_extra()).unwrap();
+    assert!(
+        out.contains(
+            "<|im_assistant|>assistant<|im_middle|>Let me check.<|tool_calls_section_begin|>\
+             <|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"location\": \"Paris\", \"unit\": \"celsius\"}<|tool_call_end|>\
+             <|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>\
+             <|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n    {\"temp_c\": 18}<|im_end|>\
+             <|im_system|>tool<|im_middle|>## Return of functions.get_time:1\n    12:00<|im_end|>\
+             <|im_assistant|>assistant<|im_middle|>18 °C at noon.<|im_end|>\
+             <|im_user|>user<|im_middle|>Thanks<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        ),
+        "{out}"
+    );
+}
+
+#[test]
+fn kimi_k2_thinking_renders_with_negative_range_and_tuple_separators() {
+    // `range(messages|length-1, -1, -1)` with `break`, slices by a namespace value, macros and
+    // `dict.get` with a default.
+    let t = ChatTemplate::new(KIMI_K2_THINKING, None, Some("<|im_end|>".into())).unwrap();
+    assert!(!t.string_arguments);
+    let tools = weather_tool();
+    let msgs = past_calls(
+        "functions.get_weather:0",
+        json!("{\"location\":\"Paris\"}"),
+        None,
+        None,
+        Some("Need the weather."),
+    );
+    let tail = "<|im_system|>system<|im_middle|>You are helpful.<|im_end|>\
+         <|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>\
+         <|im_assistant|>assistant<|im_middle|><think>Need the weather.</think><|tool_calls_section_begin|>\
+         <|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"location\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>\
+         <|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{\"temp_c\": 18}<|im_end|>\
+         <|im_assistant|>assistant<|im_middle|>";
+    let out = t.render(&msgs, Some(&tools), true, &no_extra()).unwrap();
+    assert_eq!(
+        out,
+        format!("<|im_system|>tool_declare<|im_middle|>{KIMI_TOOLS}<|im_end|>{tail}")
+    );
+    // A later revision of this template prints `tools | tojson(separators=(',', ':'))`: a
+    // tuple literal as a keyword argument.
+    let compact = KIMI_K2_THINKING.replace(
+        "tools | tojson() }}",
+        "tools | tojson(separators=(',', ':')) }}",
+    );
+    assert_ne!(compact, KIMI_K2_THINKING);
+    let t = ChatTemplate::new(&compact, None, Some("<|im_end|>".into())).unwrap();
+    let out = t.render(&msgs, Some(&tools), true, &no_extra()).unwrap();
+    let tools_compact = serde_json::to_string(&tools).unwrap();
+    assert_eq!(
+        out,
+        format!("<|im_system|>tool_declare<|im_middle|>{tools_compact}<|im_end|>{tail}")
+    );
+    // Reasoning of turns before the last answer is dropped: the call turn is history now.
+    let mut msgs = msgs;
+    msgs.push(msg("assistant", "18 °C."));
+    msgs.push(msg("user", "Thanks"));
+    let out = t.render(&msgs, Some(&tools), true, &no_extra()).unwrap();
+    assert!(
+        out.contains("<|im_middle|><think></think><|tool_calls_section_begin|>"),
+        "{out}"
+    );
+    assert!(!out.contains("Need the weather."), "{out}");
+}
+
+#[test]
+fn probe_keeps_object_arguments_for_templates_that_take_them() {
+    for src in [QWEN3, QWEN35, FALLBACK_CHATML] {
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        assert!(!t.string_arguments);
+    }
+    // A template that only concatenates the arguments, and one that only iterates them.
+    let concat = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ 'A=' + c.function.arguments }}{% endfor %}{% endfor %}";
+    let items = "{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in c.function.arguments|items %}{{ k }}={{ v }};{% endfor %}{% endfor %}{% endfor %}";
+    let msgs = tool_round_trip(json!({"location": "Paris"}));
+    let t = ChatTemplate::new(concat, None, None).unwrap();
+    assert!(t.string_arguments);
+    assert_eq!(
+        t.render(&msgs, None, false, &no_extra()).unwrap(),
+        "A={\"location\":\"Paris\"}"
+    );
+    let t = ChatTemplate::new(items, None, None).unwrap();
+    assert!(!t.string_arguments);
+    let msgs = tool_round_trip(json!("{\"location\": \"Paris\"}"));
+    assert_eq!(
+        t.render(&msgs, None, false, &no_extra()).unwrap(),
+        "location=Paris;"
+    );
 }

@@ -29,6 +29,7 @@ fn call(name: &str, arguments: &str) -> OutputEvent {
     OutputEvent::ToolCall(ParsedToolCall {
         name: name.into(),
         arguments: arguments.into(),
+        id: None,
     })
 }
 
@@ -205,6 +206,7 @@ fn json_tool_call_argument_forms() {
         vec![ParsedToolCall {
             name: name.into(),
             arguments: args.into(),
+            id: None,
         }]
     };
     assert_eq!(
@@ -298,7 +300,8 @@ fn xml_params_without_schema_keep_order_and_guess_types() {
             out.tool_calls,
             [ParsedToolCall {
                 name: "f".into(),
-                arguments: r#"{"z":"hello world","a":42,"m":false,"q":"\"quoted\"","multi":"\nline one\nline two\n","open":"no close","last":null}"#.into()
+                arguments: r#"{"z":"hello world","a":42,"m":false,"q":"\"quoted\"","multi":"\nline one\nline two\n","open":"no close","last":null}"#.into(),
+                id: None,
             }]
         );
     // No parameters, and no `</function>`.
@@ -517,6 +520,26 @@ fn streaming_matches_parse_complete_for_any_chunking() {
         "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
         "<arg_key>",
         "</arg_value>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 4}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 5}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 6}<|tool_call_end|><|tool_calls_section_end|>",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁",
+        "function",
+        "```json\n",
+        "```",
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_section_begin|>",
+        "<|tool_call_begin|>",
+        "functions.f:0",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call",
         "<function=f>",
         "<parameter=a>",
         "</parameter>",
@@ -540,6 +563,7 @@ fn streaming_matches_parse_complete_for_any_chunking() {
             "parameters": {"properties": {"a": {"type": "integer"}}}}}]);
     let mut rng = Rng(0x5eed);
     let mut tool_calls = 0;
+    let mut kimi_calls = 0;
     let mut stops = 0;
     for case in 0..3000 {
         let len = rng.below(14);
@@ -557,6 +581,11 @@ fn streaming_matches_parse_complete_for_any_chunking() {
         let whole = stream(o.clone(), &[&text]);
         let complete = parse_complete(o.clone(), &text);
         tool_calls += complete.tool_calls.len();
+        kimi_calls += complete
+            .tool_calls
+            .iter()
+            .filter(|c| c.id.is_some())
+            .count();
         stops += complete.stopped as usize;
         // parse_complete is the concatenation of the one-chunk stream.
         let mut from_events = (String::new(), String::new(), Vec::new());
@@ -583,6 +612,7 @@ fn streaming_matches_parse_complete_for_any_chunking() {
     }
     // The generator reaches the interesting paths.
     assert!(tool_calls > 50, "{tool_calls}");
+    assert!(kimi_calls > 10, "{kimi_calls}");
     assert!(stops > 50, "{stops}");
 }
 
@@ -635,6 +665,7 @@ fn glm_tool_call_with_typed_args() {
         let want = ParsedToolCall {
             name: "get_time".into(),
             arguments: "{}".into(),
+            id: None,
         };
         assert_eq!(out.tool_calls, [want]);
         assert_eq!(parse_complete(opts(), text).content, text);
@@ -653,5 +684,295 @@ fn malformed_glm_tool_call_is_content_verbatim() {
     ] {
         let text = format!("<tool_call>{body}</tool_call>");
         assert_eq!(parse_complete(opts(), &text).content, text, "{body:?}");
+    }
+}
+
+// DeepSeek and Kimi K2 sections. The texts are written as vLLM's deepseekv3 / deepseekv31 /
+// kimi_k2 tool parsers document them and as the models' chat templates render past calls.
+
+const DS_V3: &str = "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"location\": \"Paris\", \"unit\": \"c\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+
+const DS_V31: &str = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\": \"Paris\", \"unit\": \"c\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"q\": \"été\", \"n\": [1, 2]}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+
+const KIMI: &str = "I'll look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Beijing\"}<|tool_call_end|><|tool_call_begin|>search:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+
+fn call_with_id(name: &str, arguments: &str, id: &str) -> OutputEvent {
+    OutputEvent::ToolCall(ParsedToolCall {
+        name: name.into(),
+        arguments: arguments.into(),
+        id: Some(id.into()),
+    })
+}
+
+/// The result of streaming `text` in two pieces at every char boundary, in three pieces at
+/// every pair of them, and char by char, is the one-piece result (which is returned).
+fn same_for_every_split(o: &OutputOptions, text: &str) -> Vec<OutputEvent> {
+    let whole = stream(o.clone(), &[text]);
+    let mut bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
+    bounds.push(text.len());
+    for (n, &i) in bounds.iter().enumerate() {
+        assert_eq!(
+            stream(o.clone(), &[&text[..i], &text[i..]]),
+            whole,
+            "{text:?} split at {i}"
+        );
+        for &j in &bounds[n..] {
+            let chunks = [&text[..i], &text[i..j], &text[j..]];
+            assert_eq!(stream(o.clone(), &chunks), whole, "{chunks:?}");
+        }
+    }
+    let chars: Vec<String> = text.chars().map(String::from).collect();
+    let chars: Vec<&str> = chars.iter().map(String::as_str).collect();
+    assert_eq!(stream(o.clone(), &chars), whole, "{text:?} by chars");
+    let complete = parse_complete(o.clone(), text);
+    let calls: Vec<OutputEvent> = complete
+        .tool_calls
+        .into_iter()
+        .map(OutputEvent::ToolCall)
+        .collect();
+    let streamed_calls: Vec<OutputEvent> = whole
+        .0
+        .iter()
+        .filter(|e| matches!(e, OutputEvent::ToolCall(_)))
+        .cloned()
+        .collect();
+    assert_eq!(calls, streamed_calls);
+    whole.0
+}
+
+#[test]
+fn deepseek_v3_tool_calls() {
+    assert_eq!(
+        same_for_every_split(&opts(), DS_V3),
+        [
+            content("Let me check."),
+            call("get_weather", r#"{"location":"Paris","unit":"c"}"#),
+            call("get_time", "{}"),
+        ]
+    );
+    // Arguments over several lines, whitespace around the fence.
+    let text = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\n  \"b\": 1,\n  \"a\": {\"x\": null}\n}\n```\n<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    assert_eq!(
+        stream(opts(), &[text]).0,
+        [call("f", r#"{"b":1,"a":{"x":null}}"#)]
+    );
+}
+
+#[test]
+fn deepseek_v31_tool_calls() {
+    assert_eq!(
+        same_for_every_split(&opts(), DS_V31),
+        [
+            call("get_weather", r#"{"location":"Paris","unit":"c"}"#),
+            call("search", r#"{"q":"été","n":[1,2]}"#),
+        ]
+    );
+    // Text before and after the section is content; whitespace right after it is dropped, as
+    // after a `<tool_call>`.
+    let text = format!("Checking both.\n\n{DS_V31}\n\nDone.");
+    let out = parse_complete(opts(), &text);
+    assert_eq!(out.content, "Checking both.\n\nDone.");
+    assert_eq!(out.tool_calls.len(), 2);
+    assert!(out.tool_calls.iter().all(|c| c.id.is_none()));
+}
+
+#[test]
+fn deepseek_reasoning_then_tool_calls() {
+    // DeepSeek-V3.1's thinking prompt ends with "<think>"; R1's with "<think>\n".
+    let o = OutputOptions {
+        starts_in_reasoning: true,
+        ..opts()
+    };
+    let text = format!("The user wants the weather.\n</think>{DS_V31}");
+    let events = same_for_every_split(&o, &text);
+    assert_eq!(events[0], reasoning("The user wants the weather."));
+    assert_eq!(
+        events[1..],
+        [
+            call("get_weather", r#"{"location":"Paris","unit":"c"}"#),
+            call("search", r#"{"q":"été","n":[1,2]}"#),
+        ]
+    );
+    // Markers written inside the reasoning stay reasoning: only `</think>` ends it.
+    let text = format!("<think>\nMaybe {DS_V31}\n</think>\n\nOK");
+    let out = parse_complete(opts(), &text);
+    assert_eq!(
+        out.reasoning.as_deref(),
+        Some(&format!("Maybe {DS_V31}")[..])
+    );
+    assert_eq!((out.content.as_str(), out.tool_calls.len()), ("OK", 0));
+}
+
+#[test]
+fn kimi_k2_tool_calls_keep_their_ids() {
+    assert_eq!(
+        same_for_every_split(&opts(), KIMI),
+        [
+            content("I'll look."),
+            call_with_id(
+                "get_weather",
+                r#"{"city":"Beijing"}"#,
+                "functions.get_weather:0"
+            ),
+            call_with_id("search", "{}", "search:1"),
+        ]
+    );
+    // Whitespace around the parts of a call (vLLM's regex allows it), the singular spelling of
+    // the section markers, and a name with a dot.
+    let text = "<|tool_call_section_begin|>\n<|tool_call_begin|> functions.fs.read:12 <|tool_call_argument_begin|> {\"path\": \"/a\"} <|tool_call_end|>\n<|tool_call_section_end|>";
+    assert_eq!(
+        same_for_every_split(&opts(), text),
+        [call_with_id(
+            "fs.read",
+            r#"{"path":"/a"}"#,
+            "functions.fs.read:12"
+        )]
+    );
+}
+
+#[test]
+fn kimi_section_ends_unclosed_reasoning() {
+    // K2-Thinking may start calling tools without closing its thinking.
+    let text = "<think>I should look it up.\n<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{\"q\": \"x\"}<|tool_call_end|><|tool_calls_section_end|>";
+    assert_eq!(
+        same_for_every_split(&opts(), text),
+        [
+            reasoning("I should look it up."),
+            call_with_id("search", r#"{"q":"x"}"#, "functions.search:0"),
+        ]
+    );
+    // The usual order works too.
+    let text = "<think>Look it up.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+    assert_eq!(
+        stream(opts(), &[text]).0,
+        [
+            reasoning("Look it up."),
+            call_with_id("search", "{}", "functions.search:0")
+        ]
+    );
+    // Without tools the section stays in the reasoning.
+    let o = OutputOptions {
+        parse_tool_calls: false,
+        ..opts()
+    };
+    let text = "<think>a<|tool_calls_section_begin|>b</think>c";
+    assert_eq!(
+        stream(o, &[text]).0,
+        [reasoning("a<|tool_calls_section_begin|>b"), content("c")]
+    );
+}
+
+#[test]
+fn partial_section_markers_are_held_back() {
+    let mut p = OutputParser::new(opts());
+    assert_eq!(p.push("Hi <｜tool▁"), [content("Hi ")]);
+    assert_eq!(p.push("calls"), []);
+    assert_eq!(p.push("!"), [content("<｜tool▁calls!")]);
+    assert_eq!(p.push(" <|tool_call"), [content(" ")]);
+    assert_eq!(p.push("_sect"), []);
+    assert_eq!(p.finish(), [content("<|tool_call_sect")]);
+    // In reasoning, a partial Kimi section marker waits as `</think>`'s would.
+    let mut p = OutputParser::new(opts());
+    assert_eq!(p.push("<think>a <|tool_calls"), [reasoning("a ")]);
+    assert_eq!(p.push("_x"), [reasoning("<|tool_calls_x")]);
+}
+
+#[test]
+fn section_events_only_when_closed() {
+    let mut p = OutputParser::new(opts());
+    let (head, tail) = DS_V31.split_at(DS_V31.len() - "<｜tool▁calls▁end｜>".len());
+    assert_eq!(p.push(head), []);
+    let got = p.push(tail);
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(p.finish(), []);
+}
+
+#[test]
+fn unclosed_section_at_finish() {
+    // Complete calls without the section's end marker are calls (vLLM and llama.cpp agree).
+    let text =
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜>\n";
+    assert_eq!(
+        same_for_every_split(&opts(), text),
+        [call("f", r#"{"a":1}"#)]
+    );
+    let text = "x<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>";
+    assert_eq!(
+        same_for_every_split(&opts(), text),
+        [content("x"), call_with_id("f", "{}", "functions.f:0")]
+    );
+    // A call cut off is not: the whole section is returned as text.
+    for text in [
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{\"b\"",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}",
+        "<｜tool▁calls▁begin｜>",
+    ] {
+        assert_eq!(same_for_every_split(&opts(), text), [content(text)]);
+    }
+}
+
+#[test]
+fn malformed_sections_are_content_verbatim() {
+    let ds = |calls: &str| format!("<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>");
+    let ds_call = |call: &str| format!("<｜tool▁call▁begin｜>{call}<｜tool▁call▁end｜>");
+    let kimi =
+        |calls: &str| format!("<|tool_calls_section_begin|>{calls}<|tool_calls_section_end|>");
+    let kimi_call = |call: &str| format!("<|tool_call_begin|>{call}<|tool_call_end|>");
+    let good_ds = ds_call("f<｜tool▁sep｜>{}");
+    let good_kimi = kimi_call("functions.f:0<|tool_call_argument_begin|>{}");
+    let sections = [
+        ds(""),
+        ds(&ds_call("f<｜tool▁sep｜>{\"a\": 1")),
+        ds(&ds_call("f<｜tool▁sep｜>[1]")),
+        ds(&ds_call("f{\"a\": 1}")),
+        ds(&ds_call("<｜tool▁sep｜>{}")),
+        ds(&ds_call("get weather<｜tool▁sep｜>{}")),
+        ds(&ds_call("tool<｜tool▁sep｜>f\n```json\n{}\n```")),
+        ds(&ds_call("function<｜tool▁sep｜>f\n{}")),
+        ds(&ds_call("function<｜tool▁sep｜>f\n```json\n{}")),
+        ds(&ds_call("function<｜tool▁sep｜>f\n```json\n\"x\"\n```")),
+        ds(&format!("{good_ds}junk{good_ds}")),
+        ds(&format!("{good_ds}{}", ds_call("g<｜tool▁sep｜>nope"))),
+        ds(&format!(
+            "{good_ds}<｜tool▁call▁begin｜>g<｜tool▁sep｜>{{}}"
+        )),
+        ds("f<｜tool▁sep｜>{}"),
+        kimi(""),
+        kimi(&kimi_call("functions.f<|tool_call_argument_begin|>{}")),
+        kimi(&kimi_call("functions.f:x<|tool_call_argument_begin|>{}")),
+        kimi(&kimi_call("functions.:0<|tool_call_argument_begin|>{}")),
+        kimi(&kimi_call("functions.f:0 {}")),
+        kimi(&kimi_call(
+            "functions.f:0<|tool_call_argument_begin|>{\"a\"}",
+        )),
+        kimi(&kimi_call("functions.f:0<|tool_call_argument_begin|>null")),
+        kimi(&format!(
+            "{good_kimi}{}",
+            kimi_call("g:1<|tool_call_argument_begin|>")
+        )),
+        kimi(&format!("{good_kimi} text")),
+    ];
+    for section in sections {
+        let text = format!("A {section} B");
+        assert_eq!(stream(opts(), &[&text]).0, [content(&text)], "{text:?}");
+        assert!(parse_complete(opts(), &text).tool_calls.is_empty());
+    }
+    // A malformed section is text, and a good one after it is still read.
+    let bad = ds(&ds_call("f<｜tool▁sep｜>{"));
+    let text = format!("{bad}{}", ds(&good_ds));
+    assert_eq!(
+        same_for_every_split(&opts(), &text),
+        [content(&bad), call("f", "{}")]
+    );
+}
+
+#[test]
+fn parse_tool_calls_false_keeps_sections_as_content() {
+    let o = OutputOptions {
+        parse_tool_calls: false,
+        ..opts()
+    };
+    for text in [DS_V3, DS_V31, KIMI] {
+        assert_eq!(stream(o.clone(), &[text]).0, [content(text)]);
     }
 }

@@ -4,7 +4,8 @@
 Renders a Hugging Face chat template with Python's jinja2 set up the way transformers'
 `apply_chat_template` does (trim_blocks, lstrip_blocks, loopcontrols, its own `tojson`,
 `raise_exception`, `strftime_now`), after the same tool-call normalisation as `chat.rs`
-(JSON-string `arguments` parsed into objects, as vLLM does).
+(JSON-string `arguments` parsed into objects, as vLLM does, unless a probe call renders only as
+JSON text, as in DeepSeek's templates: then object `arguments` are written as compact JSON).
 
     python3 render_reference.py TEMPLATE.jinja CASES.json
 
@@ -34,7 +35,15 @@ def strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-def normalize(messages):
+def normalize(messages, object_arguments=True):
+    if not object_arguments:
+        for m in messages:
+            for call in m.get("tool_calls") or []:
+                target = call["function"] if isinstance(call.get("function"), dict) else call
+                if isinstance(target.get("arguments"), dict):
+                    target["arguments"] = json.dumps(target["arguments"], ensure_ascii=False,
+                                                     separators=(",", ":"))
+        return messages
     for m in messages:
         for call in m.get("tool_calls") or []:
             target = call["function"] if isinstance(call.get("function"), dict) else call
@@ -61,11 +70,26 @@ def main():
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     template = env.from_string(source)
+
+    def renders(arguments):
+        call = {"id": "call_probe", "type": "function",
+                "function": {"name": "probe_tool", "arguments": arguments}}
+        messages = [{"role": "user", "content": "Probe."},
+                    {"role": "assistant", "content": None, "tool_calls": [call]}]
+        try:
+            return "argument_needle" in template.render(messages=messages, tools=None,
+                                                        add_generation_prompt=False)
+        except Exception:
+            return False
+
+    needle = {"argument_needle": "probe"}
+    object_arguments = renders(needle) or not renders(json.dumps(needle, separators=(",", ":")))
     out = []
     for case in cases:
         kwargs = dict(case.get("extra") or {})
         try:
-            out.append(template.render(messages=normalize(case["messages"]), tools=case.get("tools"),
+            out.append(template.render(messages=normalize(case["messages"], object_arguments),
+                                       tools=case.get("tools"),
                                        add_generation_prompt=case.get("add_generation_prompt", False),
                                        **kwargs))
         except jinja2.exceptions.TemplateError as e:
