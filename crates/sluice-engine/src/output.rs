@@ -77,6 +77,28 @@ enum Format {
     Kimi,
 }
 
+/// Every marker this parser reads. A tokenizer may mark some of them special (Kimi's tool-call
+/// markers, GGUF conversions of DeepSeek's); the decoder keeps them even where it drops special
+/// tokens, or the parser would never see them ([`crate::tokenizer::Tokenizer`]).
+pub const MARKERS: &[&str] = &[
+    THINK_OPEN,
+    THINK_CLOSE,
+    TOOL_OPEN,
+    TOOL_CLOSE,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_SEP,
+    KIMI_SECTION_BEGIN,
+    KIMI_SECTION_BEGIN_SINGULAR,
+    KIMI_SECTION_ENDS[0],
+    KIMI_SECTION_ENDS[1],
+    KIMI_CALL_BEGIN,
+    KIMI_ARGS_BEGIN,
+    KIMI_CALL_END,
+];
+
 /// A marker that opens a block of tool calls, the markers that may close it, and its format.
 #[derive(Debug, PartialEq, Eq)]
 struct Block {

@@ -10,6 +10,7 @@
 //! already emitted (up to `read_offset`), and hold back while the result ends in an incomplete
 //! character. Each step costs O(window), and the deltas concatenated equal `decode(all ids)`.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -25,6 +26,9 @@ pub enum TokenizerError {
 /// A loaded `tokenizer.json`.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The special tokens that decoding with `skip_special` drops: all but the markers the
+    /// output parser reads ([`crate::output::MARKERS`]), which some tokenizers mark special.
+    dropped_special: HashSet<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -57,12 +61,21 @@ impl Tokenizer {
             path: path.to_path_buf(),
             message: one_line(e),
         })?;
-        Ok(Tokenizer { inner })
+        Ok(Self::from_inner(inner))
     }
 
     /// Wraps an already built `tokenizers` tokenizer.
     pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
-        Tokenizer { inner }
+        let dropped_special = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !crate::output::MARKERS.contains(&t.content.as_str()))
+            .map(|(id, _)| id)
+            .collect();
+        Tokenizer {
+            inner,
+            dropped_special,
+        }
     }
 
     pub fn inner(&self) -> &tokenizers::Tokenizer {
@@ -80,10 +93,23 @@ impl Tokenizer {
     }
 
     /// Text of `ids`; ids outside the vocabulary are skipped. `skip_special` drops special
-    /// tokens such as `<|im_end|>`.
+    /// tokens such as `<|im_end|>`, but not the reasoning and tool-call markers that
+    /// [`crate::output`] reads, special or not.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        let kept: Vec<u32>;
+        let ids = match skip_special && ids.iter().any(|i| self.dropped_special.contains(i)) {
+            true => {
+                kept = ids
+                    .iter()
+                    .copied()
+                    .filter(|i| !self.dropped_special.contains(i))
+                    .collect();
+                &kept
+            }
+            false => ids,
+        };
         self.inner
-            .decode(ids, skip_special)
+            .decode(ids, false)
             .map_err(|e| TokenizerError::Decode(one_line(e)))
     }
 
@@ -368,6 +394,33 @@ mod tests {
         );
         assert_eq!(s.push(ids[2]).unwrap().as_deref(), Some("世界"));
         assert_eq!(s.finish().unwrap(), None);
+    }
+
+    /// Tool-call markers that a tokenizer marks special (Kimi K2's; GGUF conversions of
+    /// DeepSeek's) survive `skip_special`, which still drops the other special tokens.
+    #[test]
+    fn special_markers_survive_skip_special() {
+        let mut json = byte_level_json();
+        let added = json["added_tokens"].as_array_mut().unwrap();
+        let n = added.last().unwrap()["id"].as_u64().unwrap() + 1;
+        for (i, content) in ["<|tool_calls_section_begin|>", "<｜tool▁sep｜>", "<|eot|>"]
+            .into_iter()
+            .enumerate()
+        {
+            added.push(
+                json!({"id": n + i as u64, "content": content, "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+            );
+        }
+        let tok = from_json("markers.json", &json);
+        let text = "Hi<|tool_calls_section_begin|>f<｜tool▁sep｜>{}<|eot|><|im_end|>";
+        let ids = tok.encode(text, false).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+        assert_eq!(
+            tok.decode(&ids, true).unwrap(),
+            "Hi<|tool_calls_section_begin|>f<｜tool▁sep｜>{}"
+        );
+        check_stream(&tok, &ids, true);
     }
 
     #[test]
