@@ -96,6 +96,69 @@ fn openai_client_against_sluice_serve() {
     assert!(stdout.contains(" 0 failed"), "{stdout}");
 }
 
+/// Every family's tool-call format, end to end: a synthetic model whose tokenizer holds each
+/// format's whole tool-call block as one token, made to write it by `logit_bias`, through the
+/// server and the `openai` client (tests/server/tool_formats_client.py).
+#[test]
+fn tool_call_formats_through_the_openai_client() {
+    let python = python_with_openai();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["synth", "--preset", "tiny-qwen3-moe", "--seed", "5", "-o"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let args = r#"{"location": "Paris", "unit": "celsius"}"#;
+    let blocks = [
+        ("qwen3 json", format!("<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {args}}}\n</tool_call>"), None),
+        ("qwen3.5 xml", "<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>".to_string(), None),
+        ("glm-4.5", "<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>".to_string(), None),
+        ("deepseek-v3", format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{args}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), None),
+        ("deepseek-v3.1", format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), None),
+        ("kimi-k2", format!("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>"), Some("functions.get_weather:0")),
+    ];
+    // The synthetic tokenizer's ids end at 1006 and the embedding has 1024 rows: the blocks
+    // take the next ids (the `tokenizers` crate renumbers added tokens that leave a gap).
+    let path = dir.join("tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut cases = Vec::new();
+    for (i, (format, text, id)) in blocks.iter().enumerate() {
+        let token = 1007 + i;
+        tok["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+                "id": token, "content": text, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": false,
+            }));
+        cases.push(serde_json::json!({
+            "format": format, "token": token, "name": "get_weather",
+            "arguments": {"location": "Paris", "unit": "celsius"}, "id": id,
+        }));
+    }
+    std::fs::write(&path, tok.to_string()).unwrap();
+    let cases_file = tmp.path().join("cases.json");
+    std::fs::write(&cases_file, serde_json::Value::Array(cases).to_string()).unwrap();
+    let server = start_server(&["--model", dir.to_str().unwrap(), "--api-key", "k"]);
+    let out = Command::new(&python)
+        .arg(repo().join("tests/server/tool_formats_client.py"))
+        .args(["--base-url", &server.base_url, "--api-key", "k", "--cases"])
+        .arg(&cases_file)
+        .output()
+        .expect("running the client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("6 formats passed"), "{stdout}");
+}
+
 /// One HTTP/1.1 request with the standard library; returns (status, body).
 fn http(base_url: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     let addr = base_url

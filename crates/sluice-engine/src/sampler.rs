@@ -4,6 +4,7 @@
 //! Hugging Face (same knobs, same order, same semantics), that reproduces a run exactly from a
 //! seed, and that stays cheap at a 250k vocabulary. The pipeline is:
 //!
+//! 0. `logit_bias` (OpenAI: a value in [-100, 100] added to a token's logit);
 //! 1. repetition penalty over the last `penalty_window` tokens (HF: a positive logit is divided
 //!    by the penalty, a negative one multiplied);
 //! 2. presence and frequency penalties over the same window (OpenAI: `logit -= presence * [count
@@ -21,7 +22,7 @@
 //! `+inf` logits win outright (drawn uniformly among themselves).
 //!
 //! With top-k (up to [`MAX_DEVICE_TOP_K`]) or greedy decoding, the token depends only on the best
-//! few logits and the penalised ones: [`Sampler::top_request`] says which, a backend's
+//! few logits and the biased and penalised ones: [`Sampler::top_request`] says which, a backend's
 //! `top_logits` gives them without the whole row leaving a device, and [`Sampler::sample_top`]
 //! draws the same token with the same random numbers as [`Sampler::sample`] on the whole row.
 
@@ -57,6 +58,9 @@ pub struct SamplingParams {
     pub penalty_window: usize,
     /// Seed of the random draws; `None` seeds from OS entropy and the clock.
     pub seed: Option<u64>,
+    /// `(token, bias)` added to those tokens' logits before anything else (OpenAI's
+    /// `logit_bias`), ascending token ids, each once; ids past the vocabulary are ignored.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -71,6 +75,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             penalty_window: 64,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -107,6 +112,18 @@ impl SamplingParams {
                 "frequency_penalty must be a finite number, got {}",
                 self.frequency_penalty
             ));
+        }
+        if let Some(&(t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(format!(
+                "logit_bias must map token ids to values in [-100, 100], got {b} for {t}"
+            ));
+        }
+        if self.logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return Err("logit_bias must list each token once, in ascending order".into());
         }
         Ok(())
     }
@@ -223,7 +240,14 @@ impl Sampler {
     /// Whether [`Sampler::sample`] is the plain argmax of the logits (greedy, no penalty): then
     /// a backend's `argmax_rows` gives the same token without the logits leaving the device.
     pub fn is_argmax(&self) -> bool {
-        self.params.is_greedy() && !self.penalties_active()
+        self.params.is_greedy() && !self.penalties_active() && self.params.logit_bias.is_empty()
+    }
+
+    /// `logit_bias`'s value for token `id` (0 when it has none).
+    fn bias(&self, id: u32) -> f32 {
+        let b = &self.params.logit_bias;
+        b.binary_search_by_key(&id, |&(t, _)| t)
+            .map_or(0.0, |i| b[i].1)
     }
 
     fn penalties_active(&self) -> bool {
@@ -249,6 +273,11 @@ impl Sampler {
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], history: &[u32]) {
+        for &(t, b) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         if !self.penalties_active() {
             return;
         }
@@ -285,10 +314,14 @@ impl Sampler {
         if self.penalties_active() {
             self.count_window(vocab, history);
             cols.extend(self.counts.keys());
-            cols.sort_unstable();
         }
-        // Penalties move at most the penalised tokens, so the best `keep` after them are among
-        // the best `keep + cols.len()` before them or in `cols`; one more bounds all the rest.
+        let biased = self.params.logit_bias.iter().map(|&(t, _)| t);
+        cols.extend(biased.filter(|&t| (t as usize) < vocab));
+        cols.sort_unstable();
+        cols.dedup();
+        // Biases and penalties move only the tokens of `cols`, so the best `keep` after them are
+        // among the best `keep + cols.len()` before them or in `cols`; one more bounds all the
+        // rest.
         Some(TopRequest {
             n: keep + cols.len() + 1,
             cols,
@@ -306,7 +339,7 @@ impl Sampler {
         history: &[u32],
     ) -> Option<u32> {
         // With as many columns as asked, the last one is not a candidate but bounds every token
-        // left out (none of them is penalised: every penalised column is in `cols`).
+        // left out (none of them is biased or penalised: every such column is in `cols`).
         let (inside, outside) = if part.top.len() >= req.n && req.n > 0 {
             (&part.top[..req.n - 1], Some(part.top[req.n - 1].1))
         } else {
@@ -321,6 +354,9 @@ impl Sampler {
         }
         if cands.is_empty() {
             return None;
+        }
+        for (id, v) in cands.iter_mut() {
+            *v += self.bias(*id);
         }
         if self.penalties_active() {
             self.count_window(req.vocab, history);

@@ -72,6 +72,8 @@ pub struct Sampling {
     pub logprobs: Option<bool>,
     /// Extension (vLLM, llama.cpp): generate past end-of-sequence tokens up to the limit.
     pub ignore_eos: Option<bool>,
+    /// Token id (as a string, OpenAI's shape) -> bias in [-100, 100] added to its logit.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 impl Sampling {
@@ -94,6 +96,7 @@ impl Sampling {
             presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
             seed: self.seed.map(|s| s as u64),
+            logit_bias: self.logit_bias()?,
             ..defaults.clone()
         };
         if let Err(message) = params.validate() {
@@ -123,6 +126,31 @@ impl Sampling {
             return Err(ApiError::field("logprobs", "logprobs are not supported"));
         }
         Ok(params)
+    }
+
+    /// `logit_bias` as the sampler takes it: ascending token ids.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        let mut bias = map
+            .iter()
+            .map(|(k, &v)| match k.trim().parse::<u32>() {
+                Ok(id) => Ok((id, v)),
+                Err(_) => Err(ApiError::field(
+                    "logit_bias",
+                    format!("logit_bias keys must be token ids, got `{k}`"),
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        bias.sort_by_key(|&(id, _)| id);
+        if bias.windows(2).any(|w| w[0].0 == w[1].0) {
+            return Err(ApiError::field(
+                "logit_bias",
+                "logit_bias names a token twice",
+            ));
+        }
+        Ok(bias)
     }
 
     /// The requested length limit, if any (`max_completion_tokens` wins, as in OpenAI's API).

@@ -508,8 +508,18 @@ fn sample_top_matches_sample() {
                 (64, 1.0, 0.05),
                 (256, 0.95, 0.0),
             ] {
-                for penalties in [false, true] {
+                for (penalties, biased) in [(false, false), (true, false), (true, true)] {
+                    // Biases that lift a token into (and push the leader out of) the top, and
+                    // one past the vocabulary.
+                    let logit_bias = match biased {
+                        true => vec![(5, 30.0), (10, -100.0), (42, 8.0), (vocab as u32 - 1, 2.5)]
+                            .into_iter()
+                            .chain([(vocab as u32 + 10, 50.0)])
+                            .collect(),
+                        false => vec![],
+                    };
                     let p = SamplingParams {
+                        logit_bias,
                         temperature,
                         top_k,
                         top_p,
@@ -547,7 +557,7 @@ fn sample_top_matches_sample() {
                             }
                             None => part.sample(&mut logits.clone(), &history),
                         };
-                        assert_eq!(got, want, "vocab {vocab}, t {temperature}, top_k {top_k}, top_p {top_p}, min_p {min_p}, penalties {penalties}, step {step}");
+                        assert_eq!(got, want, "vocab {vocab}, t {temperature}, top_k {top_k}, top_p {top_p}, min_p {min_p}, penalties {penalties}, biased {biased}, step {step}");
                         history.push(want);
                     }
                 }
@@ -556,6 +566,51 @@ fn sample_top_matches_sample() {
     }
     // The part decided nearly every step (falling back to the whole row is allowed, but rare).
     assert!(decided * 10 >= steps * 9, "decided {decided} of {steps}");
+}
+
+/// OpenAI's `logit_bias`: +100 forces a token, -100 bans the leader, in every sampling mode;
+/// the biased columns are asked of the device.
+#[test]
+fn logit_bias_forces_and_bans() {
+    let logits = noise(1000, 3);
+    for temperature in [0.0, 1.0] {
+        for top_k in [0, 20] {
+            let p = SamplingParams {
+                temperature,
+                top_k,
+                seed: Some(7),
+                logit_bias: vec![(123, 100.0)],
+                ..SamplingParams::default()
+            };
+            let mut s = Sampler::new(p.clone());
+            assert!(!s.is_argmax());
+            for _ in 0..20 {
+                assert_eq!(s.sample(&mut logits.clone(), &[]), 123);
+            }
+            if let Some(req) = s.top_request(1000, &[]) {
+                assert!(req.cols.contains(&123));
+                let top = sluice_backend::reference::top_logits(&logits, req.n, &req.cols);
+                assert_eq!(s.sample_top(&req, &top, &[]), Some(123));
+            }
+        }
+    }
+    let best = argmax(&logits);
+    let mut s = Sampler::new(SamplingParams {
+        logit_bias: vec![(best, -100.0)],
+        ..SamplingParams::default()
+    });
+    assert_ne!(s.sample(&mut logits.clone(), &[]), best);
+    let bad = |bias: Vec<(u32, f32)>| {
+        SamplingParams {
+            logit_bias: bias,
+            ..SamplingParams::default()
+        }
+        .validate()
+        .unwrap_err()
+    };
+    assert!(bad(vec![(1, 100.5)]).contains("logit_bias"));
+    assert!(bad(vec![(1, f32::NAN)]).contains("logit_bias"));
+    assert!(bad(vec![(2, 1.0), (1, 1.0)]).contains("ascending"));
 }
 
 #[test]
