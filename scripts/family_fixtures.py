@@ -58,6 +58,31 @@ class Family:
     post_build: Callable | None = None
 
 
+def noaux_tc_select(sig, bias, k, groups, top_groups):
+    """noaux_tc: (choice values with the groups left out at 0, group scores or None)."""
+    choice = sig + bias
+    group_scores = None
+    if groups > 1:
+        g = choice.reshape(*choice.shape[:-1], groups, -1)
+        group_scores = np.sort(g, axis=-1)[..., -2:].sum(-1)
+        keep = np.argsort(-group_scores, axis=-1, kind="stable")[..., :top_groups]
+        mask = np.zeros_like(group_scores, dtype=bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        choice = np.where(mask[..., None], g, 0.0).reshape(choice.shape)
+    return choice, group_scores
+
+
+def noaux_tc_router_scores(block, x):
+    """A `noaux_tc` MoE block's (GLM-4.5, DeepSeek-V3) `router_scores`: the group scores (when
+    grouped) and the values the experts are picked from."""
+    gate = block.gate
+    sig = np.array(mx.sigmoid((x @ gate.weight.T).astype(mx.float32)))
+    bias = np.array(gate.e_score_correction_bias.astype(mx.float32))
+    choice, group_scores = noaux_tc_select(sig, bias, gate.top_k, gate.n_group, gate.topk_group)
+    out = [] if group_scores is None else [(mx.array(group_scores), gate.topk_group)]
+    return out + [(mx.array(choice), gate.top_k)]
+
+
 def save_hf(config: dict, weights: dict, out: Path, shards: int) -> None:
     """bf16 safetensors in `shards` files (with an index when more than one), and config.json.
     Tensors named `*e_score_correction_bias` stay float32, as the official checkpoints keep them."""

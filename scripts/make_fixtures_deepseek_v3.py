@@ -203,30 +203,6 @@ def make_weights(spec: Spec, seed: int, head_seed: int) -> dict[str, np.ndarray]
     return w
 
 
-def select(sig, bias, k, groups, top_groups):
-    """noaux_tc: (choice values with the groups left out at 0, group scores or None)."""
-    choice = sig + bias
-    group_scores = None
-    if groups > 1:
-        g = choice.reshape(*choice.shape[:-1], groups, -1)
-        group_scores = np.sort(g, axis=-1)[..., -2:].sum(-1)
-        keep = np.argsort(-group_scores, axis=-1, kind="stable")[..., :top_groups]
-        mask = np.zeros_like(group_scores, dtype=bool)
-        np.put_along_axis(mask, keep, True, axis=-1)
-        choice = np.where(mask[..., None], g, 0.0).reshape(choice.shape)
-    return choice, group_scores
-
-
-def router_scores(block, x):
-    """The group scores (when grouped) and the values the experts are picked from."""
-    gate = block.gate
-    sig = np.array(mx.sigmoid((x @ gate.weight.T).astype(mx.float32)))
-    bias = np.array(gate.e_score_correction_bias.astype(mx.float32))
-    choice, group_scores = select(sig, bias, gate.top_k, gate.n_group, gate.topk_group)
-    out = [] if group_scores is None else [(mx.array(group_scores), gate.topk_group)]
-    return out + [(mx.array(choice), gate.top_k)]
-
-
 def yarn_inv_freq(dims, base, s):
     """YaRN's blended frequencies, as transformers computes them (truncated ramp ends)."""
     def corr(turns):
@@ -310,7 +286,7 @@ def numpy_forward(path: Path, tokens: list[int]) -> np.ndarray:
             h = h + np.stack([ffn(m, x[t]) for t in range(T)])
             continue
         sig = 1.0 / (1.0 + np.exp(-(x @ w[f"{m}.gate.weight"].T)))
-        choice, _ = select(sig, w[f"{m}.gate.e_score_correction_bias"], k, c["n_group"], c["topk_group"])
+        choice, _ = ff.noaux_tc_select(sig, w[f"{m}.gate.e_score_correction_bias"], k, c["n_group"], c["topk_group"])
         for t in range(T):
             top = np.argsort(-choice[t], kind="stable")[:k]
             wt = sig[t, top]
@@ -335,7 +311,7 @@ FAMILY = ff.Family(
     hf_config=hf_config,
     make_weights=make_weights,
     moe_class=deepseek_v3.DeepseekV3MoE,
-    router_scores=router_scores,
+    router_scores=ff.noaux_tc_router_scores,
     numpy_forward=numpy_forward,
     post_build=post_build,
 )

@@ -16,18 +16,8 @@ import sys
 
 from openai import OpenAI
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather for a location.",
-        "parameters": {
-            "type": "object",
-            "properties": {"location": {"type": "string"}, "unit": {"type": "string"}},
-            "required": ["location"],
-        },
-    },
-}
+# The demo model's weather tool (this script's folder is on the import path).
+from openai_client import WEATHER_TOOL
 
 
 def check(client, case):

@@ -96,6 +96,22 @@ fn openai_client_against_sluice_serve() {
     assert!(stdout.contains(" 0 failed"), "{stdout}");
 }
 
+/// `sluice synth ARGS -o DIR`, which must succeed.
+fn synth(args: &[&str], dir: &std::path::Path) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("synth")
+        .args(args)
+        .arg("-o")
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Every family's tool-call format, end to end: a synthetic model whose tokenizer holds each
 /// format's whole tool-call block as one token, made to write it by `logit_bias`, through the
 /// server and the `openai` client (tests/server/tool_formats_client.py).
@@ -104,16 +120,7 @@ fn tool_call_formats_through_the_openai_client() {
     let python = python_with_openai();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("m");
-    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["synth", "--preset", "tiny-qwen3-moe", "--seed", "5", "-o"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
     let args = r#"{"location": "Paris", "unit": "celsius"}"#;
     let blocks = [
         ("qwen3 json", format!("<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {args}}}\n</tool_call>"), None),
@@ -203,16 +210,7 @@ fn thinking_follows_the_template_kwargs() {
     // A tiny random checkpoint with Qwen3.5's real chat template.
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("m");
-    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["synth", "--preset", "tiny-qwen3.5-moe", "--bits", "4", "-o"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    synth(&["--preset", "tiny-qwen3.5-moe", "--bits", "4"], &model);
     let server = start_server(&["--model", model.to_str().unwrap()]);
     let ask = |kwargs: serde_json::Value| {
         chat_message(

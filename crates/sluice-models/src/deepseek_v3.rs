@@ -37,7 +37,7 @@ use sluice_format::ModelDir;
 
 use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
 use crate::loader::Loader;
-use crate::moe::{Mlp, MoeDims, Routing, SharedDims};
+use crate::moe::{check_sigmoid_router, Mlp, MoeDims, Routing, SharedDims};
 use crate::{config_error, yarn_rope_theta, ModelError, Segment, State};
 
 /// The fields of config.json this architecture reads.
@@ -194,31 +194,12 @@ impl DeepseekV3Config {
         if self.moe_layer_freq == 0 {
             return err("moe_layer_freq must be positive".into());
         }
-        let (e, k) = (self.n_routed_experts, self.num_experts_per_tok);
-        if k == 0 || k > e {
-            return err(format!(
-                "num_experts_per_tok ({k}) must be between 1 and n_routed_experts ({e})"
-            ));
-        }
-        let (g, tg) = (self.n_group, self.topk_group);
-        if g == 0 || !e.is_multiple_of(g) || tg == 0 || tg > g || (g > 1 && e / g < 2) {
-            return err(format!(
-                "n_group ({g}) must divide n_routed_experts ({e}) into groups of at least 2, \
-                 and topk_group ({tg}) be between 1 and n_group"
-            ));
-        }
-        if g > 1 && tg * (e / g) < k {
-            return err(format!(
-                "topk_group ({tg}) groups of {} experts hold fewer than num_experts_per_tok ({k})",
-                e / g
-            ));
-        }
-        if self.scoring_func != "sigmoid" || self.topk_method != "noaux_tc" {
-            return err(format!(
-                "scoring_func `{}` with topk_method `{}` is not supported (only sigmoid with noaux_tc)",
-                self.scoring_func, self.topk_method
-            ));
-        }
+        check_sigmoid_router(
+            (self.n_routed_experts, self.num_experts_per_tok),
+            (self.n_group, self.topk_group),
+            (&self.scoring_func, &self.topk_method),
+        )
+        .or_else(err)?;
         if self.attention_bias {
             return err("attention_bias is not supported for deepseek_v3".into());
         }

@@ -161,3 +161,39 @@ impl<B: Backend> Mlp<B> {
         Ok(y)
     }
 }
+
+/// The `noaux_tc` sigmoid router's config as DeepSeek-V3 and GLM-4.5 write it, checked: `k` of
+/// `experts` within the best `top_groups` of `groups` equal groups (of at least 2, for their
+/// two-best scores), `scoring_func: sigmoid` with `topk_method: noaux_tc`. `Err` says what is
+/// wrong, naming the config fields.
+pub(crate) fn check_sigmoid_router(
+    (experts, k): (usize, usize),
+    (groups, top_groups): (usize, usize),
+    (scoring_func, topk_method): (&str, &str),
+) -> Result<(), String> {
+    let (e, g, tg) = (experts, groups, top_groups);
+    if k == 0 || k > e {
+        return Err(format!(
+            "num_experts_per_tok ({k}) must be between 1 and n_routed_experts ({e})"
+        ));
+    }
+    if g == 0 || !e.is_multiple_of(g) || tg == 0 || tg > g || (g > 1 && e / g < 2) {
+        return Err(format!(
+            "n_group ({g}) must divide n_routed_experts ({e}) into groups of at least 2, \
+             and topk_group ({tg}) be between 1 and n_group"
+        ));
+    }
+    if g > 1 && tg * (e / g) < k {
+        return Err(format!(
+            "topk_group ({tg}) groups of {} experts hold fewer than num_experts_per_tok ({k})",
+            e / g
+        ));
+    }
+    if scoring_func != "sigmoid" || topk_method != "noaux_tc" {
+        return Err(format!(
+            "scoring_func `{scoring_func}` with topk_method `{topk_method}` is not supported \
+             (only sigmoid with noaux_tc)"
+        ));
+    }
+    Ok(())
+}
