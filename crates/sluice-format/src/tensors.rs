@@ -324,10 +324,15 @@ impl Tensors {
             // Dense.
             let w = self.weight_of(prefix)?;
             let Some(dt) = w.dtype.to_dtype() else {
-                let hint = if w.dtype == StDtype::U32 {
-                    format!(" (U32 looks like a quantised weight, but there is no `{scales_name}`)")
-                } else {
-                    String::new()
+                let hint = match w.dtype {
+                    StDtype::U32 => format!(
+                        " (U32 looks like a quantised weight, but there is no `{scales_name}`)"
+                    ),
+                    // DeepSeek-V3's and Kimi K2's official checkpoints (128 x 128 block scales).
+                    StDtype::F8_E4M3 | StDtype::F8_E5M2 => " (FP8 checkpoints are not read: \
+                        convert to bf16 or quantise with mlx_lm.convert first)"
+                        .to_string(),
+                    _ => String::new(),
                 };
                 return Err(w.err(format!(
                     "dtype {}, expected F32, F16 or BF16 for a dense weight{hint}",

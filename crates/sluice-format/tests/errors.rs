@@ -352,6 +352,7 @@ fn wrong_dtype() {
             dense("i.weight", StDtype::I32, &[2, 2], 1),
             dense("u.weight", StDtype::U32, &[2, 2], 1),
             dense("ints", StDtype::I64, &[2], 1),
+            dense("fp8.weight", StDtype::F8_E4M3, &[2, 2], 1),
         ],
     );
     let m = ModelDir::open(d.path()).unwrap();
@@ -368,6 +369,12 @@ fn wrong_dtype() {
     has(
         &e,
         &["tensor `u.weight`", "dtype U32", "there is no `u.scales`"],
+    );
+    // DeepSeek-V3's official FP8 weights: the error says what to do.
+    let e = msg(m.tensors.matrix("fp8", None, None).unwrap_err());
+    has(
+        &e,
+        &["tensor `fp8.weight`", "dtype F8_E4M3", "convert to bf16"],
     );
     let e = msg(m.tensors.vector_f32("ints", None).unwrap_err());
     has(&e, &["tensor `ints`", "dtype I64, expected a float dtype"]);
