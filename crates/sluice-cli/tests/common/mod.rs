@@ -2,6 +2,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Mutex;
+
+/// Held while a virtualenv is checked or made: the tests of one binary run on parallel threads,
+/// and two of them making the same venv at once break each other's `ensurepip`.
+static VENV_LOCK: Mutex<()> = Mutex::new(());
 
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -17,6 +22,10 @@ pub fn python_with(requirements: &str, name: &str) -> PathBuf {
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let python = venv.join("bin/python");
     let stamp = venv.join("installed.txt");
+    // A test that panicked while holding the lock leaves the venv unstamped, so it is remade.
+    let _guard = VENV_LOCK
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
         return python;
     }
