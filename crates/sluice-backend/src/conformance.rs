@@ -11,8 +11,8 @@
 
 use crate::reference::{self, HostLinearState};
 use crate::{
-    Backend, DeltaNetDims, Dtype, ExpertKey, FfnWeights, HostBytes, HostMatrix, HostRouting,
-    MatRef, Rope, SigmoidRouting, ValueHeadOrder, WeightFormat,
+    Activation, AttentionSpec, Backend, DeltaNetDims, Dtype, ExpertFfn, ExpertKey, FfnWeights,
+    HostBytes, HostMatrix, HostRouting, MatRef, Rope, SigmoidRouting, ValueHeadOrder, WeightFormat,
 };
 
 /// How far a backend may stray from the reference, relative to the largest reference value.
@@ -99,6 +99,14 @@ pub fn random_matrix(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usi
                 encode(scale_dtype, &rng.vec(groups, -0.1, 0.1)),
             )
         }
+        // Codes uniform, exponents 2^-8..2^-2 (values up to 6 * 2^-2).
+        WeightFormat::Mxfp4 => (
+            (0..data_len).map(|_| rng.next_u64() as u8).collect(),
+            (0..rows * cols / crate::MXFP4_GROUP)
+                .map(|_| 119 + rng.below(7) as u8)
+                .collect(),
+            vec![],
+        ),
     };
     HostMatrix::new(
         format,
@@ -112,12 +120,14 @@ pub fn random_matrix(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usi
 }
 
 /// Weight formats every backend must run: what the supported checkpoints ship (bf16/f16/f32;
-/// MLX affine 4- and 8-bit with groups of 32, 64 and 128 and bf16, f16 or f32 scales).
+/// MLX affine 4- and 8-bit with groups of 32, 64 and 128 and bf16, f16 or f32 scales; gpt-oss's
+/// mxfp4).
 pub fn required_formats() -> Vec<WeightFormat> {
     let mut v = vec![
         WeightFormat::Dense(Dtype::F32),
         WeightFormat::Dense(Dtype::F16),
         WeightFormat::Dense(Dtype::Bf16),
+        WeightFormat::Mxfp4,
     ];
     for bits in [4, 8] {
         for group_size in [32, 64, 128] {
@@ -616,8 +626,7 @@ pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
                         1e-6,
                         rope,
                         &mut c,
-                        heads,
-                        scale,
+                        AttentionSpec::new(heads, scale),
                     );
                     c
                 })
@@ -642,8 +651,7 @@ pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
                         1e-6,
                         rope,
                         &mut c,
-                        heads,
-                        scale,
+                        AttentionSpec::new(heads, scale),
                     );
                     alone.extend(host(b, &o));
                     first += n;
@@ -659,8 +667,7 @@ pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
                     rope,
                     &mut refs,
                     &rows,
-                    heads,
-                    scale,
+                    AttentionSpec::new(heads, scale),
                 );
                 assert_eq!(b.shape(&got), (total, qw));
                 assert_close(
@@ -709,12 +716,12 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
                 &b.act_from_host(&k, rows, kw),
                 &b.act_from_host(&v, rows, kw),
                 cache,
-                heads,
-                scale,
+                AttentionSpec::new(heads, scale),
             );
             keys.extend_from_slice(&k);
             values.extend_from_slice(&v);
-            let want = reference::attention(&q, keys, values, heads, kv_heads, hd, scale);
+            let want =
+                reference::attention(&q, keys, values, heads, kv_heads, hd, scale, None, None);
             assert_close(
                 &format!("attention {heads}/{kv_heads} heads of {hd}, {what}"),
                 &host(b, &got),
@@ -817,13 +824,12 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
                 eps,
                 Rope::new(hd, rd, theta),
                 fused,
-                heads,
-                scale,
+                AttentionSpec::new(heads, scale),
             );
             let at = b.kv_len(plain);
             let q = b.rms_norm_rope(&q, &q_norm, eps, Rope::new(hd, rd, theta), at);
             let k = b.rms_norm_rope(&k, &k_norm, eps, Rope::new(hd, rd, theta), at);
-            let want = b.attention(&q, &k, &v, plain, heads, scale);
+            let want = b.attention(&q, &k, &v, plain, AttentionSpec::new(heads, scale));
             assert_eq!(
                 host(b, &got),
                 host(b, &want),
@@ -890,7 +896,8 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
             reference::rope(&mut k, kw, rope, at);
             keys.extend_from_slice(&k);
             values.extend_from_slice(&v);
-            let want = reference::attention(&q, keys, values, heads, kv_heads, hd, scale);
+            let want =
+                reference::attention(&q, keys, values, heads, kv_heads, hd, scale, None, None);
             (raw_q, raw_k, v, want)
         };
         // Each request alone: a prefill of a different length, then a decode step.
@@ -905,8 +912,7 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
                 1e-6,
                 rope,
                 cache,
-                heads,
-                scale,
+                AttentionSpec::new(heads, scale),
             );
             let what = format!("attention_rope without norms {heads}/{kv_heads}x{hd}, {rows} rows");
             assert_close(&what, &host(b, &got), &want, tol.other);
@@ -931,12 +937,121 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
                 rope,
                 &mut caches,
                 &[1, 1, 1],
-                heads,
-                scale,
+                AttentionSpec::new(heads, scale),
             );
             let what = format!(
                 "attention_rope_segments without norms {heads}/{kv_heads}x{hd}, step {step}"
             );
+            assert_close(&what, &host(b, &got), &parts.3, tol.other);
+        }
+    }
+}
+
+/// gpt-oss's attention: a sliding window and attention sinks, separately and together, through
+/// `attention` over a prefill longer than the window, decode steps (a backend may split a long
+/// cache over blocks, some all outside the window), a rewind, and `attention_rope_segments` of
+/// requests decoding together at different lengths.
+pub fn attention_window_sinks<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(64);
+    // (heads, kv heads, head size, window, sinks); gpt-oss: 64/8 heads of 64, window 128.
+    for (heads, kv_heads, hd, window, with_sinks) in [
+        (8, 2, 64, Some(16), true),
+        (8, 2, 64, None, true),
+        (4, 4, 128, Some(7), false),
+        (16, 2, 64, Some(128), true),
+        (4, 1, 64, Some(1), true),
+    ] {
+        let (qw, kw) = (heads * hd, kv_heads * hd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Sinks around the scores' range, so that they take a visible share.
+        let host_sinks = rng.vec(heads, -1.0, 3.0);
+        let sinks = b.vector(&host_sinks).expect("vector");
+        let spec = AttentionSpec {
+            window,
+            sinks: with_sinks.then_some(&sinks),
+            ..AttentionSpec::new(heads, scale)
+        };
+        let name =
+            format!("attention {heads}/{kv_heads}x{hd}, window {window:?}, sinks {with_sinks}");
+        let host_sinks = with_sinks.then_some(&host_sinks[..]);
+        let mut cache = b.kv_cache(kv_heads, hd, 64).expect("kv_cache");
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        for (i, rows) in [5, 1, 40, 1, 1, 123, 1, 300, 1].into_iter().enumerate() {
+            let q = rng.vec(rows * qw, -2.0, 2.0);
+            let k = rng.vec(rows * kw, -2.0, 2.0);
+            let v = rng.vec(rows * kw, -2.0, 2.0);
+            let got = b.attention(
+                &b.act_from_host(&q, rows, qw),
+                &b.act_from_host(&k, rows, kw),
+                &b.act_from_host(&v, rows, kw),
+                &mut cache,
+                spec,
+            );
+            keys.extend_from_slice(&k);
+            values.extend_from_slice(&v);
+            let want = reference::attention(
+                &q, &keys, &values, heads, kv_heads, hd, scale, window, host_sinks,
+            );
+            let what = format!("{name}, step {i}: {rows} rows");
+            assert_close(&what, &host(b, &got), &want, tol.other);
+            if i == 6 {
+                b.kv_truncate(&mut cache, 30);
+                keys.truncate(30 * kw);
+                values.truncate(30 * kw);
+            }
+        }
+        // Three requests at lengths 3, 20 and 200 decoding together.
+        let rope = Rope::new(hd, hd, 10_000.0);
+        let mut reqs: Vec<(B::KvCache, Vec<f32>, Vec<f32>)> = Vec::new();
+        for len in [3, 20, 200] {
+            let mut cache = b.kv_cache(kv_heads, hd, 64).expect("kv_cache");
+            let (q, k, v) = (
+                rng.vec(len * qw, -2.0, 2.0),
+                rng.vec(len * kw, -2.0, 2.0),
+                rng.vec(len * kw, -2.0, 2.0),
+            );
+            let q = b.act_from_host(&q, len, qw);
+            let ka = b.act_from_host(&k, len, kw);
+            let va = b.act_from_host(&v, len, kw);
+            let _ = b.attention_rope(&q, &ka, &va, None, 1e-6, rope, &mut cache, spec);
+            let mut rotated = k.clone();
+            reference::rope(&mut rotated, kw, rope, 0);
+            reqs.push((cache, rotated, v));
+        }
+        for step in 0..2 {
+            let mut parts = (vec![], vec![], vec![], vec![]);
+            for (_, keys, values) in reqs.iter_mut() {
+                let at = keys.len() / kw;
+                let (q, k, v) = (
+                    rng.vec(qw, -2.0, 2.0),
+                    rng.vec(kw, -2.0, 2.0),
+                    rng.vec(kw, -2.0, 2.0),
+                );
+                let (mut rq, mut rk) = (q.clone(), k.clone());
+                reference::rope(&mut rq, qw, rope, at);
+                reference::rope(&mut rk, kw, rope, at);
+                keys.extend_from_slice(&rk);
+                values.extend_from_slice(&v);
+                parts.3.extend(reference::attention(
+                    &rq, keys, values, heads, kv_heads, hd, scale, window, host_sinks,
+                ));
+                parts.0.extend(q);
+                parts.1.extend(k);
+                parts.2.extend(v);
+            }
+            let mut caches: Vec<&mut B::KvCache> = reqs.iter_mut().map(|r| &mut r.0).collect();
+            let got = b.attention_rope_segments(
+                &b.act_from_host(&parts.0, 3, qw),
+                &b.act_from_host(&parts.1, 3, kw),
+                &b.act_from_host(&parts.2, 3, kw),
+                None,
+                1e-6,
+                rope,
+                &mut caches,
+                &[1, 1, 1],
+                spec,
+            );
+            let what = format!("{name}: segments of 3 requests, step {step}");
             assert_close(&what, &host(b, &got), &parts.3, tol.other);
         }
     }
@@ -1099,6 +1214,14 @@ fn exact_matrix(
                 encode(scale_dtype, &vec![-1.0; groups]),
             )
         }
+        // Values multiples of 2^-4 in [-0.75, 0.75] (scale 2^-3).
+        WeightFormat::Mxfp4 => (
+            (0..rows * row_bytes)
+                .map(|_| rng.next_u64() as u8)
+                .collect(),
+            vec![124; rows * cols / crate::MXFP4_GROUP],
+            vec![],
+        ),
     };
     data.copy_within(
         tie_a * row_bytes..(tie_a + 1) * row_bytes,
@@ -1191,9 +1314,13 @@ pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
     };
     // (format, experts, hidden, expert width). The 4-bit cases beyond the first reach the
     // column loops of wide decode kernels (a down width over 768, one under a warp's 256), and
-    // the real models' expert width (768: 48 threads per row of a column-spread kernel).
+    // the real models' expert width (768: 48 threads per row of a column-spread kernel). The
+    // mxfp4 cases (gpt-oss's experts) and the first run with gpt-oss's clamped SwiGLU and
+    // biases as well (below).
     let cases = [
         (q4(64, Dtype::Bf16), 16, 128, 64),
+        (WeightFormat::Mxfp4, 16, 128, 64),
+        (WeightFormat::Mxfp4, 8, 256, 768),
         (
             WeightFormat::Affine {
                 bits: 8,
@@ -1216,74 +1343,107 @@ pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
     for (layer, (format, n, h, i)) in cases.into_iter().enumerate() {
         let host_experts = random_experts(&mut rng, format, n, h, i);
         let resident = b.experts(host_experts.clone()).expect("experts");
+        // gpt-oss's activation (a limit low enough that random inputs reach it) and biases.
+        let host_biases = FfnWeights {
+            gate: rng.vec(n * i, -0.2, 0.2),
+            up: rng.vec(n * i, -0.2, 0.2),
+            down: rng.vec(n * h, -0.2, 0.2),
+        };
+        let biases = FfnWeights {
+            gate: b.vector(&host_biases.gate).expect("vector"),
+            up: b.vector(&host_biases.up).expect("vector"),
+            down: b.vector(&host_biases.down).expect("vector"),
+        };
+        let clamped = Activation::ClampedSwiglu {
+            alpha: 1.702,
+            limit: 0.25,
+        };
+        let mut ffns = vec![(ExpertFfn::SWIGLU, None, "swiglu")];
+        if layer < 3 {
+            let with_biases = ExpertFfn {
+                activation: clamped,
+                biases: Some(&biases),
+            };
+            ffns.push((with_biases, Some(&host_biases), "clamped swiglu + biases"));
+        }
         // 150 rows: two tiles of 64 pairs for most experts on a tiled backend.
         for (rows, k) in [(1, 4), (3, 2), (11, 8), (150, 8)] {
-            let x = rng.vec(rows * h, -1.0, 1.0);
-            let xa = b.act_from_host(&x, rows, h);
-            let logits = rng.vec(rows * n, -3.0, 3.0);
-            let routing = b.route(&b.act_from_host(&logits, rows, n), k, true);
-            let host_routing = b.read_routing(&routing).expect("read_routing");
-            let refs: Vec<FfnWeights<MatRef>> = host_experts
-                .iter()
-                .map(|e| FfnWeights {
-                    gate: e.gate.as_ref(),
-                    up: e.up.as_ref(),
-                    down: e.down.as_ref(),
-                })
-                .collect();
-            let want = reference::moe(&x, rows, &host_routing, &refs);
-            let case = format!("{format}, {rows} rows, top {k}");
-            assert_close(
-                &format!("moe {case}"),
-                &host(b, &b.moe(&xa, &routing, &resident)),
-                &want,
-                tol.matmul,
-            );
-
-            let used = host_routing.distinct();
-            let staged: Vec<(u32, B::StagedExpert)> = used
-                .iter()
-                .map(|&e| {
-                    let key = ExpertKey { layer, expert: e };
-                    (
-                        e,
-                        b.stage_expert(key, host_experts[e as usize].clone())
-                            .expect("stage_expert"),
-                    )
-                })
-                .collect();
-            let pairs: Vec<(u32, &B::StagedExpert)> = staged.iter().map(|(e, s)| (*e, s)).collect();
-            let mut whole = b.zeros(rows, h);
-            b.moe_accumulate(&xa, &routing, &pairs, &mut whole);
-            let whole = host(b, &whole);
-            assert_close(&format!("moe_accumulate {case}"), &whole, &want, tol.matmul);
-            let mut split = b.zeros(rows, h);
-            for run in pairs.chunks(3) {
-                b.moe_accumulate(&xa, &routing, run, &mut split);
-            }
-            assert_eq!(
-                host(b, &split),
-                whole,
-                "moe_accumulate {case}: runs of 3 experts differ from one call"
-            );
-            // A backend that keeps staged experts must hand back the same ones.
-            let kept: Vec<(u32, B::StagedExpert)> = used
-                .iter()
-                .filter_map(|&e| {
-                    b.staged_expert(ExpertKey { layer, expert: e })
-                        .map(|s| (e, s))
-                })
-                .collect();
-            if kept.len() == used.len() {
-                let pairs: Vec<(u32, &B::StagedExpert)> =
-                    kept.iter().map(|(e, s)| (*e, s)).collect();
-                let mut again = b.zeros(rows, h);
-                b.moe_accumulate(&xa, &routing, &pairs, &mut again);
-                assert_eq!(
-                    host(b, &again),
-                    whole,
-                    "moe_accumulate {case}: kept staged experts"
+            for &(ffn, host_ffn_biases, ffn_name) in &ffns {
+                let x = rng.vec(rows * h, -1.0, 1.0);
+                let xa = b.act_from_host(&x, rows, h);
+                let logits = rng.vec(rows * n, -3.0, 3.0);
+                let routing = b.route(&b.act_from_host(&logits, rows, n), k, true);
+                let host_routing = b.read_routing(&routing).expect("read_routing");
+                let refs: Vec<FfnWeights<MatRef>> = host_experts
+                    .iter()
+                    .map(|e| FfnWeights {
+                        gate: e.gate.as_ref(),
+                        up: e.up.as_ref(),
+                        down: e.down.as_ref(),
+                    })
+                    .collect();
+                let want = reference::moe(
+                    &x,
+                    rows,
+                    &host_routing,
+                    &refs,
+                    ffn.activation,
+                    host_ffn_biases,
                 );
+                let case = format!("{format}, {rows} rows, top {k}, {ffn_name}");
+                assert_close(
+                    &format!("moe {case}"),
+                    &host(b, &b.moe(&xa, &routing, &resident, ffn)),
+                    &want,
+                    tol.matmul,
+                );
+
+                let used = host_routing.distinct();
+                let staged: Vec<(u32, B::StagedExpert)> = used
+                    .iter()
+                    .map(|&e| {
+                        let key = ExpertKey { layer, expert: e };
+                        (
+                            e,
+                            b.stage_expert(key, host_experts[e as usize].clone())
+                                .expect("stage_expert"),
+                        )
+                    })
+                    .collect();
+                let pairs: Vec<(u32, &B::StagedExpert)> =
+                    staged.iter().map(|(e, s)| (*e, s)).collect();
+                let mut whole = b.zeros(rows, h);
+                b.moe_accumulate(&xa, &routing, &pairs, ffn, &mut whole);
+                let whole = host(b, &whole);
+                assert_close(&format!("moe_accumulate {case}"), &whole, &want, tol.matmul);
+                let mut split = b.zeros(rows, h);
+                for run in pairs.chunks(3) {
+                    b.moe_accumulate(&xa, &routing, run, ffn, &mut split);
+                }
+                assert_eq!(
+                    host(b, &split),
+                    whole,
+                    "moe_accumulate {case}: runs of 3 experts differ from one call"
+                );
+                // A backend that keeps staged experts must hand back the same ones.
+                let kept: Vec<(u32, B::StagedExpert)> = used
+                    .iter()
+                    .filter_map(|&e| {
+                        b.staged_expert(ExpertKey { layer, expert: e })
+                            .map(|s| (e, s))
+                    })
+                    .collect();
+                if kept.len() == used.len() {
+                    let pairs: Vec<(u32, &B::StagedExpert)> =
+                        kept.iter().map(|(e, s)| (*e, s)).collect();
+                    let mut again = b.zeros(rows, h);
+                    b.moe_accumulate(&xa, &routing, &pairs, ffn, &mut again);
+                    assert_eq!(
+                        host(b, &again),
+                        whole,
+                        "moe_accumulate {case}: kept staged experts"
+                    );
+                }
             }
         }
         let e = &host_experts[0];
@@ -1481,7 +1641,7 @@ macro_rules! conformance_tests {
     };
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
-            activations matmul matmul_heads embed elementwise rope attention attention_segments attention_without_norms route route_sigmoid route_matmul
+            activations matmul matmul_heads embed elementwise rope attention attention_segments attention_without_norms attention_window_sinks route route_sigmoid route_matmul
             moe delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {

@@ -45,7 +45,10 @@ pub use experts::{
 pub use reference::HostLinearState;
 pub use rope::{Rope, Yarn};
 pub use tiers::{ExpertCachePlan, ExpertCacheStats, HostPinner, PinnedRegion};
-pub use weight::{Dtype, HostBytes, HostMatrix, MatRef, WeightError, WeightFormat};
+pub use weight::{
+    e8m0_to_f32, Dtype, HostBytes, HostMatrix, MatRef, WeightError, WeightFormat, FP4_E2M1,
+    MXFP4_GROUP,
+};
 
 /// The experts chosen for each token, in host memory: `experts[t * k + j]` with weight
 /// `weights[t * k + j]`.
@@ -139,6 +142,101 @@ pub struct FfnWeights<W> {
     pub gate: W,
     pub up: W,
     pub down: W,
+}
+
+/// What one attention call computes beyond causal grouped-query attention.
+#[derive(Debug)]
+pub struct AttentionSpec<'a, V> {
+    /// Query heads (a multiple of the cache's kv heads).
+    pub heads: usize,
+    /// Scores are `scale * q.k`.
+    pub scale: f32,
+    /// Sliding-window attention: the row at position `p` sees the keys at positions
+    /// `p + 1 - window ..= p` (gpt-oss's sliding layers, Mistral's). `None`: every earlier key.
+    pub window: Option<usize>,
+    /// Attention sinks (gpt-oss): one logit per query head that joins each row's softmax (not
+    /// scaled) and takes its share of the weight for no value.
+    pub sinks: Option<&'a V>,
+}
+
+impl<V> Clone for AttentionSpec<'_, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<V> Copy for AttentionSpec<'_, V> {}
+
+impl<'a, V> AttentionSpec<'a, V> {
+    /// Plain causal attention over every cached position.
+    pub fn new(heads: usize, scale: f32) -> Self {
+        AttentionSpec {
+            heads,
+            scale,
+            window: None,
+            sinks: None,
+        }
+    }
+
+    /// The first key position a query row at `position` sees.
+    pub fn first_visible(&self, position: usize) -> usize {
+        match self.window {
+            Some(w) => (position + 1).saturating_sub(w.max(1)),
+            None => 0,
+        }
+    }
+}
+
+/// The nonlinearity between a gated feed-forward block's gate and up projections and its down
+/// projection.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Activation {
+    /// `silu(gate) * up` (SwiGLU).
+    #[default]
+    Silu,
+    /// gpt-oss's clamped SwiGLU: with `g = min(gate, limit)` and `u = clamp(up, -limit, limit)`,
+    /// `g * sigmoid(alpha * g) * (u + 1)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
+}
+
+impl Activation {
+    /// The activation of one gate value and one up value.
+    pub fn apply(self, gate: f32, up: f32) -> f32 {
+        match self {
+            Activation::Silu => gate / (1.0 + (-gate).exp()) * up,
+            Activation::ClampedSwiglu { alpha, limit } => {
+                let g = gate.min(limit);
+                let u = up.clamp(-limit, limit);
+                g / (1.0 + (-alpha * g).exp()) * (u + 1.0)
+            }
+        }
+    }
+}
+
+/// How a layer's routed experts compute, beyond `down(silu(gate x) * up x)`: the activation and
+/// optional per-expert biases (gpt-oss), resident on the backend even when the experts stream.
+#[derive(Debug)]
+pub struct ExpertFfn<'a, V> {
+    pub activation: Activation,
+    /// `gate` and `up`: `[experts * inter]`, `down`: `[experts * hidden]`, expert `e`'s biases
+    /// at `e * width`.
+    pub biases: Option<&'a FfnWeights<V>>,
+}
+
+impl<V> Clone for ExpertFfn<'_, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<V> Copy for ExpertFfn<'_, V> {}
+
+impl<V> ExpertFfn<'_, V> {
+    /// SwiGLU without biases: every family but gpt-oss.
+    pub const SWIGLU: Self = ExpertFfn {
+        activation: Activation::Silu,
+        biases: None,
+    };
 }
 
 /// The memory a backend allocates from (host RAM for the CPU, device memory for a GPU), bytes.
@@ -365,15 +463,14 @@ pub trait Backend: Send + Sync {
         y
     }
     /// Appends `k`, `v` (`[rows, kv_heads * head_dim]`) to `cache` and returns causal grouped-query
-    /// attention of `q` (`[rows, heads * head_dim]`) over everything cached, scaled by `scale`.
+    /// attention of `q` (`[rows, heads * head_dim]`) over what is cached, as `spec` says.
     fn attention(
         &self,
         q: &Self::Act,
         k: &Self::Act,
         v: &Self::Act,
         cache: &mut Self::KvCache,
-        heads: usize,
-        scale: f32,
+        spec: AttentionSpec<'_, Self::Vector>,
     ) -> Self::Act;
     /// Attention with its prelude: `q` and `k` each through [`Backend::rms_norm_rope`] with
     /// its norm weight (`norms`: q's, k's; `None`: no norm, [`Backend::rope`] alone) and `rope`
@@ -390,12 +487,11 @@ pub trait Backend: Send + Sync {
         eps: f32,
         rope: Rope,
         cache: &mut Self::KvCache,
-        heads: usize,
-        scale: f32,
+        spec: AttentionSpec<'_, Self::Vector>,
     ) -> Self::Act {
         let position = self.kv_len(cache);
         let (q, k) = norm_rope_qk(self, q, k, norms, eps, rope, position);
-        self.attention(&q, &k, v, cache, heads, scale)
+        self.attention(&q, &k, v, cache, spec)
     }
     /// [`Backend::attention_rope`] for several requests at once: `q`, `k` and `v` hold their
     /// rows one request after another, `rows[i]` of them attending through `caches[i]`; the
@@ -412,10 +508,9 @@ pub trait Backend: Send + Sync {
         rope: Rope,
         caches: &mut [&mut Self::KvCache],
         rows: &[usize],
-        heads: usize,
-        scale: f32,
+        spec: AttentionSpec<'_, Self::Vector>,
     ) -> Self::Act {
-        attention_rope_by_parts(self, q, k, v, norms, eps, rope, caches, rows, heads, scale)
+        attention_rope_by_parts(self, q, k, v, norms, eps, rope, caches, rows, spec)
     }
     /// `x * sigmoid(gate)`, elementwise; or, if `gate` has one column, each row of `x` scaled by
     /// the sigmoid of its gate.
@@ -462,8 +557,15 @@ pub trait Backend: Send + Sync {
     /// The routing in host memory (a synchronisation point: needed only to fetch streamed
     /// experts).
     fn read_routing(&self, routing: &Self::Routing) -> Result<HostRouting, BackendError>;
-    /// `sum_j weight_j * ffn_{expert_j}(x)` per row over resident experts.
-    fn moe(&self, x: &Self::Act, routing: &Self::Routing, experts: &Self::Experts) -> Self::Act;
+    /// `sum_j weight_j * ffn_{expert_j}(x)` per row over resident experts, each computing as
+    /// `ffn` says.
+    fn moe(
+        &self,
+        x: &Self::Act,
+        routing: &Self::Routing,
+        experts: &Self::Experts,
+        ffn: ExpertFfn<'_, Self::Vector>,
+    ) -> Self::Act;
     /// Adds `weight_j * ffn_{expert_j}(x)` to `out` for the routed (row, expert) pairs whose
     /// expert is in `experts` (expert id and staged weights, ascending ids); pairs of other
     /// experts are skipped. Each row accumulates in ascending expert id, so splitting the experts
@@ -474,6 +576,7 @@ pub trait Backend: Send + Sync {
         x: &Self::Act,
         routing: &Self::Routing,
         experts: &[(u32, &Self::StagedExpert)],
+        ffn: ExpertFfn<'_, Self::Vector>,
         out: &mut Self::Act,
     );
     /// A dense SwiGLU feed-forward block.
@@ -619,19 +722,18 @@ pub fn attention_rope_by_parts<B: Backend + ?Sized>(
     rope: Rope,
     caches: &mut [&mut B::KvCache],
     rows: &[usize],
-    heads: usize,
-    scale: f32,
+    spec: AttentionSpec<'_, B::Vector>,
 ) -> B::Act {
     assert_eq!(caches.len(), rows.len(), "one cache per request");
     if let [cache] = caches {
-        return b.attention_rope(q, k, v, norms, eps, rope, cache, heads, scale);
+        return b.attention_rope(q, k, v, norms, eps, rope, cache, spec);
     }
     let mut outs = Vec::with_capacity(rows.len());
     let mut first = 0;
     for (cache, &n) in caches.iter_mut().zip(rows) {
         let part = |a: &B::Act| b.slice_rows(a, first, n);
         let (q, k, v) = (part(q), part(k), part(v));
-        outs.push(b.attention_rope(&q, &k, &v, norms, eps, rope, cache, heads, scale));
+        outs.push(b.attention_rope(&q, &k, &v, norms, eps, rope, cache, spec));
         first += n;
     }
     b.concat_rows(&outs.iter().collect::<Vec<_>>())

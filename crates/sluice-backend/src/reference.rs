@@ -5,7 +5,8 @@
 //!
 //! Activations are f32 `[rows, cols]`, row-major, as in the trait.
 
-use crate::{DeltaNetDims, Dtype, FfnWeights, HostRouting, MatRef, WeightFormat};
+use crate::weight::{e8m0_to_f32, FP4_E2M1, MXFP4_GROUP};
+use crate::{Activation, DeltaNetDims, Dtype, FfnWeights, HostRouting, MatRef, WeightFormat};
 
 /// Element `i` of a little-endian array of `dt`.
 pub fn load(dt: Dtype, bytes: &[u8], i: usize) -> f32 {
@@ -44,6 +45,17 @@ pub fn dequantize_row(w: &MatRef, r: usize) -> Vec<f32> {
                     let q = (q & ((1u64 << bits) - 1)) as f32;
                     let g = r * groups + c / group_size;
                     load(scale_dtype, w.scales, g) * q + load(scale_dtype, w.biases, g)
+                })
+                .collect()
+        }
+        WeightFormat::Mxfp4 => {
+            let row = &w.data[r * w.row_bytes()..(r + 1) * w.row_bytes()];
+            let groups = w.cols / MXFP4_GROUP;
+            (0..w.cols)
+                .map(|c| {
+                    let q = (row[c / 2] >> (4 * (c % 2))) & 15;
+                    let e = w.scales[r * groups + c / MXFP4_GROUP];
+                    FP4_E2M1[q as usize] * e8m0_to_f32(e)
                 })
                 .collect()
         }
@@ -189,7 +201,9 @@ pub fn rope(x: &mut [f32], cols: usize, rope: crate::Rope, first_position: usize
 }
 
 /// Causal grouped-query attention: `q` `[rows, heads * head_dim]` at positions
-/// `past..past + rows` over `keys`/`values` `[past + rows, kv_heads * head_dim]`.
+/// `past..past + rows` over `keys`/`values` `[past + rows, kv_heads * head_dim]`, each row seeing
+/// the last `window` positions (`None`: all), with one sink logit per head joining its softmax.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
     keys: &[f32],
@@ -198,6 +212,8 @@ pub fn attention(
     kv_heads: usize,
     head_dim: usize,
     scale: f32,
+    window: Option<usize>,
+    sinks: Option<&[f32]>,
 ) -> Vec<f32> {
     let width = kv_heads * head_dim;
     let rows = q.len() / (heads * head_dim);
@@ -210,7 +226,8 @@ pub fn attention(
             let kv = h / group;
             let qv = &q[(r * heads + h) * head_dim..][..head_dim];
             let n = past + r + 1;
-            let scores: Vec<f64> = (0..n)
+            let first = window.map_or(0, |w| n.saturating_sub(w.max(1)));
+            let scores: Vec<f64> = (first..n)
                 .map(|p| {
                     let k = &keys[p * width + kv * head_dim..][..head_dim];
                     qv.iter()
@@ -220,12 +237,17 @@ pub fn attention(
                         * scale as f64
                 })
                 .collect();
-            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sink = sinks.map(|s| s[h] as f64);
+            let max = scores
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let sum: f64 = e.iter().sum();
+            let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             for d in 0..head_dim {
-                let acc: f64 = (0..n)
-                    .map(|p| e[p] / sum * values[p * width + kv * head_dim + d] as f64)
+                let acc: f64 = (first..n)
+                    .map(|p| e[p - first] / sum * values[p * width + kv * head_dim + d] as f64)
                     .sum();
                 out[(r * heads + h) * head_dim + d] = acc as f32;
             }
@@ -373,22 +395,57 @@ pub fn route_sigmoid(
     out
 }
 
-/// `sum_j weight_j * ffn_{expert_j}(x)` per row, `experts[e]` the weights of expert `e`.
+/// `activation(gate, up)` elementwise, in f64.
+pub fn activate(activation: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
+    assert_eq!(gate.len(), up.len());
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| {
+            let (g, u) = (g as f64, u as f64);
+            (match activation {
+                Activation::Silu => silu(g) * u,
+                Activation::ClampedSwiglu { alpha, limit } => {
+                    let (limit, alpha) = (limit as f64, alpha as f64);
+                    let g = g.min(limit);
+                    g * sigmoid(alpha * g) * (u.clamp(-limit, limit) + 1.0)
+                }
+            }) as f32
+        })
+        .collect()
+}
+
+/// `sum_j weight_j * ffn_{expert_j}(x)` per row, `experts[e]` the weights of expert `e`, with
+/// `activation` and the optional per-expert `biases` (as [`crate::ExpertFfn`]).
 pub fn moe(
     x: &[f32],
     rows: usize,
     routing: &HostRouting,
     experts: &[FfnWeights<MatRef>],
+    activation: Activation,
+    biases: Option<&FfnWeights<Vec<f32>>>,
 ) -> Vec<f32> {
     let cols = x.len() / rows.max(1);
     let mut out = vec![0.0f64; rows * cols];
+    let add = |y: &mut [f32], bias: Option<&Vec<f32>>, e: usize| {
+        if let Some(b) = bias {
+            let n = y.len();
+            y.iter_mut()
+                .zip(&b[e * n..(e + 1) * n])
+                .for_each(|(v, b)| *v += b);
+        }
+    };
     for r in 0..rows {
         let xr = &x[r * cols..(r + 1) * cols];
         for j in 0..routing.k {
-            let e = &experts[routing.experts[r * routing.k + j] as usize];
+            let id = routing.experts[r * routing.k + j] as usize;
+            let e = &experts[id];
             let w = routing.weights[r * routing.k + j] as f64;
-            let h = swiglu(&matmul(xr, 1, &e.gate), &matmul(xr, 1, &e.up));
-            let y = matmul(&h, 1, &e.down);
+            let (mut g, mut u) = (matmul(xr, 1, &e.gate), matmul(xr, 1, &e.up));
+            add(&mut g, biases.map(|b| &b.gate), id);
+            add(&mut u, biases.map(|b| &b.up), id);
+            let h = activate(activation, &g, &u);
+            let mut y = matmul(&h, 1, &e.down);
+            add(&mut y, biases.map(|b| &b.down), id);
             for (o, v) in out[r * cols..(r + 1) * cols].iter_mut().zip(y) {
                 *o += w * v as f64;
             }

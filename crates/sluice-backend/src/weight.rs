@@ -45,6 +45,30 @@ pub enum WeightFormat {
         group_size: usize,
         scale_dtype: Dtype,
     },
+    /// OCP microscaling FP4 (`mxfp4`: gpt-oss's released experts, MLX's `mode="mxfp4"`): each
+    /// row is split into groups of [`MXFP4_GROUP`] columns; element `c` of a group is
+    /// `FP4_E2M1[q_c] * 2^(e - 127)`. `q` are 4-bit codes packed two per byte, the lower nibble
+    /// first (MLX's u32 words, little-endian, are the same bytes); `scales` are the groups'
+    /// exponents `e` (E8M0, one byte each), `[rows, cols / 32]`; there are no biases.
+    Mxfp4,
+}
+
+/// Columns per scale of [`WeightFormat::Mxfp4`].
+pub const MXFP4_GROUP: usize = 32;
+
+/// The values of the sixteen FP4 (E2M1) codes: sign bit 3, exponent bits 2-1, mantissa bit 0.
+pub const FP4_E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// The scale an E8M0 byte stands for: `2^(e - 127)` (255 is NaN in the standard; gpt-oss never
+/// writes it).
+pub fn e8m0_to_f32(e: u8) -> f32 {
+    match e {
+        0 => f32::from_bits(0x0040_0000), // 2^-127, a subnormal
+        255 => f32::NAN,
+        e => f32::from_bits((e as u32) << 23),
+    }
 }
 
 impl WeightFormat {
@@ -53,10 +77,11 @@ impl WeightFormat {
         match *self {
             WeightFormat::Dense(dt) => cols * dt.size(),
             WeightFormat::Affine { bits, .. } => cols * bits as usize / 8,
+            WeightFormat::Mxfp4 => cols / 2,
         }
     }
 
-    /// Bytes of `scales` (and of `biases`) per row.
+    /// Bytes of `scales` per row.
     pub fn scale_row_bytes(&self, cols: usize) -> usize {
         match *self {
             WeightFormat::Dense(_) => 0,
@@ -65,6 +90,15 @@ impl WeightFormat {
                 scale_dtype,
                 ..
             } => cols / group_size * scale_dtype.size(),
+            WeightFormat::Mxfp4 => cols / MXFP4_GROUP,
+        }
+    }
+
+    /// Bytes of `biases` per row (affine formats only).
+    pub fn bias_row_bytes(&self, cols: usize) -> usize {
+        match *self {
+            WeightFormat::Affine { .. } => self.scale_row_bytes(cols),
+            WeightFormat::Dense(_) | WeightFormat::Mxfp4 => 0,
         }
     }
 }
@@ -78,6 +112,7 @@ impl fmt::Display for WeightFormat {
                 group_size,
                 scale_dtype,
             } => write!(f, "q{bits}/g{group_size} ({scale_dtype} scales)"),
+            WeightFormat::Mxfp4 => f.write_str("mxfp4"),
         }
     }
 }
@@ -209,14 +244,12 @@ impl HostMatrix {
         assert!(range.start <= range.end && range.end <= self.rows);
         let rb = self.format.row_bytes(self.cols);
         let sb = self.format.scale_row_bytes(self.cols);
-        let (scales, biases) = if sb == 0 {
-            (self.scales.clone(), self.biases.clone())
-        } else {
-            (
-                self.scales.slice(range.start * sb..range.end * sb),
-                self.biases.slice(range.start * sb..range.end * sb),
-            )
+        let bb = self.format.bias_row_bytes(self.cols);
+        let part = |bytes: &HostBytes, width: usize| match width {
+            0 => bytes.clone(),
+            w => bytes.slice(range.start * w..range.end * w),
         };
+        let (scales, biases) = (part(&self.scales, sb), part(&self.biases, bb));
         HostMatrix {
             format: self.format,
             rows: range.len(),
@@ -232,6 +265,7 @@ impl HostMatrix {
     pub fn gather_rows(&self, ranges: &[Range<usize>]) -> HostMatrix {
         let rb = self.format.row_bytes(self.cols);
         let sb = self.format.scale_row_bytes(self.cols);
+        let bb = self.format.bias_row_bytes(self.cols);
         let copy = |bytes: &HostBytes, width: usize| -> HostBytes {
             if width == 0 {
                 return HostBytes::empty();
@@ -254,7 +288,7 @@ impl HostMatrix {
             cols: self.cols,
             data: copy(&self.data, rb),
             scales: copy(&self.scales, sb),
-            biases: copy(&self.biases, sb),
+            biases: copy(&self.biases, bb),
         }
     }
 
@@ -273,8 +307,9 @@ pub struct MatRef<'a> {
     pub cols: usize,
     /// `rows * format.row_bytes(cols)` bytes.
     pub data: &'a [u8],
-    /// Affine only: `rows * cols / group_size` elements each (empty for dense formats).
+    /// Quantised formats: `rows * cols / group_size` elements (empty for dense formats).
     pub scales: &'a [u8],
+    /// Affine only, as `scales`.
     pub biases: &'a [u8],
 }
 
@@ -301,6 +336,12 @@ impl<'a> MatRef<'a> {
                 ));
             }
         }
+        if self.format == WeightFormat::Mxfp4 && !self.cols.is_multiple_of(MXFP4_GROUP) {
+            return bad(format!(
+                "{} columns are not a multiple of the mxfp4 group size {MXFP4_GROUP}",
+                self.cols
+            ));
+        }
         let want = self.rows * self.format.row_bytes(self.cols);
         if self.data.len() != want {
             return bad(format!(
@@ -312,9 +353,10 @@ impl<'a> MatRef<'a> {
             ));
         }
         let want_s = self.rows * self.format.scale_row_bytes(self.cols);
-        if self.scales.len() != want_s || self.biases.len() != want_s {
+        let want_b = self.rows * self.format.bias_row_bytes(self.cols);
+        if self.scales.len() != want_s || self.biases.len() != want_b {
             return bad(format!(
-                "{}/{} scale/bias bytes for [{}, {}] in {}, expected {want_s}",
+                "{}/{} scale/bias bytes for [{}, {}] in {}, expected {want_s}/{want_b}",
                 self.scales.len(),
                 self.biases.len(),
                 self.rows,
@@ -333,21 +375,18 @@ impl<'a> MatRef<'a> {
     pub fn rows(&self, range: Range<usize>) -> MatRef<'a> {
         let rb = self.format.row_bytes(self.cols);
         let sb = self.format.scale_row_bytes(self.cols);
+        let bb = self.format.bias_row_bytes(self.cols);
+        let part = |bytes: &'a [u8], width: usize| match width {
+            0 => bytes,
+            w => &bytes[range.start * w..range.end * w],
+        };
         MatRef {
             format: self.format,
             rows: range.len(),
             cols: self.cols,
             data: &self.data[range.start * rb..range.end * rb],
-            scales: if sb == 0 {
-                self.scales
-            } else {
-                &self.scales[range.start * sb..range.end * sb]
-            },
-            biases: if sb == 0 {
-                self.biases
-            } else {
-                &self.biases[range.start * sb..range.end * sb]
-            },
+            scales: part(self.scales, sb),
+            biases: part(self.biases, bb),
         }
     }
 }

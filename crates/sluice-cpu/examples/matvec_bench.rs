@@ -45,6 +45,9 @@ fn naive_dequantize_row(w: &MatRef, r: usize, out: &mut [f32]) {
                 *o = load_scalar(dt, data, c);
             }
         }
+        WeightFormat::Mxfp4 => {
+            out.copy_from_slice(&sluice_backend::reference::dequantize_row(w, r));
+        }
         WeightFormat::Affine {
             bits,
             group_size,
@@ -141,6 +144,11 @@ impl Mat {
                     encode(scale_dtype, (0..ng).map(|_| rng.f32(-0.1, -0.01))),
                 )
             }
+            WeightFormat::Mxfp4 => (
+                rng.bytes(rows * format.row_bytes(cols)),
+                vec![120; rows * cols / sluice_backend::MXFP4_GROUP],
+                Vec::new(),
+            ),
         };
         Mat {
             format,

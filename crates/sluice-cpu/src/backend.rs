@@ -2,8 +2,8 @@
 //! ([`crate::team`]).
 
 use sluice_backend::{
-    Backend, BackendError, ExpertKey, FfnWeights, HostExpert, HostLinearState, HostMatrix,
-    HostRouting, MemoryInfo, Rope, SigmoidRouting,
+    Activation, AttentionSpec, Backend, BackendError, ExpertFfn, ExpertKey, FfnWeights, HostExpert,
+    HostLinearState, HostMatrix, HostRouting, MemoryInfo, Rope, SigmoidRouting,
 };
 
 use std::sync::Mutex;
@@ -294,10 +294,13 @@ impl Backend for CpuBackend {
         k: &CpuAct,
         v: &CpuAct,
         cache: &mut CpuKvCache,
-        heads: usize,
-        scale: f32,
+        spec: AttentionSpec<'_, Vec<f32>>,
     ) -> CpuAct {
+        let (heads, scale) = (spec.heads, spec.scale);
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
+        if let Some(s) = spec.sinks {
+            assert_eq!(s.len(), heads, "one attention sink per head");
+        }
         assert_eq!(k.cols, kvh * hd);
         assert_eq!(v.cols, kvh * hd);
         assert_eq!(q.cols, heads * hd);
@@ -314,9 +317,14 @@ impl Backend for CpuBackend {
             // Per head the same arithmetic in the same order as below: the same bits.
             team::chunks_mut(&mut out.data, group * hd, |i, o| {
                 let (r, kv) = (i / kvh, i % kvh);
-                let n = first + r + 1;
+                // Positions `start..start + n` are visible.
+                let start = spec.first_visible(first + r);
+                let n = first + r + 1 - start;
                 let qg = &q.data[r * q.cols + kv * group * hd..][..group * hd];
-                let (kr, vr) = (&keys[kv * hd..], &values[kv * hd..]);
+                let (kr, vr) = (
+                    &keys[(start * width + kv * hd)..],
+                    &values[start * width + kv * hd..],
+                );
                 let mut scores = vec![0f32; group * n];
                 for p0 in (0..n).step_by(ATTENTION_RUN) {
                     let m = ATTENTION_RUN.min(n - p0);
@@ -331,8 +339,8 @@ impl Backend for CpuBackend {
                         );
                     }
                 }
-                for s in scores.chunks_exact_mut(n) {
-                    softmax_weights(s);
+                for (h, s) in scores.chunks_exact_mut(n).enumerate() {
+                    softmax_weights(s, spec.sinks.map(|s| s[kv * group + h]));
                 }
                 for p0 in (0..n).step_by(ATTENTION_RUN) {
                     let m = ATTENTION_RUN.min(n - p0);
@@ -348,11 +356,16 @@ impl Backend for CpuBackend {
             let (r, h) = (i / heads, i % heads);
             let kv = h / group;
             let qv = &q.data[r * q.cols + h * hd..][..hd];
-            let n = first + r + 1;
+            let start = spec.first_visible(first + r);
+            let n = first + r + 1 - start;
+            let (kr, vr) = (
+                &keys[start * width + kv * hd..],
+                &values[start * width + kv * hd..],
+            );
             let mut scores = vec![0f32; n];
-            kernels::scaled_dots(qv, &keys[kv * hd..], width, scale, &mut scores);
-            softmax_weights(&mut scores);
-            kernels::weighted_rows(&scores, &values[kv * hd..], width, o);
+            kernels::scaled_dots(qv, kr, width, scale, &mut scores);
+            softmax_weights(&mut scores, spec.sinks.map(|s| s[h]));
+            kernels::weighted_rows(&scores, vr, width, o);
         });
         out
     }
@@ -571,6 +584,7 @@ impl Backend for CpuBackend {
         x: &CpuAct,
         routing: &HostRouting,
         experts: &Vec<FfnWeights<HostMatrix>>,
+        ffn: ExpertFfn<'_, Vec<f32>>,
     ) -> CpuAct {
         let present: Vec<(u32, &FfnWeights<HostMatrix>)> = routing
             .distinct()
@@ -578,7 +592,7 @@ impl Backend for CpuBackend {
             .map(|e| (e, &experts[e as usize]))
             .collect();
         let mut out = CpuAct::zeros(x.rows, x.cols);
-        self.moe_accumulate(x, routing, &present, &mut out);
+        self.moe_accumulate(x, routing, &present, ffn, &mut out);
         out
     }
 
@@ -587,6 +601,7 @@ impl Backend for CpuBackend {
         x: &CpuAct,
         routing: &HostRouting,
         experts: &[(u32, &FfnWeights<HostMatrix>)],
+        ffn: ExpertFfn<'_, Vec<f32>>,
         out: &mut CpuAct,
     ) {
         assert_eq!(routing.tokens(), x.rows);
@@ -602,6 +617,7 @@ impl Backend for CpuBackend {
                 rows_of[slot].push((i / routing.k, w));
             }
         }
+        let ids: Vec<usize> = experts.iter().map(|p| p.0 as usize).collect();
         let experts: Vec<&FfnWeights<HostMatrix>> = experts.iter().map(|p| p.1).collect();
         let active: Vec<usize> = (0..experts.len())
             .filter(|&e| !rows_of[e].is_empty())
@@ -657,11 +673,35 @@ impl Backend for CpuBackend {
             }
             kernels::matmul_batch(self.kernels, &mut jobs);
         }
+        // Expert `id`'s biases of one projection `n` wide, added to each of its rows.
+        let add_bias = |out: &mut [f32], bias: Option<&Vec<f32>>, id: usize, n: usize| {
+            if let Some(b) = bias {
+                let b = &b[id * n..(id + 1) * n];
+                for row in out.chunks_exact_mut(n) {
+                    row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                }
+            }
+        };
+        let activate = |i: usize, gate: &mut [f32]| {
+            let (id, n) = (ids[active[i]], inter[i]);
+            let mut up = std::borrow::Cow::Borrowed(&ups[i][..]);
+            if let Some(b) = ffn.biases {
+                add_bias(gate, Some(&b.gate), id, n);
+                add_bias(up.to_mut(), Some(&b.up), id, n);
+            }
+            match ffn.activation {
+                Activation::Silu => swiglu_in_place(gate, &up),
+                act => gate
+                    .iter_mut()
+                    .zip(up.iter())
+                    .for_each(|(g, &u)| *g = act.apply(*g, u)),
+            }
+        };
         if parallel {
-            team::chunks_mut(&mut gates, 1, |i, g| swiglu_in_place(&mut g[0], &ups[i]));
+            team::chunks_mut(&mut gates, 1, |i, g| activate(i, &mut g[0]));
         } else {
-            for (gate, up) in gates.iter_mut().zip(&ups) {
-                swiglu_in_place(gate, up);
+            for (i, gate) in gates.iter_mut().enumerate() {
+                activate(i, gate);
             }
         }
         let mut downs: Vec<Vec<f32>> = active
@@ -681,6 +721,11 @@ impl Backend for CpuBackend {
                 })
                 .collect();
             kernels::matmul_batch(self.kernels, &mut jobs);
+        }
+        if let Some(b) = ffn.biases {
+            for (i, down) in downs.iter_mut().enumerate() {
+                add_bias(down, Some(&b.down), ids[active[i]], x.cols);
+            }
         }
         // Each row adds its experts' outputs in ascending expert id (the order of `active`).
         let mut parts_of: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); x.rows];
@@ -713,10 +758,14 @@ const GROUPED_ATTENTION_ROWS: usize = 16;
 /// keys at a head size of 256: stays in L1/L2 between heads).
 const ATTENTION_RUN: usize = 64;
 
-/// Attention scores in place to their softmax weights (max subtracted, divided by the sum).
-fn softmax_weights(scores: &mut [f32]) {
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let mut sum = 0.0;
+/// Attention scores in place to their softmax weights (max subtracted, divided by the sum), with
+/// an attention sink's logit joining the softmax where there is one.
+fn softmax_weights(scores: &mut [f32], sink: Option<f32>) {
+    let max = scores
+        .iter()
+        .chain(&sink)
+        .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut sum = sink.map_or(0.0, |s| (s - max).exp());
     for s in scores.iter_mut() {
         *s = (*s - max).exp();
         sum += *s;

@@ -2,7 +2,7 @@
 //! for a prompt) give the same bits: a prompt attended at once equals its rows attended one by
 //! one, so prefill and decode agree exactly.
 
-use sluice_backend::Backend;
+use sluice_backend::{AttentionSpec, Backend};
 use sluice_cpu::CpuBackend;
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -33,8 +33,7 @@ fn a_prompt_at_once_equals_its_rows_one_by_one() {
             &b.act_from_host(&k, rows, kw),
             &b.act_from_host(&v, rows, kw),
             &mut whole,
-            heads,
-            scale,
+            AttentionSpec::new(heads, scale),
         );
         let at_once = b.to_host(&at_once).expect("to_host");
         let mut steps = b.kv_cache(kv_heads, hd, rows).expect("kv_cache");
@@ -44,8 +43,7 @@ fn a_prompt_at_once_equals_its_rows_one_by_one() {
                 &b.act_from_host(&k[r * kw..(r + 1) * kw], 1, kw),
                 &b.act_from_host(&v[r * kw..(r + 1) * kw], 1, kw),
                 &mut steps,
-                heads,
-                scale,
+                AttentionSpec::new(heads, scale),
             );
             let one = b.to_host(&one).expect("to_host");
             assert_eq!(

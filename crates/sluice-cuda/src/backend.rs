@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaFunction;
 use sluice_backend::{
-    Backend, BackendError, DeltaNetDims, ExpertCachePlan, ExpertCacheStats, ExpertKey,
-    ExpertSource, FfnWeights, HostExpert, HostLinearState, HostMatrix, HostPinner, HostRouting,
-    MemoryInfo, Rope, SigmoidRouting, TopLogits, ValueHeadOrder,
+    Activation, AttentionSpec, Backend, BackendError, DeltaNetDims, ExpertCachePlan,
+    ExpertCacheStats, ExpertFfn, ExpertKey, ExpertSource, FfnWeights, HostExpert, HostLinearState,
+    HostMatrix, HostPinner, HostRouting, MemoryInfo, Rope, SigmoidRouting, TopLogits,
+    ValueHeadOrder,
 };
 
 use sluice_cpu::{CpuBackend, Kernels};
@@ -272,6 +273,31 @@ enum MoeOut {
 }
 
 impl CudaBackend {
+    /// Whether attention is of the kind the kernels run (no sliding window, no sinks yet);
+    /// otherwise the failure is recorded.
+    fn plain_attention(&self, spec: &AttentionSpec<'_, CudaVector>) -> bool {
+        let plain = spec.window.is_none() && spec.sinks.is_none();
+        if !plain {
+            self.d.record(BackendError::Unsupported(
+                "the CUDA backend has no sliding-window or attention-sink kernels yet".into(),
+            ));
+        }
+        plain
+    }
+
+    /// Whether routed experts compute as the kernels do (SwiGLU, no biases); otherwise the
+    /// failure is recorded.
+    fn plain_experts(&self, ffn: &ExpertFfn<'_, CudaVector>) -> bool {
+        let plain = ffn.activation == Activation::Silu && ffn.biases.is_none();
+        if !plain {
+            self.d.record(BackendError::Unsupported(
+                "the CUDA backend has no kernels for expert biases or the clamped SwiGLU yet"
+                    .into(),
+            ));
+        }
+        plain
+    }
+
     /// `e` described where the device reads it in host memory, when all of it is page-locked
     /// and mapped.
     fn mapped_mats(&self, e: &HostExpert) -> Result<Option<ExpertMats>, BackendError> {
@@ -2236,9 +2262,12 @@ impl Backend for CudaBackend {
         k: &CudaAct,
         v: &CudaAct,
         cache: &mut CudaKvCache,
-        heads: usize,
-        scale: f32,
+        spec: AttentionSpec<'_, CudaVector>,
     ) -> CudaAct {
+        let (heads, scale) = (spec.heads, spec.scale);
+        if !self.plain_attention(&spec) {
+            return self.poisoned(q.rows, q.cols);
+        }
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         assert_eq!((k.cols, v.cols, q.cols), (kvh * hd, kvh * hd, heads * hd));
         assert!(heads.is_multiple_of(kvh));
@@ -2280,16 +2309,19 @@ impl Backend for CudaBackend {
         eps: f32,
         rope: Rope,
         cache: &mut CudaKvCache,
-        heads: usize,
-        scale: f32,
+        spec: AttentionSpec<'_, CudaVector>,
     ) -> CudaAct {
+        let (heads, scale) = (spec.heads, spec.scale);
+        if !self.plain_attention(&spec) {
+            return self.poisoned(q.rows, q.cols);
+        }
         let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         // The fused kernels normalise q and k; attention without the norms runs op by op.
         let fused = norms.filter(|&n| rope_fuses((q, k, v), n, rope, cache, heads));
         let Some(norms) = fused else {
             let (q, k) = sluice_backend::norm_rope_qk(self, q, k, norms, eps, rope, cache.len);
-            return self.attention(&q, &k, v, cache, heads, scale);
+            return self.attention(&q, &k, v, cache, AttentionSpec::new(heads, scale));
         };
         // One token: the norms, rotations and cache writes inside the attention kernel.
         if q.rows == 1 {
@@ -2374,9 +2406,12 @@ impl Backend for CudaBackend {
         rope: Rope,
         caches: &mut [&mut CudaKvCache],
         rows: &[usize],
-        heads: usize,
-        scale: f32,
+        spec: AttentionSpec<'_, CudaVector>,
     ) -> CudaAct {
+        let (heads, scale) = (spec.heads, spec.scale);
+        if !self.plain_attention(&spec) {
+            return self.poisoned(q.rows, q.cols);
+        }
         // Requests decoding a token each: every token attends where its rows are, through its
         // own cache, with no rows cut out or stacked (those copies were 31% of an 8-request
         // step's GPU time, Qwen3-30B-A3B shape).
@@ -2393,7 +2428,16 @@ impl Backend for CudaBackend {
         });
         let Some(norms) = in_place else {
             return sluice_backend::attention_rope_by_parts(
-                self, q, k, v, norms, eps, rope, caches, rows, heads, scale,
+                self,
+                q,
+                k,
+                v,
+                norms,
+                eps,
+                rope,
+                caches,
+                rows,
+                AttentionSpec::new(heads, scale),
             );
         };
         let out = self.act(q.rows, q.cols);
@@ -2814,7 +2858,16 @@ impl Backend for CudaBackend {
         Ok(routing)
     }
 
-    fn moe(&self, x: &CudaAct, routing: &CudaRouting, experts: &CudaExperts) -> CudaAct {
+    fn moe(
+        &self,
+        x: &CudaAct,
+        routing: &CudaRouting,
+        experts: &CudaExperts,
+        ffn: ExpertFfn<'_, CudaVector>,
+    ) -> CudaAct {
+        if !self.plain_experts(&ffn) {
+            return self.poisoned(x.rows, x.cols);
+        }
         if let (Some(layer), Some(ids)) = (&experts.in_place, &routing.ids) {
             let mut in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = in_place.before_call(&self.d, layer, ids.ptr, routing.rows * routing.k)
@@ -2850,8 +2903,13 @@ impl Backend for CudaBackend {
         x: &CudaAct,
         routing: &CudaRouting,
         experts: &[(u32, &CudaStagedExpert)],
+        ffn: ExpertFfn<'_, CudaVector>,
         out: &mut CudaAct,
     ) {
+        if !self.plain_experts(&ffn) {
+            out.buf = None;
+            return;
+        }
         assert!(
             experts.windows(2).all(|w| w[0].0 < w[1].0),
             "ascending expert ids"

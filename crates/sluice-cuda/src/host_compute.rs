@@ -28,7 +28,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use sluice_backend::{Backend, BackendError, HostExpert, HostRouting};
+use sluice_backend::{Backend, BackendError, ExpertFfn, HostExpert, HostRouting};
 use sluice_cpu::{CpuAct, CpuBackend};
 
 use crate::device::{DevBuf, Device};
@@ -457,7 +457,9 @@ fn compute_call(shared: &Shared, take: usize) -> Result<(), String> {
     };
     let experts: Vec<(u32, &HostExpert)> = ids.iter().map(|&e| (e, &host[e as usize])).collect();
     let mut sum = CpuAct::zeros(rows, cols);
-    shared.cpu.moe_accumulate(&x, &routing, &experts, &mut sum);
+    shared
+        .cpu
+        .moe_accumulate(&x, &routing, &experts, ExpertFfn::SWIGLU, &mut sum);
     let y = MB_X + shared.capacity;
     for (i, v) in sum.data.iter().enumerate() {
         mb.store(y + i, v.to_bits());

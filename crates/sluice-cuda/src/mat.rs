@@ -115,6 +115,7 @@ pub(crate) fn describe(m: &HostMatrix) -> Result<Mat, BackendError> {
             }
             (3, bits as i32, group_size as i32, dtype_code(scale_dtype))
         }
+        WeightFormat::Mxfp4 => return unsupported("no mxfp4 kernels yet"),
     };
     Ok(Mat {
         data: 0,

@@ -31,7 +31,8 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use sluice_backend::{
-    Backend, Dtype, ExpertSource, HostBytes, HostMatrix, Rope, SigmoidRouting, WeightFormat,
+    AttentionSpec, Backend, Dtype, ExpertSource, HostBytes, HostMatrix, Rope, SigmoidRouting,
+    WeightFormat,
 };
 use sluice_format::ModelDir;
 
@@ -482,8 +483,7 @@ impl<B: Backend> DeepseekV3<B> {
             self.rope,
             &mut caches,
             &rows,
-            heads,
-            self.scale,
+            AttentionSpec::new(heads, self.scale),
         );
         let (_, o_latent) = b.split_chunks(&o, cfg.latent_head_dim(), rope);
         let o = b.matmul_heads(&o_latent, &l.unembed_out, heads);

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use sluice_backend::{Backend, ExpertError, ExpertErrorKind, ExpertKey, ExpertSource};
+use sluice_backend::{Backend, ExpertError, ExpertErrorKind, ExpertFfn, ExpertKey, ExpertSource};
 
 use crate::ModelError;
 
@@ -19,7 +19,7 @@ pub enum Experts<B: Backend> {
 }
 
 impl<B: Backend> Experts<B> {
-    /// `sum_j weight_j * expert_j(x)` per row.
+    /// `sum_j weight_j * expert_j(x)` per row, each expert computing as `ffn` says.
     ///
     /// Streamed experts the backend still holds are used as they are; the others are fetched in
     /// ascending runs that fit the source's cache and staged on the backend. Every row
@@ -34,12 +34,13 @@ impl<B: Backend> Experts<B> {
         b: &B,
         x: &B::Act,
         routing: &B::Routing,
+        ffn: ExpertFfn<'_, B::Vector>,
         then: &mut dyn FnMut(),
     ) -> Result<B::Act, ModelError> {
         let (source, layer) = match self {
             Experts::Resident(experts) => {
                 then();
-                return Ok(b.moe(x, routing, experts));
+                return Ok(b.moe(x, routing, experts, ffn));
             }
             Experts::Streamed { source, layer } => (source, *layer),
         };
@@ -104,7 +105,7 @@ impl<B: Backend> Experts<B> {
                 f();
             }
             let pairs: Vec<(u32, &B::StagedExpert)> = staged.iter().map(|(e, s)| (*e, s)).collect();
-            b.moe_accumulate(x, routing, &pairs, &mut out);
+            b.moe_accumulate(x, routing, &pairs, ffn, &mut out);
             // `staged` drops here, releasing the run's hold on the source's cache.
         }
         if !fetched_any {

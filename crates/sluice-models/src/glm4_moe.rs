@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, ExpertSource, Rope, SigmoidRouting};
+use sluice_backend::{AttentionSpec, Backend, ExpertSource, Rope, SigmoidRouting};
 use sluice_format::ModelDir;
 
 use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
@@ -330,8 +330,7 @@ impl<B: Backend> Glm4Moe<B> {
             Rope::new(hd, self.rotary_dim, self.rope_theta),
             &mut caches,
             &rows,
-            self.cfg.num_attention_heads,
-            scale,
+            AttentionSpec::new(self.cfg.num_attention_heads, scale),
         );
         Ok(b.matmul(&o, &l.o_proj))
     }

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, ExpertSource, Rope};
+use sluice_backend::{AttentionSpec, Backend, ExpertSource, Rope};
 use sluice_format::ModelDir;
 
 use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
@@ -245,8 +245,7 @@ impl<B: Backend> Mixtral<B> {
             Rope::new(hd, hd, self.rope_theta),
             &mut caches,
             &rows,
-            self.cfg.num_attention_heads,
-            scale,
+            AttentionSpec::new(self.cfg.num_attention_heads, scale),
         );
         Ok(b.matmul(&o, &l.o_proj))
     }

@@ -3,7 +3,7 @@
 //! selection bias as GLM-4.5's; top-k routed experts; optionally a shared expert, scaled by a
 //! sigmoid gate or added as is) or, for the layers a config marks dense, a plain SwiGLU block.
 
-use sluice_backend::{Backend, FfnWeights, SigmoidRouting};
+use sluice_backend::{Activation, Backend, ExpertFfn, FfnWeights, SigmoidRouting};
 
 use crate::loader::Loader;
 use crate::{Experts, ModelError};
@@ -69,7 +69,20 @@ impl<B: Backend> Router<B> {
 pub(crate) struct SparseMoe<B: Backend> {
     router: Router<B>,
     experts: Experts<B>,
+    /// The routed experts' activation (SwiGLU but for gpt-oss's clamped one).
+    activation: Activation,
+    /// Per-expert biases (gpt-oss), `[experts * width]` each.
+    expert_biases: Option<FfnWeights<B::Vector>>,
     shared_expert: Option<SharedExpert<B>>,
+}
+
+impl<B: Backend> SparseMoe<B> {
+    fn ffn(&self) -> ExpertFfn<'_, B::Vector> {
+        ExpertFfn {
+            activation: self.activation,
+            biases: self.expert_biases.as_ref(),
+        }
+    }
 }
 
 pub(crate) enum Mlp<B: Backend> {
@@ -109,6 +122,8 @@ impl<B: Backend> Mlp<B> {
         Ok(Mlp::Sparse(SparseMoe {
             router,
             experts,
+            activation: Activation::Silu,
+            expert_biases: None,
             shared_expert,
         }))
     }
@@ -145,7 +160,7 @@ impl<B: Backend> Mlp<B> {
             }
             _ => None,
         };
-        let mut y = moe.experts.run(b, x, &routing, &mut || {
+        let mut y = moe.experts.run(b, x, &routing, moe.ffn(), &mut || {
             if let Some((next, guess)) = &guess {
                 next.experts.prefetch(b, guess);
             }

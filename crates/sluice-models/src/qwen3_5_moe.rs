@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use serde::Deserialize;
-use sluice_backend::{Backend, DeltaNetDims, ExpertSource, Rope, ValueHeadOrder};
+use sluice_backend::{AttentionSpec, Backend, DeltaNetDims, ExpertSource, Rope, ValueHeadOrder};
 use sluice_format::ModelDir;
 
 use crate::decoder::{
@@ -568,8 +568,7 @@ impl<B: Backend> Qwen35Moe<B> {
             Rope::new(hd, self.rotary_dim, self.rope_theta),
             &mut caches,
             &rows,
-            self.cfg.num_attention_heads,
-            scale,
+            AttentionSpec::new(self.cfg.num_attention_heads, scale),
         );
         b.sigmoid_mul(&mut o, &gate);
         Ok(b.matmul(&o, &l.o_proj))

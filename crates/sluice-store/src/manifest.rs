@@ -55,6 +55,8 @@ pub enum FormatSpec {
         group_size: usize,
         scale_dtype: String,
     },
+    /// Microscaling FP4 (gpt-oss): codes and one E8M0 exponent per 32 columns, no biases.
+    Mxfp4,
 }
 
 fn dtype_name(d: Dtype) -> &'static str {
@@ -89,6 +91,7 @@ impl FormatSpec {
                 group_size,
                 scale_dtype: dtype_name(scale_dtype).into(),
             },
+            WeightFormat::Mxfp4 => FormatSpec::Mxfp4,
         }
     }
 
@@ -104,6 +107,7 @@ impl FormatSpec {
                 group_size: *group_size,
                 scale_dtype: dtype_parse(scale_dtype)?,
             },
+            FormatSpec::Mxfp4 => WeightFormat::Mxfp4,
         })
     }
 }
@@ -213,6 +217,10 @@ impl LayerExperts {
                         let n = (rows * format.scale_row_bytes(*cols)) as u64;
                         (Some(part(n)), Some(part(n)))
                     }
+                    WeightFormat::Mxfp4 => (
+                        Some(part((rows * format.scale_row_bytes(*cols)) as u64)),
+                        None,
+                    ),
                 };
                 Projection {
                     name: name.clone(),
@@ -351,17 +359,17 @@ impl Manifest {
                     .ok_or_else(|| format!("{at} {}: unknown dtype", p.name))?;
                 let weight = (p.rows * format.row_bytes(p.cols)) as u64;
                 let scales = (p.rows * format.scale_row_bytes(p.cols)) as u64;
-                let quantised = matches!(format, WeightFormat::Affine { .. });
+                let biases = (p.rows * format.bias_row_bytes(p.cols)) as u64;
                 let fits = |x: &Part| x.offset + x.bytes <= l.block_bytes;
+                // A part is present exactly when the format has it, of its size.
+                let part_ok = |part: Option<Part>, want: u64| match part {
+                    None => want == 0,
+                    Some(x) => want > 0 && x.bytes == want && fits(&x),
+                };
                 let ok = p.weight.bytes == weight
                     && fits(&p.weight)
-                    && match (quantised, p.scales, p.biases) {
-                        (false, None, None) => true,
-                        (true, Some(s), Some(b)) => {
-                            s.bytes == scales && b.bytes == scales && fits(&s) && fits(&b)
-                        }
-                        _ => false,
-                    };
+                    && part_ok(p.scales, scales)
+                    && part_ok(p.biases, biases);
                 if !ok {
                     return Err(format!(
                         "{at} {}: part sizes do not match [{}, {}] {format}",

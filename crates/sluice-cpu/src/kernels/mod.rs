@@ -386,7 +386,7 @@ pub(crate) enum Kind {
         gs: usize,
         sdt: Dtype,
     },
-    /// Any other affine format (dequantized by the generic scalar code).
+    /// Any other affine format, and mxfp4 (dequantized by the generic scalar code).
     QAny,
 }
 
@@ -414,7 +414,8 @@ impl Kind {
                 group_size: gs @ (16 | 32 | 64 | 128),
                 scale_dtype: sdt,
             } => Kind::QBits { bits, gs, sdt },
-            WeightFormat::Affine { .. } => Kind::QAny,
+            // gpt-oss's experts: the generic dequantizer, for now.
+            WeightFormat::Affine { .. } | WeightFormat::Mxfp4 => Kind::QAny,
         }
     }
 }

@@ -3,7 +3,7 @@
 //! kernel (unusual widths and group sizes) at every level, and for 2, 3, 5 and 6 bits in
 //! prefill and at the levels without an unpacker (see `Kind::QBits`).
 
-use sluice_backend::{Dtype, MatRef, WeightFormat};
+use sluice_backend::{e8m0_to_f32, Dtype, MatRef, WeightFormat, FP4_E2M1, MXFP4_GROUP};
 
 use super::{grow, scalar, Ctx, Gemm, Scratch};
 
@@ -37,6 +37,15 @@ pub(crate) fn dequant_range(w: &MatRef, r: usize, c0: usize, out: &mut [f32]) {
     let row = &w.data[r * rb..(r + 1) * rb];
     match w.format {
         WeightFormat::Dense(dt) => convert(dt, &row[c0 * dt.size()..c1 * dt.size()], out),
+        WeightFormat::Mxfp4 => {
+            let groups = w.cols / MXFP4_GROUP;
+            for (i, v) in out.iter_mut().enumerate() {
+                let c = c0 + i;
+                let q = (row[c / 2] >> ((c & 1) * 4)) & 15;
+                let s = e8m0_to_f32(w.scales[r * groups + c / MXFP4_GROUP]);
+                *v = FP4_E2M1[q as usize] * s;
+            }
+        }
         WeightFormat::Affine {
             bits,
             group_size: gs,

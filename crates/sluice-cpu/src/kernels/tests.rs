@@ -81,6 +81,13 @@ impl TestMat {
                 let b: Vec<f32> = s.iter().map(|&s| -s * half * rng.f32(0.8, 1.2)).collect();
                 (data, encode(scale_dtype, &s), encode(scale_dtype, &b))
             }
+            WeightFormat::Mxfp4 => {
+                let n = rows * format.row_bytes(cols);
+                let data: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                let ng = rows * cols / sluice_backend::MXFP4_GROUP;
+                let e: Vec<u8> = (0..ng).map(|_| 118 + (rng.next() % 8) as u8).collect();
+                (data, e, Vec::new())
+            }
         };
         TestMat {
             format,
@@ -127,6 +134,22 @@ fn ref_weight(m: &MatRef, r: usize, c: usize) -> f64 {
             }
             let g = r * (m.cols / group_size) + c / group_size;
             decode64(scale_dtype, m.scales, g) * q as f64 + decode64(scale_dtype, m.biases, g)
+        }
+        WeightFormat::Mxfp4 => {
+            // E2M1: sign, two exponent bits (bias 1), one mantissa bit; exponent 0 subnormal.
+            let q = (row[c / 2] >> (4 * (c % 2))) & 15;
+            let (sign, exp, man) = (q >> 3, (q >> 1) & 3, q & 1);
+            let v = match exp {
+                0 => 0.5 * man as f64,
+                e => (1.0 + 0.5 * man as f64) * 2f64.powi(e as i32 - 1),
+            };
+            let g = r * (m.cols / 32) + c / 32;
+            let scale = 2f64.powi(m.scales[g] as i32 - 127);
+            if sign == 1 {
+                -v * scale
+            } else {
+                v * scale
+            }
         }
     }
 }
@@ -268,6 +291,24 @@ fn affine_4_and_8_bits_every_group_scale_dtype_and_level() {
                 for tokens in TOKENS {
                     check(level, &m, tokens, &mut rng);
                 }
+            }
+        }
+    }
+}
+
+/// gpt-oss's mxfp4 at every level, decode and prefill token counts, against the format's
+/// definition bit by bit.
+#[test]
+fn mxfp4_every_level() {
+    let mut rng = Rng(31);
+    for level in available_levels() {
+        for (i, (rows, cols)) in [(3, 32), (37, 96), (45, 320), (9, 2880)]
+            .into_iter()
+            .enumerate()
+        {
+            let m = TestMat::new(WeightFormat::Mxfp4, rows, cols, 1 + i, &mut rng);
+            for tokens in TOKENS {
+                check(level, &m, tokens, &mut rng);
             }
         }
     }
