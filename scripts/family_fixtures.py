@@ -85,10 +85,16 @@ def noaux_tc_router_scores(block, x):
 
 def save_hf(config: dict, weights: dict, out: Path, shards: int) -> None:
     """bf16 safetensors in `shards` files (with an index when more than one), and config.json.
-    Tensors named `*e_score_correction_bias` stay float32, as the official checkpoints keep them."""
+    Tensors named `*e_score_correction_bias` stay float32, as the official checkpoints keep them;
+    integer tensors (gpt-oss's mxfp4 blocks and scales) are written as they are."""
     out.mkdir(parents=True, exist_ok=True)
-    arrays = {k: mx.array(v).astype(mx.float32 if k.endswith("e_score_correction_bias") else mx.bfloat16)
-              for k, v in weights.items()}
+
+    def stored(k, v):
+        if not np.issubdtype(v.dtype, np.floating):
+            return mx.array(v)
+        return mx.array(v).astype(mx.float32 if k.endswith("e_score_correction_bias") else mx.bfloat16)
+
+    arrays = {k: stored(k, v) for k, v in weights.items()}
     names = list(arrays)
     per = -(-len(names) // shards)
     weight_map = {}
@@ -127,6 +133,8 @@ def build(fam: Family, spec, seed: int, head_seed: int, dst: Path, tok: Tokenize
         kwargs = dict(hf_path=str(src), mlx_path=str(dst), dtype="bfloat16")
         if spec.quant_bits is not None:
             kwargs.update(quantize=True, q_bits=spec.quant_bits, q_group_size=spec.quant_group)
+            if getattr(spec, "quant_mode", "affine") != "affine":
+                kwargs.update(q_mode=spec.quant_mode)
         with contextlib.redirect_stdout(io.StringIO()):
             mf.mlx_convert.convert(**kwargs)
     keep = {"config.json", "model.safetensors.index.json"}

@@ -61,12 +61,11 @@ pub const FP4_E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
-/// The scale an E8M0 byte stands for: `2^(e - 127)` (255 is NaN in the standard; gpt-oss never
-/// writes it).
+/// The scale an E8M0 byte stands for: `2^(e - 127)`, as MLX computes it (0 is the subnormal
+/// 2^-127; 255, NaN in the OCP standard, is infinity there; gpt-oss writes neither).
 pub fn e8m0_to_f32(e: u8) -> f32 {
     match e {
-        0 => f32::from_bits(0x0040_0000), // 2^-127, a subnormal
-        255 => f32::NAN,
+        0 => f32::from_bits(0x0040_0000),
         e => f32::from_bits((e as u32) << 23),
     }
 }

@@ -78,6 +78,7 @@ fn tiered_logits_are_bit_identical_to_resident() {
         "mixtral-hf",
         "glm4_moe-hf",
         "deepseek_v3-hf",
+        "gpt_oss-hf",
     ] {
         let resident = load(&fixture(name), StreamingOptions::default());
         assert!(resident.store.is_none());

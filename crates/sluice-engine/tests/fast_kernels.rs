@@ -30,7 +30,7 @@ use compare::{assert_fast_within_bounds, kl_and_agreement, max_diff_over_max_ref
 mod reference;
 use reference::{reference_tokens, repo};
 
-const FIXTURES: [&str; 20] = [
+const FIXTURES: [&str; 23] = [
     "qwen3_moe-bf16",
     "qwen3_moe-q4",
     "qwen3_moe-q8",
@@ -51,6 +51,9 @@ const FIXTURES: [&str; 20] = [
     "deepseek_v3-q4",
     "deepseek_v3-hf",
     "deepseek_v3-transformers",
+    "gpt_oss-q4",
+    "gpt_oss-mxfp4",
+    "gpt_oss-hf",
 ];
 
 #[test]

@@ -71,6 +71,9 @@ fn streamed_logits_are_bit_identical_to_resident() {
         "glm4_moe-hf",
         "deepseek_v3-q4",
         "deepseek_v3-hf",
+        "gpt_oss-q4",
+        "gpt_oss-mxfp4",
+        "gpt_oss-hf",
     ] {
         let resident = load(&fixture(name), StreamingOptions::default());
         assert!(resident.store.is_none());
@@ -170,6 +173,27 @@ fn truncated_or_missing_blocks_files_are_load_errors() {
     assert!(err.contains("experts.bin"), "{err}");
 }
 
+/// gpt-oss's released experts interleave gate and up rows, split apart in memory at load: they
+/// cannot stream unpacked, and the error says to pack first (packed, they stream: above).
+#[test]
+fn interleaved_released_gpt_oss_experts_must_be_packed_to_stream() {
+    let opts = LoadOptions {
+        streaming: StreamingOptions {
+            stream_unpacked: true,
+            ..stream_opts(1, Policy::Frequency, IoKind::Auto)
+        },
+        ..LoadOptions::default()
+    };
+    let err = match Engine::load(&fixture("gpt_oss-hf"), Arc::new(CpuBackend::new()), &opts) {
+        Ok(_) => panic!("gpt_oss-hf streamed unpacked"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("gate and up rows split") && err.contains("sluice pack"),
+        "{err}"
+    );
+}
+
 #[test]
 fn unpacked_streaming_is_bit_identical_to_resident() {
     for name in [
@@ -184,6 +208,8 @@ fn unpacked_streaming_is_bit_identical_to_resident() {
         "glm4_moe-hf",
         "deepseek_v3-q4",
         "deepseek_v3-hf",
+        "gpt_oss-q4",
+        "gpt_oss-mxfp4",
     ] {
         let dir = fixture(name);
         let resident = load(&dir, StreamingOptions::default());

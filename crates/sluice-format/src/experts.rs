@@ -196,7 +196,7 @@ impl<'a> Scanner<'a> {
             if let Some(extra) = self
                 .t
                 .names()
-                .find(|n| n.starts_with(&under) && !self.used.contains(*n))
+                .find(|n| n.starts_with(&under) && !self.used.contains(*n) && !is_expert_bias(n))
             {
                 return Err(layout(
                     extra.to_string(),
@@ -216,7 +216,41 @@ impl<'a> Scanner<'a> {
             let down = self.stack(&format!("{switch}.down_proj"))?;
             return zip3(&switch, gate, up, down);
         }
+        // mlx's gpt-oss: the stacks under `experts.` (its SwitchGLU's name).
+        let stacked = format!("{prefix}.experts");
+        if self.t.contains(&format!("{stacked}.gate_proj.weight")) {
+            let gate = self.stack(&format!("{stacked}.gate_proj"))?;
+            let up = self.stack(&format!("{stacked}.up_proj"))?;
+            let down = self.stack(&format!("{stacked}.down_proj"))?;
+            return zip3(&stacked, gate, up, down);
+        }
         let fused = format!("{prefix}.experts.gate_up_proj");
+        // gpt-oss's released experts: mxfp4 blocks, the gate and up rows interleaved (gate
+        // even, up odd), de-interleaved here into copies.
+        if self.t.contains(&format!("{fused}_blocks")) {
+            let gate_up = self.stack(&fused)?;
+            let down = self.stack(&format!("{prefix}.experts.down_proj"))?;
+            let rows = gate_up.first().map_or(0, |(m, _)| m.rows);
+            if !rows.is_multiple_of(2) {
+                return Err(layout(
+                    format!("{fused}_blocks"),
+                    format!("has {rows} rows per expert, expected an even number (gate and up interleaved)"),
+                ));
+            }
+            let every_other = |first: usize| -> Vec<Range<usize>> {
+                (first..rows).step_by(2).map(|r| r..r + 1).collect()
+            };
+            let (gate, up) = gate_up
+                .iter()
+                .map(|(m, _)| {
+                    (
+                        (m.gather_rows(&every_other(0)), None),
+                        (m.gather_rows(&every_other(1)), None),
+                    )
+                })
+                .unzip();
+            return zip3(&fused, gate, up, down);
+        }
         if self.t.contains(&fused) || self.t.contains(&format!("{fused}.weight")) {
             let gate_up = self.stack(&fused)?;
             let down = self.stack(&format!("{prefix}.experts.down_proj"))?;
@@ -308,6 +342,10 @@ impl<'a> Scanner<'a> {
     ) -> Result<Option<MatrixSlices>, FormatError> {
         // The weight is `{prefix}.weight`, or `prefix` itself (fused parameters), as in
         // `Tensors::matrix`.
+        if self.t.contains(&format!("{prefix}_blocks")) {
+            // gpt-oss's gate and up come out as copies; its down projection is read alike.
+            return Ok(None);
+        }
         let weight = format!("{prefix}.weight");
         let weight = if self.t.contains(&weight) {
             weight
@@ -328,7 +366,11 @@ impl<'a> Scanner<'a> {
         Ok(Some(MatrixSlices {
             data,
             scales: Some(self.slice(&format!("{prefix}.scales"), index, m.scales.len())?),
-            biases: Some(self.slice(&format!("{prefix}.biases"), index, m.biases.len())?),
+            // mxfp4 has no biases.
+            biases: match m.biases.is_empty() {
+                true => None,
+                false => Some(self.slice(&format!("{prefix}.biases"), index, m.biases.len())?),
+            },
         }))
     }
 
@@ -359,12 +401,20 @@ impl<'a> Scanner<'a> {
             format!("{prefix}.weight"),
             format!("{prefix}.scales"),
             format!("{prefix}.biases"),
+            format!("{prefix}_blocks"),
+            format!("{prefix}_scales"),
         ] {
             if self.t.contains(&n) {
                 self.used.insert(n);
             }
         }
     }
+}
+
+/// gpt-oss's per-expert biases (`experts.gate_up_proj_bias`, `experts.down_proj_bias`, mlx's
+/// `experts.{gate,up,down}_proj.bias`): small, kept resident by the model, not packed.
+fn is_expert_bias(name: &str) -> bool {
+    name.ends_with("_proj_bias") || name.ends_with("_proj.bias")
 }
 
 /// Rows `range` of a located matrix: the view and its slices narrowed alike.

@@ -681,6 +681,7 @@ fn tensors(
         group_size,
         mode: "affine".to_string(),
         overrides,
+        override_modes: Default::default(),
     });
     Ok((map, quant))
 }

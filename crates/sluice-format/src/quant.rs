@@ -18,6 +18,10 @@ pub struct QuantConfig {
     /// Per-module entries by module path: `Some((bits, group_size))`, or `None` for `false`
     /// (the module is not quantised).
     pub overrides: HashMap<String, Option<(u32, usize)>>,
+    /// The mode of each per-module entry: its `mode`, or `affine` when it names none (mlx's
+    /// `to_quantized` default: gpt-oss's `mxfp4` conversions keep the router at 8-bit affine
+    /// this way).
+    pub override_modes: HashMap<String, String>,
 }
 
 impl QuantConfig {
@@ -28,6 +32,14 @@ impl QuantConfig {
             Some(o) => *o,
             None => Some((self.bits, self.group_size)),
         }
+    }
+
+    /// The quantisation mode of the module at `module_path` (`affine`, `mxfp4`, ...).
+    pub fn mode_for(&self, module_path: &str) -> &str {
+        self.override_modes
+            .get(module_path)
+            .unwrap_or(&self.mode)
+            .as_str()
     }
 
     /// Reads the quantisation settings from a config object: `quantization`, or else
@@ -83,6 +95,7 @@ impl QuantConfig {
             Some(v) => return Err(err(format!("`{key}.mode` must be a string, found {v}"))),
         };
         let mut overrides = HashMap::new();
+        let mut override_modes = HashMap::new();
         for (k, v) in q {
             match v {
                 Value::Bool(false) => {
@@ -99,6 +112,14 @@ impl QuantConfig {
                         v => get_group(v, &what)?,
                     };
                     overrides.insert(k.clone(), Some((b, g)));
+                    let m = match o.get("mode") {
+                        None | Some(Value::Null) => "affine".to_string(),
+                        Some(Value::String(s)) => s.clone(),
+                        Some(v) => {
+                            return Err(err(format!("`{what}.mode` must be a string, found {v}")))
+                        }
+                    };
+                    override_modes.insert(k.clone(), m);
                 }
                 // `true` means "quantised with the global settings"; scalars are settings.
                 _ => {}
@@ -109,6 +130,7 @@ impl QuantConfig {
             group_size,
             mode,
             overrides,
+            override_modes,
         })
     }
 }

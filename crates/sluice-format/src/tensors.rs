@@ -5,7 +5,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use sluice_backend::{HostBytes, HostMatrix, WeightFormat};
+use sluice_backend::{HostBytes, HostMatrix, WeightFormat, MXFP4_GROUP};
 
 use crate::error::FormatError;
 use crate::quant::QuantConfig;
@@ -280,16 +280,14 @@ impl Tensors {
         }
         let db = s.rows * s.format.row_bytes(s.cols);
         let sb = s.rows * s.format.scale_row_bytes(s.cols);
+        let bb = s.rows * s.format.bias_row_bytes(s.cols);
         (0..s.experts)
             .map(|e| {
-                let (scales, biases) = if sb == 0 {
-                    (HostBytes::empty(), HostBytes::empty())
-                } else {
-                    (
-                        s.scales.slice(e * sb..(e + 1) * sb),
-                        s.biases.slice(e * sb..(e + 1) * sb),
-                    )
+                let part = |bytes: &HostBytes, n: usize| match n {
+                    0 => HostBytes::empty(),
+                    n => bytes.slice(e * n..(e + 1) * n),
                 };
+                let (scales, biases) = (part(&s.scales, sb), part(&s.biases, bb));
                 Self::build(&s, s.data.slice(e * db..(e + 1) * db), scales, biases)
             })
             .collect()
@@ -319,6 +317,12 @@ impl Tensors {
         } else {
             "a 3-D [experts, out, in] stack"
         };
+        // gpt-oss's released experts: `{prefix}_blocks` U8 `[.., out, in / 32, 16]` (two FP4
+        // codes a byte) and `{prefix}_scales` U8 `[.., out, in / 32]` (E8M0 exponents).
+        let blocks_name = format!("{prefix}_blocks");
+        if let Some(blocks) = self.map.get(&blocks_name) {
+            return self.mxfp4_blocks(prefix, blocks, ndim);
+        }
         let scales_name = format!("{prefix}.scales");
         let Some(scales) = self.map.get(&scales_name) else {
             // Dense.
@@ -359,8 +363,11 @@ impl Tensors {
             });
         };
 
-        // MLX affine.
         let w = self.weight_of(prefix)?;
+        if quant.map(|q| q.mode_for(prefix)) == Some("mxfp4") {
+            return self.mxfp4_mlx(prefix, w, scales, ndim);
+        }
+        // MLX affine.
         let biases_name = format!("{prefix}.biases");
         let Some(biases) = self.map.get(&biases_name) else {
             return Err(scales.err(format!(
@@ -402,10 +409,10 @@ impl Tensors {
                 "is MLX-quantised (`{scales_name}` exists) but config.json has no `quantization` settings (add \"quantization\": {{\"bits\": ..., \"group_size\": ...}} or re-convert with mlx_lm.convert)"
             )));
         };
-        if q.mode != "affine" {
+        if q.mode_for(prefix) != "affine" {
             return Err(w.err(format!(
-                "quantisation mode `{}` in config.json is not supported (sluice reads mode `affine`)",
-                q.mode
+                "quantisation mode `{}` in config.json is not supported (sluice reads modes `affine` and `mxfp4`)",
+                q.mode_for(prefix)
             )));
         }
         let Some((bits, group)) = q.for_module(prefix) else {
@@ -448,6 +455,91 @@ impl Tensors {
             data: w.bytes.clone(),
             scales: scales.bytes.clone(),
             biases: biases.bytes.clone(),
+        })
+    }
+
+    /// An MLX `mode="mxfp4"` weight: U32 `[.., out, in / 8]` codes and U8 `[.., out, in / 32]`
+    /// exponents, no biases.
+    fn mxfp4_mlx<'t>(
+        &'t self,
+        prefix: &str,
+        w: &'t TensorInfo,
+        scales: &'t TensorInfo,
+        ndim: usize,
+    ) -> Result<Stack<'t>, FormatError> {
+        if w.dtype != StDtype::U32 || w.shape.len() != ndim {
+            return Err(w.err(format!(
+                "is {} {:?}, expected U32 packed mxfp4 codes of {ndim} dimensions",
+                w.dtype, w.shape
+            )));
+        }
+        let (experts, rows, packed) = dims(&w.shape);
+        let cols = packed * 8;
+        let groups_ok = scales.shape.len() == ndim
+            && scales.shape[..ndim - 1] == w.shape[..ndim - 1]
+            && scales.shape[ndim - 1] * MXFP4_GROUP == cols;
+        if scales.dtype != StDtype::U8 || !groups_ok {
+            return Err(scales.err(format!(
+                "is {} {:?}, expected U8 mxfp4 exponents, one per 32 of the {cols} columns of `{}` {:?} (config.json says mode mxfp4 for `{prefix}`)",
+                scales.dtype, scales.shape, w.name, w.shape
+            )));
+        }
+        Ok(Stack {
+            weight: w,
+            experts,
+            rows,
+            cols,
+            format: WeightFormat::Mxfp4,
+            stored: format!("stored as U32 {:?} in mxfp4", w.shape),
+            data: w.bytes.clone(),
+            scales: scales.bytes.clone(),
+            biases: HostBytes::empty(),
+        })
+    }
+
+    /// gpt-oss's released mxfp4 tensors: `{prefix}_blocks` U8 `[.., out, in / 32, 16]` and
+    /// `{prefix}_scales` U8 `[.., out, in / 32]`.
+    fn mxfp4_blocks<'t>(
+        &'t self,
+        prefix: &str,
+        blocks: &'t TensorInfo,
+        ndim: usize,
+    ) -> Result<Stack<'t>, FormatError> {
+        let scales_name = format!("{prefix}_scales");
+        let Some(scales) = self.map.get(&scales_name) else {
+            return Err(blocks.err(format!(
+                "exists but `{scales_name}` does not: mxfp4 blocks need their scales"
+            )));
+        };
+        let n = blocks.shape.len();
+        if blocks.dtype != StDtype::U8 || n != ndim + 1 || blocks.shape[n - 1] != 16 {
+            return Err(blocks.err(format!(
+                "is {} {:?}, expected U8 mxfp4 blocks [.., out, in / 32, 16] ({} dimensions)",
+                blocks.dtype,
+                blocks.shape,
+                ndim + 1
+            )));
+        }
+        if scales.dtype != StDtype::U8 || scales.shape[..] != blocks.shape[..n - 1] {
+            return Err(scales.err(format!(
+                "is {} {:?}, expected U8 {:?} (one exponent per block of `{}`)",
+                scales.dtype,
+                scales.shape,
+                &blocks.shape[..n - 1],
+                blocks.name
+            )));
+        }
+        let (experts, rows, groups) = dims(&blocks.shape[..n - 1]);
+        Ok(Stack {
+            weight: blocks,
+            experts,
+            rows,
+            cols: groups * MXFP4_GROUP,
+            format: WeightFormat::Mxfp4,
+            stored: format!("stored as U8 mxfp4 blocks {:?}", blocks.shape),
+            data: blocks.bytes.clone(),
+            scales: scales.bytes.clone(),
+            biases: HostBytes::empty(),
         })
     }
 

@@ -43,6 +43,7 @@ fn dense_matrices_in_bf16_f16_f32() {
         group_size: 64,
         mode: "affine".into(),
         overrides: Default::default(),
+        override_modes: Default::default(),
     };
     assert!(m.tensors.matrix("a", Some(&q), None).is_ok());
     let names: Vec<&str> = m.tensors.names().collect();

@@ -9,8 +9,9 @@
 //! Layout: [`loader`] reads weights by name; [`moe`] is the MoE block every architecture shares
 //! (router, routed experts, shared expert, next-layer prefetch) and [`experts`] where its experts
 //! live; [`decoder`] the embedding, final norm and output head around the layers. Each
-//! architecture file (`qwen3_moe.rs`, `qwen3_5_moe.rs`, `mixtral.rs`, `glm4_moe.rs`, `deepseek_v3.rs`) holds its config, its attention and its
-//! forward pass, top to bottom.
+//! architecture file (`qwen3_moe.rs`, `qwen3_5_moe.rs`, `mixtral.rs`, `glm4_moe.rs`,
+//! `deepseek_v3.rs`, `gpt_oss.rs`) holds its config, its attention and its forward pass, top to
+//! bottom.
 
 #![forbid(unsafe_code)]
 
@@ -25,6 +26,7 @@ mod decoder;
 pub mod deepseek_v3;
 pub mod experts;
 pub mod glm4_moe;
+pub mod gpt_oss;
 mod loader;
 pub mod mixtral;
 mod moe;
@@ -166,7 +168,7 @@ pub trait CausalLm<B: Backend>: Send + Sync {
 
 /// The `model_type`s [`load`] reads, for error messages.
 const SUPPORTED: &str =
-    "qwen3_moe, qwen3_5_moe, qwen3_next, mixtral, glm4_moe, deepseek_v3, kimi_k2";
+    "qwen3_moe, qwen3_5_moe, qwen3_next, mixtral, glm4_moe, deepseek_v3, kimi_k2, gpt_oss";
 
 /// What a model directory's config says about its experts, read and checked as the architecture
 /// reads it, before any weight (e.g. to size an expert cache first).
@@ -208,6 +210,11 @@ pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
             c.check(dir)?;
             (c.n_routed_experts, c.num_experts_per_tok)
         }
+        "gpt_oss" => {
+            let c: gpt_oss::GptOssConfig = dir.parse_config()?;
+            c.check(dir)?;
+            (c.num_local_experts, c.experts_per_tok())
+        }
         other => {
             return Err(ModelError::Unsupported(format!(
                 "{}: model_type `{other}` is not supported (supported: {SUPPORTED})",
@@ -247,6 +254,7 @@ pub fn load_with_experts<B: Backend + 'static>(
         "deepseek_v3" | "kimi_k2" => Ok(Box::new(deepseek_v3::DeepseekV3::load(
             dir, backend, experts,
         )?)),
+        "gpt_oss" => Ok(Box::new(gpt_oss::GptOss::load(dir, backend, experts)?)),
         other => Err(ModelError::Unsupported(format!(
             "{}: model_type `{other}` is not supported (supported: {SUPPORTED})",
             dir.path.join("config.json").display()

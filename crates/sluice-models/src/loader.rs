@@ -174,6 +174,46 @@ impl<'a, B: Backend> Loader<'a, B> {
             })
     }
 
+    /// gpt-oss's per-expert biases of the MoE block at `prefix`, each `[experts * width]`: the
+    /// released layout's `experts.gate_up_proj_bias` (`[experts, 2 * inter]`, gate and up
+    /// interleaved) and `experts.down_proj_bias`, or mlx's `experts.{gate,up,down}_proj.bias`.
+    pub fn expert_biases(
+        &mut self,
+        prefix: &str,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<FfnWeights<B::Vector>, ModelError> {
+        let under = format!("{prefix}.experts");
+        let read = |name: &str, len: usize| -> Result<Vec<f32>, ModelError> {
+            let (v, shape) = self.dir.tensors.to_f32(name)?;
+            if v.len() != len {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor `{name}` has shape {shape:?}, expected {len} values"
+                )));
+            }
+            Ok(v)
+        };
+        let fused = format!("{under}.gate_up_proj_bias");
+        let (gate, up, down_name) = if self.has(&fused) {
+            let gu = read(&fused, experts * 2 * inter)?;
+            let half = |first: usize| gu.iter().skip(first).step_by(2).copied().collect();
+            (half(0), half(1), format!("{under}.down_proj_bias"))
+        } else {
+            (
+                read(&format!("{under}.gate_proj.bias"), experts * inter)?,
+                read(&format!("{under}.up_proj.bias"), experts * inter)?,
+                format!("{under}.down_proj.bias"),
+            )
+        };
+        let down = read(&down_name, experts * hidden)?;
+        Ok(FfnWeights {
+            gate: self.upload_vector(&format!("{under} gate biases"), gate)?,
+            up: self.upload_vector(&format!("{under} up biases"), up)?,
+            down: self.upload_vector(&down_name, down)?,
+        })
+    }
+
     /// A dense SwiGLU block `{prefix}.{gate,up,down}_proj`.
     pub fn ffn(
         &mut self,

@@ -46,6 +46,8 @@ pub(crate) struct SharedExpert<B: Backend> {
 pub(crate) enum Router<B: Backend> {
     Softmax {
         gate: B::Weight,
+        /// Added to the logits (gpt-oss's router).
+        bias: Option<B::Vector>,
         normalize: bool,
     },
     Sigmoid {
@@ -58,7 +60,20 @@ pub(crate) enum Router<B: Backend> {
 impl<B: Backend> Router<B> {
     fn route(&self, b: &B, x: &B::Act, k: usize) -> B::Routing {
         match self {
-            Router::Softmax { gate, normalize } => b.route_matmul(x, gate, k, *normalize),
+            Router::Softmax {
+                gate,
+                bias: None,
+                normalize,
+            } => b.route_matmul(x, gate, k, *normalize),
+            Router::Softmax {
+                gate,
+                bias: Some(bias),
+                normalize,
+            } => {
+                let mut logits = b.matmul(x, gate);
+                b.add_bias(&mut logits, bias);
+                b.route(&logits, k, *normalize)
+            }
             Router::Sigmoid { gate, bias, how } => {
                 b.route_sigmoid(&b.matmul(x, gate), bias, k, *how)
             }
@@ -101,7 +116,11 @@ impl<B: Backend> Mlp<B> {
     ) -> Result<Self, ModelError> {
         let gate = ld.matrix(&format!("{prefix}.gate"), d.experts, d.hidden)?;
         let router = match d.routing {
-            Routing::Softmax { normalize } => Router::Softmax { gate, normalize },
+            Routing::Softmax { normalize } => Router::Softmax {
+                gate,
+                bias: None,
+                normalize,
+            },
             Routing::Sigmoid(how) => Router::Sigmoid {
                 gate,
                 bias: ld.vector(&format!("{prefix}.gate.e_score_correction_bias"), d.experts)?,
@@ -125,6 +144,29 @@ impl<B: Backend> Mlp<B> {
             activation: Activation::Silu,
             expert_biases: None,
             shared_expert,
+        }))
+    }
+
+    /// gpt-oss's block under `prefix`: a router with a bias (`router`), top k of its logits
+    /// weighted by their softmax, experts with per-expert biases and the clamped SwiGLU.
+    pub fn gpt_oss(
+        ld: &mut Loader<B>,
+        layer: usize,
+        prefix: &str,
+        d: &MoeDims,
+        activation: Activation,
+    ) -> Result<Self, ModelError> {
+        let router = Router::Softmax {
+            gate: ld.matrix(&format!("{prefix}.router"), d.experts, d.hidden)?,
+            bias: Some(ld.vector(&format!("{prefix}.router.bias"), d.experts)?),
+            normalize: true,
+        };
+        Ok(Mlp::Sparse(SparseMoe {
+            router,
+            experts: ld.experts(layer, prefix, d.experts, d.hidden, d.inter)?,
+            activation,
+            expert_biases: Some(ld.expert_biases(prefix, d.experts, d.hidden, d.inter)?),
+            shared_expert: None,
         }))
     }
 

@@ -47,12 +47,14 @@ impl UnpackedLayout {
     pub fn plan(t: &Tensors, quant: Option<&QuantConfig>) -> Result<UnpackedLayout, StoreError> {
         let scan = experts::scan(t, quant)?;
         let plans = plan_layers(&scan.layers);
-        // Experts made in memory (a GGUF's converted blocks) have no file bytes to stream.
+        // Experts made in memory (a GGUF's converted blocks, gpt-oss's interleaved gate and up
+        // split apart) have no file bytes to stream.
         let in_memory = |x: &experts::Expert| x.slices.is_none();
         if let Some(l) = scan.layers.iter().find(|l| l.experts.iter().any(in_memory)) {
             return Err(StoreError::Layout(format!(
-                "{}: the experts of `{}` are converted from a GGUF's blocks in memory, so they \
-                 cannot stream from the file; pack the model first (`sluice pack MODEL.gguf -o \
+                "{}: the experts of `{}` are rearranged in memory at load (a GGUF's blocks \
+                 converted, or gpt-oss's interleaved gate and up rows split), so they cannot \
+                 stream from the file as it is; pack the model first (`sluice pack MODEL -o \
                  DIR`) and stream DIR, or run it without --expert-cache/--memory-budget",
                 t.dir().display(),
                 l.prefix

@@ -31,9 +31,12 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 fn is_expert_tensor(name: &str) -> bool {
-    [".mlp.", ".block_sparse_moe."].iter().any(|m| {
-        name.contains(&format!("{m}switch_mlp.")) || name.contains(&format!("{m}experts."))
-    })
+    // gpt-oss's per-expert biases stay resident.
+    let bias = name.ends_with("_proj_bias") || name.ends_with("_proj.bias");
+    !bias
+        && [".mlp.", ".block_sparse_moe."].iter().any(|m| {
+            name.contains(&format!("{m}switch_mlp.")) || name.contains(&format!("{m}experts."))
+        })
 }
 
 /// The source's experts of the MoE block at `prefix`, in whichever layout it has.
@@ -49,6 +52,33 @@ fn source_experts(dir: &ModelDir, prefix: &str) -> Vec<[HostMatrix; 3]> {
         );
         return (0..g.len())
             .map(|e| [g[e].clone(), u[e].clone(), d[e].clone()])
+            .collect();
+    }
+    // mlx's gpt-oss: stacks under `experts.`.
+    if t.contains(&format!("{prefix}.experts.gate_proj.weight")) {
+        let (g, u, d) = (
+            stack("experts.gate_proj"),
+            stack("experts.up_proj"),
+            stack("experts.down_proj"),
+        );
+        return (0..g.len())
+            .map(|e| [g[e].clone(), u[e].clone(), d[e].clone()])
+            .collect();
+    }
+    // gpt-oss's released mxfp4 blocks: gate and up rows interleaved.
+    if t.contains(&format!("{prefix}.experts.gate_up_proj_blocks")) {
+        let (gu, d) = (stack("experts.gate_up_proj"), stack("experts.down_proj"));
+        let rows = |first: usize| -> Vec<std::ops::Range<usize>> {
+            (first..gu[0].rows).step_by(2).map(|r| r..r + 1).collect()
+        };
+        return (0..gu.len())
+            .map(|e| {
+                [
+                    gu[e].gather_rows(&rows(0)),
+                    gu[e].gather_rows(&rows(1)),
+                    d[e].clone(),
+                ]
+            })
             .collect();
     }
     if t.contains(&format!("{prefix}.experts.gate_up_proj")) {
@@ -174,6 +204,9 @@ fn packs_every_fixture_layout_byte_identically() {
         "glm4_moe-hf",
         "deepseek_v3-q4",
         "deepseek_v3-hf",
+        "gpt_oss-q4",
+        "gpt_oss-mxfp4",
+        "gpt_oss-hf",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("packed");

@@ -157,6 +157,9 @@ macro_rules! reference_suite {
             deepseek_v3_q4: "deepseek_v3-q4",
             deepseek_v3_hf: "deepseek_v3-hf",
             deepseek_v3_transformers: "deepseek_v3-transformers",
+            gpt_oss_q4: "gpt_oss-q4",
+            gpt_oss_mxfp4: "gpt_oss-mxfp4",
+            gpt_oss_hf: "gpt_oss-hf",
         });
     };
 }

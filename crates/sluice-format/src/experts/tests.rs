@@ -56,6 +56,7 @@ fn quant() -> QuantConfig {
         group_size: 32,
         mode: "affine".into(),
         overrides: HashMap::new(),
+        override_modes: HashMap::new(),
     }
 }
 
