@@ -164,6 +164,7 @@ fn answer<B: Backend + 'static>(
         parse_tool_calls: false,
         stop: Vec::new(),
         tools: None,
+        harmony: engine.chat_template.is_harmony(),
     };
     let (dim, reset) = if tty {
         ("\x1b[2m", "\x1b[0m")

@@ -112,9 +112,63 @@ fn synth(args: &[&str], dir: &std::path::Path) {
     );
 }
 
+/// Adds `tokens` (text, special) to the synthetic tokenizer of model `dir`; returns their ids.
+/// The synthetic tokenizer's ids end at 1006 and the embedding has 1024 rows: the tokens take the
+/// next ids (the `tokenizers` crate renumbers added tokens that leave a gap).
+fn add_tokens(dir: &std::path::Path, tokens: &[(&str, bool)]) -> Vec<u32> {
+    let path = dir.join("tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let added = tok["added_tokens"].as_array_mut().unwrap();
+    let first = added
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .max()
+        .unwrap()
+        + 1;
+    assert_eq!(first, 1007, "the synthetic tokenizer changed");
+    let mut ids = Vec::new();
+    for (i, (text, special)) in tokens.iter().enumerate() {
+        let id = first as u32 + i as u32;
+        added.push(serde_json::json!({
+            "id": id, "content": text, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": special,
+        }));
+        ids.push(id);
+    }
+    assert!(*ids.last().unwrap() < 1024);
+    std::fs::write(&path, tok.to_string()).unwrap();
+    ids
+}
+
+/// Runs tests/server/tool_formats_client.py with `cases` against a server for model `dir`;
+/// checks that all `cases` passed.
+fn tool_formats_client(
+    python: &std::path::Path,
+    dir: &std::path::Path,
+    cases: Vec<serde_json::Value>,
+) {
+    let n = cases.len();
+    let cases_file = dir.join("cases.json");
+    std::fs::write(&cases_file, serde_json::Value::Array(cases).to_string()).unwrap();
+    let server = start_server(&["--model", dir.to_str().unwrap(), "--api-key", "k"]);
+    let out = Command::new(python)
+        .arg(repo().join("tests/server/tool_formats_client.py"))
+        .args(["--base-url", &server.base_url, "--api-key", "k", "--cases"])
+        .arg(&cases_file)
+        .output()
+        .expect("running the client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains(&format!("{n} formats passed")), "{stdout}");
+}
+
 /// Every family's tool-call format, end to end: a synthetic model whose tokenizer holds each
 /// format's whole tool-call block as one token, made to write it by `logit_bias`, through the
-/// server and the `openai` client (tests/server/tool_formats_client.py).
+/// server and the `openai` client (tests/server/tool_formats_client.py). gpt-oss's harmony
+/// format runs against a second server, whose model has gpt-oss's chat template (so the server
+/// reads its answers as harmony), harmony's special tokens and gpt-oss's end-of-sequence ids.
 #[test]
 fn tool_call_formats_through_the_openai_client() {
     let python = python_with_openai();
@@ -130,40 +184,84 @@ fn tool_call_formats_through_the_openai_client() {
         ("deepseek-v3.1", format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), None),
         ("kimi-k2", format!("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>"), Some("functions.get_weather:0")),
     ];
-    // The synthetic tokenizer's ids end at 1006 and the embedding has 1024 rows: the blocks
-    // take the next ids (the `tokenizers` crate renumbers added tokens that leave a gap).
-    let path = dir.join("tokenizer.json");
-    let mut tok: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let mut cases = Vec::new();
-    for (i, (format, text, id)) in blocks.iter().enumerate() {
-        let token = 1007 + i;
-        tok["added_tokens"]
-            .as_array_mut()
-            .unwrap()
-            .push(serde_json::json!({
-                "id": token, "content": text, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": false,
-            }));
-        cases.push(serde_json::json!({
-            "format": format, "token": token, "name": "get_weather",
-            "arguments": {"location": "Paris", "unit": "celsius"}, "id": id,
-        }));
-    }
-    std::fs::write(&path, tok.to_string()).unwrap();
-    let cases_file = tmp.path().join("cases.json");
-    std::fs::write(&cases_file, serde_json::Value::Array(cases).to_string()).unwrap();
-    let server = start_server(&["--model", dir.to_str().unwrap(), "--api-key", "k"]);
-    let out = Command::new(&python)
-        .arg(repo().join("tests/server/tool_formats_client.py"))
-        .args(["--base-url", &server.base_url, "--api-key", "k", "--cases"])
-        .arg(&cases_file)
-        .output()
-        .expect("running the client");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("6 formats passed"), "{stdout}");
+    let texts: Vec<(&str, bool)> = blocks.iter().map(|b| (b.1.as_str(), false)).collect();
+    let ids = add_tokens(&dir, &texts);
+    let cases = blocks
+        .iter()
+        .zip(ids)
+        .map(|((format, _, id), token)| {
+            serde_json::json!({
+                "format": format, "token": token, "name": "get_weather",
+                "arguments": {"location": "Paris", "unit": "celsius"}, "id": id,
+            })
+        })
+        .collect();
+    tool_formats_client(&python, &dir, cases);
+
+    // gpt-oss. The answers as it writes them after the prompt's `<|start|>assistant`; the
+    // engine ends generation at `<|call|>` / `<|return|>`, so they are usually not in the text
+    // (one case has `<|call|>` in its text anyway: the parser must not show it).
+    let dir = tmp.path().join("gpt-oss");
+    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
+    const MARKERS: [&str; 7] = [
+        "<|start|>",
+        "<|end|>",
+        "<|message|>",
+        "<|channel|>",
+        "<|constrain|>",
+        "<|return|>",
+        "<|call|>",
+    ];
+    let answers = [
+        format!("<|channel|>analysis<|message|>The user wants the weather in Paris.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{args}"),
+        format!("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{args}<|call|>"),
+        "<|channel|>analysis<|message|>User asks: \"What is 2 + 2?\" Simple arithmetic.<|end|><|start|>assistant<|channel|>final<|message|>2 + 2 = 4.".to_string(),
+    ];
+    let mut tokens: Vec<(&str, bool)> = MARKERS.iter().map(|m| (*m, true)).collect();
+    tokens.extend(answers.iter().map(|a| (a.as_str(), false)));
+    let ids = add_tokens(&dir, &tokens);
+    let id = |text: &str| ids[tokens.iter().position(|t| t.0 == text).unwrap()];
+    // gpt-oss's chat template (the server picks harmony from it), its `eos_token` and
+    // generation_config.json's end-of-sequence ids: `<|return|>`, `<|endoftext|>`, `<|call|>`.
+    std::fs::copy(
+        repo().join("tests/server/gpt_oss_chat_template.jinja"),
+        dir.join("chat_template.jinja"),
+    )
+    .unwrap();
+    let edit = |file: &str, f: &dyn Fn(&mut serde_json::Value)| {
+        let path = dir.join(file);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(&path, v.to_string()).unwrap();
+    };
+    edit("tokenizer_config.json", &|v| {
+        v["eos_token"] = "<|return|>".into()
+    });
+    edit("generation_config.json", &|v| {
+        let endoftext = v["eos_token_id"][1].clone();
+        v["eos_token_id"] = serde_json::json!([id("<|return|>"), endoftext, id("<|call|>")]);
+    });
+    let weather = serde_json::json!({"location": "Paris", "unit": "celsius"});
+    let cases = vec![
+        serde_json::json!({
+            "format": "gpt-oss, recipient in the channel", "token": id(&answers[0]),
+            "name": "get_weather", "arguments": weather,
+            "reasoning": "The user wants the weather in Paris.",
+        }),
+        serde_json::json!({
+            "format": "gpt-oss, recipient in the role", "token": id(&answers[1]),
+            "name": "get_weather", "arguments": weather, "reasoning": "Need the weather.",
+        }),
+        serde_json::json!({
+            "format": "gpt-oss, analysis then final", "token": id(&answers[2]),
+            "reasoning": "User asks: \"What is 2 + 2?\" Simple arithmetic.",
+            "content": "2 + 2 = 4.",
+        }),
+        serde_json::json!({"format": "gpt-oss <|return|> ends", "token": id("<|return|>"), "eos": true}),
+        serde_json::json!({"format": "gpt-oss <|call|> ends", "token": id("<|call|>"), "eos": true}),
+    ];
+    tool_formats_client(&python, &dir, cases);
 }
 
 /// One HTTP/1.1 request with the standard library; returns (status, body).

@@ -16,6 +16,14 @@
 //! (V3, R1, V3.1) concatenate `'...' + tool['function']['arguments']`, which fails on an object.
 //! [`ChatTemplate::new`] finds these by rendering a probe call both ways, as minja (llama.cpp's
 //! Jinja engine) does to decide the opposite, and then gives them the arguments as JSON text.
+//!
+//! gpt-oss's template (OpenAI's harmony format, [`ChatTemplate::is_harmony`]) reads earlier
+//! reasoning from `message.thinking`, not `reasoning_content`, and only for turns with tool calls
+//! (it drops the reasoning of answered turns, as harmony wants); it also rejects a turn with both
+//! reasoning and content, and cannot test a `null` content. Templates that read
+//! `message.thinking` and never `reasoning_content` therefore get `reasoning_content` as
+//! `thinking`, without the content of a tool-call turn that has reasoning, and without `null`
+//! contents, as llama.cpp prepares messages for gpt-oss (`common_chat_params_init_gpt_oss`).
 
 use std::fmt::Write as _;
 
@@ -98,6 +106,10 @@ pub struct ChatTemplate {
     eos_token: Option<String>,
     /// The template prints tool-call arguments given as JSON text but not as an object.
     string_arguments: bool,
+    /// The template writes the harmony format.
+    harmony: bool,
+    /// The template reads earlier reasoning as `message.thinking` (see the module docs).
+    thinking_field: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -106,6 +118,8 @@ impl std::fmt::Debug for ChatTemplate {
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
             .field("string_arguments", &self.string_arguments)
+            .field("harmony", &self.harmony)
+            .field("thinking_field", &self.thinking_field)
             .finish_non_exhaustive()
     }
 }
@@ -128,6 +142,9 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_filter("string", py_string_filter);
         let source = rewrite_generation_tags(source);
+        let harmony = source.contains("<|channel|>");
+        let thinking_field =
+            source.contains("message.thinking") && !source.contains("reasoning_content");
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| syntax_error(&e, &source))?;
         let mut template = ChatTemplate {
@@ -135,9 +152,18 @@ impl ChatTemplate {
             bos_token,
             eos_token,
             string_arguments: false,
+            harmony,
+            thinking_field,
         };
         template.string_arguments = template.needs_string_arguments();
         Ok(template)
+    }
+
+    /// Whether the template writes OpenAI's harmony format (gpt-oss: `<|start|>assistant
+    /// <|channel|>final<|message|>...`), told by its `<|channel|>` marker. The model's answer is
+    /// then harmony too ([`crate::output::OutputOptions::harmony`]).
+    pub fn is_harmony(&self) -> bool {
+        self.harmony
     }
 
     /// Whether a past tool call renders when its arguments are JSON text but not when they are
@@ -207,7 +233,7 @@ impl ChatTemplate {
         }
         ctx.insert(
             "messages".into(),
-            normalize_messages(messages, object_arguments),
+            normalize_messages(messages, object_arguments, self.thinking_field),
         );
         ctx.insert(
             "tools".into(),
@@ -224,11 +250,32 @@ impl ChatTemplate {
 }
 
 /// Serialises the messages with tool-call arguments as objects (JSON-string arguments parsed,
-/// when they hold an object) or as JSON text (objects written compactly, as minja does).
-fn normalize_messages(messages: &[ChatMessage], object_arguments: bool) -> serde_json::Value {
+/// when they hold an object) or as JSON text (objects written compactly, as minja does); with
+/// `thinking_field`, reasoning as `thinking` (see the module docs).
+fn normalize_messages(
+    messages: &[ChatMessage],
+    object_arguments: bool,
+    thinking_field: bool,
+) -> serde_json::Value {
     let mut out = Vec::with_capacity(messages.len());
     for m in messages {
         let mut v = serde_json::to_value(m).unwrap_or(serde_json::Value::Null);
+        if let (true, Some(obj)) = (thinking_field, v.as_object_mut()) {
+            let calls = m
+                .tool_calls
+                .as_ref()
+                .and_then(|c| c.as_array())
+                .is_some_and(|c| !c.is_empty());
+            if let Some(r) = &m.reasoning_content {
+                obj.insert("thinking".into(), r.clone().into());
+                if calls {
+                    obj.remove("content");
+                }
+            }
+            if obj.get("content").is_some_and(|c| c.is_null()) {
+                obj.remove("content");
+            }
+        }
         if let Some(calls) = v.get_mut("tool_calls").and_then(|c| c.as_array_mut()) {
             for call in calls {
                 let target = if call.get("function").is_some_and(|f| f.is_object()) {

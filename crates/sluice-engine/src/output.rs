@@ -19,6 +19,26 @@
 //! verbatim. Its end marker may be missing at the end of the output (as vLLM and llama.cpp
 //! accept).
 //!
+//! OpenAI's gpt-oss models write the harmony format instead ([`OutputOptions::harmony`], chosen
+//! by the chat template): after the prompt's `<|start|>assistant` come messages
+//! `HEADER<|message|>BODY` ended by `<|end|>` (the next one opens with `<|start|>assistant`),
+//! `<|call|>` or `<|return|>` (both also end generation, so they are usually not in the text).
+//! The header names the channel (`<|channel|>analysis`, `commentary` or `final`) and maybe a
+//! recipient (`to=functions.NAME`, before or after the channel) and a content type (`json`,
+//! `<|constrain|>json`):
+//!
+//! - `<|channel|>analysis<|message|>...<|end|>`: reasoning;
+//! - `<|channel|>final<|message|>...`, and commentary without a recipient (a preamble meant for
+//!   the user): content;
+//! - `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{ARGS}<|call|>` (or
+//!   `<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>...`): a tool
+//!   call, whose arguments must be a JSON object; otherwise the message is content, verbatim;
+//! - a message to a built-in tool (`to=python`, `to=browser.search`) counts by its channel
+//!   (analysis: reasoning), as vLLM does.
+//!
+//! Messages of one kind are joined with a newline (as vLLM joins analysis messages). Text that
+//! is not harmony at all (no header) is content, verbatim.
+//!
 //! Streaming and non-streaming give the same result: [`OutputParser::push`] only returns what can
 //! no longer change, holding back text that might still become a marker or a stop string, and
 //! [`parse_complete`] is the same parser fed the whole text at once.
@@ -65,6 +85,22 @@ const KIMI_SECTION_ENDS: &[&str] = &["<|tool_calls_section_end|>", "<|tool_call_
 const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
 const KIMI_ARGS_BEGIN: &str = "<|tool_call_argument_begin|>";
 const KIMI_CALL_END: &str = "<|tool_call_end|>";
+// OpenAI harmony (gpt-oss), as openai/harmony's docs/format.md and its encoding define them.
+const H_START: &str = "<|start|>";
+const H_END: &str = "<|end|>";
+const H_MESSAGE: &str = "<|message|>";
+const H_CHANNEL: &str = "<|channel|>";
+const H_CONSTRAIN: &str = "<|constrain|>";
+const H_RETURN: &str = "<|return|>";
+const H_CALL: &str = "<|call|>";
+/// The markers that end a message body (harmony's stop tokens).
+const H_BODY_ENDS: [&str; 3] = [H_END, H_CALL, H_RETURN];
+/// How the header of the output's first message can go on from the prompt's `<|start|>assistant`.
+const H_FIRST_HEADERS: [&str; 4] = [H_CHANNEL, " to=", H_CONSTRAIN, H_MESSAGE];
+/// What ends or breaks a header: a header is one line, with no message end in it.
+const H_HEADER_STOPS: [&str; 6] = [H_MESSAGE, "\n", H_END, H_CALL, H_RETURN, H_START];
+/// The longest header read (gpt-oss writes a few dozen bytes); longer, it is not a header.
+const H_MAX_HEADER: usize = 256;
 
 /// How a block of tool calls is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +133,13 @@ pub const MARKERS: &[&str] = &[
     KIMI_CALL_BEGIN,
     KIMI_ARGS_BEGIN,
     KIMI_CALL_END,
+    H_START,
+    H_END,
+    H_MESSAGE,
+    H_CHANNEL,
+    H_CONSTRAIN,
+    H_RETURN,
+    H_CALL,
 ];
 
 /// A marker that opens a block of tool calls, the markers that may close it, and its format.
@@ -153,6 +196,12 @@ pub struct OutputOptions {
     /// The request's `tools` array (OpenAI shape), used to type XML-format parameters; may be
     /// None.
     pub tools: Option<Value>,
+    /// Read OpenAI's harmony format (gpt-oss; the module lists it) instead of `<think>` and the
+    /// tool-call blocks: the prompt ended with harmony's `<|start|>assistant`
+    /// ([`crate::chat::ChatTemplate::is_harmony`]). `starts_in_reasoning` does not apply; with
+    /// `parse_reasoning` false the analysis text is content, and with `parse_tool_calls` false a
+    /// call is content verbatim, as the other formats' blocks are.
+    pub harmony: bool,
 }
 
 /// Whether the rendered prompt leaves a `<think>` block open (Qwen3.5 opens it in the
@@ -348,6 +397,267 @@ impl Splitter {
     }
 }
 
+/// Splits stop-free text in one of the two ways output is written.
+enum Reader {
+    /// `<think>` reasoning and tool-call blocks.
+    Tagged(Splitter),
+    Harmony(Harmony),
+}
+
+impl Reader {
+    fn feed(&mut self, text: &str, out: &mut Vec<OutputEvent>) {
+        match self {
+            Reader::Tagged(s) => s.feed(text, out),
+            Reader::Harmony(h) => h.feed(text, out),
+        }
+    }
+
+    fn flush(&mut self, out: &mut Vec<OutputEvent>) {
+        match self {
+            Reader::Tagged(s) => s.flush(out),
+            Reader::Harmony(h) => h.flush(out),
+        }
+    }
+}
+
+/// Where harmony text being read sits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HarmonyMode {
+    /// Where a message may begin: `<|start|>`; at the start of the output (`first`) also the
+    /// rest of a header whose `<|start|>assistant` the prompt wrote.
+    Expect { first: bool },
+    /// In a header, up to `<|message|>`; `role`: it begins with the author's role (it followed
+    /// `<|start|>` in the text).
+    Header { role: bool },
+    /// In the body of a message read as text. `sep`: a newline goes before its first text (an
+    /// earlier message of the same kind had text).
+    Text { reasoning: bool, sep: bool },
+    /// In the arguments of a call to `functions.NAME`, collected until the message ends.
+    Call { name: String },
+}
+
+/// Splits stop-free harmony text into reasoning, content and tool calls.
+struct Harmony {
+    mode: HarmonyMode,
+    /// Text received but not yet decided.
+    buf: String,
+    /// The current message's text already read past (its `<|start|>`, its header): returned
+    /// verbatim if the message turns out not to read.
+    head: String,
+    parse_reasoning: bool,
+    parse_tool_calls: bool,
+    /// Some reasoning / content was returned (a later message's text is joined with "\n").
+    had_reasoning: bool,
+    had_content: bool,
+}
+
+impl Harmony {
+    fn new(parse_reasoning: bool, parse_tool_calls: bool) -> Self {
+        Harmony {
+            mode: HarmonyMode::Expect { first: true },
+            buf: String::new(),
+            head: String::new(),
+            parse_reasoning,
+            parse_tool_calls,
+            had_reasoning: false,
+            had_content: false,
+        }
+    }
+
+    fn feed(&mut self, text: &str, out: &mut Vec<OutputEvent>) {
+        self.buf.push_str(text);
+        while self.step(out) {}
+    }
+
+    /// Returns a message body's text, with the newline that joins it to the last message of its
+    /// kind before its first text.
+    fn emit_text(&mut self, out: &mut Vec<OutputEvent>, text: &str) {
+        let HarmonyMode::Text { reasoning, sep } = &mut self.mode else {
+            return;
+        };
+        if text.is_empty() {
+            return;
+        }
+        let (emit, had): (fn(&mut Vec<OutputEvent>, &str), _) = if *reasoning {
+            (emit_reasoning, &mut self.had_reasoning)
+        } else {
+            (emit_content, &mut self.had_content)
+        };
+        if std::mem::take(sep) {
+            emit(out, "\n");
+        }
+        emit(out, text);
+        *had = true;
+    }
+
+    /// Content returned verbatim (not a message body: no joining newline).
+    fn emit_verbatim(&mut self, out: &mut Vec<OutputEvent>, text: &str) {
+        if !text.is_empty() {
+            emit_content(out, text);
+            self.had_content = true;
+        }
+    }
+
+    /// The body of a message that is not read as harmony: its text is content, verbatim.
+    fn verbatim_body(&mut self) {
+        let head = std::mem::take(&mut self.head);
+        self.buf.insert_str(0, &head);
+        self.mode = HarmonyMode::Text {
+            reasoning: false,
+            sep: false,
+        };
+    }
+
+    /// Decides what it can of `buf`; true if the mode changed (so there may be more to decide).
+    fn step(&mut self, out: &mut Vec<OutputEvent>) -> bool {
+        match self.mode.clone() {
+            HarmonyMode::Expect { first } => {
+                if self.buf.starts_with(H_START) {
+                    self.head = self.buf.drain(..H_START.len()).collect();
+                    self.mode = HarmonyMode::Header { role: true };
+                    return true;
+                }
+                if first && H_FIRST_HEADERS.iter().any(|o| self.buf.starts_with(o)) {
+                    self.mode = HarmonyMode::Header { role: false };
+                    return true;
+                }
+                let maybe = |o: &&str| o.starts_with(self.buf.as_str());
+                if maybe(&H_START) || (first && H_FIRST_HEADERS.iter().any(maybe)) {
+                    return false; // empty, or a marker's beginning
+                }
+                // Not harmony: the text is content as it is.
+                self.verbatim_body();
+                true
+            }
+            HarmonyMode::Header { role } => {
+                let end = match find_first(&self.buf, &H_HEADER_STOPS) {
+                    Some((i, H_MESSAGE)) if i <= H_MAX_HEADER => i,
+                    Some(_) => {
+                        self.verbatim_body();
+                        return true;
+                    }
+                    None if self.buf.len() >= H_MAX_HEADER + H_MESSAGE.len() => {
+                        self.verbatim_body();
+                        return true;
+                    }
+                    None => return false,
+                };
+                let (channel, recipient) = parse_harmony_header(&self.buf[..end], role);
+                self.head.extend(self.buf.drain(..end + H_MESSAGE.len()));
+                let function = recipient
+                    .as_deref()
+                    .and_then(|r| r.strip_prefix("functions."));
+                match function {
+                    Some(name) if self.parse_tool_calls => {
+                        self.mode = HarmonyMode::Call {
+                            name: name.to_string(),
+                        };
+                    }
+                    // A call read as text: verbatim, header and all.
+                    Some(_) => self.verbatim_body(),
+                    None => {
+                        // Built-in tools' messages (`to=python`, `to=browser.*`) count by their
+                        // channel, as in vLLM's harmony parsing: on analysis they are reasoning.
+                        let reasoning =
+                            self.parse_reasoning && channel.as_deref() == Some("analysis");
+                        let had = if reasoning {
+                            self.had_reasoning
+                        } else {
+                            self.had_content
+                        };
+                        self.head.clear();
+                        self.mode = HarmonyMode::Text {
+                            reasoning,
+                            sep: had,
+                        };
+                    }
+                }
+                true
+            }
+            HarmonyMode::Text { .. } => {
+                if let Some((i, end)) = find_first(&self.buf, &H_BODY_ENDS) {
+                    let text = self.buf[..i].to_string();
+                    self.buf.drain(..i + end.len());
+                    self.emit_text(out, &text);
+                    self.mode = HarmonyMode::Expect { first: false };
+                    return true;
+                }
+                let cut = self.buf.len() - longest_partial(&self.buf, &H_BODY_ENDS);
+                let text: String = self.buf.drain(..cut).collect();
+                self.emit_text(out, &text);
+                false
+            }
+            HarmonyMode::Call { name } => {
+                let Some((i, end)) = find_first(&self.buf, &H_BODY_ENDS) else {
+                    return false;
+                };
+                let args = self.buf[..i].to_string();
+                self.buf.drain(..i + end.len());
+                self.end_call(out, &name, &args);
+                self.mode = HarmonyMode::Expect { first: false };
+                true
+            }
+        }
+    }
+
+    /// A call message's end: a tool call if its arguments are a JSON object, else its text,
+    /// verbatim.
+    fn end_call(&mut self, out: &mut Vec<OutputEvent>, name: &str, args: &str) {
+        let head = std::mem::take(&mut self.head);
+        match named_call(name, args.trim(), None) {
+            Some(call) => out.push(OutputEvent::ToolCall(call)),
+            None => {
+                self.emit_verbatim(out, &head);
+                self.emit_verbatim(out, args);
+            }
+        }
+    }
+
+    /// End of text. `<|call|>` and `<|return|>` end generation, so the last message's end is
+    /// usually not in the text: its body is taken as it is (a call whose arguments are complete
+    /// is a call). A header cut off is content, verbatim.
+    fn flush(&mut self, out: &mut Vec<OutputEvent>) {
+        let rest = std::mem::take(&mut self.buf);
+        match self.mode.clone() {
+            HarmonyMode::Expect { .. } => self.emit_verbatim(out, &rest),
+            HarmonyMode::Header { .. } => {
+                let head = std::mem::take(&mut self.head);
+                self.emit_verbatim(out, &head);
+                self.emit_verbatim(out, &rest);
+            }
+            HarmonyMode::Text { .. } => self.emit_text(out, &rest),
+            HarmonyMode::Call { name } => self.end_call(out, &name, &rest),
+        }
+        self.mode = HarmonyMode::Expect { first: false };
+    }
+}
+
+/// The channel and the recipient a harmony header names, read as openai/harmony's
+/// `parse_header_from_string` reads them: `<|channel|>` is followed by the channel's name; the
+/// rest, split at whitespace (and before `<|constrain|>`), is the role when `role` (the header
+/// followed `<|start|>`), then `to=RECIPIENT` and a content type in either order.
+fn parse_harmony_header(header: &str, role: bool) -> (Option<String>, Option<String>) {
+    let mut rest = header.to_string();
+    let mut channel = None;
+    if let Some(i) = rest.find(H_CHANNEL) {
+        let after = &rest[i + H_CHANNEL.len()..];
+        let len = after
+            .find(|c: char| c.is_whitespace() || c == '<')
+            .unwrap_or(after.len());
+        channel = Some(after[..len].to_string());
+        rest = format!("{} {}", &rest[..i], &after[len..]);
+    }
+    let rest = rest.replace(H_CONSTRAIN, &format!(" {H_CONSTRAIN}"));
+    let mut parts = rest.split_whitespace();
+    if role {
+        parts.next();
+    }
+    let recipient = parts
+        .find_map(|p| p.strip_prefix("to="))
+        .map(str::to_string);
+    (channel, recipient)
+}
+
 fn emit_reasoning(out: &mut Vec<OutputEvent>, text: &str) {
     if text.is_empty() {
         return;
@@ -405,7 +715,7 @@ pub struct OutputParser {
     stops: Vec<String>,
     /// Raw text that might still be the start of a stop string.
     pending: String,
-    splitter: Splitter,
+    splitter: Reader,
     stopped: bool,
     /// Stopped or finished: nothing more is read.
     done: bool,
@@ -420,15 +730,20 @@ impl OutputParser {
         } else {
             Mode::Start
         };
-        OutputParser {
-            stops: opts.stop.into_iter().filter(|s| !s.is_empty()).collect(),
-            pending: String::new(),
-            splitter: Splitter {
+        let splitter = if opts.harmony {
+            Reader::Harmony(Harmony::new(opts.parse_reasoning, opts.parse_tool_calls))
+        } else {
+            Reader::Tagged(Splitter {
                 mode,
                 buf: String::new(),
                 parse_tool_calls: opts.parse_tool_calls,
                 tools: opts.tools,
-            },
+            })
+        };
+        OutputParser {
+            stops: opts.stop.into_iter().filter(|s| !s.is_empty()).collect(),
+            pending: String::new(),
+            splitter,
             stopped: false,
             done: false,
         }

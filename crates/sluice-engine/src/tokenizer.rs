@@ -397,7 +397,8 @@ mod tests {
     }
 
     /// Tool-call markers that a tokenizer marks special (Kimi K2's; GGUF conversions of
-    /// DeepSeek's) survive `skip_special`, which still drops the other special tokens.
+    /// DeepSeek's; all of gpt-oss's harmony markers) survive `skip_special`, which still drops
+    /// the other special tokens.
     #[test]
     fn special_markers_survive_skip_special() {
         let mut json = byte_level_json();
@@ -405,6 +406,7 @@ mod tests {
         let n = added.last().unwrap()["id"].as_u64().unwrap() + 1;
         for (i, content) in ["<|tool_calls_section_begin|>", "<｜tool▁sep｜>", "<|eot|>"]
             .into_iter()
+            .chain(HARMONY)
             .enumerate()
         {
             added.push(
@@ -421,7 +423,28 @@ mod tests {
             "Hi<|tool_calls_section_begin|>f<｜tool▁sep｜>{}"
         );
         check_stream(&tok, &ids, true);
+        // gpt-oss's answer, all its markers special tokens (as in its tokenizer.json).
+        let text = "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|><|return|><|eot|>";
+        let ids = tok.encode(text, false).unwrap();
+        assert!(HARMONY
+            .iter()
+            .all(|m| ids.contains(&tok.token_id(m).unwrap())));
+        assert_eq!(
+            tok.decode(&ids, true).unwrap(),
+            text.strip_suffix("<|eot|>").unwrap()
+        );
+        check_stream(&tok, &ids, true);
     }
+
+    const HARMONY: [&str; 7] = [
+        "<|start|>",
+        "<|end|>",
+        "<|message|>",
+        "<|channel|>",
+        "<|constrain|>",
+        "<|return|>",
+        "<|call|>",
+    ];
 
     #[test]
     fn special_tokens() {

@@ -205,6 +205,9 @@ pub struct ChatRequest {
     /// Extra variables for the chat template, e.g. `{"enable_thinking": false}`.
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub response_format: Option<ResponseFormat>,
+    /// `"low" | "medium" | "high"`: the template variable `reasoning_effort` (gpt-oss's template
+    /// writes it into its system message), unless `chat_template_kwargs` sets it.
+    pub reasoning_effort: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -356,6 +359,26 @@ impl ChatRequest {
         Ok(out)
     }
 
+    /// The extra variables for the chat template: `chat_template_kwargs`, and
+    /// `reasoning_effort` as the variable of that name.
+    pub fn template_kwargs(&self) -> Result<Map<String, Value>, ApiError> {
+        let mut kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
+        if let Some(effort) = &self.reasoning_effort {
+            if !matches!(effort.as_str(), "low" | "medium" | "high") {
+                return Err(ApiError::field(
+                    "reasoning_effort",
+                    format!(
+                        "reasoning_effort must be \"low\", \"medium\" or \"high\", got {effort:?}"
+                    ),
+                ));
+            }
+            kwargs
+                .entry("reasoning_effort")
+                .or_insert_with(|| Value::String(effort.clone()));
+        }
+        Ok(kwargs)
+    }
+
     /// The tools to offer the model (`None`: no tools, no tool-call parsing).
     pub fn tools(&self) -> Result<Option<Value>, ApiError> {
         let Some(tools) = &self.tools else {
@@ -448,4 +471,37 @@ pub enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(body: &str) -> ChatRequest {
+        serde_json::from_str(body).unwrap()
+    }
+
+    #[test]
+    fn reasoning_effort_is_a_template_kwarg() {
+        let messages = r#""messages": [{"role": "user", "content": "Hi"}]"#;
+        let r = request(&format!(r#"{{{messages}, "reasoning_effort": "high"}}"#));
+        assert_eq!(
+            Value::Object(r.template_kwargs().unwrap()),
+            serde_json::json!({"reasoning_effort": "high"})
+        );
+        // chat_template_kwargs say it first.
+        let r = request(&format!(
+            r#"{{{messages}, "reasoning_effort": "high", "chat_template_kwargs": {{"reasoning_effort": "low", "x": 1}}}}"#
+        ));
+        assert_eq!(
+            Value::Object(r.template_kwargs().unwrap()),
+            serde_json::json!({"reasoning_effort": "low", "x": 1})
+        );
+        let r = request(&format!(r#"{{{messages}}}"#));
+        assert!(r.template_kwargs().unwrap().is_empty());
+        let r = request(&format!(r#"{{{messages}, "reasoning_effort": "extreme"}}"#));
+        let e = r.template_kwargs().unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("reasoning_effort"));
+        assert!(e.message.contains("\"extreme\""), "{}", e.message);
+    }
 }

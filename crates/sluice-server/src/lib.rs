@@ -4,11 +4,11 @@
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (JSON or SSE streaming),
 //! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Requests queue for the single
 //! model thread ([`worker`]); a client that disconnects cancels its generation. Chat requests
-//! are rendered with the model's own chat template; `<think>` reasoning comes back as
-//! `reasoning_content` and `<tool_call>` blocks as OpenAI `tool_calls`
-//! ([`sluice_engine::output`]). A request that extends an earlier conversation resumes from the
-//! saved model state of the common prefix ([`sluice_engine::prompt_cache`]) and reports it in
-//! `usage.prompt_tokens_details.cached_tokens`.
+//! are rendered with the model's own chat template; `<think>` reasoning (gpt-oss: the harmony
+//! analysis channel) comes back as `reasoning_content` and `<tool_call>` blocks (and the other
+//! families' call formats) as OpenAI `tool_calls` ([`sluice_engine::output`]). A request that
+//! extends an earlier conversation resumes from the saved model state of the common prefix
+//! ([`sluice_engine::prompt_cache`]) and reports it in `usage.prompt_tokens_details.cached_tokens`.
 //!
 //! ```no_run
 //! # fn demo(engine: sluice_engine::Engine<sluice_cpu::CpuBackend>) -> anyhow::Result<()> {
@@ -430,17 +430,20 @@ async fn chat_inner<B: Backend + 'static>(
     request.check_unsupported()?;
     let messages = request.messages()?;
     let tools = request.tools()?;
-    let extra = request.chat_template_kwargs.clone().unwrap_or_default();
+    let extra = request.template_kwargs()?;
     let prompt = app
         .engine
         .chat_prompt(&messages, tools.as_ref(), &extra)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
+    // A harmony template (gpt-oss) gets a harmony answer: channels, not `<think>`.
+    let harmony = app.engine.chat_template.is_harmony();
     let output = OutputOptions {
-        starts_in_reasoning: prompt_opens_thinking(&prompt.text),
+        starts_in_reasoning: !harmony && prompt_opens_thinking(&prompt.text),
         parse_reasoning: true,
         parse_tool_calls: tools.is_some(),
         stop: Vec::new(),
         tools,
+        harmony,
     };
     let mut prepared = app.prepare(prompt.tokens, sampling, output, None)?;
     prepared.checkpoint = prompt.checkpoint;
@@ -551,6 +554,7 @@ async fn completion_inner<B: Backend + 'static>(
         parse_tool_calls: false,
         stop: Vec::new(),
         tools: None,
+        harmony: false,
     };
     let prepared = app.prepare(
         prompt,

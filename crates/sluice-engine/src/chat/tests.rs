@@ -729,3 +729,236 @@ fn probe_keeps_object_arguments_for_templates_that_take_them() {
         "location=Paris;"
     );
 }
+
+// gpt-oss (OpenAI harmony). The template is llama.cpp's `models/templates/openai-gpt-oss-120b.jinja`,
+// its copy of huggingface.co/openai/gpt-oss-120b's `chat_template.jinja` (gpt-oss-20b ships the
+// same); see tests/server/gpt_oss_chat_template.md. The expected texts are those of
+// openai/harmony's docs/format.md, except where the template itself writes otherwise (said at
+// each place); Python's jinja2 set up as transformers does renders the same texts
+// (crates/sluice-engine/tests/data/render_reference.py).
+
+const GPT_OSS: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/server/gpt_oss_chat_template.jinja"
+));
+
+fn gpt_oss() -> ChatTemplate {
+    ChatTemplate::new(
+        GPT_OSS,
+        Some("<|startoftext|>".into()),
+        Some("<|return|>".into()),
+    )
+    .unwrap()
+}
+
+/// `text` with the date that `strftime_now` wrote after "Current date: " replaced by DATE.
+fn undated(text: &str) -> String {
+    let at = text.find("Current date: ").expect("a date") + "Current date: ".len();
+    let date = &text[at..at + 10];
+    assert!(
+        date.bytes().enumerate().all(|(i, b)| if i == 4 || i == 7 {
+            b == b'-'
+        } else {
+            b.is_ascii_digit()
+        }),
+        "{date}"
+    );
+    format!("{}DATE{}", &text[..at], &text[at + 10..])
+}
+
+const HARMONY_SYSTEM: &str = "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: DATE\n\nReasoning: high\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.\nCalls to these tools must go to the commentary channel: 'functions'.<|end|>";
+
+/// docs/format.md's function-calling example's tools.
+fn harmony_doc_tools() -> serde_json::Value {
+    json!([
+        {"type": "function", "function": {"name": "get_location",
+            "description": "Gets the location of the user."}},
+        {"type": "function", "function": {"name": "get_current_weather",
+            "description": "Gets the current weather in the provided location.",
+            "parameters": {"type": "object", "properties": {
+                "location": {"type": "string",
+                    "description": "The city and state, e.g. San Francisco, CA"},
+                "format": {"type": "string", "enum": ["celsius", "fahrenheit"],
+                    "default": "celsius"}},
+                "required": ["location"]}}}
+    ])
+}
+
+fn high_effort() -> serde_json::Map<String, serde_json::Value> {
+    let mut extra = no_extra();
+    extra.insert("reasoning_effort".into(), json!("high"));
+    extra
+}
+
+#[test]
+fn gpt_oss_template_is_harmony() {
+    let t = gpt_oss();
+    assert!(t.is_harmony());
+    assert!(!qwen3().is_harmony());
+    // It takes tool-call arguments as objects, as transformers gives them.
+    assert!(!t.string_arguments);
+}
+
+#[test]
+fn gpt_oss_renders_the_docs_function_calling_prompt() {
+    let out = gpt_oss()
+        .render(
+            &[
+                msg("system", "Use a friendly tone."),
+                msg("user", "What is the weather like in SF?"),
+            ],
+            Some(&harmony_doc_tools()),
+            true,
+            &high_effort(),
+        )
+        .unwrap();
+    // docs/format.md, "Defining available tools", but for the template's own comma after a
+    // default (`// default: celsius,`).
+    let want = format!(
+        "{HARMONY_SYSTEM}<|start|>developer<|message|># Instructions\n\nUse a friendly tone.\n\n# Tools\n\n## functions\n\nnamespace functions {{\n\n// Gets the location of the user.\ntype get_location = () => any;\n\n// Gets the current weather in the provided location.\ntype get_current_weather = (_: {{\n// The city and state, e.g. San Francisco, CA\nlocation: string,\nformat?: \"celsius\" | \"fahrenheit\", // default: celsius,\n}}) => any;\n\n}} // namespace functions<|end|><|start|>user<|message|>What is the weather like in SF?<|end|><|start|>assistant"
+    );
+    assert_eq!(undated(&out), want);
+    // Without kwargs the effort is medium, and without tools no developer message is needed.
+    let out = gpt_oss()
+        .render(&[msg("user", "What is 2 + 2?")], None, true, &no_extra())
+        .unwrap();
+    assert_eq!(
+        undated(&out),
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: DATE\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|><|start|>user<|message|>What is 2 + 2?<|end|><|start|>assistant"
+    );
+}
+
+/// The docs' tool round trip as an OpenAI client sends it back: the call with its reasoning,
+/// then the tool's result.
+fn harmony_round_trip(reasoning: Option<&str>, content: Option<&str>) -> Vec<ChatMessage> {
+    let call = json!([{"id": "call_1", "type": "function", "function": {
+        "name": "get_current_weather", "arguments": "{\"location\":\"San Francisco\"}"}}]);
+    vec![
+        msg("system", "Use a friendly tone."),
+        msg("user", "What is the weather like in SF?"),
+        ChatMessage {
+            content: content.map(str::to_string),
+            tool_calls: Some(call),
+            reasoning_content: reasoning.map(str::to_string),
+            ..msg("assistant", "")
+        },
+        ChatMessage {
+            tool_call_id: Some("call_1".into()),
+            ..msg("tool", "{\"sunny\": true, \"temperature\": 20}")
+        },
+    ]
+}
+
+#[test]
+fn gpt_oss_renders_a_tool_round_trip_with_its_reasoning() {
+    let t = gpt_oss();
+    let out = t
+        .render(
+            &harmony_round_trip(Some("Need to use function get_current_weather."), None),
+            Some(&harmony_doc_tools()),
+            true,
+            &high_effort(),
+        )
+        .unwrap();
+    // docs/format.md, "Handling tool calls": the call's chain of thought stays in the prompt.
+    // The template writes the recipient in the role (which the docs allow too), the arguments
+    // with `tojson`, and the tool's output as a JSON string.
+    let tail = "<|start|>user<|message|>What is the weather like in SF?<|end|><|start|>assistant<|channel|>analysis<|message|>Need to use function get_current_weather.<|end|><|start|>assistant to=functions.get_current_weather<|channel|>commentary json<|message|>{\"location\": \"San Francisco\"}<|call|><|start|>functions.get_current_weather to=assistant<|channel|>commentary<|message|>\"{\\\"sunny\\\": true, \\\"temperature\\\": 20}\"<|end|><|start|>assistant";
+    assert!(undated(&out).starts_with(HARMONY_SYSTEM), "{out}");
+    assert!(out.ends_with(tail), "{out}");
+    // `content: null` (what OpenAI clients send with tool calls), or content and reasoning both
+    // (the template refuses a turn with both): the reasoning is what is written.
+    let again = t
+        .render(
+            &harmony_round_trip(
+                Some("Need to use function get_current_weather."),
+                Some("Let me check."),
+            ),
+            Some(&harmony_doc_tools()),
+            true,
+            &high_effort(),
+        )
+        .unwrap();
+    assert_eq!(again, out);
+    // No reasoning: the call alone.
+    let out = t
+        .render(
+            &harmony_round_trip(None, None),
+            Some(&harmony_doc_tools()),
+            true,
+            &high_effort(),
+        )
+        .unwrap();
+    assert!(
+        out.contains("<|start|>user<|message|>What is the weather like in SF?<|end|><|start|>assistant to=functions.get_current_weather<|channel|>commentary json<|message|>"),
+        "{out}"
+    );
+    // A tool result with no call before it: the template's own error.
+    let err = t
+        .render(
+            &[msg("user", "Hi"), msg("tool", "x")],
+            None,
+            true,
+            &no_extra(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, ChatError::Raised(m) if m.contains("no previous assistant message with a tool call")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn gpt_oss_drops_reasoning_of_answered_turns() {
+    // docs/format.md, "Handling reasoning output in subsequent sampling": a turn that ended in a
+    // final message is sent back without its chain of thought.
+    let messages = [
+        msg("user", "What is 2 + 2?"),
+        ChatMessage {
+            reasoning_content: Some("Simple arithmetic.".into()),
+            ..msg("assistant", "2 + 2 = 4.")
+        },
+        msg("user", "What about 9 / 2?"),
+    ];
+    let out = gpt_oss()
+        .render(&messages, None, true, &high_effort())
+        .unwrap();
+    assert!(
+        out.ends_with("<|end|><|start|>user<|message|>What is 2 + 2?<|end|><|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|end|><|start|>user<|message|>What about 9 / 2?<|end|><|start|>assistant"),
+        "{out}"
+    );
+    // A call's reasoning goes too once a later turn answered (the template's rule).
+    let mut messages = harmony_round_trip(Some("Need the weather."), None);
+    messages.push(msg("assistant", "It is sunny, 20 °C."));
+    messages.push(msg("user", "Thanks!"));
+    let out = gpt_oss()
+        .render(&messages, Some(&harmony_doc_tools()), true, &no_extra())
+        .unwrap();
+    assert!(!out.contains("Need the weather."), "{out}");
+    assert!(
+        out.ends_with("<|call|><|start|>functions.get_current_weather to=assistant<|channel|>commentary<|message|>\"{\\\"sunny\\\": true, \\\"temperature\\\": 20}\"<|end|><|start|>assistant<|channel|>final<|message|>It is sunny, 20 °C.<|end|><|start|>user<|message|>Thanks!<|end|><|start|>assistant"),
+        "{out}"
+    );
+}
+
+#[test]
+fn gpt_oss_renders_typescript_parameter_types() {
+    let tools = json!([{"type": "function", "function": {"name": "f", "description": "Does f.",
+        "parameters": {"type": "object", "properties": {
+            "xs": {"type": "array", "description": "No item type."},
+            "ys": {"type": "array", "items": {"type": "integer"}},
+            "n": {"type": ["number", "null"]},
+            "flag": {"type": "boolean", "default": false},
+            "o": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}},
+            "required": ["xs"]}}}]);
+    let out = gpt_oss()
+        .render(&[msg("user", "Hi")], Some(&tools), true, &no_extra())
+        .unwrap();
+    // `param_spec['items']` of a schema without `items` is undefined here; in Python it is the
+    // dict's `items` method, which ends in the same `any[]`. The object's inner line break and
+    // indent are the template's (a `{{ }}` without `-`).
+    assert!(
+        out.contains("// Does f.\ntype f = (_: {\n// No item type.\nxs: any[],\nys?: number[],\nn?: number | null,\nflag?: boolean, // default: false,\no?: {\na: \n                string},\n}) => any;\n\n} // namespace functions<|end|>"),
+        "{out}"
+    );
+}

@@ -577,6 +577,7 @@ fn streaming_matches_parse_complete_for_any_chunking() {
                 .map(|s| s.to_string())
                 .collect(),
             tools: (rng.below(2) == 0).then(|| tools.clone()),
+            harmony: false,
         };
         let whole = stream(o.clone(), &[&text]);
         let complete = parse_complete(o.clone(), &text);
@@ -975,4 +976,413 @@ fn parse_tool_calls_false_keeps_sections_as_content() {
     for text in [DS_V3, DS_V31, KIMI] {
         assert_eq!(stream(o.clone(), &[text]).0, [content(text)]);
     }
+}
+
+// Harmony (gpt-oss): the model's text after the prompt's `<|start|>assistant`, written as
+// openai/harmony's docs/format.md shows it.
+
+fn harmony() -> OutputOptions {
+    OutputOptions {
+        harmony: true,
+        ..opts()
+    }
+}
+
+const H_REASONED: &str = "<|channel|>analysis<|message|>User asks: \"What is 2 + 2?\" Simple arithmetic. Provide answer.<|end|><|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>";
+
+const H_CALL: &str = "<|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"location\":\"San Francisco\"}<|call|>";
+
+/// `text`, and `text` without its trailing `<|return|>` / `<|call|>` (which end generation, so
+/// the engine does not pass them on), read alike for every split; the events.
+fn harmony_both_ends(o: &OutputOptions, text: &str) -> Vec<OutputEvent> {
+    let events = same_for_every_split(o, text);
+    for end in ["<|return|>", "<|call|>"] {
+        if let Some(cut) = text.strip_suffix(end) {
+            assert_eq!(same_for_every_split(o, cut), events, "{cut:?}");
+        }
+    }
+    events
+}
+
+#[test]
+fn harmony_reasoning_then_final() {
+    assert_eq!(
+        harmony_both_ends(&harmony(), H_REASONED),
+        [
+            reasoning("User asks: \"What is 2 + 2?\" Simple arithmetic. Provide answer."),
+            content("2 + 2 = 4."),
+        ]
+    );
+    // The markers never reach the client; text around them is kept exactly (no trimming).
+    let out = parse_complete(
+        harmony(),
+        "<|channel|>analysis<|message|>\n a \n<|end|><|start|>assistant<|channel|>final<|message|> b\n",
+    );
+    assert_eq!(out.reasoning.as_deref(), Some("\n a \n"));
+    assert_eq!(out.content, " b\n");
+    assert!(out.tool_calls.is_empty() && !out.stopped);
+}
+
+#[test]
+fn harmony_final_without_analysis() {
+    let text = "<|channel|>final<|message|>Hello! How can I help?<|return|>";
+    assert_eq!(
+        harmony_both_ends(&harmony(), text),
+        [content("Hello! How can I help?")]
+    );
+    // A content type on the final channel (structured output) changes nothing.
+    let text = "<|channel|>final <|constrain|>json<|message|>{\"a\": 1}";
+    assert_eq!(
+        same_for_every_split(&harmony(), text),
+        [content("{\"a\": 1}")]
+    );
+}
+
+#[test]
+fn harmony_tool_call_with_the_recipient_in_the_channel() {
+    assert_eq!(
+        harmony_both_ends(&harmony(), H_CALL),
+        [
+            reasoning("Need to use function get_weather."),
+            call("get_weather", r#"{"location":"San Francisco"}"#),
+        ]
+    );
+    // With and without `<|constrain|>`, a space before it or not, or no content type at all.
+    for head in [
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json",
+        "<|channel|>commentary to=functions.get_weather<|constrain|>json",
+        "<|channel|>commentary to=functions.get_weather json",
+        "<|channel|>commentary to=functions.get_weather",
+    ] {
+        let text =
+            format!("{head}<|message|>{{\"location\": \"Paris\", \"unit\": \"celsius\"}}<|call|>");
+        assert_eq!(
+            harmony_both_ends(&harmony(), &text),
+            [call(
+                "get_weather",
+                r#"{"location":"Paris","unit":"celsius"}"#
+            )],
+            "{text:?}"
+        );
+    }
+}
+
+#[test]
+fn harmony_tool_call_with_the_recipient_in_the_role() {
+    // As gpt-oss's chat template renders past calls, after an analysis message.
+    let text = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"location\": \"Paris\",\n \"unit\": \"celsius\"}<|call|>";
+    assert_eq!(
+        harmony_both_ends(&harmony(), text),
+        [
+            reasoning("Need the weather."),
+            call("get_weather", r#"{"location":"Paris","unit":"celsius"}"#),
+        ]
+    );
+    // The output's first message: the prompt wrote `<|start|>assistant`, the model the rest.
+    for text in [
+        " to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{\"location\": \"Paris\"}",
+        " to=functions.get_weather<|channel|>commentary<|message|>{\"location\": \"Paris\"}<|call|>",
+        // Some calls are written on the analysis channel; vLLM reads them as calls too.
+        "<|channel|>analysis to=functions.get_weather <|constrain|>json<|message|>{\"location\": \"Paris\"}",
+    ] {
+        assert_eq!(
+            harmony_both_ends(&harmony(), text),
+            [call("get_weather", r#"{"location":"Paris"}"#)],
+            "{text:?}"
+        );
+    }
+}
+
+#[test]
+fn harmony_preamble_is_content() {
+    // docs/format.md's preamble: commentary without a recipient is meant for the user.
+    let text = "<|channel|>analysis<|message|>{long chain of thought}<|end|><|start|>assistant<|channel|>commentary<|message|>**Action plan**:\n1. Generate an HTML file\n---\nWill start executing the plan step by step<|end|><|start|>assistant<|channel|>commentary to=functions.generate_file<|constrain|>json<|message|>{\"template\": \"basic_html\", \"path\": \"index.html\"}<|call|>";
+    assert_eq!(
+        harmony_both_ends(&harmony(), text),
+        [
+            reasoning("{long chain of thought}"),
+            content("**Action plan**:\n1. Generate an HTML file\n---\nWill start executing the plan step by step"),
+            call("generate_file", r#"{"template":"basic_html","path":"index.html"}"#),
+        ]
+    );
+}
+
+#[test]
+fn harmony_messages_of_one_kind_are_joined_with_a_newline() {
+    // Several calls (with ignore_eos the text goes on past `<|call|>`), reasoning between them.
+    let text = "<|channel|>analysis<|message|>A<|end|><|start|>assistant<|channel|>commentary to=functions.f json<|message|>{\"a\": 1}<|call|><|start|>assistant<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>analysis<|message|>B<|end|><|start|>assistant to=functions.g<|channel|>commentary json<|message|>{}<|call|><|start|>assistant<|channel|>commentary<|message|>C<|end|><|start|>assistant<|channel|>final<|message|>D<|return|>";
+    assert_eq!(
+        same_for_every_split(&harmony(), text),
+        [
+            reasoning("A"),
+            call("f", r#"{"a":1}"#),
+            reasoning("\nB"),
+            call("g", "{}"),
+            content("C\nD"),
+        ]
+    );
+}
+
+#[test]
+fn harmony_malformed_calls_are_content_verbatim() {
+    for (head, args) in [
+        (
+            "<|channel|>commentary to=functions.f <|constrain|>json",
+            "{\"a\": 1",
+        ),
+        ("<|channel|>commentary to=functions.f json", "[1, 2]"),
+        ("<|channel|>commentary to=functions.f", "not json"),
+        ("<|channel|>commentary to=functions.f", ""),
+        ("<|channel|>commentary to=functions.", "{}"),
+        ("<|channel|>commentary to=functions.{f}", "{}"),
+    ] {
+        let message = format!("{head}<|message|>{args}");
+        for end in ["<|call|>", "<|end|>", ""] {
+            let text = format!("{message}{end}");
+            assert_eq!(
+                same_for_every_split(&harmony(), &text),
+                [content(&message)],
+                "{text:?}"
+            );
+        }
+        // After an analysis message the call's whole text is returned, its `<|start|>` too.
+        let text =
+            format!("<|channel|>analysis<|message|>x<|end|><|start|>assistant {message}<|call|>");
+        assert_eq!(
+            same_for_every_split(&harmony(), &text),
+            [
+                reasoning("x"),
+                content(&format!("<|start|>assistant {message}"))
+            ]
+        );
+    }
+    // A good call after a bad one is still read.
+    let text = "<|channel|>commentary to=functions.f<|message|>{<|call|><|start|>assistant<|channel|>commentary to=functions.f<|message|>{}";
+    assert_eq!(
+        same_for_every_split(&harmony(), text),
+        [
+            content("<|channel|>commentary to=functions.f<|message|>{"),
+            call("f", "{}")
+        ]
+    );
+}
+
+#[test]
+fn harmony_builtin_tools_follow_their_channel() {
+    // Built-in tools are called on the analysis channel: their messages are reasoning, as
+    // vLLM's harmony parsing has them; on another channel they are content.
+    let text = "<|channel|>analysis<|message|>Compute it.<|end|><|start|>assistant<|channel|>analysis to=python code<|message|>print(6 * 7)<|call|>";
+    assert_eq!(
+        harmony_both_ends(&harmony(), text),
+        [reasoning("Compute it.\nprint(6 * 7)")]
+    );
+    let text = "<|channel|>analysis to=browser.search <|constrain|>json<|message|>{\"query\": \"x\"}<|call|>";
+    assert_eq!(
+        harmony_both_ends(&harmony(), text),
+        [reasoning("{\"query\": \"x\"}")]
+    );
+    let text = "<|channel|>commentary to=browser.open json<|message|>{\"id\": 3}<|call|>";
+    assert_eq!(
+        harmony_both_ends(&harmony(), text),
+        [content("{\"id\": 3}")]
+    );
+}
+
+#[test]
+fn harmony_without_tool_or_reasoning_parsing() {
+    // No tools offered: a call message is content verbatim, as the other formats' blocks are.
+    let o = OutputOptions {
+        parse_tool_calls: false,
+        ..harmony()
+    };
+    let events = harmony_both_ends(&o, H_CALL);
+    assert_eq!(
+        events,
+        [
+            reasoning("Need to use function get_weather."),
+            content("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"location\":\"San Francisco\"}"),
+        ]
+    );
+    // Reasoning not split out: the analysis text is content.
+    let o = OutputOptions {
+        parse_reasoning: false,
+        ..harmony()
+    };
+    assert_eq!(
+        harmony_both_ends(&o, H_REASONED),
+        [content(
+            "User asks: \"What is 2 + 2?\" Simple arithmetic. Provide answer.\n2 + 2 = 4."
+        )]
+    );
+    // `starts_in_reasoning` is for `<think>` prompts: harmony ignores it.
+    let o = OutputOptions {
+        starts_in_reasoning: true,
+        ..harmony()
+    };
+    assert_eq!(
+        parse_complete(o, "<|channel|>final<|message|>x").content,
+        "x"
+    );
+}
+
+#[test]
+fn harmony_text_that_is_not_harmony_is_content() {
+    for text in [
+        "Hello there",
+        " to be or not to be",
+        "<|chan",
+        "<think>x</think>y",
+        // A header is one short line.
+        "<|channel|>final\nHi<|message|>x",
+    ] {
+        assert_eq!(
+            same_for_every_split(&harmony(), text),
+            [content(text)],
+            "{text:?}"
+        );
+    }
+    // A message that ends inside its header is its text; the end marker is not (it never is).
+    assert_eq!(
+        same_for_every_split(&harmony(), "<|channel|>final<|end|>x"),
+        [content("<|channel|>finalx")]
+    );
+    let long = format!("<|channel|>final{}<|message|>x", " ".repeat(300));
+    assert_eq!(parse_complete(harmony(), &long).content, long);
+    assert_eq!(
+        stream(harmony(), &[&long[..200], &long[200..]]).0,
+        [content(&long)]
+    );
+    // Text after a message that does not open another, and a header cut off at the end.
+    assert_eq!(
+        same_for_every_split(
+            &harmony(),
+            "<|channel|>final<|message|>a<|end|>b<|start|>assistant<|channel|>fin"
+        ),
+        [content("ab<|start|>assistant<|channel|>fin")]
+    );
+}
+
+#[test]
+fn harmony_markers_are_held_back_while_streaming() {
+    let mut p = OutputParser::new(harmony());
+    assert_eq!(p.push("<|channel|>analysis"), []);
+    assert_eq!(p.push("<|message|>Think"), [reasoning("Think")]);
+    assert_eq!(p.push("ing<|e"), [reasoning("ing")]);
+    assert_eq!(p.push("nd|><|start|>assistant<|chan"), []);
+    assert_eq!(p.push("nel|>final<|message|>4"), [content("4")]);
+    assert_eq!(p.push("<|ret"), []);
+    assert_eq!(p.push("urn|>"), []);
+    assert_eq!(p.finish(), []);
+    // A call is returned whole, when its message ends or the output does.
+    let mut p = OutputParser::new(harmony());
+    assert_eq!(
+        p.push("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\""),
+        []
+    );
+    assert_eq!(p.push(": 1}"), []);
+    assert_eq!(p.finish(), [call("f", r#"{"a":1}"#)]);
+}
+
+#[test]
+fn harmony_stop_strings() {
+    let o = OutputOptions {
+        stop: vec!["STOP".into()],
+        ..harmony()
+    };
+    let out = parse_complete(o.clone(), "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b STOP c");
+    assert_eq!(
+        (out.reasoning.as_deref(), out.content.as_str(), out.stopped),
+        (Some("a"), "b ", true)
+    );
+    // A stop string inside a call leaves it unfinished: content, verbatim.
+    let out = parse_complete(
+        o,
+        "<|channel|>commentary to=functions.f<|message|>{\"x\": \"STOP\"}",
+    );
+    assert_eq!(
+        out.content,
+        "<|channel|>commentary to=functions.f<|message|>{\"x\": \""
+    );
+    assert!(out.tool_calls.is_empty() && out.stopped);
+}
+
+#[test]
+fn harmony_streaming_matches_parse_complete_for_any_chunking() {
+    const PIECES: &[&str] = &[
+        "<|start|>",
+        "assistant",
+        "<|channel|>",
+        "analysis",
+        "commentary",
+        "final",
+        "<|message|>",
+        "<|end|>",
+        "<|call|>",
+        "<|return|>",
+        "<|constrain|>",
+        "json",
+        " to=functions.f",
+        " to=python",
+        " to=",
+        " ",
+        "<|",
+        "<|chan",
+        "<|end",
+        "{\"a\": 1}",
+        "{",
+        "}",
+        "x",
+        "é",
+        "\n",
+        "STOP",
+        "ST",
+        "<|channel|>analysis<|message|>",
+        "<|end|><|start|>assistant<|channel|>final<|message|>",
+        "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": 2}<|call|>",
+        "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}",
+    ];
+    let stop_sets: &[&[&str]] = &[&[], &["STOP"], &["x\n", "<|end"]];
+    let mut rng = Rng(0x4a11);
+    let (mut calls, mut reasoned, mut stops) = (0, 0, 0);
+    for case in 0..3000 {
+        let len = rng.below(12);
+        let text: String = (0..len).map(|_| PIECES[rng.below(PIECES.len())]).collect();
+        let o = OutputOptions {
+            parse_reasoning: rng.below(5) != 0,
+            parse_tool_calls: rng.below(5) != 0,
+            stop: stop_sets[case % stop_sets.len()]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            ..harmony()
+        };
+        let whole = stream(o.clone(), &[&text]);
+        let complete = parse_complete(o.clone(), &text);
+        calls += complete.tool_calls.len();
+        reasoned += complete.reasoning.is_some() as usize;
+        stops += complete.stopped as usize;
+        let (mut r, mut c, mut t) = (String::new(), String::new(), Vec::new());
+        for e in &whole.0 {
+            match e {
+                OutputEvent::Reasoning(x) => r.push_str(x),
+                OutputEvent::Content(x) => c.push_str(x),
+                OutputEvent::ToolCall(x) => t.push(x.clone()),
+            }
+        }
+        assert_eq!(complete.reasoning.unwrap_or_default(), r);
+        assert_eq!((complete.content, complete.tool_calls), (c, t));
+        // No marker reaches the client from a message that reads.
+        let chars: Vec<&str> = text
+            .char_indices()
+            .map(|(i, ch)| &text[i..i + ch.len_utf8()])
+            .collect();
+        assert_eq!(stream(o.clone(), &chars), whole, "{text:?} by chars");
+        for _ in 0..4 {
+            let chunks = random_chunks(&mut rng, &text);
+            assert_eq!(stream(o.clone(), &chunks), whole, "{chunks:?}");
+        }
+    }
+    assert!(calls > 50, "{calls}");
+    assert!(reasoned > 50, "{reasoned}");
+    assert!(stops > 50, "{stops}");
 }
