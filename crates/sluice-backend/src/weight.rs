@@ -291,6 +291,31 @@ impl HostMatrix {
         }
     }
 
+    /// The transpose `[cols, rows]`, copied; `None` for a quantised matrix (its groups run
+    /// along rows).
+    pub fn transposed(&self) -> Option<HostMatrix> {
+        let WeightFormat::Dense(dt) = self.format else {
+            return None;
+        };
+        let (n, src) = (dt.size(), self.data.as_slice());
+        let mut out = vec![0u8; src.len()];
+        for r in 0..self.rows {
+            for c in 0..self.cols {
+                let from = (r * self.cols + c) * n;
+                let to = (c * self.rows + r) * n;
+                out[to..to + n].copy_from_slice(&src[from..from + n]);
+            }
+        }
+        Some(HostMatrix {
+            format: self.format,
+            rows: self.cols,
+            cols: self.rows,
+            data: HostBytes::from_vec(out),
+            scales: HostBytes::empty(),
+            biases: HostBytes::empty(),
+        })
+    }
+
     /// Total bytes (data + scales + biases).
     pub fn nbytes(&self) -> usize {
         self.data.len() + self.scales.len() + self.biases.len()

@@ -251,6 +251,54 @@ impl<'a> Scanner<'a> {
                 .unzip();
             return zip3(&fused, gate, up, down);
         }
+        // gpt-oss as transformers keeps it dense: `[E, hidden, 2 * inter]` (input-major, gate
+        // and up columns interleaved) and `down_proj` `[E, inter, hidden]`, with `_bias`
+        // tensors; transposed and de-interleaved here into copies.
+        let fused_bias = format!("{fused}_bias");
+        if self.t.contains(&fused) && self.t.contains(&fused_bias) {
+            let two_inter = self.t.get(&fused_bias)?.shape.last().copied().unwrap_or(0);
+            let gate_up = self.stack(&fused)?;
+            let down = self.stack(&format!("{prefix}.experts.down_proj"))?;
+            let first = &gate_up[0].0;
+            let input_major = match (first.rows == two_inter, first.cols == two_inter) {
+                (false, true) => true,
+                (true, false) => false,
+                _ => {
+                    return Err(layout(
+                        fused,
+                        format!(
+                            "is [{}, {}] per expert: neither side is the {two_inter} of `{fused_bias}` (or both are)",
+                            first.rows, first.cols
+                        ),
+                    ))
+                }
+            };
+            let out_major = |m: &HostMatrix, name: &str| -> Result<HostMatrix, FormatError> {
+                if !input_major {
+                    return Ok(m.clone());
+                }
+                m.transposed().ok_or_else(|| {
+                    layout(
+                        name.to_string(),
+                        "is quantised in the input-major layout, which cannot be transposed",
+                    )
+                })
+            };
+            let down_name = format!("{prefix}.experts.down_proj");
+            let mut gate = Vec::new();
+            let mut up = Vec::new();
+            let mut downs = Vec::new();
+            for ((gu, _), (d, _)) in gate_up.iter().zip(&down) {
+                let gu = out_major(gu, &fused)?;
+                let rows = |first: usize| -> Vec<Range<usize>> {
+                    (first..gu.rows).step_by(2).map(|r| r..r + 1).collect()
+                };
+                gate.push((gu.gather_rows(&rows(0)), None));
+                up.push((gu.gather_rows(&rows(1)), None));
+                downs.push((out_major(d, &down_name)?, None));
+            }
+            return zip3(&fused, gate, up, downs);
+        }
         if self.t.contains(&fused) || self.t.contains(&format!("{fused}.weight")) {
             let gate_up = self.stack(&fused)?;
             let down = self.stack(&format!("{prefix}.experts.down_proj"))?;
