@@ -512,8 +512,18 @@ fn quantization_disagreeing_with_shapes() {
     let e = msg(m.tensors.matrix("odd", q, None).unwrap_err());
     has(&e, &["tensor `odd.weight`", "3 bits"]);
 
-    // Settings that are not affine.
+    // A mode sluice does not read.
     let mut c = config();
+    c["quantization"] = json!({"bits": 4, "group_size": 16, "mode": "nvfp4"});
+    d.json("config.json", &c);
+    let m = ModelDir::open(d.path()).unwrap();
+    let e = msg(m
+        .tensors
+        .matrix("x", m.quantization.as_ref(), None)
+        .unwrap_err());
+    has(&e, &["tensor `x.weight`", "mode `nvfp4`", "not supported"]);
+
+    // mxfp4 settings over affine tensors: the scales are not mxfp4 exponents.
     c["quantization"] = json!({"bits": 4, "group_size": 32, "mode": "mxfp4"});
     d.json("config.json", &c);
     let m = ModelDir::open(d.path()).unwrap();
@@ -521,7 +531,14 @@ fn quantization_disagreeing_with_shapes() {
         .tensors
         .matrix("x", m.quantization.as_ref(), None)
         .unwrap_err());
-    has(&e, &["tensor `x.weight`", "mode `mxfp4`", "not supported"]);
+    has(
+        &e,
+        &[
+            "tensor `x.scales`",
+            "expected U8 mxfp4 exponents",
+            "mode mxfp4",
+        ],
+    );
 }
 
 #[test]
