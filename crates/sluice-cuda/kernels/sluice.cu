@@ -3,8 +3,9 @@
 // needs no CUDA toolkit and the driver JIT-compiles it for the GPU at hand.
 //
 // Conventions (those of sluice_backend::Backend): activations are f32 [rows, cols] row-major, one
-// row per token; weights keep their stored format (dense f32/f16/bf16, or MLX affine: `bits`-bit
-// codes packed little-endian in u32 words, per group of `group` columns `w = scale * q + bias`).
+// row per token; weights keep their stored format (dense f32/f16/bf16; MLX affine: `bits`-bit
+// codes packed little-endian in u32 words, per group of `group` columns `w = scale * q + bias`;
+// mxfp4: FP4 E2M1 codes two per byte, low nibble first, times an E8M0 scale per 32 columns).
 // Everything accumulates in f32.
 
 #include <cuda_bf16.h>
@@ -32,11 +33,12 @@ typedef unsigned int uint32_t;
 // Weights
 // ------------------------------------------------------------------------------------------------
 
-enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_AFFINE = 3 };
+enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_AFFINE = 3, FMT_MXFP4 = 4 };
 enum { SDT_F32 = 0, SDT_F16 = 1, SDT_BF16 = 2 };
 
 // A weight matrix [rows, cols] in device memory (mirrors the Rust `Mat`). cols % 8 == 0 and, for
-// affine, group % 8 == 0, so 8 consecutive weights never straddle a group or a row.
+// affine, group % 8 == 0, so 8 consecutive weights never straddle a group or a row. Mxfp4: bits 4,
+// group 32 (gshift 5), `scales` one E8M0 byte per group, no biases.
 struct Mat {
     const uint8_t* data;
     const uint8_t* scales;
@@ -59,6 +61,51 @@ struct ExpertMats {
     Mat down;
 };
 
+// How routed experts compute beyond down(silu(gate x) * up x) (sluice_backend::ExpertFfn, mirrors
+// the Rust `Ffn`): per-expert biases indexed by expert id (null: none), added to gate and up before
+// the activation and to the down projection's output before the routing weight, for the experts
+// below `experts` (the host checks that every expert a call computes is); and the activation,
+// SwiGLU or (clamped) gpt-oss's with alpha and limit.
+struct Ffn {
+    const float* gate_bias;  // [experts, inter]
+    const float* up_bias;    // [experts, inter]
+    const float* down_bias;  // [experts, hidden]
+    float alpha;
+    float limit;
+    int clamped;
+    int experts;
+};
+
+__device__ __forceinline__ float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// The activation of one gate value g and one up value u: silu(g) u, or with `clamped`
+// g' sigmoid(alpha g') (u' + 1) for g' = min(g, limit), u' = clamp(u, -limit, limit).
+__device__ __forceinline__ float ffn_act(Ffn f, float g, float u) {
+    if (f.clamped) {
+        g = fminf(g, f.limit);
+        u = fminf(fmaxf(u, -f.limit), f.limit);
+        return g / (1.0f + expf(-f.alpha * g)) * (u + 1.0f);
+    }
+    return swiglu1(g, u);
+}
+
+// Row r of expert e's gate and up products (g, u) with their biases, through the activation; inter:
+// the rows of gate (and up).
+__device__ __forceinline__ float ffn_gate_up(Ffn f, uint32_t e, long inter, long r, float g,
+                                             float u) {
+    if (f.gate_bias != nullptr && e < (uint32_t)f.experts) {
+        g += f.gate_bias[(long)e * inter + r];
+        u += f.up_bias[(long)e * inter + r];
+    }
+    return ffn_act(f, g, u);
+}
+
+// Row r of expert e's down product d with its bias; hidden: the rows of down.
+__device__ __forceinline__ float ffn_down(Ffn f, uint32_t e, long hidden, long r, float d) {
+    return f.down_bias != nullptr && e < (uint32_t)f.experts ? d + f.down_bias[(long)e * hidden + r]
+                                                              : d;
+}
+
 __device__ __forceinline__ float load_scalar(const uint8_t* p, int dt, long i) {
     if (dt == SDT_F32) return reinterpret_cast<const float*>(p)[i];
     if (dt == SDT_F16) return __half2float(reinterpret_cast<const __half*>(p)[i]);
@@ -73,7 +120,35 @@ __device__ __forceinline__ float u2f(uint32_t q) {
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 
-// Weights [c, c + 8) of row r as f32 (c % 8 == 0).
+// The FP4 (E2M1) code in the low 4 bits of q as f32, exactly (sluice_backend::FP4_E2M1): bit 3 the
+// sign, bits 2-1 the exponent e, bit 0 the mantissa m. A normal code (e > 0) is
+// 2^(e - 1) (1 + m / 2): f32 exponent e + 126 and top mantissa bit m, that is
+// 0x3F000000 + ((q & 7) << 22); the two subnormal codes are 0 and 0.5 (0x3F000000). No f32
+// subnormal is involved.
+__device__ __forceinline__ float fp4_e2m1(uint32_t q) {
+    const uint32_t mag = q & 7u;
+    const uint32_t bits = mag >= 2u ? 0x3F000000u + (mag << 22) : mag * 0x3F000000u;
+    return __uint_as_float(bits | ((q & 8u) << 28));
+}
+
+// The scale an E8M0 byte e stands for, 2^(e - 127), as sluice_backend::e8m0_to_f32 has it (0: the
+// subnormal 2^-127; 255: infinity).
+__device__ __forceinline__ float e8m0(uint32_t e) {
+    return __uint_as_float(e == 0u ? 0x00400000u : e << 23);
+}
+
+// Mxfp4 weights [c, c + 8) of row r (c % 8 == 0: one u32 of codes, one scale) as f32, exactly.
+__device__ __forceinline__ void load8_mxfp4(const Mat& m, long r, int c, float w[8]) {
+    const long at = r * m.cols + c;
+    const uint32_t v = __ldg(reinterpret_cast<const uint32_t*>(m.data) + at / 8);
+    const float s = e8m0(__ldg(m.scales + (at >> 5)));
+#pragma unroll
+    for (int j = 0; j < 8; j++) w[j] = fp4_e2m1(v >> (4 * j)) * s;
+}
+
+// Weights [c, c + 8) of row r as f32 (c % 8 == 0), dense or affine (the kind-generic kernels'
+// formats: the host never gives them mxfp4 weights, which have kernels of their own; load8_any
+// takes every format).
 __device__ __forceinline__ void load8(const Mat& m, long r, int c, float w[8]) {
     if (m.fmt == FMT_AFFINE) {
         const long row_words = (long)m.cols * m.bits / 32;
@@ -130,6 +205,12 @@ __device__ __forceinline__ void load8(const Mat& m, long r, int c, float w[8]) {
     }
 }
 
+// load8 for any format, mxfp4 included (embeddings, matmul_heads).
+__device__ __forceinline__ void load8_any(const Mat& m, long r, int c, float w[8]) {
+    if (m.fmt == FMT_MXFP4) load8_mxfp4(m, r, c, w);
+    else load8(m, r, c, w);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -156,8 +237,9 @@ __device__ float block_sum(float v) {
 }
 
 // Weight kinds the hot kernels are compiled for (the host picks by format), so that the inner
-// loop has no format switch: 4-bit and 8-bit affine, bf16, and everything else through load8.
-enum { K_GENERIC = 0, K_Q4 = 1, K_Q8 = 2, K_BF16 = 3 };
+// loop has no format switch: 4-bit and 8-bit affine, bf16, mxfp4, and everything else through
+// load8.
+enum { K_GENERIC = 0, K_Q4 = 1, K_Q8 = 2, K_BF16 = 3, K_MXFP4 = 4 };
 
 template <int K>
 __device__ __forceinline__ void load8k(const Mat& m, long r, int c, float w[8]) {
@@ -188,6 +270,8 @@ __device__ __forceinline__ void load8k(const Mat& m, long r, int c, float w[8]) 
             w[2 * j] = bf16_lo(u[j]);
             w[2 * j + 1] = bf16_hi(u[j]);
         }
+    } else if constexpr (K == K_MXFP4) {
+        load8_mxfp4(m, r, c, w);
     } else {
         load8(m, r, c, w);
     }
@@ -259,6 +343,7 @@ __device__ void gemv(const Mat& w, const float* x, float* y) {
 // One token, two rows per warp: what large matrices use (the block-per-row kernels below take the
 // rest).
 GEMV(K_GENERIC, generic, 1, 2) GEMV(K_Q4, q4, 1, 2) GEMV(K_Q8, q8, 1, 2) GEMV(K_BF16, bf16, 1, 2)
+GEMV(K_MXFP4, mxfp4, 1, 2)
 
 // ---- tensor-core products for many tokens (prefill) ----
 //
@@ -444,14 +529,16 @@ __device__ void gemm_tc(const Mat& w, const float* x, float* y, int ntok) {
     }
 GEMM_TC(K_GENERIC, generic)
 
-// ---- exact-weight tensor-core products (4- and 8-bit affine, bf16 weights) ----
+// ---- exact-weight tensor-core products (4- and 8-bit affine, bf16 and mxfp4 weights) ----
 //
 // These weights reach the tensor cores exactly: an affine code q (0..255) and a bf16 weight are bf16
-// values. Only the activation is split, into TQ_PARTS bf16 parts (x = hi + lo to 16 bits), and for
-// affine weights y = sum over groups of s (q . x) + b (sum x), the q . x of a group accumulated by
-// mma.sync m16n8k16 in f32 and scaled once per group: two bf16 products per 16 columns where the
-// 3xTF32 path needs six tf32 ones, and no split of the weights. Groups must
-// be multiples of the 32-column tile (mlx's 32, 64, 128). A block of 4 warps computes BM weight
+// values, and so is an mxfp4 weight (an FP4 value, 2 significant bits, times a power of two: its
+// scale is folded in when the tile is loaded, and it then computes as bf16 weights do). Only the
+// activation is split, into TQ_PARTS bf16 parts (x = hi + lo to 16 bits), and for affine weights
+// y = sum over groups of s (q . x) + b (sum x), the q . x of a group accumulated by mma.sync
+// m16n8k16 in f32 and scaled once per group: two bf16 products per 16 columns where the 3xTF32
+// path needs six tf32 ones, and no split of the weights. Groups must be multiples of the
+// 32-column tile (mlx's 32, 64, 128). A block of 4 warps computes BM weight
 // rows x BN tokens; a warp MI 16-row slices x NJ 8-token slices; the warps lie WM x WN.
 
 #define TQ_BK 32
@@ -472,7 +559,8 @@ struct TqTiles {
 
 __device__ __forceinline__ uint32_t bf16_of_code(uint32_t q) { return __float_as_uint(u2f(q)) >> 16; }
 
-// Weights [c, c + 8) of row r as bf16 pairs, exactly: the codes of affine weights, or bf16 weights.
+// Weights [c, c + 8) of row r as bf16 pairs, exactly: the codes of affine weights, mxfp4 weights
+// (scaled), or bf16 weights.
 template <int K>
 __device__ __forceinline__ uint4 load8_exact(const Mat& m, long r, int c) {
     if constexpr (K == K_Q4) {
@@ -491,6 +579,16 @@ __device__ __forceinline__ uint4 load8_exact(const Mat& m, long r, int c) {
             const uint32_t x = w[j / 2] >> (16 * (j % 2));
             o[j] = bf16_of_code(x & 255u) | (bf16_of_code((x >> 8) & 255u) << 16);
         }
+        return make_uint4(o[0], o[1], o[2], o[3]);
+    } else if constexpr (K == K_MXFP4) {
+        // FP4 value x 2^k has at most 2 significant bits: its bf16 (upper half) is exact.
+        float w[8];
+        load8_mxfp4(m, r, c, w);
+        uint32_t o[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            o[j] = (__float_as_uint(w[2 * j]) >> 16) |
+                   (__float_as_uint(w[2 * j + 1]) & 0xffff0000u);
         return make_uint4(o[0], o[1], o[2], o[3]);
     } else {
         return __ldg(reinterpret_cast<const uint4*>(m.data) + (r * m.cols + c) / 8);
@@ -519,13 +617,15 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const 
 // The block's products of rows r0 .. r0 + BM of each of the NM matrices m (same shape and format)
 // with the BN token rows xrow (nullptr: padding, read as zeros), over columns [k_begin, k_end)
 // (whole groups). GLU: the token rows hold a gate half then an up half, `cols` apart, and the
-// input is silu(gate) * up.
+// input is their activation as `glu` says (ffn_act).
 template <int K, int NM, int MI, int NJ, int WM, int WN, bool GLU = false>
 __device__ __forceinline__ void tq_tile(const Mat* m, long r0, const float* const* xrow,
                                         TqTiles<NM, 16 * MI * WM, 8 * NJ * WN>& s,
-                                        float acc[NM][MI][NJ][4], int k_begin, int k_end) {
+                                        float acc[NM][MI][NJ][4], int k_begin, int k_end,
+                                        Ffn glu = Ffn{}) {
     constexpr int BM = 16 * MI * WM, BN = 8 * NJ * WN;
-    constexpr bool affine = K != K_BF16;
+    // Affine weights: per group, s (q . x) + b (sum x). Bf16 and (scaled) mxfp4 weights: w . x.
+    constexpr bool affine = K == K_Q4 || K == K_Q8;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t4 = lane % 4;
     const int wm = (warp / WN) * 16 * MI, wn = (warp % WN) * 8 * NJ;
@@ -567,7 +667,7 @@ __device__ __forceinline__ void tq_tile(const Mat* m, long r0, const float* cons
                     const float4 d = *reinterpret_cast<const float4*>(xrow[n] + cols + k0 + ch * 8 + 4);
                     const float u[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
 #pragma unroll
-                    for (int q = 0; q < 8; q++) v[q] = v[q] / (1.0f + expf(-v[q])) * u[q];
+                    for (int q = 0; q < 8; q++) v[q] = ffn_act(glu, v[q], u[q]);
                 }
             }
             uint32_t w[TQ_PARTS][4];
@@ -680,7 +780,7 @@ __device__ void gemm_tq(const Mat& w, const float* x, float* y, int ntok, int kc
                                                                    int ntok, int kc) { PDL_START(); \
         gemm_tq<K>(w, x, y, ntok, kc); \
     }
-GEMM_TQ(K_Q4, q4) GEMM_TQ(K_Q8, q8) GEMM_TQ(K_BF16, bf16)
+GEMM_TQ(K_Q4, q4) GEMM_TQ(K_Q8, q8) GEMM_TQ(K_BF16, bf16) GEMM_TQ(K_MXFP4, mxfp4)
 
 // out[i] = sum over z of part[z n + i], in order of z.
 extern "C" __global__ void sum_splits(const float* part, float* out, long n, int splits) {
@@ -696,7 +796,7 @@ extern "C" __global__ void sum_splits(const float* part, float* out, long n, int
 __device__ void embed_row(const Mat& table, long r, float* out) {
     for (int c = threadIdx.x * 8; c < table.cols; c += blockDim.x * 8) {
         float v[8];
-        load8(table, r, c, v);
+        load8_any(table, r, c, v);
 #pragma unroll
         for (int j = 0; j < 8; j++) out[c + j] = v[j];
     }
@@ -809,8 +909,6 @@ extern "C" __global__ void add_assign(float* x, const float* y, long n) {
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
-
-__device__ __forceinline__ float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long n) {
     PDL_START();
@@ -967,13 +1065,14 @@ extern "C" __global__ void qkv_norm_rope_append(const float* q, const float* k, 
 
 // The end of a split attention block, after it wrote its part (`mine`: the head's parts, each
 // [max, sum, hd values]): the last of the `splits` blocks counted to finish (`counted`; the
-// threadfence-reduction pattern) combines the parts into `out_row`, and with `cached` the last
-// block of the grid stores the cache's new length `total` there (every block counts itself in
-// `all_done`, zero before and after).
+// threadfence-reduction pattern) combines the parts into `out_row`, the head's attention sink
+// (-INFINITY: none) joining the softmax there, once; and with `cached` the last block of the grid
+// stores the cache's new length `total` there (every block counts itself in `all_done`, zero
+// before and after).
 __device__ __forceinline__ void split_attention_finish(bool counted, int splits, uint32_t* done,
                                                       int* cached, uint32_t* all_done, int total,
                                                       const float* mine, int hd, float* out_row,
-                                                      uint32_t blocks) {
+                                                      uint32_t blocks, float sink) {
     __shared__ bool last;
     __shared__ float factor[32];
     __shared__ float sum;
@@ -994,11 +1093,12 @@ __device__ __forceinline__ void split_attention_finish(bool counted, int splits,
     if (threadIdx.x < 32) {
         const int s = threadIdx.x;
         const float m = s < splits ? __ldcg(mine + s * (hd + 2)) : -INFINITY;
-        const float top = warp_max(m);
+        const float top = fmaxf(warp_max(m), sink);
         const float f = m == -INFINITY ? 0.0f : expf(m - top);
         factor[s] = f;
         const float l = warp_sum(s < splits && f > 0.0f ? __ldcg(mine + s * (hd + 2) + 1) * f : 0.0f);
-        if (s == 0) sum = l;
+        // The sink's share: a weight with no value.
+        if (s == 0) sum = sink == -INFINITY ? l : l + expf(sink - top);
     }
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -1019,11 +1119,15 @@ __device__ __forceinline__ void split_attention_finish(bool counted, int splits,
 // them. hd <= 32 * P, splits <= 32. With `cached` (splits > 1 only) the cache's length before this
 // call is kept on the device: total is the call's tokens plus *cached, and the last block of the
 // grid to finish, counted in `all_done` (zero before and after), stores the new length there.
+// With a sliding `window` (0: none) a token at position p sees positions p + 1 - window ..= p
+// only, and only those are split over the blocks (a long cache costs what the window holds); with
+// `sinks` (null: none) each query head's sink logit joins the softmax of each of its rows, once:
+// in the block that writes the output, or in the splits' combine.
 template <int P>
 __device__ void attention_generic(const float* q, const float* keys, const float* values, float* out,
                                   int heads, int kv_heads, int hd, int total, int ntok, float scale,
                                   float* partial, uint32_t* done, int* cached,
-                                  uint32_t* all_done) {
+                                  uint32_t* all_done, int window, const float* sinks) {
     if (cached) total += *cached;
     const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -1031,8 +1135,10 @@ __device__ void attention_generic(const float* q, const float* keys, const float
     const int width = kv_heads * hd;
     const int per_lane = (hd + 31) / 32;  // <= P
     const int n = total - ntok + t + 1;
-    const int chunk = (n + splits - 1) / splits;
-    const int p0 = split * chunk, p1 = min(n, p0 + chunk);
+    // The token sees positions [first, n).
+    const int first = window > 0 ? max(0, n - window) : 0;
+    const int chunk = (n - first + splits - 1) / splits;
+    const int p0 = first + split * chunk, p1 = min(n, p0 + chunk);
     float qv[P], acc[P];
 #pragma unroll
     for (int j = 0; j < P; j++) {
@@ -1074,10 +1180,13 @@ __device__ void attention_generic(const float* q, const float* keys, const float
         if (j < per_lane && d < hd) accs[warp][d] = acc[j];
     }
     __syncthreads();
-    float mx = -INFINITY;
+    // One split: the sink joins here (split, in split_attention_finish).
+    const float sink = sinks != nullptr ? sinks[h] : -INFINITY;
+    float mx = splits == 1 ? sink : -INFINITY;
     for (int w = 0; w < 4; w++) mx = fmaxf(mx, ms[w]);
     float total_l = 0.0f;
     for (int w = 0; w < 4; w++) total_l += ms[w] == -INFINITY ? 0.0f : ls[w] * expf(ms[w] - mx);
+    if (splits == 1 && sinks != nullptr) total_l += expf(sink - mx);
     float* const mine = partial + ((long)t * heads + h) * splits * (hd + 2);
     float* part = mine + split * (hd + 2);
     if (splits > 1 && threadIdx.x == 0) {
@@ -1093,7 +1202,8 @@ __device__ void attention_generic(const float* q, const float* keys, const float
     }
     if (splits == 1) return;
     split_attention_finish(true, splits, done + t * heads + h, cached, all_done, total, mine, hd,
-                           out + ((long)t * heads + h) * hd, gridDim.x * gridDim.y * gridDim.z);
+                           out + ((long)t * heads + h) * hd, gridDim.x * gridDim.y * gridDim.z,
+                           sink);
 }
 
 // The head sizes of `attention`: up to 256 (8 values per lane), and up to 768 (24: Multi-head
@@ -1103,19 +1213,20 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
                                                             int heads, int kv_heads, int hd,
                                                             int total, int ntok, float scale,
                                                             float* partial, uint32_t* done,
-                                                            int* cached, uint32_t* all_done) {
+                                                            int* cached, uint32_t* all_done,
+                                                            int window, const float* sinks) {
     PDL_START();
     attention_generic<8>(q, keys, values, out, heads, kv_heads, hd, total, ntok, scale, partial,
-                         done, cached, all_done);
+                         done, cached, all_done, window, sinks);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_wide(
     const float* q, const float* keys, const float* values, float* out, int heads, int kv_heads,
     int hd, int total, int ntok, float scale, float* partial, uint32_t* done, int* cached,
-    uint32_t* all_done) {
+    uint32_t* all_done, int window, const float* sinks) {
     PDL_START();
     attention_generic<24>(q, keys, values, out, heads, kv_heads, hd, total, ntok, scale, partial,
-                          done, cached, all_done);
+                          done, cached, all_done, window, sinks);
 }
 
 // Split decode attention (few query tokens), head size HD: grid (heads, T, splits), 8 warps. A
@@ -1129,14 +1240,16 @@ extern "C" __global__ void __launch_bounds__(128) attention_wide(
 // order. Fused (k non-null, one token): q is raw and is normalised and rotated here
 // (norm_rope_at: the arithmetic of rms_norm_rope), the new key and value too, in the blocks that
 // score the new position; the first query head of each kv head's group writes them into the
-// caches. `cached` and `all_done` as in `attention`.
+// caches. `cached` and `all_done`, `window` (only the positions a token sees are split) and
+// `sinks` (joining in the block that writes the output, or in the combine) as in `attention`.
 #define ATTN_WARPS 8
 template <int HD>
 __device__ void attention_decode(const float* q, const float* k, const float* v, const float* wq,
                                  const float* wk, const float* inv_freq, float eps, int rotary_dim,
                                  float* keys, float* values, float* out, int heads, int kv_heads,
                                  int total, int ntok, float scale, float* partial, uint32_t* done,
-                                 int* cached, uint32_t* all_done, int t, uint32_t blocks) {
+                                 int* cached, uint32_t* all_done, int t, uint32_t blocks,
+                                 int window, const float* sinks) {
     constexpr int DPL = HD / 32, PR = HD > 128 ? 4 : 8, PASS = ATTN_WARPS * PR;
     __shared__ __align__(16) float qs[HD], ks[HD], vs[HD];
     __shared__ __align__(16) float accs[ATTN_WARPS][HD];
@@ -1147,10 +1260,13 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
     const int group = heads / kv_heads, kv = h / group;
     const long width = (long)kv_heads * HD;
     const int n = total - ntok + t + 1, pos = n - 1;
-    const int per = max(PASS, (n + splits - 1) / splits);
-    const int active = (n + per - 1) / per;
-    const int p0 = split * per, p1 = min(n, p0 + per);
+    // The token sees positions [first, n).
+    const int first = window > 0 ? max(0, n - window) : 0;
+    const int per = max(PASS, (n - first + splits - 1) / splits);
+    const int active = (n - first + per - 1) / per;
+    const int p0 = first + split * per, p1 = min(n, p0 + per);
     const bool fused = k != nullptr;
+    const float sink = sinks != nullptr ? sinks[h] : -INFINITY;
     float* const mine = partial + ((long)t * heads + h) * splits * (HD + 2);
     if (split < active) {
         const float* qh = q + ((long)t * heads + h) * HD;
@@ -1231,10 +1347,12 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
 #pragma unroll
         for (int j = 0; j < DPL; j++) accs[warp][lane * DPL + j] = acc[j];
         __syncthreads();
-        float mx = -INFINITY;
+        // One block: the sink joins here (more, in split_attention_finish).
+        float mx = active == 1 ? sink : -INFINITY;
         for (int w = 0; w < ATTN_WARPS; w++) mx = fmaxf(mx, ms[w]);
         float total_l = 0.0f;
         for (int w = 0; w < ATTN_WARPS; w++) total_l += ms[w] == -INFINITY ? 0.0f : ls[w] * expf(ms[w] - mx);
+        if (active == 1 && sinks != nullptr) total_l += expf(sink - mx);
         float* part = mine + split * (HD + 2);
         if (active > 1 && threadIdx.x == 0) {
             part[0] = mx;
@@ -1249,7 +1367,8 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
         }
     }
     split_attention_finish(split < active && active > 1, active, done + t * heads + h, cached,
-                           all_done, total, mine, HD, out + ((long)t * heads + h) * HD, blocks);
+                           all_done, total, mine, HD, out + ((long)t * heads + h) * HD, blocks,
+                           sink);
 }
 
 // One token of each of several requests (grid y: the request), each attending through its own
@@ -1268,22 +1387,24 @@ struct KvRows {
         const float* q, const float* k, const float* v, const float* wq, const float* wk, \
         const float* inv_freq, float eps, int rotary_dim, float* keys, float* values, float* out, \
         int heads, int kv_heads, int total, int ntok, float scale, float* partial, uint32_t* done, \
-        int* cached, uint32_t* all_done) { PDL_START(); \
+        int* cached, uint32_t* all_done, int window, const float* sinks) { PDL_START(); \
         attention_decode<HD>(q, k, v, wq, wk, inv_freq, eps, rotary_dim, keys, values, out, heads, \
                              kv_heads, total, ntok, scale, partial, done, cached, all_done, \
-                             blockIdx.y, gridDim.x * gridDim.y * gridDim.z); \
+                             blockIdx.y, gridDim.x * gridDim.y * gridDim.z, window, sinks); \
     } \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32, 1) attention_decode_rows_##HD( \
         const float* q, const float* k, const float* v, const float* wq, const float* wk, \
         const float* inv_freq, float eps, int rotary_dim, KvRows rows, float* out, int heads, \
-        int kv_heads, float scale, float* partial, uint32_t* done, uint32_t* all_done) { PDL_START(); \
+        int kv_heads, float scale, float* partial, uint32_t* done, uint32_t* all_done, int window, \
+        const float* sinks) { PDL_START(); \
         const int r = blockIdx.y; \
         const long kvw = (long)kv_heads * HD; \
         attention_decode<HD>(q + (long)r * heads * HD, k + r * kvw, v + r * kvw, wq, wk, inv_freq, \
                              eps, rotary_dim, rows.keys[r], rows.values[r], \
                              out + (long)r * heads * HD, heads, kv_heads, rows.total[r], 1, scale, \
                              partial + (long)r * heads * gridDim.z * (HD + 2), done + r * heads, \
-                             rows.cached[r], all_done + r, 0, gridDim.x * gridDim.z); \
+                             rows.cached[r], all_done + r, 0, gridDim.x * gridDim.z, window, \
+                             sinks); \
     }
 ATTENTION_DECODE(64) ATTENTION_DECODE(128) ATTENTION_DECODE(256)
 
@@ -1297,11 +1418,14 @@ ATTENTION_DECODE(64) ATTENTION_DECODE(128) ATTENTION_DECODE(256)
 // threads of a row group share each row's max and sum by shuffles (online softmax) and write the
 // weights to shared memory; the values take the keys' place; thread (g, j) then accumulates rows
 // 4g..4g+3 at dims 4j + 32i. The blocks with the most positions (the last tokens) start first.
-// Grid (kv_heads, ceil(ntok / (64 / group))), 128 threads; group divides 64; HD 64 or 128.
+// Grid (kv_heads, ceil(ntok / (64 / group))), 128 threads; group divides 64; HD 64 or 128. With a
+// sliding `window` (0: none) the tiles start at the block's first token's first visible position
+// and each row masks what it does not see; with `sinks` (null: none) each row's head's sink joins
+// its softmax at the end.
 template <int HD>
 __device__ void attention_tiles(const float* q, const float* keys, const float* values,
                                 float* out, int heads, int kv_heads, int total, int ntok,
-                                float scale) {
+                                float scale, int window, const float* sinks) {
     constexpr int R = 64, TK = 16, RP = R + 4, KP = TK + 2, DV = HD / 32;
     constexpr int KV_WORDS = HD * KP > TK * HD ? HD * KP : TK * HD;
     __shared__ __align__(16) float qt[HD][RP];   // q transposed: qt[d][row]
@@ -1320,19 +1444,26 @@ __device__ void attention_tiles(const float* q, const float* keys, const float* 
         qt[d + 2][rho] = v.z;
         qt[d + 3][rho] = v.w;
     }
-    int n_row[4];  // positions row 4g + i sees (0: no such row)
+    // Row 4g + i sees positions [lo_row[i], n_row[i]) (n_row 0: no such row): position p when
+    // (unsigned)(p - lo_row) < span_row = n_row - lo_row.
+    int n_row[4], lo_row[4];
+    unsigned span_row[4];
     float m[4], l[4], acc[4][4 * DV];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int t = t0 + (4 * g + i) % qt_tokens;
         n_row[i] = t < ntok ? total - ntok + t + 1 : 0;
+        lo_row[i] = window > 0 ? n_row[i] - window : 0;
+        span_row[i] = (unsigned)(n_row[i] - lo_row[i]);
         m[i] = -INFINITY;
         l[i] = 0.0f;
 #pragma unroll
         for (int c = 0; c < 4 * DV; c++) acc[i][c] = 0.0f;
     }
     const int n_block = total - ntok + min(t0 + qt_tokens, ntok);
-    for (int p0 = 0; p0 < n_block; p0 += TK) {
+    // The first position a row of the block sees: its first token's (t0 < ntok).
+    const int p_begin = window > 0 ? max(0, total - ntok + t0 + 1 - window) : 0;
+    for (int p0 = p_begin; p0 < n_block; p0 += TK) {
         __syncthreads();  // the previous tile's values and weights are used up
         for (int idx = tid; idx < TK * HD / 4; idx += blockDim.x) {
             const int p = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
@@ -1361,7 +1492,7 @@ __device__ void attention_tiles(const float* q, const float* keys, const float* 
             float mx = -INFINITY;
 #pragma unroll
             for (int c = 0; c < 2; c++) {
-                const bool valid = p0 + 2 * j + c < n_row[i];
+                const bool valid = (unsigned)(p0 + 2 * j + c - lo_row[i]) < span_row[i];
                 s[i][c] = valid ? s[i][c] * scale : -INFINITY;
                 mx = fmaxf(mx, s[i][c]);
             }
@@ -1416,20 +1547,30 @@ __device__ void attention_tiles(const float* q, const float* keys, const float* 
     for (int i = 0; i < 4; i++) {
         const int rho = 4 * g + i, t = t0 + rho % qt_tokens, h = kvh * group + rho / qt_tokens;
         if (t >= ntok) continue;
+        // out = acc c / (l c + e^(sink - m')) with m' = max(m, sink), c = e^(m - m'); without a
+        // sink, c = 1 and acc / l.
+        float c = 1.0f, denom = l[i];
+        if (sinks != nullptr) {
+            const float sk = sinks[h], top = fmaxf(m[i], sk);
+            c = expf(m[i] - top);
+            denom = l[i] * c + expf(sk - top);
+        }
         float* o = out + ((long)t * heads + h) * HD;
 #pragma unroll
         for (int u = 0; u < DV; u++)
             *reinterpret_cast<float4*>(o + 4 * j + 32 * u) =
-                make_float4(acc[i][4 * u] / l[i], acc[i][4 * u + 1] / l[i], acc[i][4 * u + 2] / l[i],
-                            acc[i][4 * u + 3] / l[i]);
+                make_float4(acc[i][4 * u] * c / denom, acc[i][4 * u + 1] * c / denom,
+                            acc[i][4 * u + 2] * c / denom, acc[i][4 * u + 3] * c / denom);
     }
 }
 
 #define ATTENTION_TILES(HD) \
     extern "C" __global__ void __launch_bounds__(128) attention_tiles_##HD( \
         const float* q, const float* keys, const float* values, float* out, int heads, \
-        int kv_heads, int total, int ntok, float scale) { PDL_START(); \
-        attention_tiles<HD>(q, keys, values, out, heads, kv_heads, total, ntok, scale); \
+        int kv_heads, int total, int ntok, float scale, int window, const float* sinks) { \
+        PDL_START(); \
+        attention_tiles<HD>(q, keys, values, out, heads, kv_heads, total, ntok, scale, window, \
+                            sinks); \
     }
 ATTENTION_TILES(64) ATTENTION_TILES(128)
 
@@ -1613,12 +1754,13 @@ __device__ __forceinline__ int expert_slot(uint32_t e, const uint32_t* present, 
     return (lo < n_present && present[lo] == e) ? lo : -1;
 }
 
-// h[t * K + j] = silu(gate_e(x_t)) * up_e(x_t) for e = ids[t * K + j], for every routed pair whose
-// expert is present. Grid (inter / 16, T * K): each warp computes two rows of gate and up for one
-// pair, the four rows' loads in flight together; the expert's description is read once per block.
+// h[t * K + j] = act(gate_e(x_t), up_e(x_t)) for e = ids[t * K + j] (ffn_gate_up: biases and the
+// activation as `f` says), for every routed pair whose expert is present. Grid (inter / 16, T * K):
+// each warp computes two rows of gate and up for one pair, the four rows' loads in flight
+// together; the expert's description is read once per block.
 template <int WK>
 __device__ void moe_gate_up(const ExpertMats* experts, const uint32_t* present, int n_present,
-                            const uint32_t* ids, int K, const float* x, float* h) {
+                            const uint32_t* ids, int K, const float* x, float* h, Ffn f) {
     __shared__ Mat gate, up;
     __shared__ int slot;
     const int pair = blockIdx.y;
@@ -1659,8 +1801,9 @@ __device__ void moe_gate_up(const ExpertMats* experts, const uint32_t* present, 
     g0 = warp_sum(g0); g1 = warp_sum(g1); u0 = warp_sum(u0); u1 = warp_sum(u1);
     if (lane == 0) {
         float* hp = h + (long)pair * g_m.rows;
-        hp[r0] = g0 / (1.0f + expf(-g0)) * u0;
-        if (r0 + 1 < g_m.rows) hp[r0 + 1] = g1 / (1.0f + expf(-g1)) * u1;
+        const uint32_t e = ids[pair];
+        hp[r0] = ffn_gate_up(f, e, g_m.rows, r0, g0, u0);
+        if (r0 + 1 < g_m.rows) hp[r0 + 1] = ffn_gate_up(f, e, g_m.rows, r0 + 1, g1, u1);
     }
 }
 
@@ -1785,7 +1928,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_heads(Mat w, const floa
     float s = 0.0f;
     for (int c = lane * 8; c < w.cols; c += 256) {
         float wv[8];
-        load8(w, j, c, wv);
+        load8_any(w, j, c, wv);
 #pragma unroll
         for (int k = 0; k < 8; k++) s = fmaf(wv[k], xr[c + k], s);
     }
@@ -1826,20 +1969,22 @@ __device__ void gemv_gated_add(const Mat& w, const float* g, const float* u, con
     GEMV_GATED(K, KN, 1) GEMV_GATED(K, KN, 2) GEMV_GATED(K, KN, 3) GEMV_GATED(K, KN, 4) \
     GEMV_GATED(K, KN, 5) GEMV_GATED(K, KN, 6) GEMV_GATED(K, KN, 7) GEMV_GATED(K, KN, 8)
 GEMV_GATED_ALL(K_GENERIC, generic) GEMV_GATED_ALL(K_Q4, q4) GEMV_GATED_ALL(K_Q8, q8)
-GEMV_GATED_ALL(K_BF16, bf16)
+GEMV_GATED_ALL(K_BF16, bf16) GEMV_GATED_ALL(K_MXFP4, mxfp4)
 
 #define GEMV_B_ALL(K, KN) \
     GEMV_B(K, KN, 1) GEMV_B(K, KN, 2) GEMV_B(K, KN, 3) GEMV_B(K, KN, 4) GEMV_B(K, KN, 5) \
     GEMV_B(K, KN, 6) GEMV_B(K, KN, 7) GEMV_B(K, KN, 8)
 GEMV_B_ALL(K_GENERIC, generic) GEMV_B_ALL(K_Q4, q4) GEMV_B_ALL(K_Q8, q8) GEMV_B_ALL(K_BF16, bf16)
+GEMV_B_ALL(K_MXFP4, mxfp4)
 
 // moe_down with one block of 128 per (output row, token): grid (hidden, T). Warp w computes the
 // dots of the token's w-th, (w + 4)-th, ... present expert (ascending id), each by one warp alone;
-// thread 0 adds them weighted in ascending id (bit-identical however the experts are split).
+// thread 0 adds them (with their down biases, `f`) weighted in ascending id (bit-identical however
+// the experts are split).
 template <int WK>
 __device__ void moe_down_b(const ExpertMats* experts, const uint32_t* present, int n_present,
                            const uint32_t* ids, const float* weights, int K, const float* h,
-                           float* out, int hidden) {
+                           float* out, int hidden, Ffn f) {
     __shared__ Mat down[MOE_MAX_K];
     __shared__ float weight[MOE_MAX_K], dot[MOE_MAX_K];
     __shared__ int pair_of[MOE_MAX_K];
@@ -1860,7 +2005,8 @@ __device__ void moe_down_b(const ExpertMats* experts, const uint32_t* present, i
     __syncthreads();
     if (threadIdx.x == 0) {
         float acc = out[t * hidden + r];
-        for (int j = 0; j < n; j++) acc = fmaf(weight[j], dot[j], acc);
+        for (int j = 0; j < n; j++)
+            acc = fmaf(weight[j], ffn_down(f, ids[pair_of[j]], hidden, r, dot[j]), acc);
         out[t * hidden + r] = acc;
     }
 }
@@ -1868,18 +2014,18 @@ __device__ void moe_down_b(const ExpertMats* experts, const uint32_t* present, i
 #define MOE_B(WK, KN) \
     extern "C" __global__ void __launch_bounds__(128) moe_down_##KN##_b( \
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
-        const float* weights, int K, const float* h, float* out, int hidden) { PDL_START(); \
-        moe_down_b<WK>(experts, present, n_present, ids, weights, K, h, out, hidden); \
+        const float* weights, int K, const float* h, float* out, int hidden, Ffn f) { PDL_START(); \
+        moe_down_b<WK>(experts, present, n_present, ids, weights, K, h, out, hidden, f); \
     }
-MOE_B(K_GENERIC, generic) MOE_B(K_Q4, q4) MOE_B(K_Q8, q8) MOE_B(K_BF16, bf16)
+MOE_B(K_GENERIC, generic) MOE_B(K_Q4, q4) MOE_B(K_Q8, q8) MOE_B(K_BF16, bf16) MOE_B(K_MXFP4, mxfp4)
 
 #define MOE(WK, KN) \
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##KN( \
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
-        int K, const float* x, float* h) { PDL_START(); \
-        moe_gate_up<WK>(experts, present, n_present, ids, K, x, h); \
+        int K, const float* x, float* h, Ffn f) { PDL_START(); \
+        moe_gate_up<WK>(experts, present, n_present, ids, K, x, h, f); \
     }
-MOE(K_GENERIC, generic) MOE(K_Q4, q4) MOE(K_Q8, q8) MOE(K_BF16, bf16)
+MOE(K_GENERIC, generic) MOE(K_Q4, q4) MOE(K_Q8, q8) MOE(K_BF16, bf16) MOE(K_MXFP4, mxfp4)
 
 // ---- 4-bit decode MoE, every load of a warp in flight at once ----
 //
@@ -1943,7 +2089,7 @@ __device__ __forceinline__ float q4_dequant_dot(const uint32_t w[NW], float s, f
 // of gate and up for one pair, 16 columns per lane per step, each step's group as
 // s * sum(q x) + b * sum(x). Grid (inter / (2 warps), T * K).
 __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* present, int n_present,
-                                const uint32_t* ids, int K, const float* x, float* h) {
+                                const uint32_t* ids, int K, const float* x, float* h, Ffn f) {
     constexpr int CW = 16, NW = CW / 8, R = 2;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int pair = blockIdx.y;
@@ -1985,15 +2131,16 @@ __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* prese
 #pragma unroll
     for (int i = 0; i < R; i++) {
         const float gs = warp_sum(ag[i]), us = warp_sum(au[i]);
-        if (lane == 0 && r0 + i < g.rows) h[(long)pair * g.rows + r0 + i] = gs / (1.0f + expf(-gs)) * us;
+        if (lane == 0 && r0 + i < g.rows)
+            h[(long)pair * g.rows + r0 + i] = ffn_gate_up(f, ids[pair], g.rows, r0 + i, gs, us);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
-    const float* x, float* h) {
+    const float* x, float* h, Ffn f) {
     PDL_START();
-    moe_gate_up_q4w(experts, present, n_present, ids, K, x, h);
+    moe_gate_up_q4w(experts, present, n_present, ids, K, x, h, f);
 }
 
 // Rows per block of moe_down_q4_w.
@@ -2010,14 +2157,16 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
 // blockIdx.y; warp w the token's w-th, (w + W)-th, ... (expert, column slice) pair, the present
 // experts in ascending id (each warp ranks the experts itself, a lane per expert), every load of a
 // column step in flight together; the dots meet in shared memory, the slices of an expert are
-// added in order, and the experts weighted in ascending id, onto `out` when `accumulate`, else
-// from zero (bit-identical however the experts are split over calls).
+// added in order (then the expert's down bias, `f`), and the experts weighted in ascending id,
+// onto `out` when `accumulate`, else from zero (bit-identical however the experts are split over
+// calls).
 __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present, int n_present,
                              const uint32_t* ids, const float* weights, int K, const float* h,
-                             float* out, int hidden, int accumulate) {
+                             float* out, int hidden, int accumulate, Ffn f) {
     constexpr int CW = 8, NW = 1, R = MOE_DOWN_W_ROWS, NC = 3;
     __shared__ float dots[MOE_MAX_K * MOE_DOWN_W_SLICES][R];
     __shared__ float weight[MOE_MAX_K];
+    __shared__ uint32_t expert[MOE_MAX_K];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const long t = blockIdx.y;
     const long r0 = (long)blockIdx.x * R;
@@ -2052,6 +2201,7 @@ __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present,
         const int j = __ffs(__ballot_sync(FULL_MASK, here && rank == p)) - 1;
         const int sj = __shfl_sync(FULL_MASK, slot, j);
         const float wp = __shfl_sync(FULL_MASK, wj, j);
+        const uint32_t ep = __shfl_sync(FULL_MASK, e, j);
         const Mat d = experts[sj].down;
         const float* hp = h + (t * K + j) * (long)d.cols;
         const int groups_per_row = d.cols >> d.gshift;
@@ -2093,16 +2243,19 @@ __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present,
             const float v = warp_sum(dot[i]);
             if (lane == 0) dots[u][i] = v;
         }
-        if (lane == 0 && sl == 0) weight[p] = wp;
+        if (lane == 0 && sl == 0) {
+            weight[p] = wp;
+            expert[p] = ep;
+        }
     }
     __syncthreads();
     if (threadIdx.x < R && r0 + threadIdx.x < hidden) {
-        const long o = t * hidden + r0 + threadIdx.x;
+        const long r = r0 + threadIdx.x, o = t * hidden + r;
         float acc = accumulate ? out[o] : 0.0f;
         for (int p = 0; p < n; p++) {
             float dp = dots[p * S][threadIdx.x];
             for (int sl = 1; sl < S; sl++) dp += dots[p * S + sl][threadIdx.x];
-            acc = fmaf(weight[p], dp, acc);
+            acc = fmaf(weight[p], ffn_down(f, expert[p], hidden, r, dp), acc);
         }
         out[o] = acc;
     }
@@ -2110,9 +2263,9 @@ __device__ void moe_down_q4w(const ExpertMats* experts, const uint32_t* present,
 
 extern "C" __global__ void __launch_bounds__(256) moe_down_q4_w(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
     PDL_START();
-    moe_down_q4w(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
+    moe_down_q4w(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f);
 }
 
 // ---- grouped tensor-core MoE (prefill) ----
@@ -2198,11 +2351,13 @@ __device__ __forceinline__ void moe_tile_rows(const int* tiles, const int* sorte
     __syncthreads();
 }
 
-// h[pair] = silu(gate(x_t)) * up(x_t) for the pairs of each expert. Grid (inter / 64, tiles of 64
-// pairs: moe_group's map).
-template <int WK>
+// h[pair] = act(gate(x_t), up(x_t)) for the pairs of each expert: silu(gate) * up, or with FFN
+// ffn_gate_up (biases by the pair's expert id ids[pair], the activation `f` says; apart, so that
+// the registers of plain SwiGLU stay those of a block of four per multiprocessor). Grid
+// (inter / 64, tiles of 64 pairs: moe_group's map).
+template <int WK, bool FFN>
 __device__ void moe_gate_up_tc(const ExpertMats* experts, const int* tiles, const int* sorted,
-                               int K, const float* x, float* h) {
+                               int K, const float* x, float* h, const uint32_t* ids, Ffn f) {
     __shared__ TcTiles<2> s;
     __shared__ const float* rows[TC_BN];
     __shared__ int pair[TC_BN];
@@ -2223,7 +2378,8 @@ __device__ void moe_gate_up_tc(const ExpertMats* experts, const int* tiles, cons
                 const int p = pair[frag_token<2, 4, 2>(j, e)];
                 if (r < m[0].rows && p >= 0) {
                     const float g = acc[0][i][j][e], u = acc[1][i][j][e];
-                    h[(long)p * m[0].rows + r] = g / (1.0f + expf(-g)) * u;
+                    h[(long)p * m[0].rows + r] =
+                        FFN ? ffn_gate_up(f, ids[p], m[0].rows, r, g, u) : swiglu1(g, u);
                 }
             }
 }
@@ -2257,8 +2413,13 @@ __device__ void moe_down_tc(const ExpertMats* experts, const int* tiles, const i
 #define MOE_TC(WK, KN) \
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tc_##KN( \
         const ExpertMats* experts, const int* tiles, const int* sorted, int K, const float* x, \
-        float* h) { PDL_START(); \
-        moe_gate_up_tc<WK>(experts, tiles, sorted, K, x, h); \
+        float* h, const uint32_t* ids, Ffn f) { PDL_START(); \
+        moe_gate_up_tc<WK, false>(experts, tiles, sorted, K, x, h, ids, f); \
+    } \
+    extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tc_ffn_##KN( \
+        const ExpertMats* experts, const int* tiles, const int* sorted, int K, const float* x, \
+        float* h, const uint32_t* ids, Ffn f) { PDL_START(); \
+        moe_gate_up_tc<WK, true>(experts, tiles, sorted, K, x, h, ids, f); \
     } \
     extern "C" __global__ void __launch_bounds__(128) moe_down_tc_##KN( \
         const ExpertMats* experts, const int* tiles, const int* sorted, const float* h, \
@@ -2268,10 +2429,13 @@ __device__ void moe_down_tc(const ExpertMats* experts, const int* tiles, const i
 MOE_TC(K_GENERIC, generic)
 
 // Stores a tall MoE tile's results (acc as tq_tile's, warps 4 x 1): the value of row r0 + i for
-// pair p at out[p * stride + r0 + i], for rows below `rows` and real pairs.
+// pair p at out[p * stride + r0 + i], for rows below `rows` and real pairs; with `bias` (an
+// [experts, rows] bias by expert id), plus the bias of the pair's expert ids[p].
 template <int MI, int NJ>
 __device__ __forceinline__ void moe_store_tile(const float (&acc)[MI][NJ][4], long r0, long rows,
-                                               const int* pair, float* out, long stride) {
+                                               const int* pair, float* out, long stride,
+                                               const float* bias = nullptr,
+                                               const uint32_t* ids = nullptr) {
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
@@ -2280,7 +2444,11 @@ __device__ __forceinline__ void moe_store_tile(const float (&acc)[MI][NJ][4], lo
             for (int q = 0; q < 4; q++) {
                 const long r = r0 + frag_row<MI, NJ, 1>(i, q);
                 const int p = pair[frag_token<MI, NJ, 1>(j, q)];
-                if (r < rows && p >= 0) out[(long)p * stride + r] = acc[i][j][q];
+                if (r < rows && p >= 0) {
+                    float v = acc[i][j][q];
+                    if (bias != nullptr) v += bias[(long)ids[p] * rows + r];
+                    out[(long)p * stride + r] = v;
+                }
             }
 }
 
@@ -2288,11 +2456,12 @@ __device__ __forceinline__ void moe_store_tile(const float (&acc)[MI][NJ][4], lo
 // BM = 64 MI rows a block (warps 4 x 1: tall tiles, because an expert has few pairs, ~32 at 512
 // tokens, 128 experts, top 8). moe_gate_up_tq writes gate(x_t) and up(x_t) side by side, hg[pair]
 // = [gate | up] (grid (2 inter / BM, tiles of BN pairs): gate and up in different blocks keeps
-// the registers of one product); moe_down_tq computes d[pair] = down(silu(gate) * up) (grid
-// (hidden / BM, tiles)).
+// the registers of one product), each with its bias (`f`, by the pair's expert id ids[pair]);
+// moe_down_tq computes d[pair] = down(act(gate, up)) (ffn_act; grid (hidden / BM, tiles)).
 template <int WK, int MI, int NJ>
 __device__ void moe_gate_up_tq(const ExpertMats* experts, const int* tiles, const int* sorted,
-                               int K, const float* x, float* hg) {
+                               int K, const float* x, float* hg, const uint32_t* ids,
+                               Ffn f) {
     constexpr int BM = 64 * MI, BN = 8 * NJ;
     __shared__ TqTiles<1, BM, BN> s;
     __shared__ const float* rows[BN];
@@ -2307,12 +2476,13 @@ __device__ void moe_gate_up_tq(const ExpertMats* experts, const int* tiles, cons
     moe_tile_rows<BN>(tiles, sorted, K, x, m.cols, pair, rows);
     float acc[1][MI][NJ][4];
     tq_tile<WK, 1, MI, NJ, 4, 1>(&m, r0, rows, s, acc, 0, m.cols);
-    moe_store_tile<MI, NJ>(acc[0], r0, inter, pair, hg + (up ? inter : 0), 2 * inter);
+    moe_store_tile<MI, NJ>(acc[0], r0, inter, pair, hg + (up ? inter : 0), 2 * inter,
+                           up ? f.up_bias : f.gate_bias, ids);
 }
 
 template <int WK, int MI, int NJ>
 __device__ void moe_down_tq(const ExpertMats* experts, const int* tiles, const int* sorted,
-                            const float* hg, float* d) {
+                            const float* hg, float* d, Ffn f) {
     constexpr int BM = 64 * MI, BN = 8 * NJ;
     __shared__ TqTiles<1, BM, BN> s;
     __shared__ const float* rows[BN];
@@ -2323,30 +2493,32 @@ __device__ void moe_down_tq(const ExpertMats* experts, const int* tiles, const i
     const long r0 = (long)blockIdx.x * BM;
     moe_tile_rows<BN>(tiles, sorted, 1, hg, 2 * m.cols, pair, rows);
     float acc[1][MI][NJ][4];
-    tq_tile<WK, 1, MI, NJ, 4, 1, true>(&m, r0, rows, s, acc, 0, m.cols);
+    tq_tile<WK, 1, MI, NJ, 4, 1, true>(&m, r0, rows, s, acc, 0, m.cols, f);
     moe_store_tile<MI, NJ>(acc[0], r0, m.rows, pair, d, m.rows);
 }
 
 #define MOE_TQ(WK, KN, MI, NJ) \
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tq_##KN##_n##NJ( \
         const ExpertMats* experts, const int* tiles, const int* sorted, int K, const float* x, \
-        float* hg) { PDL_START(); \
-        moe_gate_up_tq<WK, MI, NJ>(experts, tiles, sorted, K, x, hg); \
+        float* hg, const uint32_t* ids, Ffn f) { PDL_START(); \
+        moe_gate_up_tq<WK, MI, NJ>(experts, tiles, sorted, K, x, hg, ids, f); \
     } \
     extern "C" __global__ void __launch_bounds__(128) moe_down_tq_##KN##_n##NJ( \
         const ExpertMats* experts, const int* tiles, const int* sorted, const float* hg, \
-        float* d) { PDL_START(); \
-        moe_down_tq<WK, MI, NJ>(experts, tiles, sorted, hg, d); \
+        float* d, Ffn f) { PDL_START(); \
+        moe_down_tq<WK, MI, NJ>(experts, tiles, sorted, hg, d, f); \
     }
 // NJ 4: 128 rows x 32 pairs; NJ 2: 256 rows x 16 pairs.
 MOE_TQ(K_Q4, q4, 2, 4) MOE_TQ(K_Q8, q8, 2, 4) MOE_TQ(K_BF16, bf16, 2, 4)
+MOE_TQ(K_MXFP4, mxfp4, 2, 4)
 MOE_TQ(K_Q4, q4, 4, 2) MOE_TQ(K_Q8, q8, 4, 2) MOE_TQ(K_BF16, bf16, 4, 2)
+MOE_TQ(K_MXFP4, mxfp4, 4, 2)
 
-// out[t] += sum_j weight_j * d[pair_j] over token t's present experts in ascending id (the order
-// moe_down adds in). Grid (T), 256 threads.
+// out[t] += sum_j weight_j * (d[pair_j] + the down bias of its expert, `f`) over token t's present
+// experts in ascending id (the order moe_down adds in). Grid (T), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* d, float* out, int hidden) {
+    const float* weights, int K, const float* d, float* out, int hidden, Ffn f) {
     PDL_START();
     __shared__ float weight[MOE_MAX_K];
     __shared__ int pair_of[MOE_MAX_K];
@@ -2357,7 +2529,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
     __syncthreads();
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
         float acc = out[t * hidden + c];
-        for (int j = 0; j < n; j++) acc = fmaf(weight[j], d[(long)pair_of[j] * hidden + c], acc);
+        for (int j = 0; j < n; j++) {
+            const long p = pair_of[j];
+            acc = fmaf(weight[j], ffn_down(f, ids[p], hidden, c, d[p * hidden + c]), acc);
+        }
         out[t * hidden + c] = acc;
     }
 }
@@ -2390,11 +2565,17 @@ __device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, f
 // Asks L2 for row r of m (codes or values, scales, biases): issued before a kernel waits for its
 // inputs, the weights arrive while the previous kernel finishes.
 __device__ __forceinline__ void prefetch_row(const Mat& m, long r) {
-    const bool affine = m.fmt == FMT_AFFINE;
-    const long row_bytes = affine ? (long)m.cols * m.bits / 8 : (long)m.cols * (m.fmt == FMT_F32 ? 4 : 2);
+    const bool affine = m.fmt == FMT_AFFINE, mxfp4 = m.fmt == FMT_MXFP4;
+    const long row_bytes = affine || mxfp4 ? (long)m.cols * m.bits / 8
+                                           : (long)m.cols * (m.fmt == FMT_F32 ? 4 : 2);
     const uint8_t* p = m.data + r * row_bytes;
     for (long o = threadIdx.x * 128L; o < row_bytes; o += blockDim.x * 128L)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+    if (mxfp4 && threadIdx.x == 0) {
+        const long bytes = m.cols >> m.gshift;
+        for (long o = 0; o < bytes; o += 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(m.scales + r * bytes + o));
+    }
     if (affine && threadIdx.x < 2) {
         const long bytes = (long)(m.cols >> m.gshift) * (m.sdt == SDT_F32 ? 4 : 2);
         const uint8_t* sp = (threadIdx.x == 0 ? m.scales : m.biases) + r * bytes;
@@ -2412,6 +2593,7 @@ __device__ __forceinline__ void prefetch_row(const Mat& m, long r) {
         route_gemv<K>(w, x, k, normalize, logits, done, ids, weights); \
     }
 ROUTE_GEMV(K_GENERIC, generic) ROUTE_GEMV(K_Q4, q4) ROUTE_GEMV(K_Q8, q8) ROUTE_GEMV(K_BF16, bf16)
+ROUTE_GEMV(K_MXFP4, mxfp4)
 
 // ------------------------------------------------------------------------------------------------
 // Gated DeltaNet
@@ -2915,7 +3097,7 @@ __device__ void gemv_multi(const MatSet& set, const float* x) {
     GEMV_MULTI(K, KN, 1) GEMV_MULTI(K, KN, 2) GEMV_MULTI(K, KN, 3) GEMV_MULTI(K, KN, 4) \
     GEMV_MULTI(K, KN, 5) GEMV_MULTI(K, KN, 6) GEMV_MULTI(K, KN, 7) GEMV_MULTI(K, KN, 8)
 GEMV_MULTI_ALL(K_GENERIC, generic) GEMV_MULTI_ALL(K_Q4, q4) GEMV_MULTI_ALL(K_Q8, q8)
-GEMV_MULTI_ALL(K_BF16, bf16)
+GEMV_MULTI_ALL(K_BF16, bf16) GEMV_MULTI_ALL(K_MXFP4, mxfp4)
 
 // ------------------------------------------------------------------------------------------------
 // One token's 4-bit products, spread over the columns (decode)
@@ -3039,12 +3221,13 @@ extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set,
 
 // The MoE's down projections of token blockIdx.y, SPREAD_ROWS output rows per block: the threads
 // j * G .. (j + 1) * G take the token's j-th routed expert (blockDim = K G), each SPREAD_ROWS rows
-// of 16 columns; the dots are added weighted in ascending expert id, onto `out` when
-// `accumulate`, else from zero (moe_down_q4_w's order: bit-identical however the experts are split
-// over calls).
+// of 16 columns; the dots (with their down biases, `f`) are added weighted in ascending expert id,
+// onto `out` when `accumulate`, else from zero (moe_down_q4_w's order: bit-identical however the
+// experts are split over calls).
 __device__ __forceinline__ void moe_down_q4s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate,
+    Ffn f) {
     constexpr int R = SPREAD_ROWS;
     __shared__ float part[R * 1024 / 8];
     __shared__ float dots[R][MOE_MAX_K];
@@ -3084,11 +3267,12 @@ __device__ __forceinline__ void moe_down_q4s(
     if (threadIdx.x < K * R) dots[threadIdx.x % R][threadIdx.x / R] = total;
     __syncthreads();
     if (threadIdx.x < R && r0 + threadIdx.x < hidden) {
-        const long o = t * hidden + r0 + threadIdx.x;
+        const long r = r0 + threadIdx.x, o = t * hidden + r;
         float a = accumulate ? out[o] : 0.0f;
         for (int p = 0; p < n; p++) {
             const int jj = order[p];
-            a = fmaf(weights[t * K + jj], dots[threadIdx.x][jj], a);
+            const float dot = ffn_down(f, ids[t * K + jj], hidden, r, dots[threadIdx.x][jj]);
+            a = fmaf(weights[t * K + jj], dot, a);
         }
         out[o] = a;
     }
@@ -3096,9 +3280,9 @@ __device__ __forceinline__ void moe_down_q4s(
 
 extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
     PDL_START();
-    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
+    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f);
 }
 
 // moe_down_q4_s for blocks of at most 384 threads, four to a multiprocessor (registers capped to
@@ -3106,9 +3290,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
 // of a wave of 132 x 3 and a partial second one.
 extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* h, float* out, int hidden, int accumulate) {
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
     PDL_START();
-    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate);
+    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f);
 }
 
 
@@ -3288,7 +3472,8 @@ extern "C" __global__ void __launch_bounds__(1024) host_split_join(
 // Words per shared tile row: 16 of data (64 codes) and 4 of padding (conflict-free fragments).
 #define IQ_LD 20
 
-// Rows of x ([n, cols], or with GLU [n, 2 cols] gate | up, quantizing silu(gate) * up) as 8-bit
+// Rows of x ([n, cols], or with GLU [n, 2 cols] gate | up of the MoE's pairs, quantizing their
+// activation with the biases of the row's expert ids[row] as `f` says, ffn_gate_up) as 8-bit
 // values q [n, cols] with, per 32 columns, the scale d and the sum of the unrounded values s
 // ([n, cols / 32] each). Eight threads per 32 columns. With `nibble_order`, each 32 columns are stored
 // in the order iq_tile reads 4-bit codes in: the even columns of each 8 first, then the odd
@@ -3297,7 +3482,8 @@ extern "C" __global__ void __launch_bounds__(1024) host_split_join(
 extern "C" __global__ void __launch_bounds__(256) quant_q8_rows(const float* x, long n, int cols,
                                                                 int glu, int nibble_order,
                                                                 signed char* q, float* d,
-                                                                float* s) {
+                                                                float* s, Ffn f,
+                                                                const uint32_t* ids) {
     PDL_START();
     // Eight threads per 32 columns, four consecutive values each.
     const int sub = threadIdx.x % 8;
@@ -3312,7 +3498,9 @@ extern "C" __global__ void __launch_bounds__(256) quant_q8_rows(const float* x, 
         const float4 u = *reinterpret_cast<const float4*>(x + row * 2 * cols + cols + c);
         const float gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-        for (int i = 0; i < 4; i++) v[i] = gs[i] / (1.0f + expf(-gs[i])) * us[i];
+        for (int i = 0; i < 4; i++)
+            v[i] = f.gate_bias != nullptr ? ffn_gate_up(f, ids[row], cols, c + i, gs[i], us[i])
+                                          : ffn_act(f, gs[i], us[i]);
     } else {
         const float4 a = *reinterpret_cast<const float4*>(x + row * cols + c);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
@@ -3570,8 +3758,8 @@ __device__ __forceinline__ void moe_tile_pairs(const int* tiles, const int* sort
 }
 
 // moe_gate_up_tq and moe_down_tq from 8-bit activations: gate_up writes hg[pair] = [gate | up]
-// from x's token rows; down writes d[pair] = down(h[pair]) from h quantized per pair (with
-// quant_q8_rows' GLU). Grids as theirs.
+// from x's token rows (their biases join in quant_q8_rows); down writes d[pair] = down(h[pair])
+// from h quantized per pair (with quant_q8_rows' GLU). Grids as theirs.
 template <int WK, int MI, int NJ>
 __device__ void moe_iq(const ExpertMats* experts, const int* tiles, const int* sorted, int K,
                        IqRows x, float* out, bool down) {

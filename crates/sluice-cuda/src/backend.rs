@@ -17,12 +17,12 @@ use sluice_cpu::{CpuBackend, Kernels};
 use crate::device::{grid, Arg, DevBuf, Device};
 use crate::expert_cache::SlotHold;
 use crate::host_compute::{
-    HostCompute, HostExperts, HostSplit, HostTally, JOIN_TIMEOUT_NS, MAX_PAIRS,
+    HostCompute, HostExperts, HostFfn, HostSplit, HostTally, JOIN_TIMEOUT_NS, MAX_PAIRS,
 };
 use crate::in_place::{InPlace, InPlaceLayer};
-use crate::kernels::{DECODE_HEAD_DIMS, INT8_KINDS};
+use crate::kernels::{DECODE_HEAD_DIMS, INT8_KINDS, KINDS};
 use crate::mat::{
-    describe, ExpertMats, KvRows, Mat, MatSet, Spread, KV_ROWS_MAX, MAT_SET_MAX, SPREAD_ROWS,
+    describe, ExpertMats, Ffn, KvRows, Mat, MatSet, Spread, KV_ROWS_MAX, MAT_SET_MAX, SPREAD_ROWS,
 };
 use crate::vram_experts::{
     device_address, is_pinned, size_slots, CudaPinner, PinnedRanges, Staged, VramExperts,
@@ -247,6 +247,8 @@ const FUSED_ROUTE_TOKENS: usize = 64;
 const ALL_DONE_COUNTER: usize = SPLIT_ATTENTION_PAIRS + FUSED_ROUTE_TOKENS;
 /// `Mat::kind` of 4-bit affine weights.
 const KIND_Q4: usize = 1;
+/// `Mat::kind` of mxfp4 weights.
+const KIND_MXFP4: usize = 4;
 /// The most threads a block of `moe_down_q4_s384` has (its launch bounds).
 pub(crate) const MOE_DOWN_S384: usize = 384;
 /// The most tokens whose MoE runs the decode kernels; more take the grouped (prefill) ones.
@@ -272,32 +274,73 @@ enum MoeOut {
     Fresh,
 }
 
+/// Sliding windows of this many positions or more attend to every position (the kernels count
+/// positions in i32).
+const MAX_WINDOW: usize = 1 << 30;
+
+/// An [`AttentionSpec`] as the attention kernels take it.
+#[derive(Debug, Clone, Copy)]
+struct Attn {
+    heads: usize,
+    scale: f32,
+    /// The sliding window, positions (0: none).
+    window: i32,
+    /// The device address of the sink logits, one per query head (0: none).
+    sinks: u64,
+}
+
+impl Attn {
+    fn of(spec: &AttentionSpec<'_, CudaVector>) -> Attn {
+        if let Some(s) = spec.sinks {
+            assert_eq!(s.len, spec.heads, "one attention sink per query head");
+        }
+        Attn {
+            heads: spec.heads,
+            scale: spec.scale,
+            window: match spec.window {
+                Some(w) if w < MAX_WINDOW => w.max(1) as i32,
+                _ => 0,
+            },
+            sinks: spec.sinks.map_or(0, |s| s.buf.ptr),
+        }
+    }
+
+    /// The kernels' last two arguments: the window and the sinks.
+    fn args(&self) -> [Arg; 2] {
+        [Arg::I32(self.window), Arg::Ptr(self.sinks)]
+    }
+}
+
+/// `ffn` as the MoE kernels take it, for experts of shapes `sample`, the biases (if any) of
+/// `0..experts` at least.
+fn ffn_of(ffn: &ExpertFfn<'_, CudaVector>, sample: &ExpertMats, experts: usize) -> Ffn {
+    let mut f = match ffn.activation {
+        Activation::Silu => Ffn::default(),
+        Activation::ClampedSwiglu { alpha, limit } => Ffn {
+            alpha,
+            limit,
+            clamped: 1,
+            ..Ffn::default()
+        },
+    };
+    if let Some(b) = ffn.biases {
+        let (inter, hidden) = (sample.gate.rows as usize, sample.down.rows as usize);
+        // The experts the three vectors cover.
+        let covered = (b.gate.len.min(b.up.len) / inter.max(1)).min(b.down.len / hidden.max(1));
+        assert!(
+            covered >= experts,
+            "expert biases of {}/{}/{} values for {experts} experts of [{inter}, {hidden}]",
+            b.gate.len,
+            b.up.len,
+            b.down.len
+        );
+        (f.gate_bias, f.up_bias, f.down_bias) = (b.gate.buf.ptr, b.up.buf.ptr, b.down.buf.ptr);
+        f.experts = covered.min(i32::MAX as usize) as i32;
+    }
+    f
+}
+
 impl CudaBackend {
-    /// Whether attention is of the kind the kernels run (no sliding window, no sinks yet);
-    /// otherwise the failure is recorded.
-    fn plain_attention(&self, spec: &AttentionSpec<'_, CudaVector>) -> bool {
-        let plain = spec.window.is_none() && spec.sinks.is_none();
-        if !plain {
-            self.d.record(BackendError::Unsupported(
-                "the CUDA backend has no sliding-window or attention-sink kernels yet".into(),
-            ));
-        }
-        plain
-    }
-
-    /// Whether routed experts compute as the kernels do (SwiGLU, no biases); otherwise the
-    /// failure is recorded.
-    fn plain_experts(&self, ffn: &ExpertFfn<'_, CudaVector>) -> bool {
-        let plain = ffn.activation == Activation::Silu && ffn.biases.is_none();
-        if !plain {
-            self.d.record(BackendError::Unsupported(
-                "the CUDA backend has no kernels for expert biases or the clamped SwiGLU yet"
-                    .into(),
-            ));
-        }
-        plain
-    }
-
     /// `e` described where the device reads it in host memory, when all of it is page-locked
     /// and mapped.
     fn mapped_mats(&self, e: &HostExpert) -> Result<Option<ExpertMats>, BackendError> {
@@ -367,16 +410,17 @@ impl CudaBackend {
         (self.fast_prefill && exact < INT8_KINDS.len()).then_some(exact)
     }
 
-    /// Quantizes `rows` rows of `cols` values at `x` (with `glu`, rows of `2 cols`, gate then up,
-    /// quantizing silu(gate) * up) to 8 bits per 32 columns, for the `INT8_KINDS` kernels of
-    /// `kind` (4-bit weights read the values in nibble order): the buffer, and the addresses of
-    /// the values, the scales and the sums in it.
+    /// Quantizes `rows` rows of `cols` values at `x` (with `glu`, the MoE's pairs: rows of
+    /// `2 cols`, gate then up, quantizing their activation with the biases of the pair's expert,
+    /// its id at the address given, as the [`Ffn`] says) to 8 bits per 32 columns, for the
+    /// `INT8_KINDS` kernels of `kind` (4-bit weights read the values in nibble order): the buffer,
+    /// and the addresses of the values, the scales and the sums in it.
     fn quantize_rows(
         &self,
         x: u64,
         rows: usize,
         cols: usize,
-        glu: bool,
+        glu: Option<(&Ffn, u64)>,
         kind: usize,
     ) -> Option<(DevBuf, [u64; 3])> {
         let values = (rows * cols).next_multiple_of(16);
@@ -398,11 +442,13 @@ impl CudaBackend {
                 Arg::Ptr(x),
                 Arg::I64(rows as i64),
                 Arg::I32(cols as i32),
-                Arg::I32(glu as i32),
+                Arg::I32(glu.is_some() as i32),
                 Arg::I32((INT8_KINDS[kind] == "q4") as i32),
                 Arg::Ptr(parts[0]),
                 Arg::Ptr(parts[1]),
                 Arg::Ptr(parts[2]),
+                Arg::Ffn(glu.map_or(Ffn::default(), |g| *g.0)),
+                Arg::Ptr(glu.map_or(0, |g| g.1)),
             ],
         );
         Some((buf, parts))
@@ -545,7 +591,7 @@ impl CudaBackend {
                 let mut _own = None;
                 let [xq, xd, xs] = match quantized {
                     Some(parts) => parts,
-                    None => match self.quantize_rows(x, tokens, cols, false, i) {
+                    None => match self.quantize_rows(x, tokens, cols, None, i) {
                         Some((buf, parts)) => {
                             _own = Some(buf);
                             parts
@@ -606,7 +652,8 @@ impl CudaBackend {
 
     /// Runs the MoE kernels over the routed pairs whose expert is described in `table` (all
     /// `slots` experts when `present` is `None`, else the `slots` ascending ids in `present`),
-    /// adding into `out`, or writing it when `out` is `Fresh` (its contents undefined).
+    /// each computing as `ffn` says, adding into `out`, or writing it when `out` is `Fresh` (its
+    /// contents undefined).
     #[allow(clippy::too_many_arguments)]
     fn moe_into(
         &self,
@@ -616,11 +663,28 @@ impl CudaBackend {
         present: Option<u64>,
         slots: usize,
         sample: &ExpertMats,
+        ffn: &Ffn,
         out: &CudaAct,
         into: MoeOut,
     ) {
         let inter = sample.gate.rows as usize;
         let kinds = sample.kinds();
+        // The kind-generic kernels read no mxfp4 weights (those have kernels of their own), and
+        // experts whose parts mix mxfp4 with another format would reach them.
+        let parts = [&sample.gate, &sample.up, &sample.down];
+        let exact = sample.exact_kinds();
+        if parts.iter().any(|m| m.kind() == KIND_MXFP4)
+            && (sample.gate.kind() != sample.up.kind() || exact.0.is_none() || exact.1.is_none())
+        {
+            self.d.record(BackendError::Unsupported(format!(
+                "experts of mxfp4 mixed with other formats (gate {}, up {}, down {}): the \
+                 CUDA kernels take gate and up of one format and every part with exact kernels",
+                KINDS[sample.gate.kind()],
+                KINDS[sample.up.kind()],
+                KINDS[sample.down.kind()]
+            )));
+            return;
+        }
         let (Some(xp), Some(op), Some(ids), Some(weights)) =
             (x.ptr(), out.ptr(), &routing.ids, &routing.weights)
         else {
@@ -649,6 +713,7 @@ impl CudaBackend {
                 (present_ptr, n_present),
                 slots,
                 sample,
+                ffn,
                 out,
             );
             return;
@@ -665,6 +730,7 @@ impl CudaBackend {
             Arg::I32(routing.k as i32),
             Arg::Ptr(xp),
             Arg::Ptr(h.ptr),
+            Arg::Ffn(*ffn),
         ];
         if q4_gate_up {
             // 4 warps of 2 rows each.
@@ -682,19 +748,25 @@ impl CudaBackend {
                 &gate_up_args,
             );
         }
-        // The 4-bit kernel takes one more argument: whether to add onto `out`.
-        let down_args = [
-            Arg::Ptr(table),
-            Arg::Ptr(present_ptr),
-            Arg::I32(n_present),
-            Arg::Ptr(ids.ptr),
-            Arg::Ptr(weights.ptr),
-            Arg::I32(routing.k as i32),
-            Arg::Ptr(h.ptr),
-            Arg::Ptr(op),
-            Arg::I32(x.cols as i32),
-            Arg::I32((into == MoeOut::Add) as i32),
-        ];
+        // The 4-bit kernels take one more argument before `ffn`: whether to add onto `out`.
+        let down_args = |q4: bool| {
+            let mut args = vec![
+                Arg::Ptr(table),
+                Arg::Ptr(present_ptr),
+                Arg::I32(n_present),
+                Arg::Ptr(ids.ptr),
+                Arg::Ptr(weights.ptr),
+                Arg::I32(routing.k as i32),
+                Arg::Ptr(h.ptr),
+                Arg::Ptr(op),
+                Arg::I32(x.cols as i32),
+            ];
+            if q4 {
+                args.push(Arg::I32((into == MoeOut::Add) as i32));
+            }
+            args.push(Arg::Ffn(*ffn));
+            args
+        };
         // A block of K x (inter / 16) threads per 4 output rows, in whole warps.
         let spread_down = sample
             .down
@@ -713,7 +785,7 @@ impl CudaBackend {
                 },
                 (grid(x.cols, SPREAD_ROWS), routing.rows as u32, 1),
                 (block as u32, 1, 1),
-                &down_args,
+                &down_args(true),
             );
         } else if q4_down {
             // A warp per (expert, column slice): eight warps where there are eight such pairs.
@@ -725,7 +797,7 @@ impl CudaBackend {
                 &k.moe_down_q4_w,
                 (grid(x.cols, MOE_DOWN_W_ROWS), routing.rows as u32, 1),
                 (threads, 1, 1),
-                &down_args,
+                &down_args(true),
             );
         } else {
             // Measured on an H100 (Qwen3-30B-A3B shape): a block per output row wins for the
@@ -734,7 +806,7 @@ impl CudaBackend {
                 &k.moe_down_b[kinds.1],
                 (x.cols as u32, routing.rows as u32, 1),
                 (128, 1, 1),
-                &down_args[..9],
+                &down_args(false),
             );
         }
     }
@@ -749,6 +821,7 @@ impl CudaBackend {
         mut words: Vec<u32>,
         ids: &[u32],
         sample: &ExpertMats,
+        ffn: &Ffn,
         out: &CudaAct,
         into: MoeOut,
     ) -> Result<(), BackendError> {
@@ -762,6 +835,7 @@ impl CudaBackend {
             Some(both.ptr + table_bytes as u64),
             ids.len(),
             sample,
+            ffn,
             out,
             into,
         );
@@ -780,6 +854,7 @@ impl CudaBackend {
         experts: &CudaExperts,
         layer: &Arc<InPlaceLayer>,
         ids: &DevBuf,
+        ffn: &Ffn,
     ) -> Option<CudaAct> {
         let mut in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
         if !in_place.stages(layer) {
@@ -797,7 +872,7 @@ impl CudaBackend {
             for (i, run) in runs.iter().enumerate() {
                 let words = in_place.stage(&self.d, layer, run, &pairs, &current)?;
                 let into = if i == 0 { MoeOut::Fresh } else { MoeOut::Add };
-                self.moe_present(x, routing, words, run, &experts.sample, &out, into)?;
+                self.moe_present(x, routing, words, run, &experts.sample, ffn, &out, into)?;
             }
             if runs.is_empty() {
                 if let Some(b) = &out.buf {
@@ -816,14 +891,17 @@ impl CudaBackend {
     /// computing some of the routed experts that no VRAM slot holds while the device computes
     /// the rest (see `host_compute`): `host_split_plan` picks the host's experts on the device
     /// and hands them over through the mailbox, the MoE kernels skip them, `host_split_join`
-    /// adds the host's sum. No synchronisation. `None`: not here (no split asked for, or a call
-    /// larger than the mailbox).
+    /// adds the host's sum. No synchronisation (but once per layer where the experts have
+    /// biases: the host's copies of them are read back then). `None`: not here (no split asked
+    /// for, or a call larger than the mailbox). Both sides compute as `ffn` says (`desc`: its
+    /// kernels' description).
     fn moe_beside_host(
         &self,
         x: &CudaAct,
         routing: &CudaRouting,
         experts: &CudaExperts,
         layer: &Arc<InPlaceLayer>,
+        (ffn, desc): (&ExpertFfn<'_, CudaVector>, &Ffn),
     ) -> Option<CudaAct> {
         if self.host_mode == HostCompute::Off {
             return None;
@@ -879,6 +957,34 @@ impl CudaBackend {
             return Some(self.poisoned(x.rows, x.cols));
         }
         host.register(layer);
+        // The worker computes as the device does: the activation, and host copies of the biases
+        // (read back once per layer).
+        let from = ffn.biases.map_or((0, 0, 0), |b| {
+            (b.gate.buf.ptr, b.up.buf.ptr, b.down.buf.ptr)
+        });
+        if !host.has_ffn(layer.id(), ffn.activation, from) {
+            let biases = match ffn.biases {
+                None => None,
+                Some(b) => {
+                    let read = |v: &CudaVector| self.vector_to_host(v);
+                    match (read(&b.gate), read(&b.up), read(&b.down)) {
+                        (Ok(gate), Ok(up), Ok(down)) => Some(FfnWeights { gate, up, down }),
+                        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+                            self.d.record(e);
+                            return Some(self.poisoned(x.rows, x.cols));
+                        }
+                    }
+                }
+            };
+            host.set_ffn(
+                layer.id(),
+                HostFfn {
+                    activation: ffn.activation,
+                    biases,
+                    from,
+                },
+            );
+        }
         let (lo, hi) = self
             .in_place
             .lock()
@@ -923,6 +1029,7 @@ impl CudaBackend {
             None,
             experts.count,
             &experts.sample,
+            desc,
             &out,
             MoeOut::Fresh,
         );
@@ -946,7 +1053,8 @@ impl CudaBackend {
 
     /// The MoE of many tokens: pairs grouped by expert on the device, then per expert tensor-core
     /// products over its pairs (each expert's weights read once per tile of 16-64 pairs), then the weighted
-    /// sum per token in ascending expert id (the order of the few-token kernels).
+    /// sum per token in ascending expert id (the order of the few-token kernels); biases and the
+    /// activation as `ffn` says.
     #[allow(clippy::too_many_arguments)]
     fn moe_grouped(
         &self,
@@ -956,6 +1064,7 @@ impl CudaBackend {
         (present_ptr, n_present): (u64, i32),
         slots: usize,
         sample: &ExpertMats,
+        ffn: &Ffn,
         out: &CudaAct,
     ) {
         let (Some(xp), Some(op), Some(ids)) = (x.ptr(), out.ptr(), &routing.ids) else {
@@ -964,8 +1073,10 @@ impl CudaBackend {
         let pairs = routing.rows * routing.k;
         let (hidden, inter) = (x.cols, sample.gate.rows as usize);
         // The exact-weight kernels when gate/up and down all take them (they keep gate and up
-        // apart, [pairs, 2 inter], and the down kernel applies SwiGLU); else the 3xTF32 kernels
-        // (64 x 64 tiles), whose gate/up kernel writes silu(gate) * up, [pairs, inter].
+        // apart, [pairs, 2 inter], with their biases, and the down kernel applies the
+        // activation; the 8-bit-activation ones add the biases where they quantize the
+        // activation); else the 3xTF32 kernels (64 x 64 tiles), whose gate/up kernel writes the
+        // activation, [pairs, inter]. The down biases join in `moe_combine`.
         let exact = match sample.exact_kinds() {
             (Some(g), Some(d)) => Some((g, d)),
             _ => None,
@@ -1024,7 +1135,7 @@ impl CudaBackend {
         );
         let (n_tiles, tiles_z) = (tiles_y as u32, tiles_z as u32);
         if let Some((g, dk)) = int8 {
-            let Some((_xq, [xq, xd, xs])) = self.quantize_rows(xp, routing.rows, hidden, false, g)
+            let Some((_xq, [xq, xd, xs])) = self.quantize_rows(xp, routing.rows, hidden, None, g)
             else {
                 return;
             };
@@ -1043,7 +1154,8 @@ impl CudaBackend {
                     Arg::Ptr(h.ptr),
                 ],
             );
-            let Some((_hq, [hq, hd, hs])) = self.quantize_rows(h.ptr, pairs, inter, true, dk)
+            let Some((_hq, [hq, hd, hs])) =
+                self.quantize_rows(h.ptr, pairs, inter, Some((ffn, ids.ptr)), dk)
             else {
                 return;
             };
@@ -1061,7 +1173,15 @@ impl CudaBackend {
                     Arg::Ptr(d.ptr),
                 ],
             );
-            self.moe_combine(routing, table, (present_ptr, n_present), d.ptr, op, hidden);
+            self.moe_combine(
+                routing,
+                table,
+                (present_ptr, n_present),
+                ffn,
+                d.ptr,
+                op,
+                hidden,
+            );
             return;
         }
         let (gate_up, down, gate_up_grid_x) = match exact {
@@ -1070,7 +1190,8 @@ impl CudaBackend {
                 &k.moe_down_tq[tile][d],
                 2 * grid(inter, rows_per_tile),
             ),
-            None => (&k.moe_gate_up_tc, &k.moe_down_tc, grid(inter, 64)),
+            None if ffn.is_plain() => (&k.moe_gate_up_tc, &k.moe_down_tc, grid(inter, 64)),
+            None => (&k.moe_gate_up_tc_ffn, &k.moe_down_tc, grid(inter, 64)),
         };
         self.d.launch(
             gate_up,
@@ -1083,29 +1204,48 @@ impl CudaBackend {
                 Arg::I32(routing.k as i32),
                 Arg::Ptr(xp),
                 Arg::Ptr(h.ptr),
+                Arg::Ptr(ids.ptr),
+                Arg::Ffn(*ffn),
             ],
         );
+        // The exact kernel applies the activation to its input ([gate | up]); the 3xTF32 one
+        // reads it applied.
+        let mut down_args = vec![
+            Arg::Ptr(table),
+            Arg::Ptr(tiles),
+            Arg::Ptr(sorted),
+            Arg::Ptr(h.ptr),
+            Arg::Ptr(d.ptr),
+        ];
+        if exact.is_some() {
+            down_args.push(Arg::Ffn(*ffn));
+        }
         self.d.launch(
             down,
             (grid(hidden, rows_per_tile), n_tiles, tiles_z),
             (128, 1, 1),
-            &[
-                Arg::Ptr(table),
-                Arg::Ptr(tiles),
-                Arg::Ptr(sorted),
-                Arg::Ptr(h.ptr),
-                Arg::Ptr(d.ptr),
-            ],
+            &down_args,
         );
-        self.moe_combine(routing, table, (present_ptr, n_present), d.ptr, op, hidden);
+        self.moe_combine(
+            routing,
+            table,
+            (present_ptr, n_present),
+            ffn,
+            d.ptr,
+            op,
+            hidden,
+        );
     }
 
-    /// out[t] += the routing-weighted down outputs `d` of token t's pairs, in ascending expert id.
+    /// out[t] += the routing-weighted down outputs `d` of token t's pairs (with their experts'
+    /// down biases, `ffn`), in ascending expert id.
+    #[allow(clippy::too_many_arguments)]
     fn moe_combine(
         &self,
         routing: &CudaRouting,
         table: u64,
         (present_ptr, n_present): (u64, i32),
+        ffn: &Ffn,
         d: u64,
         out: u64,
         hidden: usize,
@@ -1127,6 +1267,7 @@ impl CudaBackend {
                 Arg::Ptr(d),
                 Arg::Ptr(out),
                 Arg::I32(hidden as i32),
+                Arg::Ffn(*ffn),
             ],
         );
     }
@@ -1171,17 +1312,17 @@ impl CudaBackend {
     }
 
     /// Causal grouped-query attention of `q` (the queries of the cache's last `q.rows`
-    /// positions, already appended) over everything cached. With `device_len` (the cache's
-    /// length on the device before those rows; split decode only) the kernel reads the length
-    /// there and advances it.
+    /// positions, already appended) over what is cached, as `attn` says (each row within its
+    /// window, the sinks in its softmax). With `device_len` (the cache's length on the device
+    /// before those rows; split decode only) the kernel reads the length there and advances it.
     fn attend(
         &self,
         q: &CudaAct,
         cache: &CudaKvCache,
-        heads: usize,
-        scale: f32,
+        attn: Attn,
         device_len: Option<u64>,
     ) -> CudaAct {
+        let (heads, scale) = (attn.heads, attn.scale);
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         let rows = q.rows;
         let total = cache.len;
@@ -1214,6 +1355,7 @@ impl CudaBackend {
         if plan.is_none() {
             let which = usize::from(hd == 128);
             // Prefill: 64 query rows of one kv head per block, keys and values shared.
+            let [window, sinks] = attn.args();
             self.d.launch(
                 &self.d.k.attention_tiles[which],
                 (kvh as u32, grid(rows, 64 / group), 1),
@@ -1228,6 +1370,8 @@ impl CudaBackend {
                     Arg::I32(total as i32),
                     Arg::I32(rows as i32),
                     Arg::F32(scale),
+                    window,
+                    sinks,
                 ],
             );
         } else {
@@ -1241,67 +1385,74 @@ impl CudaBackend {
             match self.decode_kernel(hd).filter(|_| splits > 1) {
                 Some(kernel) => self.launch_attention_decode(
                     kernel,
-                    (heads, rows, splits),
+                    (rows, splits),
                     qp,
                     None,
                     cache,
                     o,
                     total,
-                    scale,
+                    attn,
                     (partial, done),
                     (device_len.unwrap_or(0), all_done),
                 ),
-                None => self.d.launch(
-                    match hd > MAX_HEAD_DIM {
-                        true => &self.d.k.attention_wide,
-                        false => &self.d.k.attention,
-                    },
-                    (heads as u32, rows as u32, splits as u32),
-                    (128, 1, 1),
-                    &[
-                        Arg::Ptr(qp),
-                        Arg::Ptr(keys.ptr),
-                        Arg::Ptr(values.ptr),
-                        Arg::Ptr(o),
-                        Arg::I32(heads as i32),
-                        Arg::I32(kvh as i32),
-                        Arg::I32(hd as i32),
-                        Arg::I32(total),
-                        Arg::I32(rows as i32),
-                        Arg::F32(scale),
-                        Arg::Ptr(partial),
-                        Arg::Ptr(done),
-                        Arg::Ptr(device_len.unwrap_or(0)),
-                        Arg::Ptr(all_done),
-                    ],
-                ),
+                None => {
+                    let [window, sinks] = attn.args();
+                    self.d.launch(
+                        match hd > MAX_HEAD_DIM {
+                            true => &self.d.k.attention_wide,
+                            false => &self.d.k.attention,
+                        },
+                        (heads as u32, rows as u32, splits as u32),
+                        (128, 1, 1),
+                        &[
+                            Arg::Ptr(qp),
+                            Arg::Ptr(keys.ptr),
+                            Arg::Ptr(values.ptr),
+                            Arg::Ptr(o),
+                            Arg::I32(heads as i32),
+                            Arg::I32(kvh as i32),
+                            Arg::I32(hd as i32),
+                            Arg::I32(total),
+                            Arg::I32(rows as i32),
+                            Arg::F32(scale),
+                            Arg::Ptr(partial),
+                            Arg::Ptr(done),
+                            Arg::Ptr(device_len.unwrap_or(0)),
+                            Arg::Ptr(all_done),
+                            window,
+                            sinks,
+                        ],
+                    )
+                }
             }
         }
         out
     }
 
     /// Runs `attention_decode` (`kernel`, from `decode_kernel`) for `rows` queries at `q` over
-    /// `cache` into `out`, its positions split over `splits` blocks per (head, row); with a
-    /// `prelude` q is raw and the kernel normalises and rotates it, and the new key and value
-    /// (one row), writing them into the cache. `total`, `partial`/`done` and the device length
-    /// with its counter as the `attention` kernel takes them.
+    /// `cache` into `out`, as `attn` says, its positions split over `splits` blocks per (head,
+    /// row); with a `prelude` q is raw and the kernel normalises and rotates it, and the new key
+    /// and value (one row), writing them into the cache. `total`, `partial`/`done` and the device
+    /// length with its counter as the `attention` kernel takes them.
     #[allow(clippy::too_many_arguments)]
     fn launch_attention_decode(
         &self,
         kernel: &CudaFunction,
-        (heads, rows, splits): (usize, usize, usize),
+        (rows, splits): (usize, usize),
         q: u64,
         prelude: Option<Prelude>,
         cache: &CudaKvCache,
         out: u64,
         total: i32,
-        scale: f32,
+        attn: Attn,
         (partial, done): (u64, u64),
         (device_len, all_done): (u64, u64),
     ) {
         let (Some(keys), Some(values)) = (&cache.keys, &cache.values) else {
             return;
         };
+        let (heads, scale) = (attn.heads, attn.scale);
+        let [window, sinks] = attn.args();
         let p = prelude.unwrap_or_default();
         self.d.launch(
             kernel,
@@ -1328,6 +1479,8 @@ impl CudaBackend {
                 Arg::Ptr(done),
                 Arg::Ptr(device_len),
                 Arg::Ptr(all_done),
+                window,
+                sinks,
             ],
         );
     }
@@ -1344,9 +1497,9 @@ impl CudaBackend {
         eps: f32,
         rope: Rope,
         cache: &mut CudaKvCache,
-        heads: usize,
-        scale: f32,
+        attn: Attn,
     ) -> Option<bool> {
+        let heads = attn.heads;
         let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         let splits = Self::attend_plan(1, heads, kvh, hd).filter(|&s| s > 1)?;
@@ -1375,13 +1528,13 @@ impl CudaBackend {
         };
         self.launch_attention_decode(
             kernel,
-            (heads, 1, splits),
+            (1, splits),
             qp,
             Some(prelude),
             cache,
             o,
             (if device_len.is_some() { 1 } else { first + 1 }) as i32,
-            scale,
+            attn,
             (partial.ptr, done.ptr),
             (
                 device_len.unwrap_or(0),
@@ -1397,7 +1550,8 @@ impl CudaBackend {
 
     /// One token of each request of `caches` (at most `KV_ROWS_MAX`, whose shapes
     /// `attention_rope_token` takes) in one launch: request `r`'s rows of q, k, v and out at the
-    /// pointers, attending through its own cache. False after a failure (recorded).
+    /// pointers, attending through its own cache, as `attn` says. False after a failure
+    /// (recorded).
     #[allow(clippy::too_many_arguments)]
     fn attention_rows(
         &self,
@@ -1406,9 +1560,9 @@ impl CudaBackend {
         eps: f32,
         rope: Rope,
         caches: &mut [&mut CudaKvCache],
-        heads: usize,
-        scale: f32,
+        attn: Attn,
     ) -> bool {
+        let (heads, scale) = (attn.heads, attn.scale);
         let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (caches[0].head_dim, caches[0].kv_heads);
         let (Some(splits), Some(kernel)) = (
@@ -1440,6 +1594,7 @@ impl CudaBackend {
             };
         }
         let n = caches.len();
+        let [window, sinks] = attn.args();
         let (Some(freq), Some(partial), Some(done)) = (
             self.rotary_frequencies(rope),
             self.d
@@ -1469,6 +1624,8 @@ impl CudaBackend {
                 Arg::Ptr(partial.ptr),
                 Arg::Ptr(done.ptr),
                 Arg::Ptr(done.ptr + 4 * ALL_DONE_COUNTER as u64),
+                window,
+                sinks,
             ],
         );
         for cache in caches.iter_mut() {
@@ -1986,7 +2143,7 @@ impl Backend for CudaBackend {
                 .flatten();
             if let (Some(i), Some(xp), true) = (int8, x.ptr(), x.rows > 8) {
                 if weights.iter().all(|w| w.mat.cols as usize == x.cols) {
-                    if let Some((_q, parts)) = self.quantize_rows(xp, x.rows, x.cols, false, i) {
+                    if let Some((_q, parts)) = self.quantize_rows(xp, x.rows, x.cols, None, i) {
                         return weights.map(|w| {
                             let out = self.act(x.rows, w.mat.rows as usize);
                             if let Some(o) = out.ptr() {
@@ -2264,10 +2421,8 @@ impl Backend for CudaBackend {
         cache: &mut CudaKvCache,
         spec: AttentionSpec<'_, CudaVector>,
     ) -> CudaAct {
-        let (heads, scale) = (spec.heads, spec.scale);
-        if !self.plain_attention(&spec) {
-            return self.poisoned(q.rows, q.cols);
-        }
+        let attn = Attn::of(&spec);
+        let heads = attn.heads;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         assert_eq!((k.cols, v.cols, q.cols), (kvh * hd, kvh * hd, heads * hd));
         assert!(heads.is_multiple_of(kvh));
@@ -2297,7 +2452,7 @@ impl Backend for CudaBackend {
             );
         }
         cache.len = total;
-        self.attend(q, cache, heads, scale, None)
+        self.attend(q, cache, attn, None)
     }
 
     fn attention_rope(
@@ -2311,32 +2466,22 @@ impl Backend for CudaBackend {
         cache: &mut CudaKvCache,
         spec: AttentionSpec<'_, CudaVector>,
     ) -> CudaAct {
-        let (heads, scale) = (spec.heads, spec.scale);
-        if !self.plain_attention(&spec) {
-            return self.poisoned(q.rows, q.cols);
-        }
+        let attn = Attn::of(&spec);
+        let heads = attn.heads;
         let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         // The fused kernels normalise q and k; attention without the norms runs op by op.
         let fused = norms.filter(|&n| rope_fuses((q, k, v), n, rope, cache, heads));
         let Some(norms) = fused else {
             let (q, k) = sluice_backend::norm_rope_qk(self, q, k, norms, eps, rope, cache.len);
-            return self.attention(&q, &k, v, cache, AttentionSpec::new(heads, scale));
+            return self.attention(&q, &k, v, cache, spec);
         };
         // One token: the norms, rotations and cache writes inside the attention kernel.
         if q.rows == 1 {
             let out = self.act(1, q.cols);
             if let (Some(qp), Some(kp), Some(vp), Some(o)) = (q.ptr(), k.ptr(), v.ptr(), out.ptr())
             {
-                match self.attention_rope_token(
-                    (qp, kp, vp, o),
-                    norms,
-                    eps,
-                    rope,
-                    cache,
-                    heads,
-                    scale,
-                ) {
+                match self.attention_rope_token((qp, kp, vp, o), norms, eps, rope, cache, attn) {
                     Some(true) => return out,
                     Some(false) => return self.poisoned(1, q.cols),
                     None => {}
@@ -2389,7 +2534,7 @@ impl Backend for CudaBackend {
             );
         }
         cache.len = first + rows;
-        let out = self.attend(&q_rot, cache, heads, scale, device_len);
+        let out = self.attend(&q_rot, cache, attn, device_len);
         if device_len.is_some() {
             cache.device_len_value = Some(cache.len);
         }
@@ -2408,10 +2553,8 @@ impl Backend for CudaBackend {
         rows: &[usize],
         spec: AttentionSpec<'_, CudaVector>,
     ) -> CudaAct {
-        let (heads, scale) = (spec.heads, spec.scale);
-        if !self.plain_attention(&spec) {
-            return self.poisoned(q.rows, q.cols);
-        }
+        let attn = Attn::of(&spec);
+        let heads = attn.heads;
         // Requests decoding a token each: every token attends where its rows are, through its
         // own cache, with no rows cut out or stacked (those copies were 31% of an 8-request
         // step's GPU time, Qwen3-30B-A3B shape).
@@ -2428,16 +2571,7 @@ impl Backend for CudaBackend {
         });
         let Some(norms) = in_place else {
             return sluice_backend::attention_rope_by_parts(
-                self,
-                q,
-                k,
-                v,
-                norms,
-                eps,
-                rope,
-                caches,
-                rows,
-                AttentionSpec::new(heads, scale),
+                self, q, k, v, norms, eps, rope, caches, rows, spec,
             );
         };
         let out = self.act(q.rows, q.cols);
@@ -2445,15 +2579,7 @@ impl Backend for CudaBackend {
             return self.poisoned(q.rows, q.cols);
         };
         if rows.len() <= KV_ROWS_MAX && rows.len() * heads <= SPLIT_ATTENTION_PAIRS {
-            return match self.attention_rows(
-                (qp, kp, vp, o),
-                norms,
-                eps,
-                rope,
-                caches,
-                heads,
-                scale,
-            ) {
+            return match self.attention_rows((qp, kp, vp, o), norms, eps, rope, caches, attn) {
                 true => out,
                 false => self.poisoned(q.rows, q.cols),
             };
@@ -2466,8 +2592,7 @@ impl Backend for CudaBackend {
                 row(vp, v.cols),
                 row(o, q.cols),
             );
-            if self.attention_rope_token(ptrs, norms, eps, rope, cache, heads, scale) != Some(true)
-            {
+            if self.attention_rope_token(ptrs, norms, eps, rope, cache, attn) != Some(true) {
                 return self.poisoned(q.rows, q.cols);
             }
         }
@@ -2865,9 +2990,7 @@ impl Backend for CudaBackend {
         experts: &CudaExperts,
         ffn: ExpertFfn<'_, CudaVector>,
     ) -> CudaAct {
-        if !self.plain_experts(&ffn) {
-            return self.poisoned(x.rows, x.cols);
-        }
+        let desc = ffn_of(&ffn, &experts.sample, experts.count);
         if let (Some(layer), Some(ids)) = (&experts.in_place, &routing.ids) {
             let mut in_place = self.in_place.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = in_place.before_call(&self.d, layer, ids.ptr, routing.rows * routing.k)
@@ -2876,9 +2999,9 @@ impl Backend for CudaBackend {
             }
             drop(in_place);
             let call = if routing.rows > MOE_DECODE_ROWS {
-                self.moe_staged(x, routing, experts, layer, ids)
+                self.moe_staged(x, routing, experts, layer, ids, &desc)
             } else {
-                self.moe_beside_host(x, routing, experts, layer)
+                self.moe_beside_host(x, routing, experts, layer, (&ffn, &desc))
             };
             if let Some(out) = call {
                 return out;
@@ -2892,6 +3015,7 @@ impl Backend for CudaBackend {
             None,
             experts.count,
             &experts.sample,
+            &desc,
             &out,
             MoeOut::Fresh,
         );
@@ -2906,15 +3030,11 @@ impl Backend for CudaBackend {
         ffn: ExpertFfn<'_, CudaVector>,
         out: &mut CudaAct,
     ) {
-        if !self.plain_experts(&ffn) {
-            out.buf = None;
-            return;
-        }
         assert!(
             experts.windows(2).all(|w| w[0].0 < w[1].0),
             "ascending expert ids"
         );
-        let Some(first) = experts.first() else {
+        let (Some(first), Some(last)) = (experts.first(), experts.last()) else {
             return;
         };
         let mut words: Vec<u32> = Vec::with_capacity(experts.len() * (ExpertMats::WORDS + 1));
@@ -2923,7 +3043,10 @@ impl Backend for CudaBackend {
         }
         let ids: Vec<u32> = experts.iter().map(|e| e.0).collect();
         let sample = first.1.mats;
-        if let Err(e) = self.moe_present(x, routing, words, &ids, &sample, out, MoeOut::Add) {
+        // The biases of every expert up to the last id here.
+        let desc = ffn_of(&ffn, &sample, last.0 as usize + 1);
+        if let Err(e) = self.moe_present(x, routing, words, &ids, &sample, &desc, out, MoeOut::Add)
+        {
             self.d.record(e);
             out.buf = None;
         }

@@ -13,7 +13,7 @@ use sluice_backend::{BackendError, MemoryInfo};
 
 use crate::graph::{Flushed, Graphs, Launch};
 use crate::kernels::Kernels;
-use crate::mat::{KvRows, Mat, MatSet};
+use crate::mat::{Ffn, KvRows, Mat, MatSet};
 
 /// Freed device memory kept for reuse, by size. Everything runs on one stream, so a buffer
 /// dropped on the host may be handed to the next allocation at once: the kernels that used it
@@ -85,6 +85,8 @@ pub(crate) enum Arg {
     MatSet(Box<MatSet>),
     /// Boxed likewise (`struct KvRows`).
     KvRows(Box<KvRows>),
+    /// How routed experts compute (`struct Ffn`).
+    Ffn(Ffn),
 }
 
 impl PartialEq for Arg {
@@ -99,6 +101,7 @@ impl PartialEq for Arg {
             (Arg::Ids(a), Arg::Ids(b)) => a == b,
             (Arg::MatSet(a), Arg::MatSet(b)) => a == b,
             (Arg::KvRows(a), Arg::KvRows(b)) => a == b,
+            (Arg::Ffn(a), Arg::Ffn(b)) => a == b,
             _ => false,
         }
     }
@@ -116,6 +119,7 @@ impl Arg {
             Arg::Ids(v) => v as *const [u32; 8] as *mut c_void,
             Arg::MatSet(v) => &**v as *const MatSet as *mut c_void,
             Arg::KvRows(v) => &**v as *const KvRows as *mut c_void,
+            Arg::Ffn(v) => v as *const Ffn as *mut c_void,
         }
     }
 }

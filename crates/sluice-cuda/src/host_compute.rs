@@ -28,7 +28,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use sluice_backend::{Backend, BackendError, ExpertFfn, HostExpert, HostRouting};
+use sluice_backend::{
+    Activation, Backend, BackendError, ExpertFfn, FfnWeights, HostExpert, HostRouting,
+};
 use sluice_cpu::{CpuAct, CpuBackend};
 
 use crate::device::{DevBuf, Device};
@@ -249,6 +251,16 @@ pub(crate) struct HostTally {
     pub secs: f64,
 }
 
+/// How one layer's experts compute on the host ([`ExpertFfn`] with host copies of the biases),
+/// as the device computes them.
+pub(crate) struct HostFfn {
+    pub activation: Activation,
+    pub biases: Option<FfnWeights<Vec<f32>>>,
+    /// The device addresses of the biases copied (gate, up, down; 0 without): what tells a
+    /// layer's current biases from others.
+    pub from: (u64, u64, u64),
+}
+
 /// State the backend and the worker thread share.
 struct Shared {
     mailbox: Mailbox,
@@ -256,6 +268,8 @@ struct Shared {
     capacity: usize,
     /// The layers read in place, by registry index.
     layers: Mutex<HashMap<usize, Weak<InPlaceLayer>>>,
+    /// How each of them computes, by registry index (set before its first call).
+    ffns: Mutex<HashMap<usize, Arc<HostFfn>>>,
     cpu: CpuBackend,
     tally: Arc<Mutex<HostTally>>,
     /// Why the worker failed, once it has.
@@ -288,6 +302,7 @@ impl HostExperts {
             mailbox,
             capacity,
             layers: Mutex::new(HashMap::new()),
+            ffns: Mutex::new(HashMap::new()),
             cpu,
             tally,
             failure: Mutex::new(None),
@@ -340,6 +355,20 @@ impl HostExperts {
         layers
             .entry(layer.id())
             .or_insert_with(|| Arc::downgrade(layer));
+    }
+
+    /// Whether the worker computes `layer`'s experts with `activation` and the biases at the
+    /// device addresses `from` (see [`HostFfn`]) already.
+    pub fn has_ffn(&self, layer: usize, activation: Activation, from: (u64, u64, u64)) -> bool {
+        let ffns = self.shared.ffns.lock().unwrap_or_else(|p| p.into_inner());
+        ffns.get(&layer)
+            .is_some_and(|f| f.activation == activation && f.from == from)
+    }
+
+    /// How the worker computes `layer`'s experts from its next call on.
+    pub fn set_ffn(&self, layer: usize, ffn: HostFfn) {
+        let mut ffns = self.shared.ffns.lock().unwrap_or_else(|p| p.into_inner());
+        ffns.insert(layer, Arc::new(ffn));
     }
 
     /// Why the split failed (the worker's error, or the device's wait timed out), once it has.
@@ -437,6 +466,13 @@ fn compute_call(shared: &Shared, take: usize) -> Result<(), String> {
         .and_then(Weak::upgrade)
         .ok_or_else(|| format!("layer {layer_id} is not registered"))?;
     let host = layer.host();
+    let ffn = shared
+        .ffns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&layer_id)
+        .cloned()
+        .ok_or_else(|| format!("layer {layer_id}'s activation is not registered"))?;
     let ids: Vec<u32> = (0..take).map(|i| mb.load(MB_HOST_IDS + i)).collect();
     if ids.iter().any(|&e| e as usize >= host.len()) || !ids.windows(2).all(|w| w[0] < w[1]) {
         return Err(format!("bad expert ids {ids:?} of {}", host.len()));
@@ -457,9 +493,13 @@ fn compute_call(shared: &Shared, take: usize) -> Result<(), String> {
     };
     let experts: Vec<(u32, &HostExpert)> = ids.iter().map(|&e| (e, &host[e as usize])).collect();
     let mut sum = CpuAct::zeros(rows, cols);
+    let how = ExpertFfn {
+        activation: ffn.activation,
+        biases: ffn.biases.as_ref(),
+    };
     shared
         .cpu
-        .moe_accumulate(&x, &routing, &experts, ExpertFfn::SWIGLU, &mut sum);
+        .moe_accumulate(&x, &routing, &experts, how, &mut sum);
     let y = MB_X + shared.capacity;
     for (i, v) in sum.data.iter().enumerate() {
         mb.store(y + i, v.to_bits());

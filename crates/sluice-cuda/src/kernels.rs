@@ -15,10 +15,10 @@ pub(crate) const PTX: &str = include_str!("../kernels/sluice.ptx");
 pub(crate) const DECODE_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// The weight kinds the matrix kernels are compiled for (`K_*` in the source).
-pub(crate) const KINDS: [&str; 4] = ["generic", "q4", "q8", "bf16"];
+pub(crate) const KINDS: [&str; 5] = ["generic", "q4", "q8", "bf16", "mxfp4"];
 
 /// The weight kinds of the exact-weight tensor-core kernels (`gemm_tq`, `moe_*_tq`).
-pub(crate) const EXACT_KINDS: [&str; 3] = ["q4", "q8", "bf16"];
+pub(crate) const EXACT_KINDS: [&str; 4] = ["q4", "q8", "bf16", "mxfp4"];
 
 /// The weight kinds of the 8-bit-activation tensor-core kernels (`gemm_iq`, `moe_*_iq`): the
 /// affine ones of [`EXACT_KINDS`], at the same indices.
@@ -105,6 +105,8 @@ pub(crate) struct Kernels {
     /// and the weighted sum per token.
     pub moe_group: CudaFunction,
     pub moe_gate_up_tc: CudaFunction,
+    /// `moe_gate_up_tc` with expert biases or another activation than SwiGLU (`struct Ffn`).
+    pub moe_gate_up_tc_ffn: CudaFunction,
     pub moe_down_tc: CudaFunction,
     /// `[tile][exact kind]`, tiles of 32 pairs (0) or 16 (1).
     pub moe_gate_up_tq: Vec<Vec<CudaFunction>>,
@@ -242,6 +244,7 @@ impl Kernels {
                 .collect::<Result<_, _>>()?,
             moe_group: f("moe_group")?,
             moe_gate_up_tc: f("moe_gate_up_tc_generic")?,
+            moe_gate_up_tc_ffn: f("moe_gate_up_tc_ffn_generic")?,
             moe_down_tc: f("moe_down_tc_generic")?,
             moe_gate_up_tq: by_tile_and_kind("moe_gate_up_tq", &EXACT_KINDS)?,
             moe_down_tq: by_tile_and_kind("moe_down_tq", &EXACT_KINDS)?,
@@ -367,6 +370,46 @@ mod tests {
         assert!(!patched.contains(super::PDL_MARKER) && patched.contains(".target sm_90"));
         assert!(patched.matches("griddepcontrol.wait;").count() >= kernels);
         assert_eq!(super::ptx(false), super::PTX);
+    }
+
+    /// Every kernel the loader names by weight kind is in the PTX (a kind added to the tables
+    /// needs its instantiations; a missing one would fail only when a GPU loads the module).
+    #[test]
+    fn every_kind_has_its_kernels() {
+        use super::{EXACT_KINDS, INT8_KINDS, KINDS};
+        let mut names = vec!["moe_gate_up_tc_generic".to_string()];
+        names.push("moe_gate_up_tc_ffn_generic".into());
+        for k in KINDS {
+            names.push(format!("gemv_{k}_t1_r2"));
+            names.push(format!("route_gemv_{k}"));
+            names.push(format!("moe_gate_up_{k}"));
+            names.push(format!("moe_down_{k}_b"));
+            for t in 1..=8 {
+                names.push(format!("gemv_multi_{k}_t{t}"));
+                names.push(format!("gemv_{k}_t{t}_b"));
+                names.push(format!("gemv_gated_{k}_t{t}"));
+            }
+        }
+        for k in EXACT_KINDS {
+            names.push(format!("gemm_tq_{k}"));
+            for n in [4, 2] {
+                names.push(format!("moe_gate_up_tq_{k}_n{n}"));
+                names.push(format!("moe_down_tq_{k}_n{n}"));
+            }
+        }
+        for k in INT8_KINDS {
+            names.push(format!("gemm_iq_{k}"));
+            for n in [4, 2] {
+                names.push(format!("moe_gate_up_iq_{k}_n{n}"));
+                names.push(format!("moe_down_iq_{k}_n{n}"));
+            }
+        }
+        for name in names {
+            assert!(
+                super::PTX.contains(&format!(".entry {name}(")),
+                "no kernel {name} in the PTX"
+            );
+        }
     }
 
     #[test]

@@ -6,7 +6,10 @@
 //! and the expert choice stay in device memory, and the host waits only where it reads something
 //! back (logits; the routing when experts stream from disk). The MoE runs as one launch for the
 //! gate and up projections of every routed (token, expert) pair, SwiGLU fused, and one for the
-//! down projections with the routing weights, the expert ids read on the device. Launches are
+//! down projections with the routing weights, the expert ids read on the device. Weights keep
+//! their stored format (dense, MLX affine, mxfp4), dequantised in registers by kernels compiled
+//! per format; gpt-oss's parts ride along as uniform arguments: attention's sliding window (only
+//! the visible positions are read) and sinks, the experts' biases and clamped SwiGLU. Launches are
 //! recorded and issued when the host needs a result; a batch of launches seen before (a decode
 //! step) is replayed as a CUDA graph with its changed parameters updated (`src/graph.rs`).
 //!

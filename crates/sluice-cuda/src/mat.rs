@@ -1,7 +1,7 @@
 //! Weights in device memory, in their stored format, described to the kernels by [`Mat`].
 
 use cudarc::driver::DeviceRepr;
-use sluice_backend::{BackendError, Dtype, HostMatrix, WeightFormat};
+use sluice_backend::{BackendError, Dtype, HostMatrix, WeightFormat, MXFP4_GROUP};
 
 /// A weight matrix as the kernels see it (`struct Mat` in `kernels/sluice.cu`): device pointers
 /// to the codes (or values), scales and biases, and the format.
@@ -84,6 +84,52 @@ impl ExpertMats {
     }
 }
 
+/// `FMT_AFFINE` and `FMT_MXFP4` in the kernels (the dense formats are their [`dtype_code`]).
+const FMT_AFFINE: i32 = 3;
+const FMT_MXFP4: i32 = 4;
+
+/// How routed experts compute beyond SwiGLU without biases, as the MoE kernels take it
+/// (`struct Ffn`; [`sluice_backend::ExpertFfn`]): the device addresses of the per-expert biases
+/// (0: none) of experts `0..experts`, and the activation (`clamped`: gpt-oss's clamped SwiGLU
+/// with `alpha` and `limit`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Ffn {
+    pub gate_bias: u64,
+    pub up_bias: u64,
+    pub down_bias: u64,
+    pub alpha: f32,
+    pub limit: f32,
+    pub clamped: i32,
+    pub experts: i32,
+}
+
+// SAFETY: plain old data with the C layout the kernels declare (three pointers, two floats, two
+// ints: 40 bytes, no padding).
+unsafe impl DeviceRepr for Ffn {}
+
+impl Ffn {
+    /// SwiGLU without biases: what every family but gpt-oss computes.
+    pub fn is_plain(&self) -> bool {
+        self.clamped == 0 && (self.gate_bias, self.up_bias, self.down_bias) == (0, 0, 0)
+    }
+}
+
+impl PartialEq for Ffn {
+    /// Bitwise (a graph node's parameters need updating exactly when their bytes differ).
+    fn eq(&self, o: &Ffn) -> bool {
+        (
+            self.gate_bias,
+            self.up_bias,
+            self.down_bias,
+            self.clamped,
+            self.experts,
+        ) == (o.gate_bias, o.up_bias, o.down_bias, o.clamped, o.experts)
+            && (self.alpha.to_bits(), self.limit.to_bits())
+                == (o.alpha.to_bits(), o.limit.to_bits())
+    }
+}
+
 fn dtype_code(d: Dtype) -> i32 {
     match d {
         Dtype::F32 => 0,
@@ -113,9 +159,15 @@ pub(crate) fn describe(m: &HostMatrix) -> Result<Mat, BackendError> {
             if !group_size.is_power_of_two() || group_size < 8 {
                 return unsupported("the group size must be a power of two, 8 or more");
             }
-            (3, bits as i32, group_size as i32, dtype_code(scale_dtype))
+            (
+                FMT_AFFINE,
+                bits as i32,
+                group_size as i32,
+                dtype_code(scale_dtype),
+            )
         }
-        WeightFormat::Mxfp4 => return unsupported("no mxfp4 kernels yet"),
+        // Codes of 4 bits, one E8M0 byte per 32 columns (no scale dtype, no biases).
+        WeightFormat::Mxfp4 => (FMT_MXFP4, 4, MXFP4_GROUP as i32, 0),
     };
     Ok(Mat {
         data: 0,
@@ -191,16 +243,17 @@ impl Mat {
     /// [`crate::kernels::KINDS`]).
     pub fn kind(&self) -> usize {
         match (self.fmt, self.bits) {
-            (3, 4) => 1,
-            (3, 8) => 2,
+            (FMT_AFFINE, 4) => 1,
+            (FMT_AFFINE, 8) => 2,
             (2, _) => 3,
+            (FMT_MXFP4, _) => 4,
             _ => 0,
         }
     }
 
     /// The index into [`crate::kernels::EXACT_KINDS`] of the tensor-core kernels that take this
     /// format's weights exactly (4/8-bit affine codes with groups of at least their 32-column
-    /// tile, bf16; rows of whole tiles), if any.
+    /// tile, bf16, mxfp4; rows of whole tiles), if any.
     pub fn exact_kind(&self) -> Option<usize> {
         if self.cols % 32 != 0 {
             return None;
@@ -208,6 +261,7 @@ impl Mat {
         match self.kind() {
             1 | 2 if self.group >= 32 => Some(self.kind() - 1),
             3 => Some(2),
+            4 => Some(3),
             _ => None,
         }
     }
@@ -322,6 +376,49 @@ mod tests {
             ..Mat::default()
         };
         assert_eq!(dense.spread_threads(), None);
+    }
+
+    /// An mxfp4 matrix runs the kernels compiled for it (never the affine 4-bit ones, whose
+    /// codes mean something else), exactly on tensor cores, and has no scale dtype or biases.
+    #[test]
+    fn mxfp4_takes_its_own_kernels() {
+        use sluice_backend::HostBytes;
+        let (rows, cols) = (3, 64);
+        let m = HostMatrix::new(
+            WeightFormat::Mxfp4,
+            rows,
+            cols,
+            HostBytes::from_vec(vec![0; rows * cols / 2]),
+            HostBytes::from_vec(vec![127; rows * cols / 32]),
+            HostBytes::empty(),
+        )
+        .unwrap();
+        let d = describe(&m).unwrap();
+        assert_eq!((d.fmt, d.bits, d.group, d.gshift), (FMT_MXFP4, 4, 32, 5));
+        assert_eq!(crate::kernels::KINDS[d.kind()], "mxfp4");
+        assert_eq!(
+            crate::kernels::EXACT_KINDS[d.exact_kind().unwrap()],
+            "mxfp4"
+        );
+        assert!(d.exact_kind().unwrap() >= crate::kernels::INT8_KINDS.len());
+        assert_eq!(d.spread(), None);
+        for (m, name) in [
+            (affine(4, 64, 2048), "q4"),
+            (affine(8, 64, 2048), "q8"),
+            (
+                Mat {
+                    fmt: 2,
+                    cols: 64,
+                    ..Mat::default()
+                },
+                "bf16",
+            ),
+        ] {
+            assert_eq!(crate::kernels::KINDS[m.kind()], name);
+            assert_eq!(crate::kernels::EXACT_KINDS[m.exact_kind().unwrap()], name);
+        }
+        // `struct Ffn`: three pointers, two floats, two ints.
+        assert_eq!(size_of::<Ffn>(), 40);
     }
 }
 
