@@ -251,8 +251,7 @@ def make_gpt_oss(out_root):
                 t = np.ascontiguousarray(t.transpose(0, 2, 1))
             blocks, scales, deq = mxfp4(t)
             assert np.array_equal(deq, t), f"{name} is not exactly mxfp4"
-            b = blocks.reshape(*blocks.shape[:-1], blocks.shape[-1] // 16, 16)
-            tensors[f"{name}_blocks"] = torch.from_numpy(b)
+            tensors[f"{name}_blocks"] = torch.from_numpy(blocks)  # [E, out, in / 32, 16]
             tensors[f"{name}_scales"] = torch.from_numpy(scales)
         else:
             tensors[name] = p.detach().to(torch.bfloat16).contiguous()
@@ -315,6 +314,31 @@ def make_gpt_oss(out_root):
         }, f, indent=1)
     print("decode vs prefill:", float(np.abs(decode - prefill).max()))
     print("files:", sorted(os.listdir(out)))
+    # The same model as transformers saves it (dense bf16 experts, its own layout), with the same
+    # reference logits: every weight is a bf16 value, the experts' mxfp4 values too.
+    dense = os.path.join(out_root, "gpt_oss-transformers-dense")
+    shutil.rmtree(dense, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(dense, safe_serialization=True, max_shard_size="500KB")
+    for f in TOKENIZER_FILES:
+        shutil.copy(os.path.join(TOKENIZER_FROM, f), dense)
+    check = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        again = check(ids).logits[0].numpy()
+    print("dense layout reloaded vs reference prefill:", float(np.abs(again - prefill).max()))
+    np.save(os.path.join(dense, "logits_prefill.npy"), prefill)
+    np.save(os.path.join(dense, "logits_decode.npy"), decode)
+    with open(os.path.join(dense, "reference.json"), "w") as f:
+        json.dump({
+            "text": text, "tokens": tokens, "seed": seed, "head_draw": head_seed,
+            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+            "max_abs_reloaded_vs_reference": float(np.abs(again - prefill).max()),
+            "notes": "gpt_oss-transformers's model saved by transformers save_pretrained in bf16 "
+                     "(its dense expert layout); the reference logits are gpt_oss-transformers's",
+        }, f, indent=1)
+    names = sorted(json.load(open(os.path.join(dense, "model.safetensors.index.json")))["weight_map"]) \
+        if os.path.exists(os.path.join(dense, "model.safetensors.index.json")) else []
+    print("dense tensors of layer 0:", [n for n in names if ".layers.0." in n])
 
 
 def moe_block(layer):
@@ -478,31 +502,6 @@ def make(name, out_root):
     print("decode vs prefill:", float(np.abs(decode - prefill).max()))
     print("files:", sorted(os.listdir(out)))
 
-    # The same model as transformers saves it (dense bf16 experts, its own layout), with the same
-    # reference logits: every weight is a bf16 value, the experts' mxfp4 values too.
-    dense = os.path.join(out_root, "gpt_oss-transformers-dense")
-    shutil.rmtree(dense, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(dense, safe_serialization=True, max_shard_size="500KB")
-    for f in TOKENIZER_FILES:
-        shutil.copy(os.path.join(TOKENIZER_FROM, f), dense)
-    check = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    with torch.no_grad():
-        again = check(ids).logits[0].numpy()
-    print("dense layout reloaded vs reference prefill:", float(np.abs(again - prefill).max()))
-    np.save(os.path.join(dense, "logits_prefill.npy"), prefill)
-    np.save(os.path.join(dense, "logits_decode.npy"), decode)
-    with open(os.path.join(dense, "reference.json"), "w") as f:
-        json.dump({
-            "text": text, "tokens": tokens, "seed": seed, "head_draw": head_seed,
-            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-            "max_abs_reloaded_vs_reference": float(np.abs(again - prefill).max()),
-            "notes": "gpt_oss-transformers's model saved by transformers save_pretrained in bf16 "
-                     "(its dense expert layout); the reference logits are gpt_oss-transformers's",
-        }, f, indent=1)
-    names = sorted(json.load(open(os.path.join(dense, "model.safetensors.index.json")))["weight_map"]) \
-        if os.path.exists(os.path.join(dense, "model.safetensors.index.json")) else []
-    print("dense tensors of layer 0:", [n for n in names if ".layers.0." in n])
     if names:
         print("tensors of layers 0 and 3:", [n for n in names if ".layers.0." in n or ".layers.3." in n])
     print("config:", open(os.path.join(out, "config.json")).read())

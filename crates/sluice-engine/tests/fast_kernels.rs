@@ -30,7 +30,7 @@ use compare::{assert_fast_within_bounds, kl_and_agreement, max_diff_over_max_ref
 mod reference;
 use reference::{reference_tokens, repo};
 
-const FIXTURES: [&str; 23] = [
+const FIXTURES: [&str; 25] = [
     "qwen3_moe-bf16",
     "qwen3_moe-q4",
     "qwen3_moe-q8",
@@ -54,6 +54,8 @@ const FIXTURES: [&str; 23] = [
     "gpt_oss-q4",
     "gpt_oss-mxfp4",
     "gpt_oss-hf",
+    "gpt_oss-transformers",
+    "gpt_oss-transformers-dense",
 ];
 
 #[test]

@@ -74,6 +74,8 @@ fn streamed_logits_are_bit_identical_to_resident() {
         "gpt_oss-q4",
         "gpt_oss-mxfp4",
         "gpt_oss-hf",
+        "gpt_oss-transformers",
+        "gpt_oss-transformers-dense",
     ] {
         let resident = load(&fixture(name), StreamingOptions::default());
         assert!(resident.store.is_none());

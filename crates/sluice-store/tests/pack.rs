@@ -81,6 +81,24 @@ fn source_experts(dir: &ModelDir, prefix: &str) -> Vec<[HostMatrix; 3]> {
             })
             .collect();
     }
+    // gpt-oss as transformers keeps it: [E, hidden, 2 * inter], gate and up columns
+    // interleaved; down [E, inter, hidden].
+    if t.contains(&format!("{prefix}.experts.gate_up_proj_bias")) {
+        let (gu, d) = (stack("experts.gate_up_proj"), stack("experts.down_proj"));
+        return (0..gu.len())
+            .map(|e| {
+                let gu = gu[e].transposed().unwrap();
+                let rows = |first: usize| -> Vec<std::ops::Range<usize>> {
+                    (first..gu.rows).step_by(2).map(|r| r..r + 1).collect()
+                };
+                [
+                    gu.gather_rows(&rows(0)),
+                    gu.gather_rows(&rows(1)),
+                    d[e].transposed().unwrap(),
+                ]
+            })
+            .collect();
+    }
     if t.contains(&format!("{prefix}.experts.gate_up_proj")) {
         let (gu, d) = (stack("experts.gate_up_proj"), stack("experts.down_proj"));
         let i = gu[0].rows / 2;
@@ -207,6 +225,8 @@ fn packs_every_fixture_layout_byte_identically() {
         "gpt_oss-q4",
         "gpt_oss-mxfp4",
         "gpt_oss-hf",
+        "gpt_oss-transformers",
+        "gpt_oss-transformers-dense",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("packed");

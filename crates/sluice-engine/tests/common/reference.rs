@@ -160,6 +160,8 @@ macro_rules! reference_suite {
             gpt_oss_q4: "gpt_oss-q4",
             gpt_oss_mxfp4: "gpt_oss-mxfp4",
             gpt_oss_hf: "gpt_oss-hf",
+            gpt_oss_transformers: "gpt_oss-transformers",
+            gpt_oss_transformers_dense: "gpt_oss-transformers-dense",
         });
     };
 }
