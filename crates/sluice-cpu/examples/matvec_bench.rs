@@ -457,6 +457,21 @@ fn main() {
         ("q2 g16 16 x 768x2048 (batch)", Q2G16, 768, 2048, 16),
         ("q6 g64 16 x 768x2048 (batch)", Q6G64, 768, 2048, 16),
         ("bf16 2048x2048", bf16, 2048, 2048, 1),
+        (
+            "mxfp4 2880x2880 (gpt-oss expert)",
+            WeightFormat::Mxfp4,
+            2880,
+            2880,
+            1,
+        ),
+        (
+            "mxfp4 4 x 2880x2880 (batch)",
+            WeightFormat::Mxfp4,
+            2880,
+            2880,
+            4,
+        ),
+        ("q4 g64 4 x 2880x2880 (batch)", Q4, 2880, 2880, 4),
     ];
     for (name, format, rows, cols, batch) in decode {
         let case = Case {
@@ -490,6 +505,15 @@ fn main() {
         ("prefill q5 g32 2048x2048, 64 tok", Q5G32, 2048, 2048, 1, 64),
         ("prefill q3 g16 2048x2048, 64 tok", Q3G16, 2048, 2048, 1, 64),
         ("prefill bf16 2048x2048, 64 tok", bf16, 2048, 2048, 1, 64),
+        (
+            "prefill mxfp4 2880x2880, 64 tok",
+            WeightFormat::Mxfp4,
+            2880,
+            2880,
+            1,
+            64,
+        ),
+        ("prefill q4 g64 2880x2880, 64 tok", Q4, 2880, 2880, 1, 64),
     ];
     for (name, format, rows, cols, batch, tokens) in prefill {
         let case = Case {

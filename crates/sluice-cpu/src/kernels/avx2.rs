@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use sluice_backend::{Dtype, MatRef};
+use sluice_backend::{Dtype, MatRef, WeightFormat};
 
 use super::{grow, portable, scalar, Ctx, Gemm, Kind, Scratch};
 
@@ -67,6 +67,54 @@ pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
     _mm_cvtss_f32(s)
+}
+
+/// mxfp4 rows `r0..r1` dotted with `c.tokens` (at most `DECODE_MAX_TOKENS`) tokens. Per group
+/// of 32 columns: its 16 code bytes split into nibbles, each nibble to twice its FP4 value as a
+/// byte by one table shuffle (FP4 doubled is a whole number up to 12), interleaved back into
+/// column order, widened to floats; dotted with each token's 32 values and scaled by half the
+/// group's power of two.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn mxfp4_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32]) {
+    let (cols, n, tokens) = (c.w.cols, r1 - r0, c.tokens.min(super::DECODE_MAX_TOKENS));
+    let groups = cols / sluice_backend::MXFP4_GROUP;
+    let rb = cols / 2;
+    assert!(c.x.len() >= tokens * cols && res.len() >= tokens * n);
+    let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    let nibble = _mm_set1_epi8(0x0F);
+    for r in r0..r1 {
+        let row = &c.w.data[r * rb..(r + 1) * rb];
+        let exps = &c.w.scales[r * groups..(r + 1) * groups];
+        let mut acc = [_mm256_setzero_ps(); super::DECODE_MAX_TOKENS];
+        for (g, &e) in exps.iter().enumerate() {
+            // SAFETY: `row` holds `groups * 16` bytes; this reads bytes `g * 16..g * 16 + 16`.
+            let v = unsafe { _mm_loadu_si128(row.as_ptr().add(g * 16) as *const __m128i) };
+            let even = _mm_shuffle_epi8(lut, _mm_and_si128(v, nibble));
+            let odd = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16::<4>(v), nibble));
+            let (a, b) = (_mm_unpacklo_epi8(even, odd), _mm_unpackhi_epi8(even, odd));
+            let w = [
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(a))),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(b))),
+            ];
+            let scale = _mm256_set1_ps(0.5 * sluice_backend::e8m0_to_f32(e));
+            for (t, a) in acc.iter_mut().enumerate().take(tokens) {
+                let x = c.x[t * cols + g * 32..t * cols + g * 32 + 32].as_ptr();
+                // SAFETY: `x` points at 32 values of token `t` (the slice just taken).
+                let d = unsafe {
+                    let d = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+                    let d = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x.add(8)), d);
+                    let d = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x.add(16)), d);
+                    _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x.add(24)), d)
+                };
+                *a = _mm256_fmadd_ps(d, scale, *a);
+            }
+        }
+        for (t, a) in acc.iter().enumerate().take(tokens) {
+            res[t * n + r - r0] = hsum(*a);
+        }
+    }
 }
 
 /// `sum a[i] * b[i]` over equal lengths, in four vector accumulators.
@@ -432,6 +480,7 @@ pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32],
                 5 => qbits_rows::<5>(c, gs, sdt, r0, r1, res, s),
                 _ => qbits_rows::<6>(c, gs, sdt, r0, r1, res, s),
             },
+            Kind::QAny if c.w.format == WeightFormat::Mxfp4 => mxfp4_rows(c, r0, r1, res),
             Kind::QAny => portable::decode_rows(c, r0, r1, res, s),
         }
     }

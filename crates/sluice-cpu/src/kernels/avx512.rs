@@ -6,7 +6,7 @@
 
 use std::arch::x86_64::*;
 
-use sluice_backend::Dtype;
+use sluice_backend::{Dtype, WeightFormat};
 
 use super::avx2::{
     self, chunk_scales, nt_dispatch, q4i_rows_vnni, row_codes, DT_BF16, DT_F16, DT_F32, PREFETCH,
@@ -94,6 +94,8 @@ pub(super) unsafe fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32],
                 5 => qbits_rows::<5>(c, gs, sdt, r0, r1, res, s),
                 _ => qbits_rows::<6>(c, gs, sdt, r0, r1, res, s),
             },
+            // mxfp4: the AVX2 kernel (its table shuffles are 128 bits wide).
+            Kind::QAny if c.w.format == WeightFormat::Mxfp4 => avx2::mxfp4_rows(c, r0, r1, res),
             Kind::QAny => portable::decode_rows(c, r0, r1, res, s),
         }
     }

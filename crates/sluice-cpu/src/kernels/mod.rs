@@ -45,7 +45,11 @@
 //!   into a thread-local buffer that stays in L1) and running the 8-bit decode kernels on them,
 //!   bias term included; their prefill and the portable level take the generic path. Every
 //!   other affine format (4 bits in groups of 16, other group sizes) goes through a generic
-//!   scalar dequantizer and the same drivers.
+//!   scalar dequantizer and the same drivers. mxfp4 (gpt-oss's experts) is `QAny` with a decode
+//!   kernel of its own (AVX2, also at the AVX-512 level: per group of 32 two nibble table
+//!   shuffles to bytes, widened to floats; portable: a byte-pair table) and prefill through the
+//!   generic packer (2 AVX2 cores, 2880 x 2880: decode 7.6 GB/s against 15.9 for q4 g64;
+//!   prefill of 64 tokens 115 against 174 GFLOP/s).
 
 // Every unsafe operation sits in its own `unsafe` block with a `SAFETY:` comment, also inside
 // `unsafe fn`s.

@@ -39,11 +39,27 @@ pub(crate) fn dequant_range(w: &MatRef, r: usize, c0: usize, out: &mut [f32]) {
         WeightFormat::Dense(dt) => convert(dt, &row[c0 * dt.size()..c1 * dt.size()], out),
         WeightFormat::Mxfp4 => {
             let groups = w.cols / MXFP4_GROUP;
-            for (i, v) in out.iter_mut().enumerate() {
-                let c = c0 + i;
-                let q = (row[c / 2] >> ((c & 1) * 4)) & 15;
-                let s = e8m0_to_f32(w.scales[r * groups + c / MXFP4_GROUP]);
-                *v = FP4_E2M1[q as usize] * s;
+            let mut c = c0;
+            while c < c1 {
+                let g = c / MXFP4_GROUP;
+                let ge = ((g + 1) * MXFP4_GROUP).min(c1);
+                let s = e8m0_to_f32(w.scales[r * groups + g]);
+                if c % 2 == 0 && ge % 2 == 0 {
+                    // Whole bytes: both values of each through the pair table.
+                    let o = &mut out[c - c0..ge - c0];
+                    for (pair, &b) in o.chunks_exact_mut(2).zip(&row[c / 2..ge / 2]) {
+                        let [a, b] = FP4_PAIRS[b as usize];
+                        pair[0] = a * s;
+                        pair[1] = b * s;
+                    }
+                } else {
+                    for (i, v) in out[c - c0..ge - c0].iter_mut().enumerate() {
+                        let e = c + i;
+                        let q = (row[e / 2] >> ((e & 1) * 4)) & 15;
+                        *v = FP4_E2M1[q as usize] * s;
+                    }
+                }
+                c = ge;
             }
         }
         WeightFormat::Affine {
@@ -114,12 +130,60 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// Mat-vec over rows `r0..r1` for all tokens: each row is dequantized once, then dotted with
 /// every token. `res` is `tokens` rows of `r1 - r0`.
 pub(crate) fn decode_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32], s: &mut Scratch) {
+    if c.w.format == WeightFormat::Mxfp4 {
+        return mxfp4_rows(c, r0, r1, res);
+    }
     let (cols, n) = (c.w.cols, r1 - r0);
     let row = grow(&mut s.a, cols);
     for r in r0..r1 {
         dequant_range(&c.w, r, 0, row);
         for t in 0..c.tokens {
             res[t * n + r - r0] = dot(row, &c.x[t * cols..(t + 1) * cols]);
+        }
+    }
+}
+
+/// Each byte's two FP4 values, the lower nibble's first.
+static FP4_PAIRS: [[f32; 2]; 256] = {
+    let mut t = [[0f32; 2]; 256];
+    let mut b = 0;
+    while b < 256 {
+        t[b] = [FP4_E2M1[b & 15], FP4_E2M1[b >> 4]];
+        b += 1;
+    }
+    t
+};
+
+/// Decode of mxfp4 rows `r0..r1` for `c.tokens` tokens: per group of 32 columns its codes to
+/// floats through a byte-pair table, dotted with each token's 32 values in 8 lanes, scaled by
+/// the group's power of two (the levels without a kernel of their own).
+pub(crate) fn mxfp4_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32]) {
+    let (cols, n, tokens) = (c.w.cols, r1 - r0, c.tokens);
+    let groups = cols / MXFP4_GROUP;
+    let rb = cols / 2;
+    for r in r0..r1 {
+        let row = &c.w.data[r * rb..(r + 1) * rb];
+        let exps = &c.w.scales[r * groups..(r + 1) * groups];
+        let mut acc = [0f32; super::DECODE_MAX_TOKENS];
+        for (g, (codes, &e)) in row.chunks_exact(16).zip(exps).enumerate() {
+            let mut w = [0f32; 32];
+            for (pair, &b) in w.chunks_exact_mut(2).zip(codes) {
+                pair.copy_from_slice(&FP4_PAIRS[b as usize]);
+            }
+            let scale = e8m0_to_f32(e);
+            for (t, a) in acc.iter_mut().enumerate().take(tokens) {
+                let x = &c.x[t * cols + g * 32..t * cols + g * 32 + 32];
+                let mut lanes = [0f32; 8];
+                for (wc, xc) in w.chunks_exact(8).zip(x.chunks_exact(8)) {
+                    for j in 0..8 {
+                        lanes[j] += wc[j] * xc[j];
+                    }
+                }
+                *a += scale * lanes.iter().sum::<f32>();
+            }
+        }
+        for (t, a) in acc.iter().enumerate().take(tokens) {
+            res[t * n + r - r0] = *a;
         }
     }
 }
