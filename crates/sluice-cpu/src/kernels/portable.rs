@@ -44,7 +44,7 @@ pub(crate) fn dequant_range(w: &MatRef, r: usize, c0: usize, out: &mut [f32]) {
                 let g = c / MXFP4_GROUP;
                 let ge = ((g + 1) * MXFP4_GROUP).min(c1);
                 let s = e8m0_to_f32(w.scales[r * groups + g]);
-                if c % 2 == 0 && ge % 2 == 0 {
+                if c.is_multiple_of(2) && ge.is_multiple_of(2) {
                     // Whole bytes: both values of each through the pair table.
                     let o = &mut out[c - c0..ge - c0];
                     for (pair, &b) in o.chunks_exact_mut(2).zip(&row[c / 2..ge / 2]) {
