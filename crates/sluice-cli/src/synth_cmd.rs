@@ -16,7 +16,9 @@ use sluice_synth::{synthesize, Preset, Quant, SynthOptions, ZeroPoint, PRESETS};
     qwen3.5-397b-a17b   Qwen3.5-397B-A17B: 60 layers, hidden 4096, 512 experts, top-10 (~223 GB at 4 bits)\n  \
     qwen3-30b-a3b       Qwen3-30B-A3B: 48 layers, 128 experts, top-8 (~17.2 GB at 4 bits)\n  \
     qwen3-235b-a22b     Qwen3-235B-A22B: 94 layers, hidden 4096 (~132 GB at 4 bits)\n  \
-    tiny-qwen3.5-moe, tiny-qwen3-moe   the same structures at test size (~2 MB)\n\n\
+    gpt-oss-20b         gpt-oss-20b: 24 layers, 32 experts, top-4, sinks, sliding window (~11.8 GB at 4 bits)\n  \
+    gpt-oss-120b        gpt-oss-120b: 36 layers, 128 experts, top-4 (~65.8 GB at 4 bits)\n  \
+    tiny-qwen3.5-moe, tiny-qwen3-moe, tiny-gpt-oss, ...   the same structures at test size (~2 MB)\n\n\
 Example:\n  sluice synth --preset qwen3.5-35b-a3b -o ~/models/q35-synth")]
 pub struct SynthArgs {
     /// Which model's shapes to write (see below; `--preset list` prints them with sizes).

@@ -293,6 +293,7 @@ fn synth_tiny_presets_load_and_generate() {
         "tiny-mixtral",
         "tiny-glm4-moe",
         "tiny-deepseek-v3",
+        "tiny-gpt-oss",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("m");

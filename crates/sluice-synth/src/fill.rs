@@ -93,6 +93,12 @@ pub fn fill(t: &TensorPlan, start: usize, end: usize) -> Vec<u8> {
             }
             Fill::Constant(c) => c,
             Fill::Uniform { lo, hi } => lo + (hi - lo) * rng.unit(),
+            Fill::Normal { mean, std } => {
+                // Box-Muller on two uniforms (the first kept off zero).
+                let u1 = rng.unit().max(1e-7);
+                let u2 = rng.unit();
+                mean + std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+            }
             Fill::LogUniform { lo, hi } => (lo + (hi - lo) * rng.unit()).ln(),
             Fill::InvSoftplusLogUniform { lo, hi } => {
                 let dt = (lo.ln() + (hi.ln() - lo.ln()) * rng.unit()).exp();
@@ -230,6 +236,21 @@ mod tests {
         for (s, b) in s.iter().zip(&b) {
             assert!((b + 127.5 * s).abs() <= 0.004 * 127.5 * s, "{b} vs {s}");
         }
+    }
+
+    #[test]
+    fn normal_fill_has_its_mean_and_spread() {
+        let n = 4096;
+        let fill_normal = Fill::Normal {
+            mean: 0.0,
+            std: 1.0,
+        };
+        let v = bf16s(&fill(&plan(fill_normal, StDtype::BF16, n), 0, 2 * n));
+        let mean = v.iter().sum::<f32>() / n as f32;
+        let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n as f32;
+        assert!(mean.abs() < 0.06, "{mean}");
+        assert!((0.9..1.1).contains(&var.sqrt()), "{var}");
+        assert!(v.iter().all(|x| x.is_finite() && x.abs() < 6.0));
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub enum Fill {
     Constant(f32),
     /// Uniform on [lo, hi).
     Uniform { lo: f32, hi: f32 },
+    /// Normal of mean `mean` and standard deviation `std` (gpt-oss's attention sinks).
+    Normal { mean: f32, std: f32 },
     /// `ln(u)`, u uniform on [lo, hi): Gated DeltaNet's `A_log`.
     LogUniform { lo: f32, hi: f32 },
     /// Inverse softplus of a log-uniform time step in [lo, hi): Gated DeltaNet's `dt_bias`.
@@ -291,7 +293,7 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
                 b.ones(format!("{p}.self_attn.q_norm.weight"), hd);
                 b.ones(format!("{p}.self_attn.k_norm.weight"), hd);
             }
-            if preset.family == Family::Glm4Moe {
+            if matches!(preset.family, Family::Glm4Moe | Family::GptOss) {
                 for (n, rows) in [("q", nh * hd), ("k", kv * hd), ("v", kv * hd)] {
                     b.uniform(
                         format!("{p}.self_attn.{n}_proj.bias"),
@@ -300,6 +302,19 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
                         0.1,
                     );
                 }
+            }
+            if preset.family == Family::GptOss {
+                b.uniform(format!("{p}.self_attn.o_proj.bias"), StDtype::BF16, h, 0.1);
+                // One logit per head joins each softmax: of the order of the scores.
+                b.push(
+                    format!("{p}.self_attn.sinks"),
+                    StDtype::BF16,
+                    vec![nh],
+                    Fill::Normal {
+                        mean: 0.0,
+                        std: 1.0,
+                    },
+                );
             }
         } else if let Some(lin) = preset.linear {
             let la = format!("{p}.linear_attn");
@@ -354,19 +369,30 @@ pub fn tensors(preset: &Preset, quant: Quant, zero_point: ZeroPoint, seed: u64) 
                 0.02,
             );
         } else {
-            b.linear_spread(
-                &format!("{mlp}.gate"),
-                &[],
-                e,
-                h,
-                ROUTER_GAIN,
-                ROUTER_SPREAD,
-                router,
-            );
+            let gate = format!("{mlp}.{}", preset.router_module());
+            b.linear_spread(&gate, &[], e, h, ROUTER_GAIN, ROUTER_SPREAD, router);
+            if preset.family == Family::GptOss {
+                // Small beside the logits' spread of ~4: it shifts popularity, not routing.
+                b.uniform(format!("{gate}.bias"), StDtype::BF16, e, 0.1);
+            }
         }
-        b.linear(&format!("{mlp}.switch_mlp.gate_proj"), &[e], i, h, 1.0, q);
-        b.linear(&format!("{mlp}.switch_mlp.up_proj"), &[e], i, h, 1.0, q);
-        b.linear(&format!("{mlp}.switch_mlp.down_proj"), &[e], h, i, 1.0, q);
+        // mlx-lm stacks gpt-oss's experts under `experts`, with a bias per expert and row.
+        let stack = match preset.family {
+            Family::GptOss => "experts",
+            _ => "switch_mlp",
+        };
+        for (proj, out, inp) in [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)] {
+            let name = format!("{mlp}.{stack}.{proj}");
+            b.linear(&name, &[e], out, inp, 1.0, q);
+            if preset.family == Family::GptOss {
+                b.push(
+                    format!("{name}.bias"),
+                    StDtype::BF16,
+                    vec![e, out],
+                    Fill::Uniform { lo: -0.1, hi: 0.1 },
+                );
+            }
+        }
         let s = preset.shared_expert_intermediate_size;
         if s > 0 {
             // GLM's and DeepSeek's shared experts are ungated and named in the plural.
@@ -455,6 +481,77 @@ mod tests {
     }
 
     #[test]
+    fn gpt_oss_has_the_published_size_and_mlx_layout() {
+        let p = Preset::find("gpt-oss-120b").unwrap();
+        let t = tensors(p, q4(), ZeroPoint::Centred, 0);
+        let experts: u64 = t
+            .iter()
+            .filter(|t| t.name.contains(".mlp.experts.") && !t.name.ends_with(".bias"))
+            .map(|t| t.nbytes())
+            .sum();
+        // 36 x 128 x 3 x 2880 x 2880 x 4.5 bits.
+        assert_eq!(experts, 36 * 128 * 3 * 2880 * 2880 * 9 / 16);
+        // The model card's 116.8B parameters, nearly all at 4.5 bits: ~66 GB.
+        let total: u64 = t.iter().map(|t| t.nbytes()).sum();
+        assert!((65e9..67e9).contains(&(total as f64)), "{total}");
+
+        // One layer of the tiny preset, name by name as mlx-lm writes gpt-oss.
+        let p = Preset::find("tiny-gpt-oss").unwrap();
+        let t = tensors(p, q4(), ZeroPoint::Centred, 0);
+        let shape = |name: &str| {
+            let found = t.iter().find(|x| x.name == name);
+            let x = found.unwrap_or_else(|| panic!("no {name}"));
+            (x.dtype, x.shape.clone())
+        };
+        let (u32, bf16) = (StDtype::U32, StDtype::BF16);
+        let layer: [(&str, StDtype, &[usize]); 18] = [
+            ("self_attn.q_proj.weight", u32, &[128, 16]),
+            ("self_attn.q_proj.bias", bf16, &[128]),
+            ("self_attn.k_proj.bias", bf16, &[64]),
+            ("self_attn.v_proj.bias", bf16, &[64]),
+            ("self_attn.o_proj.weight", u32, &[128, 16]),
+            ("self_attn.o_proj.bias", bf16, &[128]),
+            ("self_attn.sinks", bf16, &[4]),
+            ("input_layernorm.weight", bf16, &[128]),
+            ("post_attention_layernorm.weight", bf16, &[128]),
+            // The router at 8 bits, group 64, with its bias.
+            ("mlp.router.weight", u32, &[8, 32]),
+            ("mlp.router.scales", bf16, &[8, 2]),
+            ("mlp.router.bias", bf16, &[8]),
+            ("mlp.experts.gate_proj.weight", u32, &[8, 64, 16]),
+            ("mlp.experts.gate_proj.bias", bf16, &[8, 64]),
+            ("mlp.experts.up_proj.scales", bf16, &[8, 64, 2]),
+            ("mlp.experts.up_proj.bias", bf16, &[8, 64]),
+            ("mlp.experts.down_proj.weight", u32, &[8, 128, 8]),
+            ("mlp.experts.down_proj.bias", bf16, &[8, 128]),
+        ];
+        let named = layer
+            .iter()
+            .map(|&(n, d, s)| (format!("model.layers.1.{n}"), d, s))
+            .chain([
+                (
+                    "model.embed_tokens.weight".to_string(),
+                    u32,
+                    &[1024, 16][..],
+                ),
+                ("model.norm.weight".to_string(), bf16, &[128][..]),
+                ("lm_head.weight".to_string(), u32, &[1024, 16][..]),
+            ]);
+        for (name, dtype, dims) in named {
+            assert_eq!(shape(&name), (dtype, dims.to_vec()), "{name}");
+        }
+        assert!(!t.iter().any(|x| x.name.contains("switch_mlp")
+            || x.name.contains(".gate.")
+            || x.name.contains("q_norm")));
+        // 18 tensors per layer: 4 projections x 4, sinks, 2 norms, router x 4, experts x 3 x 4.
+        let per_layer = t
+            .iter()
+            .filter(|x| x.name.starts_with("model.layers.0."))
+            .count();
+        assert_eq!(per_layer, 4 * 4 + 1 + 2 + 4 + 3 * 4);
+    }
+
+    #[test]
     fn names_are_unique_and_shapes_consistent() {
         for p in crate::presets::PRESETS {
             let t = tensors(p, q4(), ZeroPoint::Centred, 1);
@@ -470,7 +567,8 @@ mod tests {
                         .find(|w| w.name == format!("{stem}.weight"))
                         .unwrap();
                     let per_word = 32 / q4().bits as usize;
-                    let bits = if stem.ends_with("gate") { 8 } else { 4 };
+                    let router = stem.ends_with("gate") || stem.ends_with("router");
+                    let bits = if router { 8 } else { 4 };
                     let cols = w.shape.last().unwrap() * 32 / bits;
                     assert_eq!(*x.shape.last().unwrap() * 64, cols, "{}", x.name);
                     assert!(per_word > 0);

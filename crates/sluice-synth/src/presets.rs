@@ -26,6 +26,21 @@ pub enum Family {
     /// (per-head `embed_q` / `unembed_out`), leading dense layers, GLM's sigmoid router and
     /// ungated shared experts.
     DeepseekV3,
+    /// `gpt_oss`: attention with biases on q/k/v/o, a learned sink per head and a sliding window
+    /// on every other layer (sliding first), YaRN; a biased softmax router (`mlp.router`, 8-bit
+    /// as mlx-lm's `quant_predicate` writes it) and biased experts (`mlp.experts.*`, stacked)
+    /// with the clamped SwiGLU, no shared expert ([`GptOssAttention`]).
+    GptOss,
+}
+
+/// gpt-oss's sliding window, YaRN rotary scaling and SwiGLU clamp.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptOssAttention {
+    /// Window of the `sliding_attention` layers (layers 0, 2, 4, ...).
+    pub sliding_window: usize,
+    pub swiglu_limit: f64,
+    /// YaRN: factor, original context, beta_fast, beta_slow (`truncate: false`).
+    pub yarn: (f64, usize, f64, f64),
 }
 
 /// Multi-head Latent Attention dimensions and rotary scaling of a `deepseek_v3` preset.
@@ -90,6 +105,8 @@ pub struct Preset {
     pub special_tokens_start: usize,
     /// DeepSeek-V3's attention (`heads`; `kv_heads` and `head_dim` unused).
     pub mla: Option<Mla>,
+    /// gpt-oss's attention settings.
+    pub gpt_oss: Option<GptOssAttention>,
 }
 
 /// The special tokens every preset's tokenizer has, in id order from `special_tokens_start`.
@@ -110,6 +127,13 @@ const QWEN35_LINEAR: LinearAttention = LinearAttention {
     value_head_dim: 128,
     conv_kernel: 4,
     full_attention_interval: 4,
+};
+
+/// Both sizes' (gpt-oss-20b's config.json and openai/gpt-oss's ModelConfig, the 120b's, agree).
+const GPT_OSS_ATTENTION: GptOssAttention = GptOssAttention {
+    sliding_window: 128,
+    swiglu_limit: 7.0,
+    yarn: (32.0, 4096, 32.0, 1.0),
 };
 
 /// All presets, full-size first.
@@ -139,6 +163,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "qwen3.5-122b-a10b",
@@ -168,6 +193,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "qwen3.5-397b-a17b",
@@ -200,6 +226,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 248044,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "qwen3-30b-a3b",
@@ -226,6 +253,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 151643,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "qwen3-235b-a22b",
@@ -252,6 +280,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 151643,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "mixtral-8x7b",
@@ -279,6 +308,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 31993,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "glm-4.5-air",
@@ -307,6 +337,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 151329,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "glm-4.5",
@@ -335,6 +366,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 2.5,
         special_tokens_start: 151329,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "deepseek-v3",
@@ -375,6 +407,7 @@ pub const PRESETS: &[Preset] = &[
             topk_group: 4,
             yarn: (40.0, 4096, 32.0, 1.0),
         }),
+        gpt_oss: None,
     },
     Preset {
         name: "kimi-k2",
@@ -414,6 +447,7 @@ pub const PRESETS: &[Preset] = &[
             topk_group: 1,
             yarn: (64.0, 4096, 1.0, 1.0),
         }),
+        gpt_oss: None,
     },
     Preset {
         name: "mixtral-8x22b",
@@ -441,6 +475,72 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 32761,
         mla: None,
+        gpt_oss: None,
+    },
+    Preset {
+        name: "gpt-oss-20b",
+        family: Family::GptOss,
+        source: "huggingface.co/openai/gpt-oss-20b config.json (as mirrored in EchoCog/gpt-oss-20b: \
+                 24 layers, hidden 2880, 64 heads, 8 KV heads of 64, 32 experts of 2880 top-4, \
+                 vocabulary 201088, theta 150000, YaRN factor 32 over 4096 with beta 32/1 and \
+                 truncate false, window 128 on sliding/full alternating layers, swiglu_limit 7, \
+                 131072 positions, untied); agrees with NVIDIA Megatron-Bridge's gpt-oss page \
+                 (20B: 24 layers, 32 experts top-4) and with openai/gpt-oss gpt_oss/torch/model.py \
+                 and mlx-lm mlx_lm/models/gpt_oss.py (same widths); special tokens: \
+                 <|endoftext|> at 199999 as in o200k_harmony, the synthetic Qwen-style ones after it",
+        hidden_size: 2880,
+        layers: 24,
+        heads: 64,
+        kv_heads: 8,
+        head_dim: 64,
+        experts: 32,
+        experts_per_token: 4,
+        // gpt-oss's `intermediate_size` is each expert's width.
+        moe_intermediate_size: 2880,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 2880,
+        vocab_size: 201088,
+        rope_theta: 150000.0,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 131072,
+        linear: None,
+        first_dense_layers: 0,
+        qk_norm: false,
+        routed_scaling_factor: 1.0,
+        special_tokens_start: 199999,
+        mla: None,
+        gpt_oss: Some(GPT_OSS_ATTENTION),
+    },
+    Preset {
+        name: "gpt-oss-120b",
+        family: Family::GptOss,
+        source: "openai/gpt-oss gpt_oss/torch/model.py ModelConfig defaults, which are \
+                 gpt-oss-120b's (36 layers, 128 experts, 4 per token, hidden and expert width \
+                 2880, 64 heads, 8 KV heads of 64, vocabulary 201088, window 128, theta 150000, \
+                 YaRN factor 32 over 4096 with beta 32/1, swiglu_limit 7); agrees with mlx-lm \
+                 mlx_lm/models/gpt_oss.py ModelArgs defaults and NVIDIA Megatron-Bridge's gpt-oss \
+                 page (120B: 36 layers, 128 experts top-4); the rest as gpt-oss-20b's config.json",
+        hidden_size: 2880,
+        layers: 36,
+        heads: 64,
+        kv_heads: 8,
+        head_dim: 64,
+        experts: 128,
+        experts_per_token: 4,
+        moe_intermediate_size: 2880,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 2880,
+        vocab_size: 201088,
+        rope_theta: 150000.0,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 131072,
+        linear: None,
+        first_dense_layers: 0,
+        qk_norm: false,
+        routed_scaling_factor: 1.0,
+        special_tokens_start: 199999,
+        mla: None,
+        gpt_oss: Some(GPT_OSS_ATTENTION),
     },
     Preset {
         name: "tiny-qwen3.5-moe",
@@ -473,6 +573,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "tiny-qwen3-moe",
@@ -498,6 +599,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "tiny-glm4-moe",
@@ -523,6 +625,7 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
         mla: None,
+        gpt_oss: None,
     },
     Preset {
         name: "tiny-deepseek-v3",
@@ -558,6 +661,7 @@ pub const PRESETS: &[Preset] = &[
             topk_group: 2,
             yarn: (40.0, 4096, 32.0, 1.0),
         }),
+        gpt_oss: None,
     },
     Preset {
         name: "tiny-mixtral",
@@ -583,6 +687,36 @@ pub const PRESETS: &[Preset] = &[
         routed_scaling_factor: 1.0,
         special_tokens_start: 1000,
         mla: None,
+        gpt_oss: None,
+    },
+    Preset {
+        name: "tiny-gpt-oss",
+        family: Family::GptOss,
+        source: "gpt-oss-20b's structure at test size (a window of 8, so that short tests cross it)",
+        hidden_size: 128,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        experts: 8,
+        experts_per_token: 2,
+        moe_intermediate_size: 64,
+        shared_expert_intermediate_size: 0,
+        intermediate_size: 64,
+        vocab_size: 1024,
+        rope_theta: 150000.0,
+        partial_rotary_factor: 1.0,
+        max_position_embeddings: 4096,
+        linear: None,
+        first_dense_layers: 0,
+        qk_norm: false,
+        routed_scaling_factor: 1.0,
+        special_tokens_start: 1000,
+        mla: None,
+        gpt_oss: Some(GptOssAttention {
+            sliding_window: 8,
+            ..GPT_OSS_ATTENTION
+        }),
     },
 ];
 
@@ -614,7 +748,11 @@ impl Preset {
     /// Module-path prefix of the decoder stack as mlx-lm writes it (`...layers.N`).
     pub fn model_prefix(&self) -> &'static str {
         match self.family {
-            Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe | Family::DeepseekV3 => "model",
+            Family::Qwen3Moe
+            | Family::Mixtral
+            | Family::Glm4Moe
+            | Family::DeepseekV3
+            | Family::GptOss => "model",
             Family::Qwen35Moe => "language_model.model",
         }
     }
@@ -622,7 +760,11 @@ impl Preset {
     /// Path of the output head.
     pub fn lm_head(&self) -> &'static str {
         match self.family {
-            Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe | Family::DeepseekV3 => "lm_head",
+            Family::Qwen3Moe
+            | Family::Mixtral
+            | Family::Glm4Moe
+            | Family::DeepseekV3
+            | Family::GptOss => "lm_head",
             Family::Qwen35Moe => "language_model.lm_head",
         }
     }
@@ -631,8 +773,26 @@ impl Preset {
     pub fn moe_module(&self) -> &'static str {
         match self.family {
             Family::Mixtral => "block_sparse_moe",
-            Family::Qwen3Moe | Family::Qwen35Moe | Family::Glm4Moe | Family::DeepseekV3 => "mlp",
+            Family::Qwen3Moe
+            | Family::Qwen35Moe
+            | Family::Glm4Moe
+            | Family::DeepseekV3
+            | Family::GptOss => "mlp",
         }
+    }
+
+    /// The router's module name under the MoE block (`gate`; gpt-oss's `router`).
+    pub fn router_module(&self) -> &'static str {
+        match self.family {
+            Family::GptOss => "router",
+            _ => "gate",
+        }
+    }
+
+    /// Whether layer `l` (0-based) attends through a sliding window (gpt-oss: the even layers,
+    /// as its `layer_types` starts with `sliding_attention`).
+    pub fn is_sliding(&self, l: usize) -> bool {
+        self.gpt_oss.is_some() && l.is_multiple_of(2)
     }
 
     /// The config.json mlx-lm writes for this model quantised to `bits` with `group_size`
@@ -651,7 +811,7 @@ impl Preset {
         };
         for l in 0..router_layers {
             let p = format!("{}.layers.{l}.{}", self.model_prefix(), self.moe_module());
-            quant.insert(format!("{p}.gate"), router.clone());
+            quant.insert(format!("{p}.{}", self.router_module()), router.clone());
             if self.shared_expert_intermediate_size > 0 {
                 quant.insert(format!("{p}.shared_expert_gate"), router.clone());
             }
@@ -805,6 +965,62 @@ impl Preset {
                     "quantization_config": quant,
                 })
             }
+            (Family::GptOss, _) => {
+                let g = self
+                    .gpt_oss
+                    .expect("gpt_oss presets have their attention settings");
+                let (factor, original, beta_fast, beta_slow) = g.yarn;
+                let layer_types: Vec<&str> = (0..self.layers)
+                    .map(|l| {
+                        if self.is_sliding(l) {
+                            "sliding_attention"
+                        } else {
+                            "full_attention"
+                        }
+                    })
+                    .collect();
+                json!({
+                    "architectures": ["GptOssForCausalLM"],
+                    "model_type": "gpt_oss",
+                    "attention_bias": true,
+                    "attention_dropout": 0.0,
+                    "eos_token_id": eos,
+                    "experts_per_token": self.experts_per_token,
+                    "head_dim": self.head_dim,
+                    "hidden_act": "silu",
+                    "hidden_size": self.hidden_size,
+                    "initial_context_length": original,
+                    "initializer_range": 0.02,
+                    "intermediate_size": self.moe_intermediate_size,
+                    "layer_types": layer_types,
+                    "max_position_embeddings": self.max_position_embeddings,
+                    "num_attention_heads": self.heads,
+                    "num_experts_per_tok": self.experts_per_token,
+                    "num_hidden_layers": self.layers,
+                    "num_key_value_heads": self.kv_heads,
+                    "num_local_experts": self.experts,
+                    "output_router_logits": false,
+                    "pad_token_id": endoftext,
+                    "rms_norm_eps": 1e-5,
+                    "rope_scaling": {
+                        "beta_fast": beta_fast,
+                        "beta_slow": beta_slow,
+                        "factor": factor,
+                        "original_max_position_embeddings": original,
+                        "rope_type": "yarn",
+                        "truncate": false,
+                    },
+                    "rope_theta": self.rope_theta,
+                    "router_aux_loss_coef": 0.9,
+                    "sliding_window": g.sliding_window,
+                    "swiglu_limit": g.swiglu_limit,
+                    "tie_word_embeddings": false,
+                    "use_cache": true,
+                    "vocab_size": self.vocab_size,
+                    "quantization": quant,
+                    "quantization_config": quant,
+                })
+            }
             (Family::Mixtral, _) => json!({
                 "architectures": ["MixtralForCausalLM"],
                 "model_type": "mixtral",
@@ -900,6 +1116,90 @@ mod tests {
             e.contains("qwen3.5-35b-a3b") && e.contains("tiny-qwen3-moe"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn gpt_oss_presets_have_the_published_numbers() {
+        let small = Preset::find("gpt-oss-20b").unwrap();
+        let big = Preset::find("gpt-oss-120b").unwrap();
+        for p in [small, big] {
+            assert_eq!(p.family, Family::GptOss);
+            assert_eq!(
+                (p.hidden_size, p.heads, p.kv_heads, p.head_dim),
+                (2880, 64, 8, 64)
+            );
+            assert_eq!((p.moe_intermediate_size, p.experts_per_token), (2880, 4));
+            assert_eq!((p.vocab_size, p.max_position_embeddings), (201088, 131072));
+            assert_eq!(p.rope_theta, 150000.0);
+            assert_eq!(p.shared_expert_intermediate_size, 0);
+            assert_eq!(
+                p.gpt_oss,
+                Some(GptOssAttention {
+                    sliding_window: 128,
+                    swiglu_limit: 7.0,
+                    yarn: (32.0, 4096, 32.0, 1.0),
+                })
+            );
+            // o200k_harmony's <|endoftext|>; the end of turn is a real token below the vocabulary.
+            assert_eq!(p.special_tokens_start, 199999);
+            assert!(p.eos_token_id() < p.vocab_size);
+        }
+        assert_eq!((small.layers, small.experts), (24, 32));
+        assert_eq!((big.layers, big.experts), (36, 128));
+        let tiny = Preset::find("tiny-gpt-oss").unwrap();
+        assert_eq!(
+            (tiny.hidden_size, tiny.layers, tiny.heads, tiny.kv_heads),
+            (128, 4, 4, 2)
+        );
+        assert_eq!((tiny.experts, tiny.experts_per_token), (8, 2));
+        assert_eq!(tiny.gpt_oss.unwrap().sliding_window, 8);
+    }
+
+    #[test]
+    fn gpt_oss_config_is_what_the_engine_reads() {
+        let p = Preset::find("gpt-oss-20b").unwrap();
+        let c = p.config_json(4, 64);
+        assert_eq!(c["model_type"], "gpt_oss");
+        for (key, want) in [
+            ("hidden_size", json!(2880)),
+            ("intermediate_size", json!(2880)),
+            ("num_hidden_layers", json!(24)),
+            ("num_attention_heads", json!(64)),
+            ("num_key_value_heads", json!(8)),
+            ("head_dim", json!(64)),
+            ("num_local_experts", json!(32)),
+            ("num_experts_per_tok", json!(4)),
+            ("experts_per_token", json!(4)),
+            ("vocab_size", json!(201088)),
+            ("rope_theta", json!(150000.0)),
+            ("sliding_window", json!(128)),
+            ("swiglu_limit", json!(7.0)),
+            ("max_position_embeddings", json!(131072)),
+            ("tie_word_embeddings", json!(false)),
+            ("eos_token_id", json!(200001)),
+        ] {
+            assert_eq!(c[key], want, "{key}");
+        }
+        assert_eq!(
+            c["rope_scaling"],
+            json!({"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                   "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                   "truncate": false})
+        );
+        let types = c["layer_types"].as_array().unwrap();
+        assert_eq!(types.len(), 24);
+        for (l, t) in types.iter().enumerate() {
+            let want = ["sliding_attention", "full_attention"][l % 2];
+            assert_eq!(t, want, "layer {l}");
+        }
+        for q in [&c["quantization"], &c["quantization_config"]] {
+            assert_eq!((&q["bits"], &q["group_size"]), (&json!(4), &json!(64)));
+            for l in 0..24 {
+                let r = &q[format!("model.layers.{l}.mlp.router")];
+                assert_eq!(r, &json!({"group_size": 64, "bits": 8}), "layer {l}");
+            }
+            assert!(q.get("model.layers.0.mlp.gate").is_none());
+        }
     }
 
     #[test]

@@ -107,8 +107,13 @@ pub fn tokenizer_config_json(preset: &Preset) -> Value {
         );
     }
     let template = match preset.family {
-        // The synthetic vocabulary has Qwen's special tokens, so the others get Qwen3's template.
-        Family::Qwen3Moe | Family::Mixtral | Family::Glm4Moe | Family::DeepseekV3 => QWEN3_TEMPLATE,
+        // The synthetic vocabulary has Qwen's special tokens, so the others get Qwen3's template
+        // (gpt-oss's harmony template would need o200k_harmony's, which it does not have).
+        Family::Qwen3Moe
+        | Family::Mixtral
+        | Family::Glm4Moe
+        | Family::DeepseekV3
+        | Family::GptOss => QWEN3_TEMPLATE,
         Family::Qwen35Moe => QWEN35_TEMPLATE,
     };
     json!({
