@@ -1,17 +1,21 @@
-//! Text ↔ token ids through a model's `tokenizer.json`, and streaming detokenization.
+//! Text ↔ token ids through a model's `tokenizer.json` (or Kimi K2's `tiktoken.model`), and
+//! streaming detokenization.
 //!
-//! [`Tokenizer`] wraps the Hugging Face `tokenizers` crate so the rest of the engine sees one
-//! small API with errors that name the file. [`StreamDecoder`] turns generated ids into text
-//! deltas as they arrive. Decoding each token on its own is wrong twice over: byte-level BPE
-//! tokens can end in the middle of a UTF-8 character (so the text would show U+FFFD), and some
-//! decoders change a token's text depending on what precedes it (SentencePiece's leading-space
-//! strip). It therefore uses the technique of text-generation-inference's `decode_token`: decode
+//! [`Tokenizer`] wraps the Hugging Face `tokenizers` crate, or for a directory that ships
+//! `tiktoken.model` instead of `tokenizer.json` (Kimi K2) a tiktoken BPE ([`tiktoken`]), so the
+//! rest of the engine sees one small API with errors that name the file. [`StreamDecoder`]
+//! turns generated ids into text deltas as they arrive. Decoding each token on its own is wrong
+//! twice over: byte-level BPE tokens can end in the middle of a UTF-8 character (so the text
+//! would show U+FFFD), and some decoders change a token's text depending on what precedes it
+//! (SentencePiece's leading-space strip). It therefore uses the technique of text-generation-inference's `decode_token`: decode
 //! a short window that starts a few tokens back (`prefix_offset`), subtract the text of the part
 //! already emitted (up to `read_offset`), and hold back while the result ends in an incomplete
 //! character. Each step costs O(window), and the deltas concatenated equal `decode(all ids)`.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+
+pub mod tiktoken;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TokenizerError {
@@ -23,9 +27,9 @@ pub enum TokenizerError {
     Decode(String),
 }
 
-/// A loaded `tokenizer.json`.
+/// A loaded `tokenizer.json` or `tiktoken.model`.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Inner,
     /// The special tokens that decoding with `skip_special` drops: all but the markers the
     /// output parser reads ([`crate::output::MARKERS`]), which some tokenizers mark special.
     dropped_special: HashSet<u32>,
@@ -39,13 +43,29 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+enum Inner {
+    Hf(Box<tokenizers::Tokenizer>),
+    Tiktoken(Box<tiktoken::Tiktoken>),
+}
+
 fn one_line(s: impl std::fmt::Display) -> String {
     s.to_string().lines().collect::<Vec<_>>().join(" ")
 }
 
 impl Tokenizer {
-    /// Loads a Hugging Face `tokenizer.json`.
+    /// Loads a Hugging Face `tokenizer.json`. When `path` is a model directory's
+    /// `tokenizer.json` that does not exist but `tiktoken.model` does beside it (Kimi K2), loads
+    /// that instead ([`Tokenizer::from_tiktoken_dir`]).
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
+        if let (false, Some("tokenizer.json"), Some(dir)) = (
+            path.exists(),
+            path.file_name().and_then(|n| n.to_str()),
+            path.parent(),
+        ) {
+            if dir.join(tiktoken::MODEL_FILE).is_file() {
+                return Self::from_tiktoken_dir(dir);
+            }
+        }
         let load_err = |message: String| TokenizerError::Load {
             path: path.to_path_buf(),
             message,
@@ -64,6 +84,24 @@ impl Tokenizer {
         Ok(Self::from_inner(inner))
     }
 
+    /// Loads Kimi K2's tokenizer from a model directory: `tiktoken.model` and the special
+    /// tokens of `tokenizer_config.json`'s `added_tokens_decoder`, encoding and decoding as
+    /// its `tokenization_kimi.py` does (see [`tiktoken`]). Errors name the file at fault.
+    pub fn from_tiktoken_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        let tk = tiktoken::Tiktoken::from_dir(dir)
+            .map_err(|(path, message)| TokenizerError::Load { path, message })?;
+        let dropped_special = tk
+            .added()
+            .iter()
+            .filter(|t| t.special && !crate::output::MARKERS.contains(&t.content.as_str()))
+            .map(|t| t.id)
+            .collect();
+        Ok(Tokenizer {
+            inner: Inner::Tiktoken(Box::new(tk)),
+            dropped_special,
+        })
+    }
+
     /// Wraps an already built `tokenizers` tokenizer.
     pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
         let dropped_special = inner
@@ -73,23 +111,32 @@ impl Tokenizer {
             .map(|(id, _)| id)
             .collect();
         Tokenizer {
-            inner,
+            inner: Inner::Hf(Box::new(inner)),
             dropped_special,
         }
     }
 
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+    /// The `tokenizers` tokenizer, if this is one (`None` for a tiktoken model).
+    pub fn inner(&self) -> Option<&tokenizers::Tokenizer> {
+        match &self.inner {
+            Inner::Hf(t) => Some(t),
+            Inner::Tiktoken(_) => None,
+        }
     }
 
     /// Token ids of `text`. `add_special_tokens` runs the tokenizer's post-processor (e.g. a BOS
-    /// token); special tokens written in the text (`<|im_start|>`) are recognised either way.
+    /// token; a tiktoken model has none, as Kimi's `TikTokenTokenizer` adds nothing); special
+    /// tokens written in the text (`<|im_start|>`) are recognised either way.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| TokenizerError::Encode(one_line(e)))?;
-        Ok(enc.get_ids().to_vec())
+        match &self.inner {
+            Inner::Hf(t) => {
+                let enc = t
+                    .encode(text, add_special_tokens)
+                    .map_err(|e| TokenizerError::Encode(one_line(e)))?;
+                Ok(enc.get_ids().to_vec())
+            }
+            Inner::Tiktoken(t) => Ok(t.encode(text)),
+        }
     }
 
     /// Text of `ids`; ids outside the vocabulary are skipped. `skip_special` drops special
@@ -108,24 +155,37 @@ impl Tokenizer {
             }
             false => ids,
         };
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| TokenizerError::Decode(one_line(e)))
+        match &self.inner {
+            Inner::Hf(t) => t
+                .decode(ids, false)
+                .map_err(|e| TokenizerError::Decode(one_line(e))),
+            Inner::Tiktoken(t) => Ok(t.decode(ids)),
+        }
     }
 
-    /// The id of a token written exactly as in the vocabulary (added tokens included).
+    /// The id of a token written exactly as in the vocabulary (added tokens included; a
+    /// tiktoken model's tokens as byte-level strings, as its `tokenization_kimi.py` has them).
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.inner {
+            Inner::Hf(t) => t.token_to_id(token),
+            Inner::Tiktoken(t) => t.token_id(token),
+        }
     }
 
     /// The vocabulary entry of `id`, if any.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        match &self.inner {
+            Inner::Hf(t) => t.id_to_token(id),
+            Inner::Tiktoken(t) => t.id_to_token(id),
+        }
     }
 
-    /// Number of tokens, added tokens included.
+    /// Number of tokens, added tokens included (a tiktoken model: one past its highest id).
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Inner::Hf(t) => t.get_vocab_size(true),
+            Inner::Tiktoken(t) => t.n_vocab(),
+        }
     }
 }
 
