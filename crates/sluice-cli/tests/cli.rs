@@ -319,6 +319,84 @@ fn synth_tiny_presets_load_and_generate() {
     }
 }
 
+/// A Kimi K2 directory as released has `tiktoken.model` and no `tokenizer.json`: a synthetic
+/// DeepSeek-V3 renamed `kimi_k2`, its tokenizer swapped for a tiktoken one (the 256 single bytes
+/// and Kimi's 256 special ids after them), generates from a prompt and a chat.
+#[test]
+fn a_kimi_directory_with_only_tiktoken_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    let d = dir.to_str().unwrap();
+    let out = sluice(&[
+        "synth",
+        "--preset",
+        "tiny-deepseek-v3",
+        "-o",
+        d,
+        "--seed",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let config_path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["model_type"] = "kimi_k2".into();
+    config["eos_token_id"] = 257.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let ranks: String = (0..256usize)
+        .map(|b| {
+            // One byte in base64: two characters and the padding.
+            let (hi, lo) = (B64[b >> 2] as char, B64[(b & 3) << 4] as char);
+            format!("{hi}{lo}== {b}\n")
+        })
+        .collect();
+    std::fs::write(dir.join("tiktoken.model"), ranks).unwrap();
+    let tokenizer_config = serde_json::json!({
+        "added_tokens_decoder": {
+            "256": {"content": "[BOS]", "special": true},
+            "257": {"content": "[EOS]", "special": true},
+            "258": {"content": "<|im_user|>", "special": true},
+            "259": {"content": "<|im_assistant|>", "special": true},
+            "260": {"content": "<|im_middle|>", "special": true},
+            "261": {"content": "<|im_end|>", "special": true},
+        },
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "chat_template": "{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}",
+    });
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        tokenizer_config.to_string(),
+    )
+    .unwrap();
+    for chat in [false, true] {
+        let mut args = vec![
+            "generate",
+            "-m",
+            d,
+            "-p",
+            "the cat sat",
+            "-n",
+            "4",
+            "--seed",
+            "1",
+        ];
+        if chat {
+            args.push("--chat");
+        }
+        let out = sluice(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains("generation:"), "{stderr}");
+    }
+}
+
 #[test]
 fn synth_is_deterministic_per_seed() {
     let tmp = tempfile::tempdir().unwrap();

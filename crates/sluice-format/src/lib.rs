@@ -126,11 +126,12 @@ impl ModelDir {
             _ => config.clone(),
         };
         let quantization = QuantConfig::from_config(&config_path, &text_config)?;
-        if !path.join("tokenizer.json").is_file() {
+        // Kimi K2 ships a tiktoken file instead (read by sluice-engine's tokenizer).
+        if !path.join("tokenizer.json").is_file() && !path.join("tiktoken.model").is_file() {
             return Err(FormatError::MissingFile {
                 dir: path,
                 name: "tokenizer.json".to_string(),
-                hint: "sluice needs the fast-tokenizer file; copy tokenizer.json from the original model's repository".to_string(),
+                hint: "sluice needs the fast-tokenizer file (or Kimi's tiktoken.model); copy it from the original model's repository".to_string(),
             });
         }
         let tokenizer_config = TokenizerConfig::read(&path)?;
