@@ -131,7 +131,7 @@ impl ModelDir {
             return Err(FormatError::MissingFile {
                 dir: path,
                 name: "tokenizer.json".to_string(),
-                hint: "sluice needs the fast-tokenizer file (or Kimi's tiktoken.model); copy it from the original model's repository".to_string(),
+                hint: "sluice needs the fast-tokenizer file; copy tokenizer.json (or, for Kimi K2, tiktoken.model) from the original model's repository".to_string(),
             });
         }
         let tokenizer_config = TokenizerConfig::read(&path)?;
