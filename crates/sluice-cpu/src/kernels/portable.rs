@@ -159,6 +159,10 @@ static FP4_PAIRS: [[f32; 2]; 256] = {
 /// the group's power of two (the levels without a kernel of their own).
 pub(crate) fn mxfp4_rows(c: &Ctx, r0: usize, r1: usize, res: &mut [f32]) {
     let (cols, n, tokens) = (c.w.cols, r1 - r0, c.tokens);
+    assert!(
+        tokens <= super::DECODE_MAX_TOKENS,
+        "decode takes at most DECODE_MAX_TOKENS"
+    );
     let groups = cols / MXFP4_GROUP;
     let rb = cols / 2;
     for r in r0..r1 {
