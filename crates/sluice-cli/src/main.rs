@@ -217,6 +217,9 @@ fn main() {
         Command::Bench(a) => bench_cmd::run(a),
         Command::Info(a) => info_cmd::run(a),
     };
+    if let Some(report) = sluice_cpu::profile_report() {
+        eprint!("{report}");
+    }
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -6,10 +6,11 @@ use sluice_backend::{
     HostLinearState, HostMatrix, HostRouting, MemoryInfo, Rope, SigmoidRouting,
 };
 
+use std::borrow::Cow;
 use std::sync::Mutex;
 
 use crate::kernels::{self, Kernels, MatmulJob};
-use crate::team;
+use crate::{profile, team};
 
 /// f32 activations `[rows, cols]`, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -189,6 +190,7 @@ impl Backend for CpuBackend {
     }
 
     fn slice_rows(&self, a: &CpuAct, start: usize, len: usize) -> CpuAct {
+        let _span = profile::span("slice_rows");
         CpuAct {
             data: a.data[start * a.cols..(start + len) * a.cols].to_vec(),
             rows: len,
@@ -197,6 +199,7 @@ impl Backend for CpuBackend {
     }
 
     fn concat_rows(&self, parts: &[&CpuAct]) -> CpuAct {
+        let _span = profile::span("concat_rows");
         let cols = parts.first().expect("concat_rows of no parts").cols;
         assert!(
             parts.iter().all(|p| p.cols == cols),
@@ -210,15 +213,18 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&self, table: &HostMatrix, tokens: &[u32]) -> CpuAct {
+        let _span = profile::span("embed");
         let w = table.as_ref();
         let mut out = CpuAct::zeros(tokens.len(), w.cols);
-        team::chunks_mut(&mut out.data, w.cols, |i, row| {
+        let work = out.data.len();
+        team::chunks_mut_sized(&mut out.data, w.cols, work, |i, row| {
             kernels::dequantize_row(&w, tokens[i] as usize, row)
         });
         out
     }
 
     fn matmul(&self, x: &CpuAct, w: &HostMatrix) -> CpuAct {
+        let _span = profile::span("matmul");
         let w = w.as_ref();
         assert_eq!(x.cols, w.cols, "matmul: input width does not match weight");
         let mut out = CpuAct::zeros(x.rows, w.rows);
@@ -226,15 +232,39 @@ impl Backend for CpuBackend {
         out
     }
 
+    fn matmuls<const N: usize>(&self, x: &CpuAct, weights: [&HostMatrix; N]) -> [CpuAct; N] {
+        let _span = profile::span("matmuls");
+        let mut outs = weights.map(|w| {
+            assert_eq!(x.cols, w.cols, "matmuls: input width does not match weight");
+            CpuAct::zeros(x.rows, w.rows)
+        });
+        // One parallel step for all of them (the activations are prepared once).
+        let mut jobs: Vec<MatmulJob> = weights
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(w, out)| MatmulJob {
+                w: w.as_ref(),
+                x: &x.data,
+                tokens: x.rows,
+                out: &mut out.data,
+            })
+            .collect();
+        kernels::matmul_batch(self.kernels, &mut jobs);
+        drop(jobs);
+        outs
+    }
+
     fn rms_norm(&self, x: &CpuAct, weight: &Vec<f32>, eps: f32) -> CpuAct {
+        let _span = profile::span("rms_norm");
         let n = weight.len();
         assert!(
             x.cols.is_multiple_of(n),
             "rms_norm: width is not a multiple of the norm size"
         );
         let mut out = x.clone();
-        team::chunks_mut(&mut out.data, n, |_, v| {
-            let ms = v.iter().map(|a| a * a).sum::<f32>() / n as f32;
+        let work = out.data.len();
+        team::chunks_mut_sized(&mut out.data, n, work, |_, v| {
+            let ms = kernels::dot(v, v) / n as f32;
             let inv = 1.0 / (ms + eps).sqrt();
             for (a, w) in v.iter_mut().zip(weight) {
                 *a = *a * inv * w;
@@ -244,6 +274,7 @@ impl Backend for CpuBackend {
     }
 
     fn add_assign(&self, x: &mut CpuAct, y: &CpuAct) {
+        let _span = profile::span("add_assign");
         assert_eq!((x.rows, x.cols), (y.rows, y.cols));
         for (a, b) in x.data.iter_mut().zip(&y.data) {
             *a += b;
@@ -251,6 +282,7 @@ impl Backend for CpuBackend {
     }
 
     fn add_bias(&self, x: &mut CpuAct, bias: &Vec<f32>) {
+        let _span = profile::span("add_bias");
         assert_eq!(x.cols, bias.len(), "one bias per column");
         for row in x.data.chunks_mut(x.cols) {
             row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
@@ -258,13 +290,15 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &CpuAct, up: &CpuAct) -> CpuAct {
+        let _span = profile::span("swiglu");
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols));
         let mut out = gate.clone();
-        swiglu_in_place(&mut out.data, &up.data);
+        kernels::silu_mul(&mut out.data, &up.data);
         out
     }
 
     fn rope(&self, x: &mut CpuAct, rope: Rope, first_position: usize) {
+        let _span = profile::span("rope");
         let (head_dim, rotary_dim) = (rope.head_dim, rope.rotary_dim);
         assert!(
             rotary_dim <= head_dim
@@ -273,8 +307,8 @@ impl Backend for CpuBackend {
         );
         let half = rotary_dim / 2;
         let inv_freq = rope.inv_freq();
-        let cols = x.cols;
-        team::chunks_mut(&mut x.data, cols, |r, row| {
+        let (cols, work) = (x.cols, x.data.len());
+        team::chunks_mut_sized(&mut x.data, cols, work, |r, row| {
             let pos = (first_position + r) as f32;
             let (sin, cos): (Vec<f32>, Vec<f32>) =
                 inv_freq.iter().map(|f| (pos * f).sin_cos()).unzip();
@@ -296,6 +330,7 @@ impl Backend for CpuBackend {
         cache: &mut CpuKvCache,
         spec: AttentionSpec<'_, Vec<f32>>,
     ) -> CpuAct {
+        let _span = profile::span("attention");
         let (heads, scale) = (spec.heads, spec.scale);
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         if let Some(s) = spec.sinks {
@@ -351,8 +386,10 @@ impl Backend for CpuBackend {
             });
             return out;
         }
-        // One task per (row, head): each attends to positions 0..=first + row.
-        team::chunks_mut(&mut out.data, hd, |i, o| {
+        // One task per (row, head): each attends to positions 0..=first + row (keys and values
+        // read for each head).
+        let work = q.rows * heads * (first + q.rows) * 2 * hd;
+        team::chunks_mut_sized(&mut out.data, hd, work, |i, o| {
             let (r, h) = (i / heads, i % heads);
             let kv = h / group;
             let qv = &q.data[r * q.cols + h * hd..][..hd];
@@ -371,6 +408,7 @@ impl Backend for CpuBackend {
     }
 
     fn sigmoid_mul(&self, x: &mut CpuAct, gate: &CpuAct) {
+        let _span = profile::span("sigmoid_mul");
         assert_eq!(x.rows, gate.rows);
         if gate.cols == 1 {
             for (row, g) in x.data.chunks_mut(x.cols).zip(&gate.data) {
@@ -386,6 +424,7 @@ impl Backend for CpuBackend {
     }
 
     fn join_chunks(&self, a: &CpuAct, a_chunk: usize, b: &CpuAct, b_chunk: usize) -> CpuAct {
+        let _span = profile::span("join_chunks");
         assert_eq!(a.rows, b.rows, "join_chunks: row counts differ");
         let data = sluice_backend::reference::join_chunks(&a.data, a_chunk, &b.data, b_chunk);
         let cols = a.cols + b.cols;
@@ -397,6 +436,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_heads(&self, x: &CpuAct, w: &HostMatrix, heads: usize) -> CpuAct {
+        let _span = profile::span("matmul_heads");
         assert!(
             heads > 0 && w.rows.is_multiple_of(heads),
             "matmul_heads: rows per head"
@@ -423,6 +463,7 @@ impl Backend for CpuBackend {
     }
 
     fn split_chunks(&self, x: &CpuAct, chunk: usize, first: usize) -> (CpuAct, CpuAct) {
+        let _span = profile::span("split_chunks");
         assert!(first <= chunk && x.cols.is_multiple_of(chunk));
         let n = x.cols / chunk;
         let mut a = CpuAct::zeros(x.rows, n * first);
@@ -441,6 +482,7 @@ impl Backend for CpuBackend {
         weight: &Vec<f32>,
         state: &mut HostLinearState,
     ) -> CpuAct {
+        let _span = profile::span("causal_conv1d_silu");
         let (c, k) = (state.dims.conv_channels(), state.dims.conv_kernel);
         assert_eq!(x.cols, c);
         assert_eq!(weight.len(), c * k);
@@ -469,6 +511,7 @@ impl Backend for CpuBackend {
         dt_bias: &Vec<f32>,
         state: &mut HostLinearState,
     ) -> CpuAct {
+        let _span = profile::span("gated_delta_rule");
         let d = state.dims;
         let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_dim, d.value_dim);
         assert_eq!(qkv.cols, d.conv_channels());
@@ -518,6 +561,7 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm_gated(&self, x: &CpuAct, z: &CpuAct, weight: &Vec<f32>, eps: f32) -> CpuAct {
+        let _span = profile::span("rms_norm_gated");
         assert_eq!((x.rows, x.cols), (z.rows, z.cols));
         let mut out = self.rms_norm(x, weight, eps);
         for (o, g) in out.data.iter_mut().zip(&z.data) {
@@ -533,6 +577,7 @@ impl Backend for CpuBackend {
         k: usize,
         how: SigmoidRouting,
     ) -> HostRouting {
+        let _span = profile::span("route_sigmoid");
         assert_eq!(logits.cols, bias.len(), "one bias per expert");
         assert!(k >= 1 && k <= bias.len());
         assert!(how.groups >= 1 && bias.len().is_multiple_of(how.groups));
@@ -542,6 +587,7 @@ impl Backend for CpuBackend {
     }
 
     fn route(&self, logits: &CpuAct, k: usize, normalize: bool) -> HostRouting {
+        let _span = profile::span("route");
         let e = logits.cols;
         assert!(k >= 1 && k <= e);
         let mut experts = Vec::with_capacity(logits.rows * k);
@@ -604,12 +650,14 @@ impl Backend for CpuBackend {
         ffn: ExpertFfn<'_, Vec<f32>>,
         out: &mut CpuAct,
     ) {
+        let _span = profile::span("moe_accumulate");
         assert_eq!(routing.tokens(), x.rows);
         assert_eq!((out.rows, out.cols), (x.rows, x.cols));
         assert!(
             experts.windows(2).all(|w| w[0].0 < w[1].0),
             "ascending expert ids"
         );
+        let part = profile::span("moe: gather");
         // Group the rows by expert so each expert's weights are read once per call.
         let mut rows_of: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
         for (i, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
@@ -625,25 +673,30 @@ impl Backend for CpuBackend {
         // A prompt's gathers, activations and weighted sums are spread over the team like its
         // products (on the calling thread when small).
         let parallel = routing.experts.len() * x.cols >= PARALLEL_MOE_VALUES;
-        let mut inputs: Vec<Vec<f32>> = vec![Vec::new(); active.len()];
-        let gather = |i: usize, input: &mut Vec<f32>| {
+        // An expert that takes every row in order (always, decoding one token) reads `x` itself:
+        // the products then prepare its activations once for all such experts.
+        let gather = |i: usize| {
             let rows = &rows_of[active[i]];
-            *input = if rows.len() == x.rows && rows.iter().enumerate().all(|(i, r)| r.0 == i) {
-                x.data.clone()
+            if rows.len() == x.rows && rows.iter().enumerate().all(|(i, r)| r.0 == i) {
+                Cow::Borrowed(&x.data[..])
             } else {
-                rows.iter()
-                    .flat_map(|&(r, _)| x.row(r).iter().copied())
-                    .collect()
-            };
+                Cow::Owned(
+                    rows.iter()
+                        .flat_map(|&(r, _)| x.row(r).iter().copied())
+                        .collect(),
+                )
+            }
         };
+        let mut inputs: Vec<Cow<[f32]>> = vec![Cow::Borrowed(&x.data[..0]); active.len()];
         if parallel {
-            team::chunks_mut(&mut inputs, 1, |i, v| gather(i, &mut v[0]));
+            team::chunks_mut(&mut inputs, 1, |i, v| v[0] = gather(i));
         } else {
-            inputs
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, v)| gather(i, v));
+            for (i, v) in inputs.iter_mut().enumerate() {
+                *v = gather(i);
+            }
         }
+        drop(part);
+        let part = profile::span("moe: gate/up");
         let inter: Vec<usize> = active.iter().map(|&e| experts[e].gate.rows).collect();
         let mut gates: Vec<Vec<f32>> = active
             .iter()
@@ -673,6 +726,8 @@ impl Backend for CpuBackend {
             }
             kernels::matmul_batch(self.kernels, &mut jobs);
         }
+        drop(part);
+        let part = profile::span("moe: activation");
         // Expert `id`'s biases of one projection `n` wide, added to each of its rows.
         let add_bias = |out: &mut [f32], bias: Option<&Vec<f32>>, id: usize, n: usize| {
             if let Some(b) = bias {
@@ -684,13 +739,13 @@ impl Backend for CpuBackend {
         };
         let activate = |i: usize, gate: &mut [f32]| {
             let (id, n) = (ids[active[i]], inter[i]);
-            let mut up = std::borrow::Cow::Borrowed(&ups[i][..]);
+            let mut up = Cow::Borrowed(&ups[i][..]);
             if let Some(b) = ffn.biases {
                 add_bias(gate, Some(&b.gate), id, n);
                 add_bias(up.to_mut(), Some(&b.up), id, n);
             }
             match ffn.activation {
-                Activation::Silu => swiglu_in_place(gate, &up),
+                Activation::Silu => kernels::silu_mul(gate, &up),
                 act => gate
                     .iter_mut()
                     .zip(up.iter())
@@ -704,6 +759,8 @@ impl Backend for CpuBackend {
                 activate(i, gate);
             }
         }
+        drop(part);
+        let part = profile::span("moe: down");
         let mut downs: Vec<Vec<f32>> = active
             .iter()
             .map(|&e| vec![0.0; rows_of[e].len() * x.cols])
@@ -727,6 +784,8 @@ impl Backend for CpuBackend {
                 add_bias(down, Some(&b.down), ids[active[i]], x.cols);
             }
         }
+        drop(part);
+        let _part = profile::span("moe: combine");
         // Each row adds its experts' outputs in ascending expert id (the order of `active`).
         let mut parts_of: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); x.rows];
         for (i, &e) in active.iter().enumerate() {
@@ -736,9 +795,7 @@ impl Backend for CpuBackend {
         }
         let add = |r: usize, dst: &mut [f32]| {
             for &(i, j, w) in &parts_of[r] {
-                for (a, b) in dst.iter_mut().zip(&downs[i][j * x.cols..(j + 1) * x.cols]) {
-                    *a += w * b;
-                }
+                kernels::axpy(w, &downs[i][j * x.cols..(j + 1) * x.cols], dst);
             }
         };
         if parallel && x.cols > 0 {
@@ -799,12 +856,6 @@ fn l2_normalize(x: &[f32], scale: f32, out: &mut [f32]) {
 }
 
 /// `gate = silu(gate) * up`.
-fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-
 /// MemAvailable and MemTotal from /proc/meminfo (Linux); elsewhere unknown, reported as zero free.
 fn host_memory() -> MemoryInfo {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();

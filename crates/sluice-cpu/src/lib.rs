@@ -5,8 +5,10 @@
 
 mod backend;
 pub mod kernels;
+mod profile;
 mod team;
 
 pub use backend::{CpuAct, CpuBackend, CpuKvCache};
 pub use kernels::Kernels;
+pub use profile::report as profile_report;
 pub use team::{set_thread_count, thread_count};

@@ -9,7 +9,7 @@
 //! call, or another thread's) runs on the calling thread alone.
 
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
 use std::thread::JoinHandle;
 
@@ -33,6 +33,10 @@ struct Shared {
     finished: AtomicUsize,
     panicked: AtomicBool,
     stop: AtomicBool,
+    /// With profiling on: when the job was published, and the latest start of a worker on it
+    /// (nanoseconds since [`crate::profile::now`]'s origin).
+    published: AtomicU64,
+    latest_start: AtomicU64,
     /// Workers asleep, and what wakes them.
     asleep: Mutex<usize>,
     wake: Condvar,
@@ -53,6 +57,8 @@ impl Team {
             finished: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            published: AtomicU64::new(0),
+            latest_start: AtomicU64::new(0),
             asleep: Mutex::new(0),
             wake: Condvar::new(),
         });
@@ -81,6 +87,12 @@ impl Team {
         // between reading a new generation and counting themselves finished, and this function
         // waits for every worker's count and clears the pointer before it returns.
         let ptr = job as *const Job<'_> as *mut Job<'static>;
+        let profiling = crate::profile::enabled();
+        if profiling {
+            let now = crate::profile::now();
+            s.published.store(now, Ordering::Relaxed);
+            s.latest_start.store(now, Ordering::Relaxed);
+        }
         s.job.store(ptr, Ordering::Release);
         s.generation.fetch_add(1, Ordering::AcqRel);
         if *s.asleep.lock().unwrap_or_else(|p| p.into_inner()) > 0 {
@@ -89,9 +101,16 @@ impl Team {
         if panic::catch_unwind(AssertUnwindSafe(|| take_indices(s, job))).is_err() {
             s.panicked.store(true, Ordering::Relaxed);
         }
+        let waiting = profiling.then(std::time::Instant::now);
         let workers = self.workers.len();
         while s.finished.load(Ordering::Acquire) < workers {
             std::hint::spin_loop();
+        }
+        if let Some(start) = waiting {
+            let nanos = start.elapsed().as_nanos() as u64;
+            crate::profile::record("team: caller waiting for the last worker", nanos, 0);
+            let late = s.latest_start.load(Ordering::Relaxed) - s.published.load(Ordering::Relaxed);
+            crate::profile::record("team: last worker's start after the job's", late, 0);
         }
         s.job.store(std::ptr::null_mut(), Ordering::Release);
         s.panicked.swap(false, Ordering::Relaxed)
@@ -157,6 +176,10 @@ fn work(s: &Shared, mut seen: usize) {
         // SAFETY: a non-null pointer is the caller's job, alive until every worker (this one
         // included) has counted itself finished below.
         if let Some(job) = unsafe { ptr.as_ref() } {
+            if crate::profile::enabled() {
+                s.latest_start
+                    .fetch_max(crate::profile::now(), Ordering::Relaxed);
+            }
             if panic::catch_unwind(AssertUnwindSafe(|| take_indices(s, job))).is_err() {
                 s.panicked.store(true, Ordering::Relaxed);
             }
@@ -221,6 +244,28 @@ struct SharedPtr<T>(*mut T);
 unsafe impl<T: Send> Sync for SharedPtr<T> {}
 // SAFETY: as above: the pointee is `Send`, and each task touches its own chunk.
 unsafe impl<T: Send> Send for SharedPtr<T> {}
+
+/// Below this much work (roughly, values a step reads and writes), a step runs on the calling
+/// thread: handing it to the team and waiting for the last worker costs more than it saves
+/// (a decode step's norms and rotations).
+pub(crate) const MIN_PARALLEL_WORK: usize = 1 << 15;
+
+/// [`chunks_mut`], or the same calls on the calling thread when `work` (roughly the values the
+/// whole step reads and writes) is below [`MIN_PARALLEL_WORK`].
+pub(crate) fn chunks_mut_sized<T: Send>(
+    data: &mut [T],
+    chunk: usize,
+    work: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    if work >= MIN_PARALLEL_WORK {
+        return chunks_mut(data, chunk, f);
+    }
+    assert!(chunk > 0, "chunks of zero length");
+    for (i, part) in data.chunks_mut(chunk).enumerate() {
+        f(i, part);
+    }
+}
 
 /// `f(i, chunk)` for each `chunk`-long piece of `data` (the last may be shorter), over the team.
 pub(crate) fn chunks_mut<T: Send>(

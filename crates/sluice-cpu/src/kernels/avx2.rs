@@ -264,6 +264,69 @@ pub(super) fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `e^x` for 8 lanes (Cephes' `expf`: `2^n` times a degree-5 polynomial on `[-ln2/2, ln2/2]`,
+/// within 2 ulp of the correctly rounded value); inputs are clamped to `[-88.38, 88.38]`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-88.376_26)),
+        _mm256_set1_ps(88.376_26),
+    );
+    let n = _mm256_floor_ps(_mm256_fmadd_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+        _mm256_set1_ps(0.5),
+    ));
+    // x - n ln2, with ln2 split in two so that the first product is exact.
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        5e-1,
+    ] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let p = _mm256_add_ps(
+        _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+        _mm256_set1_ps(1.0),
+    );
+    // 2^n: n is in [-127, 128] after the clamp; its biased exponent fits the field except
+    // at the ends, where the result only needs to be tiny or huge.
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+}
+
+/// `gate = silu(gate) * up` elementwise (SwiGLU), through [`exp8`].
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len());
+    let n = gate.len();
+    let one = _mm256_set1_ps(1.0);
+    let mut i = 0;
+    // SAFETY: every access covers elements `i..i + 8` with `i + 8 <= n` of both slices.
+    unsafe {
+        while i + 8 <= n {
+            let pg = gate.as_mut_ptr().add(i);
+            let g = _mm256_loadu_ps(pg);
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            let silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(pg, _mm256_mul_ps(silu, _mm256_loadu_ps(up.as_ptr().add(i))));
+            i += 8;
+        }
+    }
+    for (g, &u) in gate[i..].iter_mut().zip(&up[i..]) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
 /// [`super::quantize_q4i`] for whole words (`x.len()` a multiple of 8), with the same
 /// results: the scale and its inverse are divided as there, and `vcvtps2dq` rounds to nearest
 /// even as the scalar code does. A word with a non-finite value takes the scalar code.
@@ -278,8 +341,19 @@ pub(super) unsafe fn quantize_q4i_words(x: &[f32], bpb: usize, xq: &mut [i8], xd
     // After packing to 16 bits, code `k` is the low byte of lane `k` (every code fits a byte):
     // bytes 0, 4, 8, 12 are the even values', 2, 6, 10, 14 the odd ones'.
     let order = _mm_setr_epi8(0, 4, 8, 12, 2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1);
-    for w in 0..words {
-        // SAFETY: word `w < words` is inside `x`.
+    // Word `w`'s codes from its values and the inverse of its scale.
+    let store = |w: usize, v: __m256, inv: __m256, xq: &mut [i8]| {
+        let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+        let q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+        let pair = _mm_cvtsi128_si64(_mm_shuffle_epi8(q16, order)) as u64;
+        let at = super::q4i_word_offset(bpb, w);
+        xq[at..at + 4].copy_from_slice(&(pair as u32).to_le_bytes().map(|b| b as i8));
+        xq[at + bpb..at + bpb + 4]
+            .copy_from_slice(&((pair >> 32) as u32).to_le_bytes().map(|b| b as i8));
+    };
+    // One word: a word with a non-finite value takes the scalar code.
+    let one = |w: usize, xq: &mut [i8], xd: &mut [f32]| {
+        // SAFETY: the callers pass words `w < words`, inside `x`.
         let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * w)) };
         // `v - v` is 0 for finite values, NaN otherwise.
         let finite = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(
@@ -288,7 +362,7 @@ pub(super) unsafe fn quantize_q4i_words(x: &[f32], bpb: usize, xq: &mut [i8], xd
         )) == 0xFF;
         if !finite {
             xd[w] = super::quantize_word(&x[8 * w..8 * w + 8], bpb, w, xq);
-            continue;
+            return;
         }
         let a = _mm256_and_ps(v, abs_mask);
         let m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
@@ -296,17 +370,62 @@ pub(super) unsafe fn quantize_q4i_words(x: &[f32], bpb: usize, xq: &mut [i8], xd
         let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
         xd[w] = amax / 127.0;
         let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(inv)));
-        let q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
-        let bytes = _mm_shuffle_epi8(q16, order);
-        let pair = _mm_cvtsi128_si64(bytes) as u64;
-        let at = super::q4i_word_offset(bpb, w);
-        let even = (pair as u32).to_le_bytes();
-        let odd = ((pair >> 32) as u32).to_le_bytes();
-        for k in 0..4 {
-            xq[at + k] = even[k] as i8;
-            xq[at + bpb + k] = odd[k] as i8;
+        store(w, v, _mm256_set1_ps(inv), xq);
+    };
+    let mut w = 0;
+    // Eight words at a time: their maxima reduced together, their scales divided as vectors
+    // (the same IEEE divisions as one word at a time below).
+    while w + 8 <= words {
+        // SAFETY: words `w..w + 8` are inside `x`.
+        let v: [__m256; 8] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * (w + i))) });
+        // `v - v` is 0 for finite values, NaN otherwise.
+        let bad = v.iter().fold(_mm256_setzero_ps(), |b, &v| {
+            let d = _mm256_sub_ps(v, v);
+            _mm256_or_ps(b, _mm256_cmp_ps::<_CMP_UNORD_Q>(d, d))
+        });
+        if _mm256_movemask_ps(bad) != 0 {
+            for i in w..w + 8 {
+                one(i, xq, xd);
+            }
+            w += 8;
+            continue;
         }
+        let a = v.map(|v| _mm256_and_ps(v, abs_mask));
+        // Lane i of the result is the maximum of a[i]'s eight lanes.
+        let pairs = |a0: __m256, a1: __m256| {
+            _mm256_max_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1))
+        };
+        let quads = |t01: __m256, t23: __m256| {
+            _mm256_max_ps(
+                _mm256_shuffle_ps::<0b0100_0100>(t01, t23),
+                _mm256_shuffle_ps::<0b1110_1110>(t01, t23),
+            )
+        };
+        let lo = quads(pairs(a[0], a[1]), pairs(a[2], a[3]));
+        let hi = quads(pairs(a[4], a[5]), pairs(a[6], a[7]));
+        let amax = _mm256_max_ps(
+            _mm256_permute2f128_ps::<0x20>(lo, hi),
+            _mm256_permute2f128_ps::<0x31>(lo, hi),
+        );
+        // SAFETY: `xd` holds at least `words` scales.
+        unsafe {
+            _mm256_storeu_ps(
+                xd.as_mut_ptr().add(w),
+                _mm256_div_ps(amax, _mm256_set1_ps(127.0)),
+            )
+        };
+        let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(amax, _mm256_setzero_ps());
+        let inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(127.0), amax), positive);
+        for (i, &v) in v.iter().enumerate() {
+            let lane = _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(i as i32));
+            store(w + i, v, lane, xq);
+        }
+        w += 8;
+    }
+    while w < words {
+        one(w, xq, xd);
+        w += 1;
     }
 }
 

@@ -197,6 +197,24 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `gate = silu(gate) * up` elementwise (SwiGLU); `exp` is a vectorised polynomial on x86
+/// (within 2 ulp of `f32::exp`).
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "silu_mul: lengths differ");
+    match level() {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 | Level::Avx512 => {
+            // SAFETY: `level()` returns these levels only when the CPU has AVX2 and FMA.
+            unsafe { avx2::silu_mul(gate, up) }
+        }
+        _ => {
+            for (g, &u) in gate.iter_mut().zip(up) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+        }
+    }
+}
+
 /// `out = sum_p w[p] * rows[p * stride..][..out.len()]` (attention's weighted values), with
 /// the same roundings as [`axpy`] applied for each `p` in turn from zero, the sums kept in
 /// registers.
@@ -517,6 +535,8 @@ pub(crate) const NCB: usize = 256;
 const GEMM_ROW_UNIT: usize = 64;
 /// The smallest task worth handing to another thread, in weight bytes (or equivalent work).
 const MIN_TASK_COST: usize = 48 << 10;
+/// The smallest decode task (the last ones of a step).
+const MIN_DECODE_TASK_COST: usize = 16 << 10;
 /// Below this many activation values in a call, its activations are prepared on the calling
 /// thread.
 const PARALLEL_PREP_VALUES: usize = 1 << 16;
@@ -664,6 +684,7 @@ pub(crate) fn permute_q4(x: &[f32], wpb: usize, scaled: bool, dst: &mut [f32]) {
 /// of it; the padding is zeros. Non-finite activations give non-finite scales, so they reach
 /// the output as they would in the exact path.
 pub(crate) fn quantize_q4i(x: &[f32], bpb: usize, xq: &mut [i8], xd: &mut [f32]) {
+    assert!(bpb.is_power_of_two() && bpb >= 4, "blocks of {bpb} bytes");
     let be = 2 * bpb;
     assert_eq!(xq.len(), x.len().div_ceil(be) * be);
     assert_eq!(xd.len() * 8, xq.len());
@@ -703,11 +724,13 @@ pub(crate) fn quantize_word(vals: &[f32], bpb: usize, w: usize, xq: &mut [i8]) -
     amax / 127.0
 }
 
-/// Where word `w`'s first even value goes in [`quantize_q4i`]'s layout.
+/// Where word `w`'s first even value goes in [`quantize_q4i`]'s layout (`bpb` a power of two
+/// of at least 4: shifts instead of divisions, which were most of the quantization's time).
 #[inline]
 pub(crate) fn q4i_word_offset(bpb: usize, w: usize) -> usize {
+    debug_assert!(bpb.is_power_of_two() && bpb >= 4);
     let wpb = bpb / 4;
-    (w / wpb) * 2 * bpb + (w % wpb) * 4
+    (w >> wpb.trailing_zeros()) * 2 * bpb + (w & (wpb - 1)) * 4
 }
 
 /// `v` (|v| <= 127, or NaN) rounded to the nearest integer, ties to even. Adding and removing
@@ -948,7 +971,9 @@ struct Task {
     r1: usize,
 }
 
-/// Cuts the rows of all jobs into tasks of roughly equal work.
+/// Cuts the rows of all jobs into tasks, handed out in order: each about a `2 * threads`-th of
+/// the work not yet cut (guided scheduling), so that the first tasks are large and the last
+/// ones small, and the threads finish a step together.
 fn plan(ctxs: &[Ctx], threads: usize) -> (Vec<Task>, usize) {
     // Work of one row, in "weight byte equivalents": decode streams the row's bytes; prefill
     // spends about one byte's time on every two multiply-adds.
@@ -962,26 +987,25 @@ fn plan(ctxs: &[Ctx], threads: usize) -> (Vec<Task>, usize) {
         .max(1)
     };
     let total: usize = ctxs.iter().map(|c| c.w.rows * row_cost(c)).sum();
-    let target = (total / (threads * 4).max(1)).max(MIN_TASK_COST);
     let mut tasks = Vec::new();
+    let mut remaining = total;
     for (job, c) in ctxs.iter().enumerate() {
         let rows = c.w.rows;
         if rows == 0 || c.tokens == 0 {
             continue;
         }
-        let unit = match c.path {
-            Path::Gemm => GEMM_ROW_UNIT,
-            Path::IntGemm => 16,
-            Path::Decode => 4,
+        let (unit, min) = match c.path {
+            Path::Gemm => (GEMM_ROW_UNIT, MIN_TASK_COST),
+            Path::IntGemm => (16, MIN_TASK_COST),
+            Path::Decode => (4, MIN_DECODE_TASK_COST),
         };
-        let per = target.div_ceil(row_cost(c)).div_ceil(unit) * unit;
-        let ntasks = rows.div_ceil(per.min(rows));
-        // Spread rows evenly over the tasks, in multiples of `unit`.
-        let per = rows.div_ceil(ntasks).div_ceil(unit) * unit;
         let mut r0 = 0;
         while r0 < rows {
+            let target = (remaining / (2 * threads).max(1)).max(min);
+            let per = target.div_ceil(row_cost(c)).div_ceil(unit) * unit;
             let r1 = (r0 + per).min(rows);
             tasks.push(Task { job, r0, r1 });
+            remaining = remaining.saturating_sub((r1 - r0) * row_cost(c));
             r0 = r1;
         }
     }
@@ -1025,46 +1049,94 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
         };
         prep_of.push(i);
     }
-    let mut preps: Vec<Prep> = keys.iter().map(|_| Prep::default()).collect();
-    let prep = |i: usize| {
-        let job = &jobs[first_job[i]];
-        prepare(keys[i].3, job.x, job.tokens, job.w.cols)
-    };
-    let values: usize = keys.iter().map(|k| k.1).sum();
-    if keys.len() > 1 && values >= PARALLEL_PREP_VALUES {
-        // Many experts' activations (a prompt's MoE): an input per task.
-        crate::team::chunks_mut(&mut preps, 1, |i, p| p[0] = prep(i));
-    } else {
-        for (i, p) in preps.iter_mut().enumerate() {
-            *p = prep(i);
-        }
-    }
     let ctxs: Vec<Ctx> = jobs
         .iter_mut()
-        .zip(&prep_of)
-        .map(|(job, &p)| Ctx {
+        .map(|job| Ctx {
             w: job.w,
             kind: Kind::of(job.w.format),
             x: job.x,
             tokens: job.tokens,
-            xp: &preps[p].xp,
-            ldxp: preps[p].ldxp,
-            xsum: &preps[p].xsum,
-            xq: &preps[p].xq,
-            ldxq: preps[p].ldxq,
-            xd: &preps[p].xd,
+            xp: &[],
+            ldxp: 0,
+            xsum: &[],
+            xq: &[],
+            ldxq: 0,
+            xd: &[],
             path: path(level, kernels, Kind::of(job.w.format), job.tokens),
             out_len: job.out.len(),
             out: job.out.as_mut_ptr(),
         })
         .collect();
+    let prep = |i: usize| {
+        let c = &ctxs[first_job[i]];
+        prepare(keys[i].3, c.x, c.tokens, c.w.cols)
+    };
+    let preps: Vec<OnceLock<Prep>> = keys.iter().map(|_| OnceLock::new()).collect();
+    let values: usize = keys.iter().map(|k| k.1).sum();
+    if values >= PARALLEL_PREP_VALUES {
+        // A prompt: prepared before the products, an input per task when there are many (an
+        // MoE's experts; a single input's tokens are spread inside `prepare`).
+        let _span = crate::profile::span("matmul: preparing activations");
+        let mut done: Vec<Prep> = keys.iter().map(|_| Prep::default()).collect();
+        if keys.len() > 1 {
+            crate::team::chunks_mut(&mut done, 1, |i, p| p[0] = prep(i));
+        } else {
+            done[0] = prep(0);
+        }
+        for (cell, p) in preps.iter().zip(done) {
+            let _ = cell.set(p);
+        }
+    }
+    // Otherwise (decoding) the first task that needs an input prepares it: the experts' inputs
+    // are then prepared in parallel, while other tasks already stream weights.
     let threads = crate::team::thread_count();
     let (tasks, total) = plan(&ctxs, threads);
-    let run = |t: &Task| with_scratch(|s| run_task(level, &ctxs[t.job], t.r0, t.r1, s));
-    if threads <= 1 || tasks.len() <= 1 || total < SERIAL_COST {
+    let profiling = crate::profile::enabled().then(std::time::Instant::now);
+    let task_nanos = std::sync::atomic::AtomicU64::new(0);
+    let run = |t: &Task| {
+        let start = profiling.map(|_| std::time::Instant::now());
+        let i = prep_of[t.job];
+        let p = preps[i].get_or_init(|| prep(i));
+        let c = Ctx {
+            xp: &p.xp,
+            ldxp: p.ldxp,
+            xsum: &p.xsum,
+            xq: &p.xq,
+            ldxq: p.ldxq,
+            xd: &p.xd,
+            ..ctxs[t.job]
+        };
+        with_scratch(|s| run_task(level, &c, t.r0, t.r1, s));
+        if let Some(start) = start {
+            let nanos = start.elapsed().as_nanos() as u64;
+            task_nanos.fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    let serial = threads <= 1 || tasks.len() <= 1 || total < SERIAL_COST;
+    if serial {
         tasks.iter().for_each(run);
     } else {
         crate::team::for_each(tasks.len(), &|i| run(&tasks[i]));
+    }
+    if let Some(start) = profiling {
+        let bytes: usize = ctxs
+            .iter()
+            .map(|c| {
+                let (f, cols) = (c.w.format, c.w.cols);
+                c.w.rows * (c.w.row_bytes() + f.scale_row_bytes(cols) + f.bias_row_bytes(cols))
+            })
+            .sum();
+        let (name, tasks_name) = if serial {
+            ("matmul: products on one thread", "matmul: their tasks")
+        } else {
+            (
+                "matmul: products on the team",
+                "matmul: their tasks (thread time)",
+            )
+        };
+        crate::profile::record(name, start.elapsed().as_nanos() as u64, bytes as u64);
+        let busy = task_nanos.load(std::sync::atomic::Ordering::Relaxed);
+        crate::profile::record(tasks_name, busy, 0);
     }
 }
 

@@ -904,7 +904,10 @@ fn q4i_quantization_simd_equals_scalar() {
         for v in x.iter_mut().step_by(7) {
             *v = (*v * 2.0).round() / 2.0;
         }
+        // A NaN, an infinity, and a word of zeros, inside and outside blocks of eight words.
         x[40] = f32::NAN;
+        x[700] = f32::INFINITY;
+        x[512..520].fill(0.0);
         let ld = x.len().div_ceil(2 * bpb) * 2 * bpb;
         let (mut xq, mut xd) = (vec![0i8; ld], vec![0f32; ld / 8]);
         quantize_q4i(&x, bpb, &mut xq, &mut xd);
@@ -916,7 +919,7 @@ fn q4i_quantization_simd_equals_scalar() {
         for (a, b) in xd.iter().zip(&sd) {
             assert!(a == b || (a.is_nan() && b.is_nan()), "scales {a} vs {b}");
         }
-        assert!(xd[5].is_nan());
+        assert!(xd[5].is_nan() && xd[87].is_nan() && xd[64] == 0.0);
     }
 }
 
@@ -1019,4 +1022,33 @@ fn scaled_dots_equal_the_f64_dot() {
             );
         }
     }
+}
+
+#[test]
+fn silu_mul_is_within_a_few_ulp_of_f64() {
+    let mut rng = Rng(31);
+    // Ordinary values, the exp clamp's neighbourhood, and the lengths' scalar tails.
+    let mut gate = rng.vec(4099, -30.0, 30.0);
+    gate.extend([
+        0.0, -0.0, 1e-30, -1e-30, 87.0, -87.0, 88.5, -88.5, 100.0, -100.0, -1e4, 1e4,
+    ]);
+    let up: Vec<f32> = (0..gate.len())
+        .map(|i| if i % 7 == 0 { 1.0 } else { rng.f32(-2.0, 2.0) })
+        .collect();
+    let mut got = gate.clone();
+    silu_mul(&mut got, &up);
+    for (i, ((&g, &u), &r)) in gate.iter().zip(&up).zip(&got).enumerate() {
+        let (g64, u64) = (g as f64, u as f64);
+        let want = g64 / (1.0 + (-g64).exp()) * u64;
+        let tol = 4.0 * f32::EPSILON as f64 * want.abs() + 1e-37;
+        assert!(
+            (r as f64 - want).abs() <= tol,
+            "index {i}: silu({g}) * {u} = {r}, want {want}"
+        );
+    }
+    // Non-finite inputs: NaN stays NaN (the clamp must not hide it), silu(inf) = inf.
+    let mut nf = vec![f32::NAN, f32::INFINITY, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+    silu_mul(&mut nf, &[1.0; 8]);
+    assert!(nf[0].is_nan());
+    assert_eq!(nf[1], f32::INFINITY);
 }
