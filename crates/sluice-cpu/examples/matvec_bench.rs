@@ -3,12 +3,12 @@
 //!
 //! ```text
 //! cargo run --release -p sluice-cpu --example matvec_bench \
-//!     [-- --quick --no-naive --hot --threads 1,2 --only TEXT --kernels fast|exact]
+//!     [-- --quick --no-naive --hot --cold-mib 256 --threads 1,2 --only TEXT --kernels fast|exact]
 //! ```
 //!
 //! Weights are cold: each case rotates over enough distinct copies (at least 256 MiB, far more
-//! than the last-level cache) that every call streams its weights from DRAM, as decode does with
-//! a real model. `SLUICE_SIMD=scalar|avx2|avx512` forces a lower SIMD level.
+//! than most last-level caches; `--cold-mib` for larger ones, such as the lent Xeons' 300 MiB)
+//! that every call streams its weights from DRAM, as decode does with a real model. `SLUICE_SIMD=scalar|avx2|avx512` forces a lower SIMD level.
 
 use std::time::{Duration, Instant};
 
@@ -227,6 +227,7 @@ fn copies(
     cols: usize,
     batch: usize,
     hot: bool,
+    cold_mib: usize,
     rng: &mut Rng,
 ) -> Vec<Vec<Mat>> {
     let one = Mat::new(format, rows, cols, rng);
@@ -234,7 +235,7 @@ fn copies(
     let sets = if hot {
         1
     } else {
-        (256usize << 20).div_ceil(set_bytes).clamp(1, 64)
+        (cold_mib << 20).div_ceil(set_bytes).clamp(1, 1024)
     };
     let mut first = Some(one);
     (0..sets)
@@ -320,6 +321,8 @@ struct Opts {
     naive: bool,
     quick: bool,
     hot: bool,
+    /// MiB the copies of a case add up to at least (past the last-level cache).
+    cold_mib: usize,
     only: Option<String>,
     kernels: Kernels,
 }
@@ -331,7 +334,7 @@ fn run_case(case: &Case, o: &Opts, rng: &mut Rng) {
         }
     }
     let (naive, quick) = (o.naive, o.quick);
-    let sets = copies(case.format, case.rows, case.cols, case.batch, o.hot, rng);
+    let sets = copies(case.format, case.rows, case.cols, case.batch, o.hot, o.cold_mib, rng);
     let x: Vec<f32> = (0..case.tokens * case.cols)
         .map(|_| rng.f32(-1.0, 1.0))
         .collect();
@@ -410,6 +413,8 @@ fn main() {
         quick: args.iter().any(|a| a == "--quick"),
         // `--hot`: no rotation over copies (weights may stay in cache).
         hot: args.iter().any(|a| a == "--hot"),
+        // `--cold-mib N`: copies of at least N MiB (default 256; more than a large server's L3).
+        cold_mib: value("--cold-mib").map_or(256, |v| v.parse().expect("--cold-mib N")),
         // `--only TEXT`: only the cases whose name contains TEXT.
         only: value("--only"),
         // `--kernels fast|exact` (default exact).
