@@ -334,7 +334,15 @@ fn run_case(case: &Case, o: &Opts, rng: &mut Rng) {
         }
     }
     let (naive, quick) = (o.naive, o.quick);
-    let sets = copies(case.format, case.rows, case.cols, case.batch, o.hot, o.cold_mib, rng);
+    let sets = copies(
+        case.format,
+        case.rows,
+        case.cols,
+        case.batch,
+        o.hot,
+        o.cold_mib,
+        rng,
+    );
     let x: Vec<f32> = (0..case.tokens * case.cols)
         .map(|_| rng.f32(-1.0, 1.0))
         .collect();
