@@ -15,6 +15,14 @@ struct Entry {
     calls: u64,
     nanos: u64,
     bytes: u64,
+    /// Time of calls made inside another operation (`rms_norm` inside `rms_norm_gated`): not
+    /// added to the total a second time.
+    nested_nanos: u64,
+}
+
+thread_local! {
+    /// Operations open on this thread.
+    static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Entries in first-seen order (a few dozen names: a linear search is cheap).
@@ -39,6 +47,10 @@ pub(crate) fn now() -> u64 {
 
 /// Adds one call of `nanos` (and `bytes` of weights) to `name`.
 pub(crate) fn record(name: &'static str, nanos: u64, bytes: u64) {
+    add(name, nanos, bytes, false);
+}
+
+fn add(name: &'static str, nanos: u64, bytes: u64, nested: bool) {
     let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
     let entry = match table.iter_mut().find(|(n, _)| *n == name) {
         Some((_, e)) => e,
@@ -50,25 +62,33 @@ pub(crate) fn record(name: &'static str, nanos: u64, bytes: u64) {
     entry.calls += 1;
     entry.nanos += nanos;
     entry.bytes += bytes;
+    if nested {
+        entry.nested_nanos += nanos;
+    }
 }
 
 /// Times its scope under `name` when profiling is on.
 pub(crate) struct Span {
     name: &'static str,
     start: Option<Instant>,
+    nested: bool,
 }
 
 pub(crate) fn span(name: &'static str) -> Span {
+    let start = enabled().then(Instant::now);
+    let nested = start.is_some() && DEPTH.with(|d| d.replace(d.get() + 1)) > 0;
     Span {
         name,
-        start: enabled().then(Instant::now),
+        start,
+        nested,
     }
 }
 
 impl Drop for Span {
     fn drop(&mut self) {
         if let Some(start) = self.start {
-            record(self.name, start.elapsed().as_nanos() as u64, 0);
+            DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+            add(self.name, start.elapsed().as_nanos() as u64, 0, self.nested);
         }
     }
 }
@@ -88,7 +108,7 @@ pub fn report() -> Option<String> {
     let total: u64 = table
         .iter()
         .filter(|(n, _)| !is_part(n))
-        .map(|(_, e)| e.nanos)
+        .map(|(_, e)| e.nanos - e.nested_nanos)
         .sum();
     table.sort_by_key(|(n, e)| (is_part(n), std::cmp::Reverse(e.nanos)));
     let mut out = format!(
@@ -114,4 +134,28 @@ pub fn report() -> Option<String> {
         );
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An operation called inside another is marked nested, so that the total counts it once.
+    #[test]
+    fn nested_operations_are_not_counted_twice() {
+        STATE.store(2, Ordering::Relaxed);
+        {
+            let _outer = span("test: outer");
+            let _inner = span("test: inner");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        let table = TABLE.lock().unwrap().clone();
+        let entry = |name: &str| table.iter().find(|(n, _)| *n == name).unwrap().1;
+        let (outer, inner) = (entry("test: outer"), entry("test: inner"));
+        assert_eq!((outer.calls, inner.calls), (1, 1));
+        assert!(inner.nanos >= 2_000_000 && outer.nanos >= inner.nanos);
+        assert_eq!(outer.nested_nanos, 0);
+        assert_eq!(inner.nested_nanos, inner.nanos);
+        assert!(report().is_some_and(|r| r.contains("test: outer")));
+    }
 }
