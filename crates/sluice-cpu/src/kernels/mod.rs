@@ -537,8 +537,8 @@ const GEMM_ROW_UNIT: usize = 64;
 const MIN_TASK_COST: usize = 48 << 10;
 /// The smallest decode task (the last ones of a step).
 const MIN_DECODE_TASK_COST: usize = 16 << 10;
-/// Below this many activation values in a call, its activations are prepared on the calling
-/// thread.
+/// From this many activation values in a call (a prompt), its activations are prepared before
+/// the products, in parallel; below it (decoding), by the first task that needs each input.
 const PARALLEL_PREP_VALUES: usize = 1 << 16;
 /// Below this much work in a whole call, no thread is woken.
 const SERIAL_COST: usize = 96 << 10;
