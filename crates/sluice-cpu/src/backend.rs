@@ -696,7 +696,6 @@ impl Backend for CpuBackend {
             }
         }
         drop(part);
-        let part = profile::span("moe: gate/up");
         let inter: Vec<usize> = active.iter().map(|&e| experts[e].gate.rows).collect();
         let mut gates: Vec<Vec<f32>> = active
             .iter()
@@ -704,30 +703,10 @@ impl Backend for CpuBackend {
             .map(|(&e, &n)| vec![0.0; rows_of[e].len() * n])
             .collect();
         let mut ups = gates.clone();
-        {
-            let mut jobs = Vec::with_capacity(active.len() * 2);
-            for (((&e, input), gate), up) in
-                active.iter().zip(&inputs).zip(&mut gates).zip(&mut ups)
-            {
-                let tokens = rows_of[e].len();
-                let f = &experts[e];
-                jobs.push(MatmulJob {
-                    w: f.gate.as_ref(),
-                    x: input,
-                    tokens,
-                    out: gate,
-                });
-                jobs.push(MatmulJob {
-                    w: f.up.as_ref(),
-                    x: input,
-                    tokens,
-                    out: up,
-                });
-            }
-            kernels::matmul_batch(self.kernels, &mut jobs);
-        }
-        drop(part);
-        let part = profile::span("moe: activation");
+        let mut downs: Vec<Vec<f32>> = active
+            .iter()
+            .map(|&e| vec![0.0; rows_of[e].len() * x.cols])
+            .collect();
         // Expert `id`'s biases of one projection `n` wide, added to each of its rows.
         let add_bias = |out: &mut [f32], bias: Option<&Vec<f32>>, id: usize, n: usize| {
             if let Some(b) = bias {
@@ -737,9 +716,10 @@ impl Backend for CpuBackend {
                 }
             }
         };
-        let activate = |i: usize, gate: &mut [f32]| {
+        // The i-th active expert's gate products into down's input.
+        let activate = |i: usize, gate: &mut [f32], up: &[f32]| {
             let (id, n) = (ids[active[i]], inter[i]);
-            let mut up = Cow::Borrowed(&ups[i][..]);
+            let mut up = Cow::Borrowed(up);
             if let Some(b) = ffn.biases {
                 add_bias(gate, Some(&b.gate), id, n);
                 add_bias(up.to_mut(), Some(&b.up), id, n);
@@ -752,20 +732,60 @@ impl Backend for CpuBackend {
                     .for_each(|(g, &u)| *g = act.apply(*g, u)),
             }
         };
-        if parallel {
-            team::chunks_mut(&mut gates, 1, |i, g| activate(i, &mut g[0]));
+        if !parallel && fused_ffn() {
+            // Decoding: gate/up, activation and down in one parallel step.
+            let _part = profile::span("moe: gate/up, activation, down (one step)");
+            let mut jobs: Vec<kernels::FfnJob> = active
+                .iter()
+                .zip(&inputs)
+                .zip(gates.iter_mut().zip(&mut ups).zip(&mut downs))
+                .map(|((&e, input), ((h, u), out))| kernels::FfnJob {
+                    gate: experts[e].gate.as_ref(),
+                    up: experts[e].up.as_ref(),
+                    down: experts[e].down.as_ref(),
+                    x: input,
+                    tokens: rows_of[e].len(),
+                    h,
+                    u,
+                    out,
+                })
+                .collect();
+            kernels::ffn_batch(self.kernels, &mut jobs, &activate);
         } else {
-            for (i, gate) in gates.iter_mut().enumerate() {
-                activate(i, gate);
+            let part = profile::span("moe: gate/up");
+            {
+                let mut jobs = Vec::with_capacity(active.len() * 2);
+                for (((&e, input), gate), up) in
+                    active.iter().zip(&inputs).zip(&mut gates).zip(&mut ups)
+                {
+                    let tokens = rows_of[e].len();
+                    let f = &experts[e];
+                    jobs.push(MatmulJob {
+                        w: f.gate.as_ref(),
+                        x: input,
+                        tokens,
+                        out: gate,
+                    });
+                    jobs.push(MatmulJob {
+                        w: f.up.as_ref(),
+                        x: input,
+                        tokens,
+                        out: up,
+                    });
+                }
+                kernels::matmul_batch(self.kernels, &mut jobs);
             }
-        }
-        drop(part);
-        let part = profile::span("moe: down");
-        let mut downs: Vec<Vec<f32>> = active
-            .iter()
-            .map(|&e| vec![0.0; rows_of[e].len() * x.cols])
-            .collect();
-        {
+            drop(part);
+            let part = profile::span("moe: activation");
+            if parallel {
+                team::chunks_mut(&mut gates, 1, |i, g| activate(i, &mut g[0], &ups[i]));
+            } else {
+                for (i, gate) in gates.iter_mut().enumerate() {
+                    activate(i, gate, &ups[i]);
+                }
+            }
+            drop(part);
+            let _part = profile::span("moe: down");
             let mut jobs: Vec<MatmulJob> = active
                 .iter()
                 .zip(&gates)
@@ -784,7 +804,6 @@ impl Backend for CpuBackend {
                 add_bias(down, Some(&b.down), ids[active[i]], x.cols);
             }
         }
-        drop(part);
         let _part = profile::span("moe: combine");
         // Each row adds its experts' outputs in ascending expert id (the order of `active`).
         let mut parts_of: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); x.rows];
@@ -806,6 +825,13 @@ impl Backend for CpuBackend {
             }
         }
     }
+}
+
+/// `SLUICE_CPU_FFN=0` (read once) runs a decoded token's experts as three steps (gate/up,
+/// activation, down) instead of one: for measuring the fused step against them.
+fn fused_ffn() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CPU_FFN").map_or(true, |v| v.trim() != "0"))
 }
 
 /// From this many query rows on, attention runs a task per row and kv head (else per row and

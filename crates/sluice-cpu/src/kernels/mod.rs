@@ -59,6 +59,7 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod ffn;
 mod igemm;
 #[cfg(target_arch = "aarch64")]
 mod neon;
@@ -70,6 +71,8 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use sluice_backend::{Dtype, MatRef, WeightFormat};
+
+pub use ffn::{ffn_batch, FfnJob};
 
 /// One `out = x W^T` product: `x` is `[tokens, w.cols]`, `out` is `[tokens, w.rows]`.
 pub struct MatmulJob<'a> {
@@ -926,6 +929,34 @@ pub(crate) struct Ctx<'a> {
 unsafe impl Sync for Ctx<'_> {}
 
 impl<'a> Ctx<'a> {
+    /// The product `x w^T` into `out` (a pointer and a length: a slice the caller holds
+    /// borrowed mutably while tasks run), before its activations are prepared.
+    fn new(
+        level: Level,
+        kernels: Kernels,
+        w: MatRef<'a>,
+        x: &'a [f32],
+        tokens: usize,
+        (out, out_len): (*mut f32, usize),
+    ) -> Ctx<'a> {
+        let kind = Kind::of(w.format);
+        Ctx {
+            w,
+            kind,
+            x,
+            tokens,
+            xp: &[],
+            ldxp: 0,
+            xsum: &[],
+            xq: &[],
+            ldxq: 0,
+            xd: &[],
+            path: path(level, kernels, kind, tokens),
+            out,
+            out_len,
+        }
+    }
+
     /// Writes `res` (`tokens` rows of `r1 - r0` results) to rows `r0..r1` of `out`.
     fn store(&self, r0: usize, r1: usize, res: &[f32]) {
         let n = r1 - r0;
@@ -1051,20 +1082,9 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
     }
     let ctxs: Vec<Ctx> = jobs
         .iter_mut()
-        .map(|job| Ctx {
-            w: job.w,
-            kind: Kind::of(job.w.format),
-            x: job.x,
-            tokens: job.tokens,
-            xp: &[],
-            ldxp: 0,
-            xsum: &[],
-            xq: &[],
-            ldxq: 0,
-            xd: &[],
-            path: path(level, kernels, Kind::of(job.w.format), job.tokens),
-            out_len: job.out.len(),
-            out: job.out.as_mut_ptr(),
+        .map(|job| {
+            let out = (job.out.as_mut_ptr(), job.out.len());
+            Ctx::new(level, kernels, job.w, job.x, job.tokens, out)
         })
         .collect();
     let prep = |i: usize| {
@@ -1097,16 +1117,7 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
         let start = profiling.map(|_| std::time::Instant::now());
         let i = prep_of[t.job];
         let p = preps[i].get_or_init(|| prep(i));
-        let c = Ctx {
-            xp: &p.xp,
-            ldxp: p.ldxp,
-            xsum: &p.xsum,
-            xq: &p.xq,
-            ldxq: p.ldxq,
-            xd: &p.xd,
-            ..ctxs[t.job]
-        };
-        with_scratch(|s| run_task(level, &c, t.r0, t.r1, s));
+        run_prepared(level, &ctxs[t.job], p, t.r0, t.r1);
         if let Some(start) = start {
             let nanos = start.elapsed().as_nanos() as u64;
             task_nanos.fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
@@ -1119,25 +1130,50 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
         crate::team::for_each(tasks.len(), &|i| run(&tasks[i]));
     }
     if let Some(start) = profiling {
-        let bytes: usize = ctxs
-            .iter()
-            .map(|c| {
-                let (f, cols) = (c.w.format, c.w.cols);
-                c.w.rows * (c.w.row_bytes() + f.scale_row_bytes(cols) + f.bias_row_bytes(cols))
-            })
-            .sum();
-        let (name, tasks_name) = if serial {
-            ("matmul: products on one thread", "matmul: their tasks")
-        } else {
-            (
-                "matmul: products on the team",
-                "matmul: their tasks (thread time)",
-            )
-        };
-        crate::profile::record(name, start.elapsed().as_nanos() as u64, bytes as u64);
-        let busy = task_nanos.load(std::sync::atomic::Ordering::Relaxed);
-        crate::profile::record(tasks_name, busy, 0);
+        record_products(&ctxs, serial, start, &task_nanos);
     }
+}
+
+/// Rows `r0..r1` of the product `c` with its activations prepared as `p`.
+fn run_prepared(level: Level, c: &Ctx, p: &Prep, r0: usize, r1: usize) {
+    let c = Ctx {
+        xp: &p.xp,
+        ldxp: p.ldxp,
+        xsum: &p.xsum,
+        xq: &p.xq,
+        ldxq: p.ldxq,
+        xd: &p.xd,
+        ..*c
+    };
+    with_scratch(|s| run_task(level, &c, r0, r1, s));
+}
+
+/// The profile's record of one call's products: wall time since `start` with their weight
+/// bytes, and the threads' time inside their tasks.
+fn record_products(
+    ctxs: &[Ctx],
+    serial: bool,
+    start: std::time::Instant,
+    task_nanos: &std::sync::atomic::AtomicU64,
+) {
+    let bytes: usize = ctxs
+        .iter()
+        .map(|c| {
+            let (f, cols) = (c.w.format, c.w.cols);
+            c.w.rows * (c.w.row_bytes() + f.scale_row_bytes(cols) + f.bias_row_bytes(cols))
+        })
+        .sum();
+    let (name, tasks_name) = if serial {
+        ("matmul: products on one thread", "matmul: their tasks")
+    } else {
+        (
+            "matmul: products on the team",
+            "matmul: their tasks (thread time)",
+        )
+    };
+    crate::profile::record(name, start.elapsed().as_nanos() as u64, bytes as u64);
+    let busy = task_nanos.load(std::sync::atomic::Ordering::Relaxed);
+    crate::profile::record(tasks_name, busy, 0);
 }
 
 fn run_task(level: Level, c: &Ctx, r0: usize, r1: usize, s: &mut Scratch) {

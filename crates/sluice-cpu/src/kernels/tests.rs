@@ -1052,3 +1052,186 @@ fn silu_mul_is_within_a_few_ulp_of_f64() {
     assert!(nf[0].is_nan());
     assert_eq!(nf[1], f32::INFINITY);
 }
+
+/// SwiGLU through the same kernel the backend uses (so both sides round alike).
+fn test_activation(_: usize, h: &mut [f32], u: &[f32]) {
+    silu_mul(h, u);
+}
+
+/// `ffn_batch` against its definition: two `matmul_batch` calls with the activations between
+/// them, bit for bit; experts of several formats and token counts (none included), on a team
+/// of 4 threads, at every level and both kernel choices.
+#[test]
+fn ffn_batch_equals_gate_up_activation_down() {
+    let mut rng = Rng(21);
+    let q4 = WeightFormat::Affine {
+        bits: 4,
+        group_size: 64,
+        scale_dtype: Dtype::Bf16,
+    };
+    let q8 = WeightFormat::Affine {
+        bits: 8,
+        group_size: 32,
+        scale_dtype: Dtype::F16,
+    };
+    let (hidden, inter) = (512, 320);
+    // (format, tokens): enough weight bytes that the step runs on the team.
+    let experts = [
+        (q4, 1),
+        (q8, 1),
+        (q4, 3),
+        (q4, 0),
+        (WeightFormat::Dense(Dtype::Bf16), 2),
+    ];
+    let mats: Vec<[TestMat; 3]> = experts
+        .iter()
+        .enumerate()
+        .map(|(i, &(f, _))| {
+            [
+                TestMat::new(f, inter, hidden, i % 3, &mut rng),
+                TestMat::new(f, inter, hidden, 0, &mut rng),
+                TestMat::new(f, hidden, inter, 1, &mut rng),
+            ]
+        })
+        .collect();
+    let shared = rng.vec(hidden, -1.0, 1.0);
+    // Experts 0 and 1 read the same input (a decoded token's experts do).
+    let xs: Vec<Vec<f32>> = experts
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, t))| match i {
+            0 | 1 => shared.clone(),
+            _ => rng.vec(t * hidden, -1.0, 1.0),
+        })
+        .collect();
+    let x_of = |i: usize| if i < 2 { &shared[..] } else { &xs[i][..] };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    for level in available_levels() {
+        for kernels in [Kernels::Exact, Kernels::Fast] {
+            let zeros = |n: usize| -> Vec<Vec<f32>> {
+                experts
+                    .iter()
+                    .map(|&(_, t)| vec![f32::NAN; t * n])
+                    .collect()
+            };
+            // The definition.
+            let (mut h, mut u, mut want) = (zeros(inter), zeros(inter), zeros(hidden));
+            {
+                let mut jobs = Vec::new();
+                for (i, (hi, ui)) in h.iter_mut().zip(&mut u).enumerate() {
+                    for (w, out) in [(mats[i][0].view(), hi), (mats[i][1].view(), ui)] {
+                        let (x, tokens) = (x_of(i), experts[i].1);
+                        jobs.push(MatmulJob { w, x, tokens, out });
+                    }
+                }
+                pool.install(|| matmul_batch_at(level, kernels, &mut jobs));
+            }
+            for (i, (hi, ui)) in h.iter_mut().zip(&u).enumerate() {
+                test_activation(i, hi, ui);
+            }
+            {
+                let mut jobs: Vec<MatmulJob> = (0..experts.len())
+                    .zip(&mut want)
+                    .map(|(i, out)| MatmulJob {
+                        w: mats[i][2].view(),
+                        x: &h[i],
+                        tokens: experts[i].1,
+                        out,
+                    })
+                    .collect();
+                pool.install(|| matmul_batch_at(level, kernels, &mut jobs));
+            }
+            // One step.
+            let (mut h2, mut u2, mut got) = (zeros(inter), zeros(inter), zeros(hidden));
+            {
+                let mut jobs: Vec<FfnJob> = h2
+                    .iter_mut()
+                    .zip(&mut u2)
+                    .zip(&mut got)
+                    .enumerate()
+                    .map(|(i, ((h, u), out))| FfnJob {
+                        gate: mats[i][0].view(),
+                        up: mats[i][1].view(),
+                        down: mats[i][2].view(),
+                        x: x_of(i),
+                        tokens: experts[i].1,
+                        h,
+                        u,
+                        out,
+                    })
+                    .collect();
+                pool.install(|| ffn::ffn_batch_at(level, kernels, &mut jobs, &test_activation));
+            }
+            for i in 0..experts.len() {
+                let same = |a: &[f32], b: &[f32]| {
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                };
+                assert!(
+                    same(&got[i], &want[i]) && same(&h2[i], &h[i]),
+                    "expert {i}, level {}, kernels {}: fused step differs",
+                    level.name(),
+                    kernels.name()
+                );
+            }
+        }
+    }
+}
+
+/// A panicking activation fails the step (the panic is raised again) instead of leaving the
+/// down tasks waiting for an expert that never becomes ready.
+#[test]
+fn ffn_batch_raises_a_panicking_activation() {
+    let mut rng = Rng(22);
+    let f = WeightFormat::Affine {
+        bits: 4,
+        group_size: 64,
+        scale_dtype: Dtype::Bf16,
+    };
+    let (hidden, inter, n) = (512, 384, 4);
+    let mats: Vec<[TestMat; 3]> = (0..n)
+        .map(|_| {
+            [
+                TestMat::new(f, inter, hidden, 0, &mut rng),
+                TestMat::new(f, inter, hidden, 0, &mut rng),
+                TestMat::new(f, hidden, inter, 0, &mut rng),
+            ]
+        })
+        .collect();
+    let x = rng.vec(hidden, -1.0, 1.0);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    let (mut h, mut u, mut out) = (
+        vec![vec![0f32; inter]; n],
+        vec![vec![0f32; inter]; n],
+        vec![vec![0f32; hidden]; n],
+    );
+    let mut jobs: Vec<FfnJob> = h
+        .iter_mut()
+        .zip(&mut u)
+        .zip(&mut out)
+        .enumerate()
+        .map(|(i, ((h, u), out))| FfnJob {
+            gate: mats[i][0].view(),
+            up: mats[i][1].view(),
+            down: mats[i][2].view(),
+            x: &x,
+            tokens: 1,
+            h,
+            u,
+            out,
+        })
+        .collect();
+    let activate = |j: usize, h: &mut [f32], u: &[f32]| {
+        assert!(j != 1, "activation of expert 1 fails");
+        silu_mul(h, u);
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        pool.install(|| ffn_batch(Kernels::Fast, &mut jobs, &activate))
+    }));
+    assert!(result.is_err(), "the panic must reach the caller");
+}
