@@ -29,16 +29,15 @@ pub struct FfnJob<'a> {
     pub out: &'a mut [f32],
 }
 
+/// `activate(j, h, u)` of [`ffn_batch`].
+pub type Activate<'a> = dyn Fn(usize, &mut [f32], &[f32]) + Sync + 'a;
+
 /// The experts' feed-forwards of `jobs` in one parallel step; `activate(j, h, u)` turns job `j`'s
 /// gate products `h` into down's input, reading its up products `u`. Every row is computed as
 /// [`super::matmul_batch`] computes it, so the results are the bits of two such calls with the
 /// activations between them. Inputs are prepared by the first task that needs them: meant for
 /// decoding (a prompt's large inputs are better prepared up front, as `matmul_batch` does).
-pub fn ffn_batch(
-    kernels: Kernels,
-    jobs: &mut [FfnJob<'_>],
-    activate: &(dyn Fn(usize, &mut [f32], &[f32]) + Sync),
-) {
+pub fn ffn_batch(kernels: Kernels, jobs: &mut [FfnJob<'_>], activate: &Activate<'_>) {
     ffn_batch_at(level(), kernels, jobs, activate);
 }
 
@@ -68,7 +67,7 @@ pub(crate) fn ffn_batch_at(
     level: Level,
     kernels: Kernels,
     jobs: &mut [FfnJob<'_>],
-    activate: &(dyn Fn(usize, &mut [f32], &[f32]) + Sync),
+    activate: &Activate<'_>,
 ) {
     assert!(
         supported(level),
@@ -154,8 +153,8 @@ pub(crate) fn ffn_batch_at(
         activate(j, h, u);
         ready[j].store(true, Ordering::Release);
     };
-    for j in 0..n {
-        if pending[j].load(Ordering::Relaxed) == 0 {
+    for (j, count) in pending.iter().enumerate() {
+        if count.load(Ordering::Relaxed) == 0 {
             activate_job(j);
         }
     }
