@@ -754,7 +754,7 @@ impl Backend for CpuBackend {
                     .for_each(|(g, &u)| *g = act.apply(*g, u)),
             }
         };
-        if !parallel && fused_ffn() {
+        if !parallel {
             // Decoding: gate/up, activation and down in one parallel step.
             let _part = profile::span("moe: gate/up, activation, down (one step)");
             let mut jobs: Vec<kernels::FfnJob> = active
@@ -859,13 +859,6 @@ const MOE_BUFFER_KEEP: usize = 1 << 20;
 thread_local! {
     /// The calling thread's MoE product buffer (see `moe_accumulate`).
     static MOE_BUFFER: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
-}
-
-/// `SLUICE_CPU_FFN=0` (read once) runs a decoded token's experts as three steps (gate/up,
-/// activation, down) instead of one: for measuring the fused step against them.
-fn fused_ffn() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SLUICE_CPU_FFN").map_or(true, |v| v.trim() != "0"))
 }
 
 /// From this many query rows on, attention runs a task per row and kv head (else per row and
