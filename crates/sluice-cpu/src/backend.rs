@@ -608,8 +608,7 @@ impl Backend for CpuBackend {
                     .then(a.cmp(b))
             };
             order.select_nth_unstable_by(k - 1, first);
-            let chosen = &mut order[..k];
-            chosen.sort_unstable_by(first);
+            order[..k].sort_unstable_by(first);
             let chosen = &order[..k];
             let total: f32 = chosen.iter().map(|&i| probs[i as usize] / sum).sum();
             for &i in chosen {

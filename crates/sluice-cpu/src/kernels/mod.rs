@@ -24,6 +24,8 @@
 //! * **Threads**: the rows of all jobs of a call are cut into one flat list of tasks, sized so that
 //!   there are a few per thread and each is large enough that rayon's overhead does not show;
 //!   small calls run on the calling thread. Jobs sharing the same `x` share its preparation.
+//!   A decoded token's experts (gate/up, activation, down) are one such list ([`ffn_batch`]):
+//!   down tasks start as soon as their expert's gate/up rows are done, with no barrier between.
 //! * **SIMD**: AVX-512 (F), AVX2 (+FMA+F16C), NEON and a portable fallback, chosen once at run
 //!   time. `SLUICE_SIMD=scalar|avx2|avx512|neon` forces a lower level; `SLUICE_GEMM_MIN_TOKENS=N`
 //!   overrides the decode/prefill threshold (for tuning).
