@@ -49,6 +49,14 @@ pub struct ServeArgs {
     /// tokens of state per request, at most 8 (said at start).
     #[arg(long, value_name = "N")]
     parallel: Option<usize>,
+    /// After SIGTERM or Ctrl-C, seconds that running requests get to finish (no new
+    /// connections are accepted meanwhile) before the server exits anyway.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    shutdown_timeout: f64,
+    /// The most tokens one request may generate: a request asking for more gets a 400 error,
+    /// one that does not say stops there (default: up to the model's context).
+    #[arg(long, value_name = "N")]
+    max_tokens_limit: Option<usize>,
 }
 
 /// Positions of state per request that the default `--parallel` leaves room for.
@@ -65,7 +73,21 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.api_key.as_deref() == Some("") {
         bail!("--api-key must not be empty");
     }
+    shutdown_timeout(&a)?;
+    if a.max_tokens_limit == Some(0) {
+        bail!("--max-tokens-limit must be at least 1");
+    }
     with_engine!(&a.model, |engine| serve_on(engine, &a, max_body))
+}
+
+/// `--shutdown-timeout` as a duration, or the error that says what it must be.
+fn shutdown_timeout(a: &ServeArgs) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(a.shutdown_timeout).map_err(|_| {
+        anyhow::anyhow!(
+            "--shutdown-timeout must be a number of seconds, 0 or more (got {})",
+            a.shutdown_timeout
+        )
+    })
 }
 
 fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u64) -> Result<()> {
@@ -84,6 +106,8 @@ fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u6
     config.api_key = a.api_key.clone();
     config.max_body_bytes = max_body.min(usize::MAX as u64) as usize;
     config.prompt_cache = a.prompt_cache;
+    config.shutdown_timeout = shutdown_timeout(a)?;
+    config.max_tokens_limit = a.max_tokens_limit;
     config.parallel = match a.parallel {
         Some(0) => bail!("--parallel must be at least 1"),
         Some(n) => n,

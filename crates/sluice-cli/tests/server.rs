@@ -339,3 +339,144 @@ fn thinking_follows_the_template_kwargs() {
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("chat template"), "{body}");
 }
+
+/// Sends a streaming completion of exactly `max_tokens` tokens (`ignore_eos`) and returns the
+/// raw response once the server closes the connection; `started` gets a message when the first
+/// bytes arrive.
+fn stream_completion(base_url: &str, max_tokens: usize, started: mpsc::Sender<()>) -> String {
+    let addr = base_url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let body = serde_json::json!({
+        "prompt": "a b", "stream": true, "max_tokens": max_tokens, "ignore_eos": true
+    })
+    .to_string();
+    let mut stream = TcpStream::connect(&addr).expect("connecting to the server");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if response.is_empty() {
+                    let _ = started.send(());
+                }
+                response.extend_from_slice(&buf[..n]);
+            }
+        }
+    }
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+/// Sends SIGTERM to the server and waits up to `limit` for it to exit; its exit status.
+fn terminate(server: &mut Server, limit: Duration) -> std::process::ExitStatus {
+    let pid = server.child.id().to_string();
+    let kill = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(kill.success(), "kill -TERM {pid}");
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "the server did not exit within {limit:?} of SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// SIGTERM while a request streams: the request runs to its end, then the server exits 0.
+#[test]
+fn sigterm_lets_a_running_request_finish_then_exits_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
+    let mut server = start_server(&["-m", dir.to_str().unwrap(), "--shutdown-timeout", "60"]);
+    let (tx, rx) = mpsc::channel();
+    let url = server.base_url.clone();
+    let client = std::thread::spawn(move || stream_completion(&url, 3000, tx));
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the stream started");
+    let status = terminate(&mut server, Duration::from_secs(90));
+    assert!(status.success(), "exit status {status}");
+    let response = client.join().unwrap();
+    assert!(
+        response.contains("\"finish_reason\":\"length\"") && response.contains("data: [DONE]"),
+        "the running request was cut: ...{}",
+        &response[response.len().saturating_sub(400)..]
+    );
+}
+
+/// SIGTERM with a request that outlasts --shutdown-timeout: the server exits 0 at the end of
+/// the grace period, and the request's stream ends unfinished.
+#[test]
+fn sigterm_exits_at_the_end_of_the_grace_period() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
+    let mut server = start_server(&["-m", dir.to_str().unwrap(), "--shutdown-timeout", "0.2"]);
+    let (tx, rx) = mpsc::channel();
+    let url = server.base_url.clone();
+    // About 4000 tokens: seconds on any machine, far past the 0.2 s of grace.
+    let client = std::thread::spawn(move || stream_completion(&url, 4000, tx));
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the stream started");
+    let status = terminate(&mut server, Duration::from_secs(30));
+    assert!(status.success(), "exit status {status}");
+    let response = client.join().unwrap();
+    assert!(
+        !response.contains("data: [DONE]"),
+        "the request finished within 0.2 s of grace: the test proves nothing"
+    );
+}
+
+/// --max-tokens-limit: a request asking for more gets a 400 naming the field; one that does not
+/// say generates at most the limit.
+#[test]
+fn max_tokens_limit_caps_and_rejects() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
+    let server = start_server(&["-m", dir.to_str().unwrap(), "--max-tokens-limit", "7"]);
+    let ask = |extra: serde_json::Value| {
+        let mut body = serde_json::json!({"prompt": "a b", "ignore_eos": true});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        http(
+            &server.base_url,
+            "POST",
+            "/v1/completions",
+            &body.to_string(),
+        )
+    };
+    let (status, body) = ask(serde_json::json!({"max_tokens": 8}));
+    assert_eq!(status, 400, "{body}");
+    let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["param"], "max_tokens", "{body}");
+    assert!(body.contains("--max-tokens-limit"), "{body}");
+    for (extra, want) in [
+        (serde_json::json!({}), 7),
+        (serde_json::json!({"max_tokens": 7}), 7),
+        (serde_json::json!({"max_tokens": 3}), 3),
+    ] {
+        let (status, body) = ask(extra.clone());
+        assert_eq!(status, 200, "{extra}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], want, "{extra}: {body}");
+    }
+}

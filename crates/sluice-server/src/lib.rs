@@ -65,6 +65,12 @@ pub struct ServerConfig {
     pub prompt_cache: usize,
     /// Generations run together at most (continuous batching); more wait in a queue.
     pub parallel: usize,
+    /// After SIGTERM or Ctrl-C: how long running requests may take to finish (no new
+    /// connections are accepted meanwhile) before the server exits anyway.
+    pub shutdown_timeout: std::time::Duration,
+    /// The most tokens one request may generate: asking for more is an error, and requests that
+    /// do not say get this limit (None: up to the context).
+    pub max_tokens_limit: Option<usize>,
 }
 
 impl ServerConfig {
@@ -76,6 +82,8 @@ impl ServerConfig {
             max_body_bytes: 16 << 20,
             prompt_cache: 8,
             parallel: 4,
+            shutdown_timeout: std::time::Duration::from_secs(30),
+            max_tokens_limit: None,
         }
     }
 }
@@ -89,7 +97,7 @@ struct App<B: Backend> {
     ids: AtomicU64,
 }
 
-/// Serves until Ctrl-C (or a bind/serve error). `on_ready` gets the bound address (useful with
+/// Serves until Ctrl-C or SIGTERM, then lets running requests finish (or a bind/serve error). `on_ready` gets the bound address (useful with
 /// port 0).
 pub fn run<B: Backend + 'static>(
     engine: Engine<B>,
@@ -113,13 +121,67 @@ async fn serve<B: Backend + 'static>(
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.addr))?;
     let addr = listener.local_addr()?;
+    let grace = config.shutdown_timeout;
     let router = router(engine, config)?;
     on_ready(addr);
+    // On a stop signal the server stops accepting and lets running requests finish; past the
+    // grace period it exits anyway.
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let server = axum::serve(listener, router).with_graceful_shutdown({
+        let stopping = stopping.clone();
+        async move {
+            let signal = stop_signal().await;
+            eprintln!(
+                "sluice: {signal}: no new connections; waiting up to {} s (--shutdown-timeout) for running requests",
+                grace.as_secs_f64()
+            );
+            stopping.notify_one();
+        }
+    });
     tokio::select! {
-        r = axum::serve(listener, router) => r?,
-        _ = tokio::signal::ctrl_c() => eprintln!("sluice: interrupted, shutting down"),
+        r = server => {
+            r?;
+            eprintln!("sluice: stopped");
+        }
+        _ = async {
+            stopping.notified().await;
+            tokio::time::sleep(grace).await;
+        } => eprintln!("sluice: requests still running after --shutdown-timeout; exiting"),
     }
     Ok(())
+}
+
+/// The first of Ctrl-C (SIGINT) and, on Unix, SIGTERM; its name.
+async fn stop_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                _ = tokio::signal::ctrl_c() => "interrupted",
+                _ = term.recv() => "terminated",
+            },
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                "interrupted"
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        "interrupted"
+    }
+}
+
+/// Whether `given` is `key`, in a time that depends on the key's length only, not on where the
+/// two first differ: a client cannot find the key a byte at a time by timing the replies.
+fn keys_match(given: &[u8], key: &[u8]) -> bool {
+    let mut diff = u8::from(given.len() != key.len());
+    for (i, &k) in key.iter().enumerate() {
+        diff |= k ^ given.get(i).copied().unwrap_or(!k);
+    }
+    std::hint::black_box(diff) == 0
 }
 
 fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyhow::Result<Router> {
@@ -218,7 +280,7 @@ async fn check_key<B: Backend + 'static>(
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
+        if !given.is_some_and(|g| keys_match(g.as_bytes(), key.as_bytes())) {
             app.metrics.requests_failed.fetch_add(1, Relaxed);
             let message = if given.is_some() {
                 "incorrect API key (send the server's --api-key as `Authorization: Bearer KEY`)"
@@ -318,11 +380,15 @@ impl<B: Backend + 'static> App<B> {
             .with_code("context_length_exceeded"));
         }
         let room = ctx - prompt.len();
-        let max_tokens = sampling
-            .max_tokens()?
-            .or(default_max)
-            .unwrap_or(room)
-            .min(room);
+        let asked = sampling.max_tokens()?;
+        let limit = self.config.max_tokens_limit.unwrap_or(usize::MAX);
+        if let Some(n) = asked.filter(|&n| n > limit) {
+            return Err(ApiError::field(
+                "max_tokens",
+                format!("max_tokens is {n} but this server generates at most {limit} tokens per request (--max-tokens-limit)"),
+            ));
+        }
+        let max_tokens = asked.or(default_max).unwrap_or(room).min(room).min(limit);
         Ok(Prepared {
             prompt,
             sampling,
@@ -874,5 +940,23 @@ mod tests {
         assert_eq!(ids[0], "functions.f:0");
         assert!(ids[1].starts_with("call_"), "{}", ids[1]);
         assert_eq!(out[1]["delta"]["tool_calls"][0]["index"], 1);
+    }
+
+    #[test]
+    fn keys_match_only_the_whole_key() {
+        assert!(keys_match(b"secret", b"secret"));
+        for wrong in [
+            &b""[..],
+            b"s",
+            b"secre",
+            b"secreT",
+            b"secrets",
+            b"xecret",
+            b"secret\0",
+        ] {
+            assert!(!keys_match(wrong, b"secret"), "{wrong:?}");
+        }
+        assert!(keys_match(b"", b""));
+        assert!(!keys_match(b"a", b""));
     }
 }
