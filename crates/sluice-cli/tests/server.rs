@@ -480,3 +480,34 @@ fn max_tokens_limit_caps_and_rejects() {
         assert_eq!(v["usage"]["completion_tokens"], want, "{extra}: {body}");
     }
 }
+
+/// A request whose headers exceed the server's limit gets 431 (or its connection closed) and
+/// never reaches a handler; the server keeps answering.
+#[test]
+fn oversized_headers_are_refused_and_the_server_stays_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
+    let server = start_server(&["-m", dir.to_str().unwrap()]);
+    let addr = server.base_url.trim_start_matches("http://").to_string();
+    let addr = addr.split('/').next().unwrap();
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let big = "x".repeat(1 << 20);
+    // The server may answer and close before the whole header is written: ignore write errors.
+    let _ = write!(
+        stream,
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nX-Big: {big}\r\nConnection: close\r\n\r\n"
+    );
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    assert!(
+        response.is_empty() || response.starts_with("HTTP/1.1 431"),
+        "a 1 MiB header was accepted: {}",
+        &response[..response.len().min(200)]
+    );
+    let (status, body) = http(&server.base_url, "GET", "/health", "");
+    assert_eq!(status, 200, "{body}");
+}
