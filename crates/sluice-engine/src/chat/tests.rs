@@ -962,3 +962,46 @@ fn gpt_oss_renders_typescript_parameter_types() {
         "{out}"
     );
 }
+
+/// Hostile templates end with a clear error, quickly: a loop of 10^10 steps runs out of fuel,
+/// recursion hits minijinja's depth limit, huge ranges and repeated strings are refused. A real
+/// template over a long conversation stays far inside the fuel.
+#[test]
+fn hostile_templates_are_stopped() {
+    let cases = [
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            "instructions",
+        ),
+        (
+            "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+            "recursion",
+        ),
+        ("{% for i in range(10000000000) %}x{% endfor %}", "too many"),
+        ("{{ 'x' * 100000000000 }}", "too large"),
+    ];
+    for (source, want) in cases {
+        let t = ChatTemplate::new(source, None, None).unwrap();
+        let start = std::time::Instant::now();
+        let err = t
+            .render(&[msg("user", "hi")], None, true, &no_extra())
+            .expect_err(source)
+            .to_string();
+        assert!(err.contains(want), "{source}: {err}");
+        assert!(
+            start.elapsed().as_secs() < 20,
+            "{source}: took {:?}",
+            start.elapsed()
+        );
+    }
+    let long: Vec<ChatMessage> = (0..2000)
+        .map(|i| {
+            msg(
+                if i % 2 == 0 { "user" } else { "assistant" },
+                "some words here",
+            )
+        })
+        .collect();
+    let out = qwen3().render(&long, Some(&weather_tool()), true, &no_extra());
+    assert!(out.is_ok(), "{out:?}");
+}
