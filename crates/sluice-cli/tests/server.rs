@@ -340,6 +340,17 @@ fn thinking_follows_the_template_kwargs() {
     assert!(body.contains("chat template"), "{body}");
 }
 
+/// `sluice serve` with `args` on a tiny random Qwen3-MoE (in the returned directory).
+fn tiny_server(args: &[&str]) -> (tempfile::TempDir, Server) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
+    let mut all = vec!["-m", dir.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let server = start_server(&all);
+    (tmp, server)
+}
+
 /// Sends a streaming completion of exactly `max_tokens` tokens (`ignore_eos`) and returns the
 /// raw response once the server closes the connection; `started` gets a message when the first
 /// bytes arrive.
@@ -402,10 +413,7 @@ fn terminate(server: &mut Server, limit: Duration) -> std::process::ExitStatus {
 /// SIGTERM while a request streams: the request runs to its end, then the server exits 0.
 #[test]
 fn sigterm_lets_a_running_request_finish_then_exits_0() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("m");
-    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
-    let mut server = start_server(&["-m", dir.to_str().unwrap(), "--shutdown-timeout", "60"]);
+    let (_model, mut server) = tiny_server(&["--shutdown-timeout", "60"]);
     let (tx, rx) = mpsc::channel();
     let url = server.base_url.clone();
     let client = std::thread::spawn(move || stream_completion(&url, 3000, tx));
@@ -425,10 +433,7 @@ fn sigterm_lets_a_running_request_finish_then_exits_0() {
 /// the grace period, and the request's stream ends unfinished.
 #[test]
 fn sigterm_exits_at_the_end_of_the_grace_period() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("m");
-    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
-    let mut server = start_server(&["-m", dir.to_str().unwrap(), "--shutdown-timeout", "0.2"]);
+    let (_model, mut server) = tiny_server(&["--shutdown-timeout", "0.2"]);
     let (tx, rx) = mpsc::channel();
     let url = server.base_url.clone();
     // About 4000 tokens: seconds on any machine, far past the 0.2 s of grace.
@@ -448,10 +453,7 @@ fn sigterm_exits_at_the_end_of_the_grace_period() {
 /// say generates at most the limit.
 #[test]
 fn max_tokens_limit_caps_and_rejects() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("m");
-    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
-    let server = start_server(&["-m", dir.to_str().unwrap(), "--max-tokens-limit", "7"]);
+    let (_model, server) = tiny_server(&["--max-tokens-limit", "7"]);
     let ask = |extra: serde_json::Value| {
         let mut body = serde_json::json!({"prompt": "a b", "ignore_eos": true});
         body.as_object_mut()
@@ -485,10 +487,7 @@ fn max_tokens_limit_caps_and_rejects() {
 /// never reaches a handler; the server keeps answering.
 #[test]
 fn oversized_headers_are_refused_and_the_server_stays_up() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("m");
-    synth(&["--preset", "tiny-qwen3-moe", "--seed", "5"], &dir);
-    let server = start_server(&["-m", dir.to_str().unwrap()]);
+    let (_model, server) = tiny_server(&[]);
     let addr = server.base_url.trim_start_matches("http://").to_string();
     let addr = addr.split('/').next().unwrap();
     let mut stream = TcpStream::connect(addr).unwrap();

@@ -97,8 +97,8 @@ struct App<B: Backend> {
     ids: AtomicU64,
 }
 
-/// Serves until Ctrl-C or SIGTERM, then lets running requests finish (or a bind/serve error). `on_ready` gets the bound address (useful with
-/// port 0).
+/// Serves until Ctrl-C or SIGTERM, then lets running requests finish (or until a bind/serve
+/// error). `on_ready` gets the bound address (useful with port 0).
 pub fn run<B: Backend + 'static>(
     engine: Engine<B>,
     config: ServerConfig,
