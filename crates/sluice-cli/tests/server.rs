@@ -410,22 +410,40 @@ fn terminate(server: &mut Server, limit: Duration) -> std::process::ExitStatus {
     }
 }
 
+/// A tiny model's server run with `--shutdown-timeout grace`: starts a `max_tokens` stream,
+/// sends SIGTERM once its first bytes arrive, and returns the server's exit status (it must
+/// exit within `exit_within`) and the stream as the client received it.
+fn stream_then_sigterm(
+    grace: &str,
+    max_tokens: usize,
+    exit_within: Duration,
+) -> (std::process::ExitStatus, String) {
+    let (_model, mut server) = tiny_server(&["--shutdown-timeout", grace]);
+    let (tx, rx) = mpsc::channel();
+    let url = server.base_url.clone();
+    let client = std::thread::spawn(move || stream_completion(&url, max_tokens, tx));
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the stream started");
+    let status = terminate(&mut server, exit_within);
+    (status, client.join().unwrap())
+}
+
 /// SIGTERM while a request streams: the request runs to its end, then the server exits 0.
 #[test]
 fn sigterm_lets_a_running_request_finish_then_exits_0() {
-    let (_model, mut server) = tiny_server(&["--shutdown-timeout", "60"]);
-    let (tx, rx) = mpsc::channel();
-    let url = server.base_url.clone();
-    let client = std::thread::spawn(move || stream_completion(&url, 3000, tx));
-    rx.recv_timeout(Duration::from_secs(60))
-        .expect("the stream started");
-    let status = terminate(&mut server, Duration::from_secs(90));
+    let (status, response) = stream_then_sigterm("60", 3000, Duration::from_secs(90));
     assert!(status.success(), "exit status {status}");
-    let response = client.join().unwrap();
+    let tail: String = response
+        .chars()
+        .rev()
+        .take(400)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
     assert!(
         response.contains("\"finish_reason\":\"length\"") && response.contains("data: [DONE]"),
-        "the running request was cut: ...{}",
-        &response[response.len().saturating_sub(400)..]
+        "the running request was cut: ...{tail}"
     );
 }
 
@@ -433,16 +451,9 @@ fn sigterm_lets_a_running_request_finish_then_exits_0() {
 /// the grace period, and the request's stream ends unfinished.
 #[test]
 fn sigterm_exits_at_the_end_of_the_grace_period() {
-    let (_model, mut server) = tiny_server(&["--shutdown-timeout", "0.2"]);
-    let (tx, rx) = mpsc::channel();
-    let url = server.base_url.clone();
     // About 4000 tokens: seconds on any machine, far past the 0.2 s of grace.
-    let client = std::thread::spawn(move || stream_completion(&url, 4000, tx));
-    rx.recv_timeout(Duration::from_secs(60))
-        .expect("the stream started");
-    let status = terminate(&mut server, Duration::from_secs(30));
+    let (status, response) = stream_then_sigterm("0.2", 4000, Duration::from_secs(30));
     assert!(status.success(), "exit status {status}");
-    let response = client.join().unwrap();
     assert!(
         !response.contains("data: [DONE]"),
         "the request finished within 0.2 s of grace: the test proves nothing"

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use super::{
     check_matrix, level, plan, prep_kind, prepare, record_products, run_prepared, supported, Ctx,
-    Kernels, Kind, Level, MatRef, Prep, PrepKind, SERIAL_COST,
+    Inputs, Kernels, Level, MatRef, Prep, SERIAL_COST,
 };
 
 /// One expert's feed-forward over `tokens` rows of `x` (`[tokens, gate.cols]`):
@@ -114,22 +114,9 @@ pub(crate) fn ffn_batch_at(
         let out = (outs[j].0, outs[j].1);
         ctxs.push(Ctx::new(level, kernels, job.down, &[], job.tokens, out));
     }
-    // Gate/up inputs are prepared once per distinct (x, preparation) pair: a decoded token's
-    // experts all read the same `x`.
-    let mut keys: Vec<(usize, usize, PrepKind)> = Vec::new();
-    let mut prep_of = Vec::with_capacity(3 * n);
-    for c in &ctxs {
-        let pk = prep_kind(level, kernels, Kind::of(c.w.format), c.tokens);
-        let key = (c.x.as_ptr() as usize, c.x.len(), pk);
-        prep_of.push(match keys.iter().position(|k| *k == key) {
-            Some(i) => i,
-            None => {
-                keys.push(key);
-                keys.len() - 1
-            }
-        });
-    }
-    let preps: Vec<OnceLock<Prep>> = keys.iter().map(|_| OnceLock::new()).collect();
+    // Gate/up inputs are prepared once each: a decoded token's experts all read the same `x`.
+    let inputs = Inputs::of(level, kernels, &ctxs[..2 * n]);
+    let preps: Vec<OnceLock<Prep>> = inputs.kinds.iter().map(|_| OnceLock::new()).collect();
     let down_preps: Vec<OnceLock<Prep>> = (0..n).map(|_| OnceLock::new()).collect();
 
     let threads = crate::team::thread_count();
@@ -166,10 +153,9 @@ pub(crate) fn ffn_batch_at(
         let start = profiling.map(|_| std::time::Instant::now());
         let _fail = FailOnUnwind(&failed);
         if t.job < 2 * n {
-            let c = &ctxs[t.job];
-            let k = prep_of[t.job];
-            let p = preps[k].get_or_init(|| prepare(keys[k].2, c.x, c.tokens, c.w.cols));
-            run_prepared(level, c, p, t.r0, t.r1);
+            let k = inputs.of[t.job];
+            let p = preps[k].get_or_init(|| inputs.prepare(k, &ctxs));
+            run_prepared(level, &ctxs[t.job], p, t.r0, t.r1);
             let j = t.job / 2;
             if pending[j].fetch_sub(1, Ordering::AcqRel) == 1 {
                 activate_job(j);

@@ -1065,23 +1065,6 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
             "matmul: out has wrong length"
         );
     }
-    // Prepare activations once per distinct (x, format kind) pair.
-    let mut keys: Vec<(usize, usize, usize, PrepKind)> = Vec::new();
-    let mut first_job = Vec::new();
-    let mut prep_of = Vec::with_capacity(jobs.len());
-    for (j, job) in jobs.iter().enumerate() {
-        let pk = prep_kind(level, kernels, Kind::of(job.w.format), job.tokens);
-        let key = (job.x.as_ptr() as usize, job.x.len(), job.tokens, pk);
-        let i = match keys.iter().position(|k| *k == key) {
-            Some(i) => i,
-            None => {
-                keys.push(key);
-                first_job.push(j);
-                keys.len() - 1
-            }
-        };
-        prep_of.push(i);
-    }
     let ctxs: Vec<Ctx> = jobs
         .iter_mut()
         .map(|job| {
@@ -1089,18 +1072,16 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
             Ctx::new(level, kernels, job.w, job.x, job.tokens, out)
         })
         .collect();
-    let prep = |i: usize| {
-        let c = &ctxs[first_job[i]];
-        prepare(keys[i].3, c.x, c.tokens, c.w.cols)
-    };
-    let preps: Vec<OnceLock<Prep>> = keys.iter().map(|_| OnceLock::new()).collect();
-    let values: usize = keys.iter().map(|k| k.1).sum();
+    let inputs = Inputs::of(level, kernels, &ctxs);
+    let prep = |i: usize| inputs.prepare(i, &ctxs);
+    let preps: Vec<OnceLock<Prep>> = inputs.kinds.iter().map(|_| OnceLock::new()).collect();
+    let values: usize = inputs.first.iter().map(|&j| ctxs[j].x.len()).sum();
     if values >= PARALLEL_PREP_VALUES {
         // A prompt: prepared before the products, an input per task when there are many (an
         // MoE's experts; a single input's tokens are spread inside `prepare`).
         let _span = crate::profile::span("matmul: preparing activations");
-        let mut done: Vec<Prep> = keys.iter().map(|_| Prep::default()).collect();
-        if keys.len() > 1 {
+        let mut done: Vec<Prep> = preps.iter().map(|_| Prep::default()).collect();
+        if done.len() > 1 {
             crate::team::chunks_mut(&mut done, 1, |i, p| p[0] = prep(i));
         } else {
             done[0] = prep(0);
@@ -1117,7 +1098,7 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
     let task_nanos = std::sync::atomic::AtomicU64::new(0);
     let run = |t: &Task| {
         let start = profiling.map(|_| std::time::Instant::now());
-        let i = prep_of[t.job];
+        let i = inputs.of[t.job];
         let p = preps[i].get_or_init(|| prep(i));
         run_prepared(level, &ctxs[t.job], p, t.r0, t.r1);
         if let Some(start) = start {
@@ -1133,6 +1114,43 @@ pub(crate) fn matmul_batch_at(level: Level, kernels: Kernels, jobs: &mut [Matmul
     }
     if let Some(start) = profiling {
         record_products(&ctxs, serial, start, &task_nanos);
+    }
+}
+
+/// The distinct inputs of a call's products: one per (x, tokens, preparation), so that jobs
+/// sharing an input (gate and up; a decoded token's experts) prepare it once.
+struct Inputs {
+    /// Per input: its preparation and the first product that reads it.
+    kinds: Vec<PrepKind>,
+    first: Vec<usize>,
+    /// Per product: its input.
+    of: Vec<usize>,
+}
+
+impl Inputs {
+    fn of(level: Level, kernels: Kernels, ctxs: &[Ctx]) -> Inputs {
+        let mut keys: Vec<(usize, usize, usize, PrepKind)> = Vec::new();
+        let (mut kinds, mut first, mut of) = (Vec::new(), Vec::new(), Vec::new());
+        for (j, c) in ctxs.iter().enumerate() {
+            let pk = prep_kind(level, kernels, c.kind, c.tokens);
+            let key = (c.x.as_ptr() as usize, c.x.len(), c.tokens, pk);
+            of.push(match keys.iter().position(|k| *k == key) {
+                Some(i) => i,
+                None => {
+                    keys.push(key);
+                    kinds.push(pk);
+                    first.push(j);
+                    keys.len() - 1
+                }
+            });
+        }
+        Inputs { kinds, first, of }
+    }
+
+    /// Input `i` prepared.
+    fn prepare(&self, i: usize, ctxs: &[Ctx]) -> Prep {
+        let c = &ctxs[self.first[i]];
+        prepare(self.kinds[i], c.x, c.tokens, c.w.cols)
     }
 }
 
