@@ -107,6 +107,7 @@ impl StreamArgs {
             stream_unpacked: expert_cache.is_some() || self.memory_budget.is_some(),
             vram_budget: self.vram_budget.map(ByteSize::bytes),
             pinner: None,
+            faults: None,
         })
     }
 }

@@ -36,6 +36,8 @@ pub struct StreamingOptions {
     pub vram_budget: Option<u64>,
     /// Page-locks the expert cache for the backend's copies (set by [`crate::Engine::load`]).
     pub pinner: Option<sluice_store::Pinner>,
+    /// Faults injected into the expert reads (tests of disk failures); None in normal use.
+    pub faults: Option<std::sync::Arc<dyn sluice_store::ReadFaults>>,
 }
 
 impl Default for StreamingOptions {
@@ -51,6 +53,7 @@ impl Default for StreamingOptions {
             stream_unpacked: false,
             vram_budget: None,
             pinner: None,
+            faults: None,
         }
     }
 }
@@ -129,6 +132,7 @@ pub fn open_store(
                 kind: opts.io,
                 direct: opts.direct,
                 queue_depth: opts.queue_depth.max(1),
+                faults: opts.faults.clone(),
             },
             verify: opts.verify,
             min_slots: experts_per_token,
@@ -163,6 +167,7 @@ pub fn open_unpacked_store(
                 kind: opts.io,
                 direct: false,
                 queue_depth: opts.queue_depth.max(1),
+                faults: opts.faults.clone(),
             },
             verify: false,
             min_slots: experts_per_token,

@@ -52,6 +52,16 @@ fn one_line(s: impl std::fmt::Display) -> String {
     s.to_string().lines().collect::<Vec<_>>().join(" ")
 }
 
+/// The message of a caught panic.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => s.to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "a panic in the tokenizers library".to_string(),
+    };
+    one_line(text)
+}
+
 impl Tokenizer {
     /// Loads a Hugging Face `tokenizer.json`. When `path` is a model directory's
     /// `tokenizer.json` that does not exist but `tiktoken.model` does beside it (Kimi K2), loads
@@ -77,10 +87,15 @@ impl Tokenizer {
     /// Loads a `tokenizer.json` held in memory (a GGUF's, built from its metadata); `path`
     /// names where it came from in errors.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, TokenizerError> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TokenizerError::Load {
+        let load_err = |message: String| TokenizerError::Load {
             path: path.to_path_buf(),
-            message: one_line(e),
-        })?;
+            message,
+        };
+        // `tokenizers` panics on some malformed files (a decoder with fields of the wrong type,
+        // found by fuzzing): that is a bad file too, not a crash.
+        let parsed = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes))
+            .map_err(|panic| load_err(format!("malformed tokenizer: {}", panic_text(&*panic))))?;
+        let inner = parsed.map_err(|e| load_err(one_line(e)))?;
         Ok(Self::from_inner(inner))
     }
 
@@ -256,6 +271,22 @@ impl<'a> StreamDecoder<'a> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Found by fuzzing: `tokenizers` panics (inside its decoder's deserializer) on a
+    /// `"decoder"` object whose first key is not a string; that must be a load error.
+    #[test]
+    fn a_malformed_decoder_is_a_load_error_not_a_panic() {
+        let fixture = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/qwen3_5_moe-q4"
+        );
+        let text = std::fs::read_to_string(Path::new(fixture).join("tokenizer.json")).unwrap();
+        let broken = text.replacen("\"decoder\": {", "\"decoder\": {\n  {", 1);
+        assert_ne!(broken, text);
+        let e = Tokenizer::from_bytes(broken.as_bytes(), Path::new("x/tokenizer.json"));
+        let msg = e.err().expect("a malformed file").to_string();
+        assert!(msg.contains("x/tokenizer.json"), "{msg}");
+    }
 
     /// GPT-2's byte → printable char map used by byte-level BPE.
     fn byte_char(b: u8) -> char {

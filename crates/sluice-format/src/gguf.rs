@@ -383,7 +383,7 @@ impl GgufFile {
         let err = |m: String| gguf_err(path, m);
         let names = split_names(path, count).ok_or_else(|| {
             err(format!(
-                "part of a split GGUF set of {count} files, but its name does not end in                  -NNNNN-of-{count:05}.gguf as llama-gguf-split names the parts: give them back                  their names, or merge them into one file with `llama-gguf-split --merge                  FIRST-PART.gguf OUT.gguf`"
+                "part of a split GGUF set of {count} files, but its name does not end in -NNNNN-of-{count:05}.gguf as llama-gguf-split names the parts: give them back their names, or merge them into one file with `llama-gguf-split --merge FIRST-PART.gguf OUT.gguf`"
             ))
         })?;
         let mut given = Some((mmap, parsed));
@@ -395,7 +395,7 @@ impl GgufFile {
             } else {
                 if !part.exists() {
                     return Err(err(format!(
-                        "part {} of this split set, {}, is missing: keep every part of the set                          in one folder",
+                        "part {} of this split set, {}, is missing: keep every part of the set in one folder",
                         i + 1,
                         part.display()
                     )));
@@ -407,7 +407,7 @@ impl GgufFile {
             let n = split_field(&parsed, "split.count").map_err(perr)?;
             if no != Some(i as u64) || n != Some(count) {
                 return Err(perr(format!(
-                    "expected part {} of a set of {count} (split.no {i}), found split.no {} of                      split.count {}: the parts come from different sets",
+                    "expected part {} of a set of {count} (split.no {i}), found split.no {} of split.count {}: the parts come from different sets",
                     i + 1,
                     no.map_or("missing".into(), |v| v.to_string()),
                     n.map_or("missing".into(), |v| v.to_string()),

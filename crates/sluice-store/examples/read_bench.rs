@@ -147,6 +147,7 @@ fn main() -> ExitCode {
             kind: a.kind,
             direct: true,
             queue_depth: qd,
+            faults: None,
         };
         let run = match read_blocks(&a.file, &opts, a.block, &mut offsets, a.seconds) {
             Ok(r) => r,

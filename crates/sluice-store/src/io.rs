@@ -55,6 +55,42 @@ pub struct ReaderOptions {
     pub direct: bool,
     /// Reads in flight at once in the kernel (ring entries, or pool threads); clamped to 1..=1024.
     pub queue_depth: usize,
+    /// Faults to inject into the reads (tests of what happens when a disk misbehaves); None in
+    /// normal use.
+    pub faults: Option<Arc<dyn ReadFaults>>,
+}
+
+/// A fault that [`ReadFaults`] injects into one read as it returns from the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadFault {
+    /// The read fails with this OS error number (`libc::EIO`, say).
+    Error(i32),
+    /// The read returns at most this many bytes (a short count; 0 reads as end of file).
+    Short(usize),
+}
+
+/// Injects faults into a reader's reads, both engines alike: asked once per read the kernel
+/// finishes, after it finished, so the bytes it did read are real.
+pub trait ReadFaults: Send + Sync + std::fmt::Debug {
+    /// The fault for the read of `len` bytes at file `offset` that just returned, if any.
+    fn fault(&self, offset: u64, len: usize) -> Option<ReadFault>;
+}
+
+/// A read's result after the fault, if any, that `faults` injects into it.
+fn injected(
+    faults: &Option<Arc<dyn ReadFaults>>,
+    offset: u64,
+    len: usize,
+    r: io::Result<usize>,
+) -> io::Result<usize> {
+    let Some(f) = faults else {
+        return r;
+    };
+    match (f.fault(offset, len), r) {
+        (Some(ReadFault::Error(errno)), _) => Err(io::Error::from_raw_os_error(errno)),
+        (Some(ReadFault::Short(max)), Ok(n)) => Ok(n.min(max)),
+        (_, r) => r,
+    }
 }
 
 impl Default for ReaderOptions {
@@ -63,6 +99,7 @@ impl Default for ReaderOptions {
             kind: IoKind::Auto,
             direct: true,
             queue_depth: 16,
+            faults: None,
         }
     }
 }
@@ -139,6 +176,7 @@ struct Shared {
     /// Whether aligned requests are required (`direct` was requested).
     require_aligned: bool,
     queue_depth: usize,
+    faults: Option<Arc<dyn ReadFaults>>,
     state: Mutex<State>,
     /// Signalled when a completion is queued or nothing is left unreturned.
     done_cv: Condvar,
@@ -272,7 +310,13 @@ fn worker(shared: Arc<Shared>) {
             // `len` bytes and untouched until this request's completion is returned; `done <
             // len`, so `dst + done .. dst + done + want` lies inside that range.
             let buf = unsafe { std::slice::from_raw_parts_mut(op.req.dst.add(op.done), want) };
-            let r = read_at(&shared.file, buf, op.req.offset + op.done as u64);
+            let offset = op.req.offset + op.done as u64;
+            let r = injected(
+                &shared.faults,
+                offset,
+                want,
+                read_at(&shared.file, buf, offset),
+            );
             st = lock(&shared.state);
             let next = match r {
                 Ok(n) => shared.progress(&mut st, op, n),
@@ -415,10 +459,15 @@ mod uring {
             };
             st.free_slots.push(slot);
             st.in_ring -= 1;
-            let next = if res >= 0 {
-                shared.progress(st, op, res as usize)
+            let r = if res >= 0 {
+                Ok(res as usize)
             } else {
-                shared.failed(st, op, io::Error::from_raw_os_error(-res))
+                Err(io::Error::from_raw_os_error(-res))
+            };
+            let (offset, want) = (op.req.offset + op.done as u64, op.req.len - op.done);
+            let next = match injected(&shared.faults, offset, want.min(MAX_CHUNK), r) {
+                Ok(n) => shared.progress(st, op, n),
+                Err(e) => shared.failed(st, op, e),
             };
             if let Some(op) = next {
                 // Resubmit the remainder (or the retry) before newer requests.
@@ -525,6 +574,7 @@ impl Reader {
             direct,
             require_aligned: opts.direct,
             queue_depth,
+            faults: opts.faults.clone(),
             state: Mutex::new(state),
             done_cv: Condvar::new(),
             work_cv: Condvar::new(),
@@ -760,6 +810,7 @@ mod tests {
             kind,
             direct: true,
             queue_depth: qd,
+            faults: None,
         }
     }
 

@@ -43,7 +43,7 @@ mod unpacked;
 pub mod bench;
 
 pub use error::StoreError;
-pub use io::{IoKind, ReaderOptions};
+pub use io::{IoKind, ReadFault, ReadFaults, ReaderOptions};
 pub use manifest::{
     checksum, FormatSpec, LayerExperts, Manifest, ManifestError, Part, Projection, BLOCK_ALIGN,
     EXPERTS_FILE, MANIFEST_FILE,

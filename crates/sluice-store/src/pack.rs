@@ -279,56 +279,64 @@ pub fn pack(
         }
     }
     fs::create_dir_all(&partial).map_err(io_at(&partial))?;
-
-    // model.safetensors: the header, then the tensors' bytes.
-    let mut done = 0u64;
-    progress(0, total);
-    let path = partial.join(resident_path);
-    let mut f = File::create(&path).map_err(io_at(&path))?;
-    f.write_all(&header).map_err(io_at(&path))?;
-    done += header.len() as u64;
-    let mut pending = 0u64;
-    for x in &resident {
-        f.write_all(x.bytes.as_slice()).map_err(io_at(&path))?;
-        done += x.bytes.len() as u64;
-        pending += x.bytes.len() as u64;
-        if pending >= BATCH_BYTES {
-            progress(done, total);
-            pending = 0;
+    // A failed write (the disk filling up, say) removes the partial output: it must not keep
+    // the space that the user needs back.
+    let written = (|| -> Result<(), PackError> {
+        // model.safetensors: the header, then the tensors' bytes.
+        let mut done = 0u64;
+        progress(0, total);
+        let path = partial.join(resident_path);
+        let mut f = File::create(&path).map_err(io_at(&path))?;
+        f.write_all(&header).map_err(io_at(&path))?;
+        done += header.len() as u64;
+        let mut pending = 0u64;
+        for x in &resident {
+            f.write_all(x.bytes.as_slice()).map_err(io_at(&path))?;
+            done += x.bytes.len() as u64;
+            pending += x.bytes.len() as u64;
+            if pending >= BATCH_BYTES {
+                progress(done, total);
+                pending = 0;
+            }
         }
-    }
-    f.sync_all().map_err(io_at(&path))?;
-    drop(f);
-    progress(done, total);
-
-    // experts.bin: blocks are built into reused buffers while the previous batch is written.
-    let path = partial.join(EXPERTS_FILE);
-    let f = File::create(&path).map_err(io_at(&path))?;
-    write_blocks(&path, f, &layers, &mut plans, &mut |n| {
-        done += n;
+        f.sync_all().map_err(io_at(&path))?;
+        drop(f);
         progress(done, total);
-    })?;
 
-    // experts.json.
-    let manifest = Manifest::new(plans);
-    manifest.validate().map_err(|msg| PackError::Layout {
-        tensor: format!("{}.*", layers[0].prefix),
-        msg: format!("internal error, the planned manifest is invalid: {msg}"),
-    })?;
-    let path = partial.join(MANIFEST_FILE);
-    let text = serde_json::to_string_pretty(&manifest).expect("manifest serialises");
-    write_synced(&path, text.as_bytes())?;
+        // experts.bin: blocks are built into reused buffers while the previous batch is written.
+        let path = partial.join(EXPERTS_FILE);
+        let f = File::create(&path).map_err(io_at(&path))?;
+        write_blocks(&path, f, &layers, &mut plans, &mut |n| {
+            done += n;
+            progress(done, total);
+        })?;
 
-    // The other files.
-    for (from, _) in &others {
-        let to = partial.join(from.file_name().expect("read_dir entries have names"));
-        let bytes = fs::read(from).map_err(io_at(from))?;
-        write_synced(&to, &bytes)?;
+        // experts.json.
+        let manifest = Manifest::new(plans);
+        manifest.validate().map_err(|msg| PackError::Layout {
+            tensor: format!("{}.*", layers[0].prefix),
+            msg: format!("internal error, the planned manifest is invalid: {msg}"),
+        })?;
+        let path = partial.join(MANIFEST_FILE);
+        let text = serde_json::to_string_pretty(&manifest).expect("manifest serialises");
+        write_synced(&path, text.as_bytes())?;
+
+        // The other files.
+        for (from, _) in &others {
+            let to = partial.join(from.file_name().expect("read_dir entries have names"));
+            let bytes = fs::read(from).map_err(io_at(from))?;
+            write_synced(&to, &bytes)?;
+        }
+        for (name, text) in &generated {
+            write_synced(&partial.join(name), text.as_bytes())?;
+        }
+        sync_dir(&partial)?;
+        Ok(())
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_dir_all(&partial);
+        return Err(e);
     }
-    for (name, text) in &generated {
-        write_synced(&partial.join(name), text.as_bytes())?;
-    }
-    sync_dir(&partial)?;
 
     // Into place: move an existing output aside first, so a failure leaves one of the two.
     if replacing {

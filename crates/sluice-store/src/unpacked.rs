@@ -191,6 +191,7 @@ mod tests {
                 kind: IoKind::Auto,
                 direct: true, // ignored: unpacked reads are buffered
                 queue_depth: 4,
+                faults: None,
             },
             verify: true, // ignored: no checksums
             min_slots: 1,

@@ -437,6 +437,22 @@ fn hf_environment_features() {
         );
 }
 
+/// Found by fuzzing: `{%}` (the opening and closing marks overlap) in a template that has
+/// `{% generation %}` blocks made the rewrite slice backwards and panic.
+#[test]
+fn overlapping_tag_marks_are_a_syntax_error_not_a_panic() {
+    for source in [
+        "{% generation %}x{% endgeneration %}{%}",
+        "{%}{% generation %}",
+    ] {
+        let r = ChatTemplate::new(source, None, None);
+        assert!(
+            matches!(r, Err(ChatError::Syntax { .. })),
+            "{source}: {r:?}"
+        );
+    }
+}
+
 #[test]
 fn strftime_matches_c() {
     // 2024-02-29 13:05:09 UTC, a Thursday.

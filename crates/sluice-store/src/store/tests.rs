@@ -43,6 +43,7 @@ fn open_with(dir: &Path, slots: usize, policy: Policy, pinner: Option<Pinner>) -
             kind: IoKind::Auto,
             direct: true,
             queue_depth: 4,
+            faults: None,
         },
         verify: true,
         min_slots: 1,
