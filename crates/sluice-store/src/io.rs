@@ -895,6 +895,69 @@ mod tests {
         assert!(s.busy_secs > 0.0);
     }
 
+    /// Injects its fault into every read, counting them.
+    #[derive(Debug)]
+    struct Inject(ReadFault, std::sync::atomic::AtomicUsize);
+    impl ReadFaults for Inject {
+        fn fault(&self, _offset: u64, _len: usize) -> Option<ReadFault> {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(self.0)
+        }
+    }
+
+    /// Injected faults act the same in both engines: an error fails its request (naming the
+    /// read); short counts are read on to the end and every byte is right.
+    #[test]
+    fn injected_faults_in_every_engine() {
+        for kind in engines() {
+            for (fault, fails) in [
+                (ReadFault::Error(libc::EIO), true),
+                (ReadFault::Short(ALIGN), false),
+            ] {
+                let f = test_file(4 * MIB);
+                let inject = Arc::new(Inject(fault, Default::default()));
+                let o = ReaderOptions {
+                    faults: Some(inject.clone()),
+                    ..opts(kind, 4)
+                };
+                let r = Reader::open(f.path(), &o).unwrap();
+                let buf = AlignedBuf::new(2 * MIB);
+                let reqs: Vec<ReadRequest> = (0..2)
+                    .map(|i| ReadRequest {
+                        tag: i,
+                        offset: (i as usize * MIB + MIB) as u64,
+                        len: MIB,
+                        dst: buf.at(i as usize * MIB),
+                    })
+                    .collect();
+                // SAFETY: `buf` outlives the reads (all completions are collected below), each
+                // request has its own megabyte of it.
+                unsafe { r.submit(&reqs) };
+                for c in wait_all(&r, 2) {
+                    match (&c.result, fails) {
+                        (Err(e), true) => {
+                            assert_eq!(e.raw_os_error(), None, "wrapped with the read's place");
+                            assert!(e.to_string().contains("Input/output error"), "{e}");
+                            assert!(e.to_string().contains("at offset"), "{e}");
+                        }
+                        (Ok(()), false) => {}
+                        (r, _) => panic!("{kind:?} {fault:?}: {r:?}"),
+                    }
+                }
+                let calls = inject.1.load(std::sync::atomic::Ordering::Relaxed);
+                if fails {
+                    assert_eq!(calls, 2, "{kind:?}: one fault per request");
+                } else {
+                    // 4 KiB at a time: 256 returns per megabyte.
+                    assert_eq!(calls, 2 * MIB / ALIGN, "{kind:?}");
+                    for (i, &b) in buf.slice(0, 2 * MIB).iter().enumerate() {
+                        assert_eq!(b, pattern_byte(MIB + i), "{kind:?} byte {i}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn threads_read_random_blocks_direct() {
         random_blocks(IoKind::Threads);
