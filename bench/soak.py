@@ -143,8 +143,8 @@ class Client:
         """The SSE data payloads of a streamed reply, ending at [DONE] (a Problem without it)."""
         for raw in r:
             line = raw.decode("utf-8").rstrip("\r\n")
-            if not line:
-                continue
+            if not line or line.startswith(":"):
+                continue  # a blank separator, or a comment (the server's keep-alive)
             if not line.startswith("data: "):
                 raise Problem(f"not an SSE data line: {line[:200]!r}")
             data = line[len("data: "):]
