@@ -46,7 +46,8 @@ pub struct ServeArgs {
     /// Requests generated together at most (continuous batching: each step decodes a token for
     /// every running request in one pass, reading each weight and expert once for all; more
     /// requests wait in a queue). Default: what the memory left after loading holds at 4096
-    /// tokens of state per request, at most 8 (said at start).
+    /// tokens of state per request, at most 8 (said at start); on the CPU the streamed experts'
+    /// cache counts as taken, since it fills as requests run.
     #[arg(long, value_name = "N")]
     parallel: Option<usize>,
     /// After SIGTERM or Ctrl-C, seconds that running requests get to finish (no new
@@ -115,12 +116,20 @@ fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u6
             let info = engine.model.info();
             let per_request =
                 info.state_bytes_fixed + info.state_bytes_per_token * PARALLEL_CONTEXT;
-            let free = engine.model.backend().memory().free as usize;
+            let backend = engine.model.backend();
+            // On the CPU the states share host memory with the expert cache, which fills as
+            // requests run: what it will take is not free now, though nothing has touched it.
+            let cache = match &engine.store {
+                Some(store) if !backend.has_device_memory() => store.cache_bytes(),
+                _ => 0,
+            };
+            let free = backend.memory().free.saturating_sub(cache) as usize;
             let n = (free / per_request.max(1)).clamp(1, PARALLEL_MAX);
             eprintln!(
-                "sluice: --parallel {n} (default: up to {PARALLEL_MAX} requests at once; {} of state per request at {PARALLEL_CONTEXT} tokens, {} free)",
+                "sluice: --parallel {n} (default: up to {PARALLEL_MAX} requests at once; {} of state per request at {PARALLEL_CONTEXT} tokens, {} free{})",
                 sluice_sys::format_bytes(per_request as u64),
                 sluice_sys::format_bytes(free as u64),
+                if cache > 0 { " beside the expert cache" } else { "" },
             );
             n
         }
