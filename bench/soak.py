@@ -35,20 +35,13 @@ import threading
 import time
 import urllib.parse
 
+from serve_load import percentile  # bench/ is on the path: this script lives there
+
 WORDS = (
     "the river ran past the old mill where a cat slept in the sun and children counted boats "
     "while the baker sang about bread salt and rain in a small town at the edge of a forest "
     "code like fn main() { println!(\"hi\"); } and numbers 3.14159 2718 and 東京 café 🙂"
 ).split()
-
-
-def percentile(xs, p):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 class Problem(Exception):

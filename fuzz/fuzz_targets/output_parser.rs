@@ -49,34 +49,20 @@ fuzz_target!(|data: &[u8]| {
         i += n;
     }
     events.extend(parser.finish());
-    let mut reasoning = String::new();
-    let mut content = String::new();
-    let mut tool_calls = Vec::new();
-    for e in events {
+    for e in &events {
         match e {
-            OutputEvent::Reasoning(r) => {
-                assert!(!r.is_empty(), "an empty reasoning event");
-                reasoning.push_str(&r)
-            }
-            OutputEvent::Content(c) => {
-                assert!(!c.is_empty(), "an empty content event");
-                content.push_str(&c)
+            OutputEvent::Reasoning(text) | OutputEvent::Content(text) => {
+                assert!(!text.is_empty(), "an empty event: {e:?}")
             }
             OutputEvent::ToolCall(t) => {
                 serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&t.arguments)
                     .unwrap_or_else(|e| {
                         panic!("arguments not a JSON object ({e}): {}", t.arguments)
                     });
-                tool_calls.push(t)
             }
         }
     }
-    let streamed = ParsedOutput {
-        reasoning: (!reasoning.is_empty()).then_some(reasoning),
-        content,
-        tool_calls,
-        stopped: parser.stopped(),
-    };
+    let streamed = ParsedOutput::from_events(events, parser.stopped());
     assert_eq!(
         whole, streamed,
         "whole and streamed parses differ for {text:?}"

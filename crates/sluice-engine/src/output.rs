@@ -851,21 +851,29 @@ pub fn parse_complete(opts: OutputOptions, text: &str) -> ParsedOutput {
     let mut parser = OutputParser::new(opts);
     let mut events = parser.push(text);
     events.extend(parser.finish());
-    let mut reasoning = String::new();
-    let mut content = String::new();
-    let mut tool_calls = Vec::new();
-    for e in events {
-        match e {
-            OutputEvent::Reasoning(r) => reasoning.push_str(&r),
-            OutputEvent::Content(c) => content.push_str(&c),
-            OutputEvent::ToolCall(t) => tool_calls.push(t),
+    ParsedOutput::from_events(events, parser.stopped())
+}
+
+impl ParsedOutput {
+    /// The events of one output joined up: reasoning and content concatenated, tool calls in
+    /// order; `stopped` is [`OutputParser::stopped`].
+    pub fn from_events(events: impl IntoIterator<Item = OutputEvent>, stopped: bool) -> Self {
+        let mut reasoning = String::new();
+        let mut content = String::new();
+        let mut tool_calls = Vec::new();
+        for e in events {
+            match e {
+                OutputEvent::Reasoning(r) => reasoning.push_str(&r),
+                OutputEvent::Content(c) => content.push_str(&c),
+                OutputEvent::ToolCall(t) => tool_calls.push(t),
+            }
         }
-    }
-    ParsedOutput {
-        reasoning: (!reasoning.is_empty()).then_some(reasoning),
-        content,
-        tool_calls,
-        stopped: parser.stopped(),
+        ParsedOutput {
+            reasoning: (!reasoning.is_empty()).then_some(reasoning),
+            content,
+            tool_calls,
+            stopped,
+        }
     }
 }
 
