@@ -98,9 +98,10 @@ const TEMPLATE_NAME: &str = "chat_template";
 
 /// Instructions one render may run (minijinja's fuel). Qwen3's template over 2000 messages and
 /// a tool renders in ~7 ms, where running out of 50M instructions took 1.4 s on a 2-core VM:
-/// 20M leaves real templates a wide margin and stops a loop that would not end, or one that
-/// writes gigabytes, within about half a second. (minijinja itself refuses ranges over 100k
-/// items, huge repeated strings and deep recursion.)
+/// 20M leaves real templates a wide margin and stops a loop that would not end within about
+/// half a second. (minijinja itself refuses ranges over 100k items, huge repeated strings and
+/// deep recursion.) Fuel bounds instructions, not bytes: a template that doubles a string
+/// (`~`, `+`, `join`) a few dozen times still runs out of memory; see the README.
 pub const TEMPLATE_FUEL: u64 = 20_000_000;
 
 /// Names the renderer sets itself; `extra` may not override them.
