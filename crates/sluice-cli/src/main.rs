@@ -203,6 +203,9 @@ struct LogitsArgs {
 }
 
 fn main() {
+    // A chat template renders in a child process of this binary, under a memory limit.
+    sluice_engine::chat::serve_template_worker_if_asked();
+    sluice_engine::chat::isolate_templates(own_executable());
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Serve(_)) {
         sluice_sys::die_quietly_on_closed_pipe();
@@ -224,6 +227,17 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// This executable, for starting template renderers. On Linux `/proc/self/exe`, which still
+/// runs when the file was replaced or deleted (an upgrade while a server runs).
+fn own_executable() -> PathBuf {
+    let proc_link = Path::new("/proc/self/exe");
+    if proc_link.exists() {
+        return proc_link.to_path_buf();
+    }
+    std::env::current_exe()
+        .unwrap_or_else(|_| PathBuf::from(std::env::args_os().next().unwrap_or_default()))
 }
 
 /// The bundled demo model: `models/demo` of the source tree this binary was built from.

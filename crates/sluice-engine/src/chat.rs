@@ -31,8 +31,10 @@ use minijinja::value::Value;
 use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
+mod isolate;
 mod pycompat;
 
+pub use isolate::{isolate_templates, serve_template_worker_if_asked, TEMPLATE_MEMORY};
 use pycompat::{py_formatter, py_string_filter, strftime_now, tojson};
 
 /// One message of a conversation, in the OpenAI / transformers shape.
@@ -68,7 +70,7 @@ impl ChatMessage {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
 pub enum ChatError {
     #[error("chat template syntax error at line {line}: {detail}")]
     Syntax { line: usize, detail: String },
@@ -100,9 +102,13 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// a tool renders in ~7 ms, where running out of 50M instructions took 1.4 s on a 2-core VM:
 /// 20M leaves real templates a wide margin and stops a loop that would not end within about
 /// half a second. (minijinja itself refuses ranges over 100k items, huge repeated strings and
-/// deep recursion.) Fuel bounds instructions, not bytes: a template that doubles a string
-/// (`~`, `+`, `join`) a few dozen times still runs out of memory; see the README.
+/// deep recursion.) Fuel bounds instructions, not bytes: memory is bounded by rendering in a
+/// child process ([`isolate_templates`]).
 pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
+/// The longest prompt a render may return: some 16 million tokens, past any model's context,
+/// so only a runaway template reaches it (and the tokenizer never sees its output).
+pub const MAX_PROMPT_BYTES: usize = 64 << 20;
 
 /// Names the renderer sets itself; `extra` may not override them.
 const RESERVED: [&str; 3] = ["messages", "tools", "add_generation_prompt"];
@@ -118,6 +124,8 @@ pub struct ChatTemplate {
     harmony: bool,
     /// The template reads earlier reasoning as `message.thinking` (see the module docs).
     thinking_field: bool,
+    /// The renderer process, when templates render isolated ([`isolate_templates`]).
+    isolated: Option<isolate::Isolated>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -128,13 +136,50 @@ impl std::fmt::Debug for ChatTemplate {
             .field("string_arguments", &self.string_arguments)
             .field("harmony", &self.harmony)
             .field("thinking_field", &self.thinking_field)
+            .field("isolated", &self.isolated.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl ChatTemplate {
-    /// Compiles `source`; a syntax error names the template's line and quotes it.
+    /// Compiles `source`; a syntax error names the template's line and quotes it. Renders run
+    /// in a child process when [`isolate_templates`] was called, else in this one.
     pub fn new(
+        source: &str,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, ChatError> {
+        let Some(exe) = isolate::worker_exe() else {
+            return Self::in_process(source, bos_token, eos_token);
+        };
+        // Compiled here too, for the syntax errors and the flags read from the source; the
+        // probe renders, so it runs in the child.
+        let mut template = Self::compile(source, bos_token.clone(), eos_token.clone())?;
+        let init = isolate::Init {
+            source: source.to_string(),
+            bos_token,
+            eos_token,
+            string_arguments: None,
+        };
+        let (isolated, string_arguments) = isolate::Isolated::start(exe, &init)?;
+        template.string_arguments = string_arguments;
+        template.isolated = Some(isolated);
+        Ok(template)
+    }
+
+    /// [`new`](Self::new), rendering in this process whatever [`isolate_templates`] says
+    /// (bounded by fuel, not in memory).
+    pub fn in_process(
+        source: &str,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, ChatError> {
+        let mut template = Self::compile(source, bos_token, eos_token)?;
+        template.string_arguments = template.needs_string_arguments();
+        Ok(template)
+    }
+
+    fn compile(
         source: &str,
         bos_token: Option<String>,
         eos_token: Option<String>,
@@ -157,16 +202,15 @@ impl ChatTemplate {
             source.contains("message.thinking") && !source.contains("reasoning_content");
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| syntax_error(&e, &source))?;
-        let mut template = ChatTemplate {
+        Ok(ChatTemplate {
             env,
             bos_token,
             eos_token,
             string_arguments: false,
             harmony,
             thinking_field,
-        };
-        template.string_arguments = template.needs_string_arguments();
-        Ok(template)
+            isolated: None,
+        })
     }
 
     /// Whether the template writes OpenAI's harmony format (gpt-oss: `<|start|>assistant
@@ -213,8 +257,34 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, ChatError> {
-        let objects = !self.string_arguments;
-        self.render_with(messages, tools, add_generation_prompt, extra, objects)
+        let object_arguments = !self.string_arguments;
+        let prompt = match &self.isolated {
+            Some(isolated) => isolated.render(&isolate::RenderRef {
+                messages,
+                tools,
+                add_generation_prompt,
+                extra,
+                object_arguments,
+            }),
+            None => self.render_with(
+                messages,
+                tools,
+                add_generation_prompt,
+                extra,
+                object_arguments,
+            ),
+        }?;
+        if prompt.len() > MAX_PROMPT_BYTES {
+            return Err(ChatError::Render {
+                line: None,
+                detail: format!(
+                    "the template wrote {} of prompt, over the {} a prompt may be",
+                    sluice_sys::format_bytes_binary(prompt.len() as u64),
+                    sluice_sys::format_bytes_binary(MAX_PROMPT_BYTES as u64)
+                ),
+            });
+        }
+        Ok(prompt)
     }
 
     /// [`render`](Self::render), with tool-call arguments as objects or as JSON text.

@@ -17,16 +17,18 @@
 //! assert_eq!(format_bytes(17_200_000_000), "17.2 GB");
 //! ```
 
-// The two `unsafe` calls (statvfs, signal) live in `disk` and `signals`, which allow them;
-// nothing else may.
+// The `unsafe` calls (statvfs, signal, setrlimit) live in `disk`, `signals` and `limits`, which
+// allow them; nothing else may.
 #![deny(unsafe_code)]
 
 mod disk;
+mod limits;
 mod proc;
 mod signals;
 mod size;
 
 pub use disk::free_disk_bytes;
+pub use limits::limit_own_memory;
 pub use proc::{current_rss_bytes, mem_available_bytes, peak_rss_bytes, reset_peak_rss};
 pub use signals::die_quietly_on_closed_pipe;
 pub use size::{format_bytes, format_bytes_binary, parse_bytes, ByteSize, ByteSizeError};
