@@ -211,9 +211,13 @@ impl Isolated {
             .stdout(Stdio::piped())
             // Its only words are a failed allocation's message; the error says it better.
             .stderr(Stdio::null());
-        // A terminal's Ctrl-C is for sluice (it stops an answer), not for the renderer.
         #[cfg(unix)]
-        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        {
+            use std::os::unix::process::CommandExt;
+            // A terminal's Ctrl-C is for sluice (it stops an answer), not for the renderer; and
+            // `ps` names it for what it is.
+            command.process_group(0).arg0("sluice-template-renderer");
+        }
         let cannot_start = |e: std::io::Error| ChatError::Render {
             line: None,
             detail: format!(
