@@ -85,11 +85,12 @@ impl Backend for CpuBackend {
     type LinearState = HostLinearState;
 
     fn describe(&self) -> String {
+        let threads = rayon::current_num_threads();
         format!(
-            "cpu ({}, {} kernels, {} threads)",
+            "cpu ({}, {} kernels, {threads} thread{})",
             kernels::simd_level(),
             self.kernels.name(),
-            rayon::current_num_threads()
+            if threads == 1 { "" } else { "s" }
         )
     }
 

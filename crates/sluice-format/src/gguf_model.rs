@@ -812,17 +812,25 @@ fn convert_all(
         .map_or(1, |n| n.get())
         .min(tensors.len().max(1));
     std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&i) = order.get(k) else { break };
-                let piece = tensors[i].0;
-                let t = &piece.info;
-                let cols = t.dims[0] as usize;
-                let rows = (t.elements() / t.dims[0].max(1)) as usize;
-                let r = ggml_quants::to_affine(t.ggml_type, piece.bytes(file), rows, cols);
-                results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
-            });
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&i) = order.get(k) else { break };
+                    let piece = tensors[i].0;
+                    let t = &piece.info;
+                    let cols = t.dims[0] as usize;
+                    let rows = (t.elements() / t.dims[0].max(1)) as usize;
+                    let r = ggml_quants::to_affine(t.ggml_type, piece.bytes(file), rows, cols);
+                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                })
+            })
+            .collect();
+        // Joined here, not left to the scope's end, which waits for the closures but not for
+        // the threads to exit: LeakSanitizer (the gguf fuzz target) reported the memory of
+        // threads still exiting as leaked. A panicked conversion leaves its tensor unconverted.
+        for worker in workers {
+            let _ = worker.join();
         }
     });
     results

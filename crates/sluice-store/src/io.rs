@@ -65,7 +65,9 @@ pub struct ReaderOptions {
 pub enum ReadFault {
     /// The read fails with this OS error number (`libc::EIO`, say).
     Error(i32),
-    /// The read returns at most this many bytes (a short count; 0 reads as end of file).
+    /// The read returns at most this many bytes (a short count; 0 reads as end of file). With
+    /// O_DIRECT, a count that is not a multiple of 4 KiB reads as end of file, as the kernel
+    /// returns one only there: inject multiples of 4 KiB to test reading on.
     Short(usize),
 }
 
