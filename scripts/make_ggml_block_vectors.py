@@ -26,6 +26,7 @@ TYPES = [
     ("Q4_0", [0], 16), ("Q4_1", [0, 2], 16), ("Q5_0", [0], 16), ("Q5_1", [0, 2], 16),
     ("Q8_0", [0], 16), ("Q2_K", [80, 82], 6), ("Q3_K", [108], 6), ("Q4_K", [0, 2], 6),
     ("Q5_K", [0, 2], 6), ("Q6_K", [208], 6), ("F16", [], 256), ("BF16", [], 256),
+    ("IQ4_NL", [0], 16), ("IQ4_XS", [0], 6), ("MXFP4", [], 16),
 ]
 SPECIAL = [0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0xB800]
 M64 = (1 << 64) - 1
@@ -72,6 +73,10 @@ def main():
             for b in range(blocks):
                 for at in fields:
                     raw[b * bb + at:b * bb + at + 2] = rng.f16().to_bytes(2, "little")
+                if name == "MXFP4":
+                    # E8M0 scale 2^(e - 128): the extremes, else below where 12 * 2^(e - 128)
+                    # overflows f32.
+                    raw[b * bb] = [0, 1, 2, 250][b] if b < 4 else rng.next() % 251
             raw = bytes(raw)
         data = np.frombuffer(raw, dtype=np.uint8).reshape(blocks, bb)
         values = np.asarray(dequantize(data, qtype), dtype=np.float32).reshape(-1)

@@ -286,7 +286,8 @@ fn describe_gguf(path: &std::path::Path) -> Result<()> {
         format_bytes(total),
     );
     for (name, n, bytes) in by_type {
-        println!("    {name}: {n} tensors, {}", format_bytes(bytes));
+        let plural = if n == 1 { "" } else { "s" };
+        println!("    {name}: {n} tensor{plural}, {}", format_bytes(bytes));
     }
     let experts: u64 = file
         .tensors()
@@ -335,7 +336,7 @@ fn describe_gguf(path: &std::path::Path) -> Result<()> {
     } else {
         println!(
             "  sluice cannot run it yet: no support for {} (re-quantize with llama-quantize to \
-             Q4_K_M, Q8_0 or another K- or legacy type)",
+             Q4_K_M, Q8_0, IQ4_XS or another K-, legacy or 4-bit codebook type)",
             missing.join(", ")
         );
     }

@@ -52,6 +52,7 @@ fn packed_gguf_streams_the_same_logits() {
     for name in [
         "qwen3_moe-gguf-q4_k_m",
         "qwen3_moe-gguf-legacy",
+        "qwen3_moe-gguf-codebooks",
         "qwen3_5_moe-gguf-q4_k_m",
         "qwen3_next-gguf-q4_k_m",
     ] {

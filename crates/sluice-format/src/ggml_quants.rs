@@ -55,10 +55,10 @@ pub fn has_affine_form(ty: GgmlType) -> bool {
 }
 
 /// Bits per weight of `ty`'s affine form: its codes plus a scale and a bias per group (f16 for
-/// the 32-blocks, as they normally convert; f32 for the K-quants).
+/// the 32-blocks, as they normally convert; f32 for the 256-blocks).
 pub fn affine_bits_per_weight(ty: GgmlType) -> Option<f64> {
     let (bits, group) = affine_layout(ty)?;
-    let scale_bits = if ty.name().ends_with("_K") { 32 } else { 16 };
+    let scale_bits = if ty.block_elements() == 32 { 16 } else { 32 };
     Some(bits as f64 + 2.0 * scale_bits as f64 / group as f64)
 }
 
@@ -76,6 +76,10 @@ fn affine_layout(ty: GgmlType) -> Option<(usize, usize)> {
         // speed, the generic 6-bit path several times slower (a Q4_K_M model, whose Q6_K
         // tensors took that path, decoded at 0.19x llama.cpp on 16 cores).
         "Q6_K" => (8, 16),
+        // Codebook types: each code is a signed integer of the book times the group's scale,
+        // so the book's integer plus an offset (128, or 12 for MXFP4's) is an exact 8-bit code,
+        // with bias -offset * scale.
+        "IQ4_NL" | "IQ4_XS" | "MXFP4" => (8, 32),
         _ => return None,
     })
 }
@@ -117,15 +121,20 @@ fn block_count(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<u
 /// | Q4_K | 4-bit g32 | nibble | d·sc6 | -(dmin·m6) |
 /// | Q5_K | 5-bit g32 | nibble + high bit | d·sc6 | -(dmin·m6) |
 /// | Q6_K | 8-bit g16 (6-bit codes) | 4 + 2 bits | d·sc8 | -32·scale |
+/// | IQ4_NL | 8-bit g32 | book\[nibble\] + 128 | d | -128d |
+/// | IQ4_XS | 8-bit g32 | book\[nibble\] + 128 | d·(sc6-32) | -128·scale |
+/// | MXFP4 | 8-bit g32 | fp4\[nibble\]·2 + 12 | 2^(e-128) | -12·scale |
 ///
 /// Quants are reordered from ggml's interleaved layouts into consecutive columns. Scales are
 /// F16 for the 32-blocks when every scale and bias fits f16 exactly (only a `|d|` above 8188,
 /// 4094 or 511.75 for Q4_0, Q5_0, Q8_0 makes the bias overflow; then F32 for the whole matrix),
-/// and F32 for the K-quants, whose products of an f16 with a 6- or 8-bit scale need up to 18
-/// significant bits.
+/// and F32 for the 256-blocks, whose products of an f16 with a 6- or 8-bit scale need up to 18
+/// significant bits. A codebook value times its scale (IQ4's 7-bit integers, MXFP4's doubled
+/// FP4 values) is exact in f32, and so is the code times the scale plus the bias: ggml's values,
+/// bit for bit.
 ///
-/// Errors (one line naming the type): a type with no exact affine form (the IQ families, TQ1_0,
-/// TQ2_0 and MXFP4 decode through codebooks, ternary packing or power-of-two scales; Q8_1 and
+/// Errors (one line naming the type): a type with no exact affine form (IQ1-IQ3 decode through
+/// lattice codebooks, TQ1_0 and TQ2_0 through ternary packing; Q8_1 and
 /// Q8_K are ggml's activation types; F32/F16/BF16 are dense), `cols` not a multiple of the
 /// block, a byte length that does not match, or a block whose f16 `d`, `dmin` or `m` is
 /// infinite or NaN (a corrupt file: for the `a * (q - k)` types the affine form cannot copy
@@ -275,6 +284,28 @@ pub fn to_affine(
                 *b = -32.0 * scale;
             }
         }),
+        "IQ4_NL" => parts.convert::<32>(bytes, bb, |x, q, s, b| {
+            let d = f16_at(x, 0);
+            book_codes(&x[2..18], &KVALUES_IQ4NL, 128, q);
+            s[0] = d;
+            b[0] = -128.0 * d;
+        }),
+        "IQ4_XS" => parts.convert::<QK_K>(bytes, bb, |x, q, s, b| {
+            let d = f16_at(x, 0);
+            let groups = q.chunks_exact_mut(32).zip(x[8..136].chunks_exact(16));
+            for (ib, ((q, qs), (s, b))) in groups.zip(s.iter_mut().zip(b.iter_mut())).enumerate() {
+                let dl = d * (iq4_xs_scale(x, ib) - 32) as f32;
+                book_codes(qs, &KVALUES_IQ4NL, 128, q);
+                *s = dl;
+                *b = -128.0 * dl;
+            }
+        }),
+        "MXFP4" => parts.convert::<32>(bytes, bb, |x, q, s, b| {
+            let d = e8m0_to_fp32_half(x[0]);
+            book_codes(&x[1..17], &KVALUES_MXFP4, 12, q);
+            s[0] = d;
+            b[0] = -12.0 * d;
+        }),
         _ => unreachable!("affine_layout lists the same types"),
     }
     let per_block = ty.block_elements() as usize / group;
@@ -349,6 +380,44 @@ fn nibbles(qs: &[u8], q: &mut [u8; 32]) {
         *lo = v & 0xF;
         *hi = v >> 4;
     }
+}
+
+/// ggml's `kvalues_iq4nl`: the 16 values of IQ4_NL's and IQ4_XS's codebook.
+const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// ggml's `kvalues_mxfp4`: the FP4 (E2M1) values, doubled to integers (hence the half scale).
+const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// The 32 codes of a codebook block: value j is the book's entry for the low nibble of byte j,
+/// value j + 16 for its high nibble; each plus `offset`, which makes it a byte.
+fn book_codes(qs: &[u8], book: &[i8; 16], offset: i16, q: &mut [u8]) {
+    let code = |n: u8| (book[n as usize] as i16 + offset) as u8;
+    let (lo, hi) = q.split_at_mut(16);
+    for ((lo, hi), &v) in lo.iter_mut().zip(hi).zip(qs) {
+        *lo = code(v & 0xF);
+        *hi = code(v >> 4);
+    }
+}
+
+/// IQ4_XS's 6-bit scale of sub-block `ib`: 4 bits from `scales_l` (bytes 4..8), 2 from the
+/// little-endian `scales_h` (bytes 2..4).
+fn iq4_xs_scale(x: &[u8], ib: usize) -> i32 {
+    let scales_h = u16::from_le_bytes([x[2], x[3]]);
+    let low = (x[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+    let high = ((scales_h >> (2 * ib)) & 3) as u8;
+    (low | (high << 4)) as i32
+}
+
+/// ggml's `GGML_E8M0_TO_FP32_HALF`: 2^(e - 128), subnormal below e = 2.
+fn e8m0_to_fp32_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        (e as u32 - 1) << 23
+    };
+    f32::from_bits(bits)
 }
 
 /// Adds Q5_0/Q5_1's fifth bits: bit j of the little-endian `qh` belongs to value j.
@@ -451,6 +520,9 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>, Stri
         "Q4_K" => blocks.for_each(|(x, y)| q4_k(x, y)),
         "Q5_K" => blocks.for_each(|(x, y)| q5_k(x, y)),
         "Q6_K" => blocks.for_each(|(x, y)| q6_k(x, y)),
+        "IQ4_NL" => blocks.for_each(|(x, y)| iq4_nl(x, y)),
+        "IQ4_XS" => blocks.for_each(|(x, y)| iq4_xs(x, y)),
+        "MXFP4" => blocks.for_each(|(x, y)| mxfp4(x, y)),
         _ => unreachable!("checked above"),
     }
     Ok(y)
@@ -513,6 +585,37 @@ fn q8_0(x: &[u8], y: &mut [f32]) {
     let d = f16_at(x, 0);
     for j in 0..32 {
         y[j] = x[2 + j] as i8 as f32 * d;
+    }
+}
+
+fn iq4_nl(x: &[u8], y: &mut [f32]) {
+    let d = f16_at(x, 0);
+    let qs = &x[2..18];
+    for j in 0..16 {
+        y[j] = d * KVALUES_IQ4NL[(qs[j] & 0xF) as usize] as f32;
+        y[j + 16] = d * KVALUES_IQ4NL[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+fn iq4_xs(x: &[u8], y: &mut [f32]) {
+    let d = f16_at(x, 0);
+    for ib in 0..QK_K / 32 {
+        let dl = d * (iq4_xs_scale(x, ib) - 32) as f32;
+        let qs = &x[8 + 16 * ib..][..16];
+        let y = &mut y[32 * ib..][..32];
+        for j in 0..16 {
+            y[j] = dl * KVALUES_IQ4NL[(qs[j] & 0xF) as usize] as f32;
+            y[j + 16] = dl * KVALUES_IQ4NL[(qs[j] >> 4) as usize] as f32;
+        }
+    }
+}
+
+fn mxfp4(x: &[u8], y: &mut [f32]) {
+    let d = e8m0_to_fp32_half(x[0]);
+    let qs = &x[1..17];
+    for j in 0..16 {
+        y[j] = KVALUES_MXFP4[(qs[j] & 0x0F) as usize] as f32 * d;
+        y[j + 16] = KVALUES_MXFP4[(qs[j] >> 4) as usize] as f32 * d;
     }
 }
 

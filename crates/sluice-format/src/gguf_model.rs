@@ -592,8 +592,8 @@ fn tensors(
                         t,
                         format!(
                             "ggml type {} is not supported yet (sluice runs F32, F16, BF16, Q4_0, \
-                             Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K; re-quantize the model with \
-                             llama-quantize to one of them)",
+                             Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS and MXFP4; \
+                             re-quantize the model with llama-quantize to one of them)",
                             t.ggml_type.name()
                         ),
                     ));
@@ -1046,11 +1046,11 @@ mod tests {
         let e = open_error(&w);
         assert!(e.contains("`qwen3moe.expert_count`"), "{e}");
 
-        // IQ4_NL (id 20): no affine form.
-        let e = open_error(&qwen3moe().tensor("blk.0.attn_q.weight", &[64, 2], 20, vec![0; 72]));
+        // IQ2_XXS (id 16, 66 bytes per 256 values): no affine form.
+        let e = open_error(&qwen3moe().tensor("blk.0.attn_q.weight", &[256, 2], 16, vec![0; 132]));
         assert!(
             e.contains("blk.0.attn_q.weight")
-                && e.contains("IQ4_NL")
+                && e.contains("IQ2_XXS")
                 && e.contains("llama-quantize"),
             "{e}"
         );
