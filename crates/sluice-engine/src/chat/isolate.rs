@@ -34,10 +34,10 @@ const WORKER_ENV: &str = "SLUICE_TEMPLATE_WORKER";
 static WORKER_EXE: OnceLock<PathBuf> = OnceLock::new();
 
 /// Templates compiled after this call render in child processes of `exe`, which must call
-/// [`serve_template_worker_if_asked`] first thing in `main`. Unix only (elsewhere there is no
-/// memory limit to set, and templates stay in-process); the first call wins.
+/// [`serve_template_worker_if_asked`] first thing in `main`. Linux only, where `RLIMIT_AS` is
+/// enforced and this is tested (elsewhere templates stay in-process); the first call wins.
 pub fn isolate_templates(exe: PathBuf) {
-    if cfg!(unix) {
+    if cfg!(target_os = "linux") {
         let _ = WORKER_EXE.set(exe);
     }
 }
