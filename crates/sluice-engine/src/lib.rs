@@ -191,7 +191,22 @@ pub struct Engine<B: Backend> {
 
 impl<B: Backend + 'static> Engine<B> {
     pub fn load(path: &Path, backend: Arc<B>, opts: &LoadOptions) -> Result<Self, EngineError> {
-        let dir = ModelDir::open(path)?;
+        // A GGUF's experts stay in the file when they stream: asked for, or when converting
+        // them all would not fit in memory.
+        let gguf_experts = if opts.streaming.stream_unpacked {
+            sluice_format::GgufExperts::Stream
+        } else {
+            sluice_format::GgufExperts::Auto
+        };
+        let dir = ModelDir::open_with(path, gguf_experts)?;
+        let must_stream = !dir.streamed_experts.is_empty();
+        if must_stream && !opts.streaming.stream_unpacked {
+            eprintln!(
+                "sluice: {}'s weights do not fit in memory once converted: its routed experts \
+                 stream from the file (as with --memory-budget)",
+                path.display()
+            );
+        }
         // The cache holds at least the experts one token needs in one layer.
         let k = sluice_models::config_plan(&dir)?
             .experts_per_token
@@ -209,7 +224,7 @@ impl<B: Backend + 'static> Engine<B> {
                 let (store, plan) = streaming::open_store(&dir.path, manifest, &streaming, k)?;
                 (Some(store), Some(plan))
             }
-            None if opts.streaming.stream_unpacked => {
+            None if opts.streaming.stream_unpacked || must_stream => {
                 match streaming::open_unpacked_store(&dir, &streaming, k)? {
                     Some((store, plan)) => (Some(store), Some(plan)),
                     None => (None, None),

@@ -149,12 +149,17 @@ pub fn open_unpacked_store(
     opts: &StreamingOptions,
     experts_per_token: usize,
 ) -> Result<Option<(ExpertStore, CachePlan)>, StoreError> {
-    let layout = UnpackedLayout::plan(&dir.tensors, dir.quantization.as_ref())?;
+    let layout = UnpackedLayout::for_model(dir)?;
     if layout.is_empty() {
         return Ok(None);
     }
     let experts = layout.expert_bytes();
-    let resident = safetensors_bytes(&dir.path).saturating_sub(experts);
+    let resident = if dir.streamed_experts.is_empty() {
+        safetensors_bytes(&dir.path).saturating_sub(experts)
+    } else {
+        // A GGUF whose experts stay in the file: everything it holds is resident.
+        dir.tensors.iter().map(|t| t.bytes.len() as u64).sum()
+    };
     // Sized in slots, like a packed directory's blocks (each part 64-byte aligned).
     let plan = plan_cache_for(resident, layout.manifest.total_block_bytes(), opts);
     let store = ExpertStore::from_unpacked(

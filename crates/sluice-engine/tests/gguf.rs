@@ -1,11 +1,13 @@
 //! A llama.cpp GGUF file as a model: it loads like a checkpoint directory (its logits against the
 //! reference are in `reference_logits`), `sluice pack` turns it into a streaming directory that
-//! gives the same logits bit for bit, streaming it unpacked says to pack it first, and the
-//! settings its metadata carries (stop tokens, chat template, sampling) reach the engine.
+//! gives the same logits bit for bit, its experts also stream from the file itself with the same
+//! logits, and the settings its metadata carries (stop tokens, chat template, sampling) reach
+//! the engine.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use sluice_backend::ExpertSource;
 use sluice_cpu::CpuBackend;
 use sluice_engine::streaming::StreamingOptions;
 use sluice_engine::{Engine, LoadOptions, LogitsMode};
@@ -91,20 +93,126 @@ fn packed_gguf_streams_the_same_logits() {
     }
 }
 
+/// Options that stream a model's experts through a cache of about one expert per layer's
+/// worth, so that every token reads experts from the file.
+fn tiny_cache() -> StreamingOptions {
+    StreamingOptions {
+        expert_cache: Some(1 << 20),
+        stream_unpacked: true,
+        ..StreamingOptions::default()
+    }
+}
+
 #[test]
-fn streaming_a_gguf_unpacked_says_to_pack_it() {
-    let err = load(
-        &fixture("qwen3_moe-gguf-q4_k_m"),
-        StreamingOptions {
-            expert_cache: Some(1 << 20),
-            stream_unpacked: true,
-            ..StreamingOptions::default()
-        },
-    )
-    .err()
-    .expect("streaming converted experts must fail");
-    assert!(err.contains("sluice pack"), "{err}");
-    assert!(!err.contains('\n'), "one line: {err}");
+fn a_gguf_streams_its_experts_from_the_file_with_the_same_logits() {
+    for name in [
+        "qwen3_moe-gguf-q4_k_m",
+        "qwen3_moe-gguf-q3_k_m",
+        "qwen3_moe-gguf-q2_k",
+        "qwen3_moe-gguf-legacy",
+        "qwen3_moe-gguf-codebooks",
+        "qwen3_5_moe-gguf-q4_k_m",
+        "qwen3_next-gguf-q4_k_m",
+    ] {
+        let gguf = fixture(name);
+        let resident = load(&gguf, StreamingOptions::default()).unwrap();
+        assert!(resident.store.is_none(), "{name}: resident by default");
+        let streamed = load(&gguf, tiny_cache()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            !streamed.dir.streamed_experts.is_empty(),
+            "{name}: experts left in the file"
+        );
+        let store = streamed.store.as_ref().expect("streams");
+        assert!(!store.can_hold_all(), "{name}: the cache must miss");
+        let raw: u64 = streamed
+            .dir
+            .streamed_experts
+            .iter()
+            .map(|s| s.bytes_per_expert * s.offsets.len() as u64)
+            .sum();
+        for mode in [LogitsMode::Prefill, LogitsMode::Decode] {
+            let want = resident.logits(&TOKENS, mode).unwrap();
+            let got = streamed.logits(&TOKENS, mode).unwrap();
+            assert!(
+                same_bits(&got, &want),
+                "{name} {mode:?}: streamed logits differ from the resident ones"
+            );
+        }
+        // Experts are read as the file stores them: each block read costs its layer's bytes
+        // per expert in the file, fewer than the converted form's.
+        let s = store.stats();
+        assert!(s.misses > 0 && s.blocks_read > 0, "{name}: {s:?}");
+        let mut per_layer = std::collections::BTreeMap::<usize, u64>::new();
+        for x in &streamed.dir.streamed_experts {
+            *per_layer.entry(x.layer).or_default() += x.bytes_per_expert;
+        }
+        let (lo, hi) = (
+            per_layer.values().min().unwrap(),
+            per_layer.values().max().unwrap(),
+        );
+        assert!(
+            (lo * s.blocks_read..=hi * s.blocks_read).contains(&s.bytes_read),
+            "{name}: {} bytes for {} blocks of {lo}..{hi}",
+            s.bytes_read,
+            s.blocks_read
+        );
+        assert!(
+            raw < store.manifest().total_block_bytes(),
+            "{name}: {raw} bytes as stored, {} converted",
+            store.manifest().total_block_bytes()
+        );
+    }
+}
+
+#[test]
+fn a_fused_gguf_streams_too() {
+    let name = "qwen3_moe-gguf-q4_k_m";
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("fused.gguf");
+    assert!(fuse_gate_up(&fixture(name), &path) > 0);
+    let resident = load(&fixture(name), StreamingOptions::default()).unwrap();
+    let streamed = load(&path, tiny_cache()).unwrap();
+    assert!(!streamed.dir.streamed_experts.is_empty());
+    for mode in [LogitsMode::Prefill, LogitsMode::Decode] {
+        let want = resident.logits(&TOKENS, mode).unwrap();
+        let got = streamed.logits(&TOKENS, mode).unwrap();
+        assert!(same_bits(&got, &want), "{mode:?}: fused and streamed");
+    }
+}
+
+#[test]
+fn a_damaged_expert_block_fails_the_request_naming_the_file() {
+    // An expert whose Q4_K scale is NaN (f16 0x7e00): the conversion refuses it as it is read,
+    // with the file and expert named, and the next request still works.
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("model.gguf");
+    std::fs::copy(fixture("qwen3_moe-gguf-q4_k_m"), &path).unwrap();
+    let probe = load(&path, tiny_cache()).unwrap();
+    let stack = probe
+        .dir
+        .streamed_experts
+        .iter()
+        .find(|s| s.ggml_type.name() == "Q4_K" && s.layer == 0)
+        .expect("a Q4_K expert stack in layer 0")
+        .clone();
+    drop(probe);
+    let mut bytes = std::fs::read(&path).unwrap();
+    for e in 0..stack.offsets.len() {
+        // Byte 0..2 of a Q4_K block is its f16 `d`.
+        let at = stack.offsets[e] as usize;
+        bytes[at..at + 2].copy_from_slice(&[0x00, 0x7e]);
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    let e = load(&path, tiny_cache()).unwrap();
+    let err = e
+        .logits(&TOKENS, LogitsMode::Decode)
+        .expect_err("a NaN scale must fail");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("model.gguf") && msg.contains("NaN") && msg.contains("expert"),
+        "{msg}"
+    );
+    assert!(!msg.contains('\n'), "one line: {msg}");
 }
 
 #[test]

@@ -62,6 +62,44 @@ pub fn affine_bits_per_weight(ty: GgmlType) -> Option<f64> {
     Some(bits as f64 + 2.0 * scale_bits as f64 / group as f64)
 }
 
+/// The format of `ty`'s affine form with F32 scales, which does not depend on the data (the
+/// 32-blocks' F16 scales do): what a matrix of `ty` streamed from a GGUF converts to (see
+/// [`to_affine_f32`]). `None` for a type with no affine form.
+pub fn affine_format_f32(ty: GgmlType) -> Option<WeightFormat> {
+    let (bits, group) = affine_layout(ty)?;
+    Some(WeightFormat::Affine {
+        bits: bits as u32,
+        group_size: group,
+        scale_dtype: Dtype::F32,
+    })
+}
+
+/// [`to_affine`] with the scales and biases always F32 (widened from F16 where it picked that,
+/// exactly), so that the result has the format [`affine_format_f32`] announced.
+pub fn to_affine_f32(
+    ty: GgmlType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<AffineParts, String> {
+    let mut parts = to_affine(ty, bytes, rows, cols)?;
+    if let WeightFormat::Affine {
+        scale_dtype: scale_dtype @ Dtype::F16,
+        ..
+    } = &mut parts.format
+    {
+        *scale_dtype = Dtype::F32;
+        let widen = |v: &[u8]| -> Vec<u8> {
+            v.chunks_exact(2)
+                .flat_map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32().to_le_bytes())
+                .collect()
+        };
+        parts.scales = widen(&parts.scales);
+        parts.biases = widen(&parts.biases);
+    }
+    Ok(parts)
+}
+
 /// (bits, group size) of the affine form of `ty`, for the types that have an exact one.
 fn affine_layout(ty: GgmlType) -> Option<(usize, usize)> {
     Some(match ty.name() {

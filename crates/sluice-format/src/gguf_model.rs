@@ -8,8 +8,10 @@
 //! Weights: F32/F16/BF16 tensors are zero-copy views of the map; quantised ggml blocks are
 //! converted at open into MLX-affine matrices holding the same values bit for bit
 //! ([`crate::ggml_quants`]), in parallel over tensors. That costs memory and, for the K-quants
-//! (f32 group scales), about a third more bytes per weight than the file; running the blocks as
-//! stored is the next step. Types with no affine form (IQ*, MXFP4, ...) are a one-line error.
+//! (f32 group scales), about a third more bytes per weight than the file. The routed experts
+//! can instead stay in the file ([`GgufExperts`]): an expert store then reads each expert's
+//! blocks as stored and converts them into its cache slot, so a GGUF larger than memory runs.
+//! Types with no affine form (IQ1-IQ3, TQ, ...) are a one-line error.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -21,7 +23,7 @@ use sluice_backend::{Dtype, HostBytes, WeightFormat};
 
 use crate::error::FormatError;
 use crate::ggml_quants;
-use crate::gguf::{GgufFile, GgufTensorInfo, GgufValue};
+use crate::gguf::{GgmlType, GgufFile, GgufTensorInfo, GgufValue};
 use crate::gguf_tokenizer;
 use crate::safetensors::{StDtype, TensorInfo};
 use crate::{GenerationConfig, ModelDir, QuantConfig, Tensors, TokenizerConfig};
@@ -39,7 +41,7 @@ pub(crate) fn is_gguf(path: &Path) -> bool {
 /// The architectures whose GGUF files sluice runs, by `general.architecture`.
 pub const GGUF_ARCHITECTURES: [&str; 3] = ["qwen3moe", "qwen35moe", "qwen3next"];
 
-pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
+pub(crate) fn open(path: &Path, experts: GgufExperts) -> Result<ModelDir, FormatError> {
     let file = GgufFile::open(path).map_err(|e| FormatError::Config {
         path: e.path,
         msg: e.message,
@@ -68,7 +70,7 @@ pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
             )))
         }
     };
-    let (map, quantization) = tensors(&file, path, &arch)?;
+    let (map, quantization, streamed_experts) = tensors(&file, path, &arch, experts)?;
     let tokenizer_json =
         gguf_tokenizer::tokenizer_json(&file).map_err(|e| FormatError::Config {
             path: e.path,
@@ -89,7 +91,67 @@ pub(crate) fn open(path: &Path) -> Result<ModelDir, FormatError> {
         generation,
         tokenizer_json: Some(tokenizer_json),
         stored_as: Some(type_counts(&file)),
+        streamed_experts,
     })
+}
+
+/// How [`ModelDir::open_with`](crate::ModelDir::open_with) treats the routed experts of a GGUF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GgufExperts {
+    /// Converted in memory with every other tensor, to be run resident.
+    Convert,
+    /// Left in the file as they are stored ([`ModelDir::streamed_experts`]), for an expert store
+    /// to read and convert one expert at a time: a GGUF larger than memory runs, and each
+    /// expert costs the file's bytes to read.
+    Stream,
+    /// `Convert` when every converted weight fits in the available memory, else `Stream`.
+    #[default]
+    Auto,
+}
+
+/// One projection of the routed experts of one layer of a GGUF, left in the file
+/// ([`GgufExperts::Stream`]): where each expert's blocks are and what they convert to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamedExperts {
+    /// The decoder layer.
+    pub layer: usize,
+    /// The MoE block's module prefix, e.g. `model.layers.3.mlp`.
+    pub prefix: String,
+    /// 0, 1, 2: gate, up, down (the order of [`crate::experts::PROJECTIONS`]).
+    pub projection: usize,
+    pub ggml_type: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    /// Index into [`Tensors::files`].
+    pub file: usize,
+    /// Absolute offset of each expert's blocks in `file` (`bytes_per_expert` each).
+    pub offsets: Vec<u64>,
+    pub bytes_per_expert: u64,
+}
+
+impl StreamedExperts {
+    /// The format of an expert's matrix once read: dense types as they are, quantised blocks
+    /// as their exact affine form with F32 scales ([`ggml_quants::to_affine_f32`]).
+    pub fn format(&self) -> WeightFormat {
+        match self.ggml_type.name() {
+            "F32" => WeightFormat::Dense(Dtype::F32),
+            "F16" => WeightFormat::Dense(Dtype::F16),
+            "BF16" => WeightFormat::Dense(Dtype::Bf16),
+            _ => ggml_quants::affine_format_f32(self.ggml_type)
+                .expect("only types with an affine form are streamed"),
+        }
+    }
+
+    /// Whether an expert's bytes need converting (not a dense type).
+    pub fn converts(&self) -> bool {
+        !matches!(self.format(), WeightFormat::Dense(_))
+    }
+
+    /// One expert's blocks (`bytes_per_expert` bytes, as read from the file) converted to
+    /// [`StreamedExperts::format`].
+    pub fn convert(&self, bytes: &[u8]) -> Result<ggml_quants::AffineParts, String> {
+        ggml_quants::to_affine_f32(self.ggml_type, bytes, self.rows, self.cols)
+    }
 }
 
 /// `GGUF Q4_K x 290, Q6_K x 50, F32 x 241`: the file's tensor types, most common first.
@@ -502,14 +564,22 @@ fn a_log_of(bytes: &[u8]) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
+type TensorsOfFile = (
+    BTreeMap<String, TensorInfo>,
+    Option<QuantConfig>,
+    Vec<StreamedExperts>,
+);
+
 /// Every tensor under its Hugging Face name: dense ones as views of the map, quantised ones
 /// converted to affine (`.weight` codes, `.scales`, `.biases`), with the per-module quantisation
-/// settings the converted shapes need.
+/// settings the converted shapes need; the routed experts instead left in the file when
+/// `experts` says so.
 fn tensors(
     file: &GgufFile,
     path: &Path,
     arch: &str,
-) -> Result<(BTreeMap<String, TensorInfo>, Option<QuantConfig>), FormatError> {
+    experts: GgufExperts,
+) -> Result<TensorsOfFile, FormatError> {
     let err = |t: &GgufTensorInfo, msg: String| FormatError::Tensor {
         name: t.name.clone(),
         file: path.to_path_buf(),
@@ -533,8 +603,10 @@ fn tensors(
     // ggml lists the contiguous dimension first.
     let shape_of =
         |t: &GgufTensorInfo| -> Vec<usize> { t.dims.iter().rev().map(|&d| d as usize).collect() };
-    let pieces = pieces(file).map_err(|(t, msg)| err(t, msg))?;
+    let pieces = pieces(file, experts != GgufExperts::Stream).map_err(|(t, msg)| err(t, msg))?;
     let mut quantised: Vec<(&Piece, String)> = Vec::new();
+    // The routed experts' stacks: (piece, module, prefix, projection), decided on below.
+    let mut expert_pieces: Vec<(&Piece, String, String, usize)> = Vec::new();
     let layers = trunk_layers(file, arch);
     for piece in &pieces {
         let t = &piece.info;
@@ -543,6 +615,15 @@ fn tensors(
             continue;
         };
         let module = target.module;
+        if let Some((prefix, projection)) = expert_projection(&module) {
+            if target.weight && target.transform == Transform::None {
+                if !(dense_type(t.ggml_type) || ggml_quants::has_affine_form(t.ggml_type)) {
+                    return Err(err(t, unsupported_type(t.ggml_type)));
+                }
+                expert_pieces.push((piece, module.clone(), prefix, projection));
+                continue;
+            }
+        }
         let dtype = match t.ggml_type.name() {
             "F32" => Some(StDtype::F32),
             "F16" => Some(StDtype::F16),
@@ -588,29 +669,60 @@ fn tensors(
             }
             (None, _) => {
                 if !ggml_quants::has_affine_form(t.ggml_type) {
-                    return Err(err(
-                        t,
-                        format!(
-                            "ggml type {} is not supported yet (sluice runs F32, F16, BF16, Q4_0, \
-                             Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS and MXFP4; \
-                             re-quantize the model with llama-quantize to one of them)",
-                            t.ggml_type.name()
-                        ),
-                    ));
+                    return Err(err(t, unsupported_type(t.ggml_type)));
                 }
                 quantised.push((piece, module));
             }
         }
     }
+    let converted_bytes = |t: &GgufTensorInfo| {
+        let bits = ggml_quants::affine_bits_per_weight(t.ggml_type).unwrap_or(32.0);
+        (t.elements() as f64 * bits / 8.0) as u64
+    };
+    let quantised_experts = expert_pieces
+        .iter()
+        .filter(|(p, ..)| !dense_type(p.info.ggml_type));
     let need: u64 = quantised
         .iter()
-        .map(|(piece, _)| {
-            let t = &piece.info;
-            let bits = ggml_quants::affine_bits_per_weight(t.ggml_type).unwrap_or(32.0);
-            (t.elements() as f64 * bits / 8.0) as u64
-        })
+        .map(|(p, _)| &p.info)
+        .chain(quantised_experts.map(|(p, ..)| &p.info))
+        .map(converted_bytes)
         .sum();
-    if let Some(msg) = memory_shortfall(need, sluice_sys::mem_available_bytes()) {
+    let available = sluice_sys::mem_available_bytes();
+    let stream = match experts {
+        GgufExperts::Convert => false,
+        GgufExperts::Stream => true,
+        GgufExperts::Auto => memory_shortfall(need, available).is_some(),
+    };
+    let mut streamed = Vec::new();
+    for (piece, module, prefix, projection) in expert_pieces {
+        let t = &piece.info;
+        if stream {
+            streamed.push(streamed_experts(piece, prefix, projection).map_err(|m| err(t, m))?);
+        } else if dense_type(t.ggml_type) {
+            let dtype = match t.ggml_type.name() {
+                "F32" => StDtype::F32,
+                "F16" => StDtype::F16,
+                _ => StDtype::BF16,
+            };
+            let (bytes, offset, part) = piece.host_bytes(file);
+            add(
+                format!("{module}.weight"),
+                dtype,
+                shape_of(t),
+                bytes,
+                offset,
+                part,
+            );
+        } else {
+            quantised.push((piece, module));
+        }
+    }
+    let need: u64 = quantised
+        .iter()
+        .map(|(p, _)| converted_bytes(&p.info))
+        .sum();
+    if let Some(msg) = memory_shortfall(need, available) {
         return Err(FormatError::Config {
             path: path.to_path_buf(),
             msg,
@@ -683,7 +795,7 @@ fn tensors(
         overrides,
         override_modes: Default::default(),
     });
-    Ok((map, quant))
+    Ok((map, quant, streamed))
 }
 
 /// A tensor as the model reads it: one of the file's, or one half of a fused one.
@@ -691,6 +803,9 @@ struct Piece {
     info: GgufTensorInfo,
     /// The piece's bytes when they are not one range of the file (copied out of a fused tensor).
     owned: Option<Vec<u8>>,
+    /// For a half of a fused gate/up stack: which half (0 gate, 1 up), and where in the file
+    /// each expert's rows of it are.
+    fused: Option<Vec<u64>>,
 }
 
 impl Piece {
@@ -719,8 +834,9 @@ impl Piece {
 /// projections fused into one tensor (`blk.N.ffn_gate_up_exps`, written by
 /// `convert_hf_to_gguf.py --fuse-gate-up-exps`: per expert, the gate's rows then the up's,
 /// `[cols, 2 x rows, experts]`), which become the `ffn_gate_exps` and `ffn_up_exps` they were
-/// made from (the same rows, copied).
-fn pieces(file: &GgufFile) -> Result<Vec<Piece>, (&GgufTensorInfo, String)> {
+/// made from (the same rows, copied unless `copy` is false: streamed experts are read where
+/// they are).
+fn pieces(file: &GgufFile, copy: bool) -> Result<Vec<Piece>, (&GgufTensorInfo, String)> {
     let mut out = Vec::with_capacity(file.tensors().len() + 1);
     for t in file.tensors() {
         let Some(layer) = t
@@ -731,6 +847,7 @@ fn pieces(file: &GgufFile) -> Result<Vec<Piece>, (&GgufTensorInfo, String)> {
             out.push(Piece {
                 info: t.clone(),
                 owned: None,
+                fused: None,
             });
             continue;
         };
@@ -762,19 +879,24 @@ fn pieces(file: &GgufFile) -> Result<Vec<Piece>, (&GgufTensorInfo, String)> {
         let half = rows as usize * row_bytes;
         let bytes = file.tensor_bytes(t);
         for (k, name) in names.into_iter().enumerate() {
-            let mut owned = Vec::with_capacity(half * experts as usize);
-            for e in 0..experts as usize {
-                let start = (2 * e + k) * half;
-                owned.extend_from_slice(&bytes[start..start + half]);
-            }
+            let starts: Vec<usize> = (0..experts as usize).map(|e| (2 * e + k) * half).collect();
+            // Streamed experts are read from the file where they are: no copy.
+            let owned = copy.then(|| {
+                let mut owned = Vec::with_capacity(half * experts as usize);
+                for &start in &starts {
+                    owned.extend_from_slice(&bytes[start..start + half]);
+                }
+                owned
+            });
             out.push(Piece {
                 info: GgufTensorInfo {
                     name,
                     dims: vec![cols, rows, experts],
-                    bytes: owned.len() as u64,
+                    bytes: (half * experts as usize) as u64,
                     ..t.clone()
                 },
-                owned: Some(owned),
+                owned,
+                fused: Some(starts.iter().map(|&s| t.offset + s as u64).collect()),
             });
         }
     }
@@ -788,13 +910,74 @@ fn memory_shortfall(need: u64, available: Option<u64>) -> Option<String> {
     let gb = |b: u64| b as f64 / 1e9;
     (need > available).then(|| {
         format!(
-            "converting its quantised blocks takes ~{:.1} GB of memory and {:.1} GB is available: \
-             sluice holds a GGUF's weights converted in memory for now (running the blocks as \
-             stored is planned), so it needs a machine where they fit; or run the model's \
-             safetensors checkpoint, which streams experts from disk with `sluice pack`",
+            "converting its quantised blocks takes ~{:.1} GB of memory and {:.1} GB is available \
+             (sluice holds a GGUF's weights converted in memory, all but the routed experts when \
+             they stream from the file), so it needs a machine where they fit",
             gb(need),
             gb(available)
         )
+    })
+}
+
+/// Whether `ty` is a float type, read as it is.
+fn dense_type(ty: GgmlType) -> bool {
+    matches!(ty.name(), "F32" | "F16" | "BF16")
+}
+
+fn unsupported_type(ty: GgmlType) -> String {
+    format!(
+        "ggml type {} is not supported yet (sluice runs F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, \
+         Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS and MXFP4; re-quantize the model with llama-quantize \
+         to one of them)",
+        ty.name()
+    )
+}
+
+/// The MoE block prefix and projection index of a routed-expert stack's module
+/// (`model.layers.3.mlp.switch_mlp.up_proj` is `("model.layers.3.mlp", 1)`).
+fn expert_projection(module: &str) -> Option<(String, usize)> {
+    let (prefix, projection) = module.split_once(".switch_mlp.")?;
+    let p = crate::experts::PROJECTIONS
+        .iter()
+        .position(|&n| n == projection)?;
+    Some((prefix.to_string(), p))
+}
+
+/// Where each expert of a `[cols, rows, experts]` stack lies in the file.
+fn streamed_experts(
+    piece: &Piece,
+    prefix: String,
+    projection: usize,
+) -> Result<StreamedExperts, String> {
+    let t = &piece.info;
+    let [cols, rows, experts] = t.dims[..] else {
+        return Err(format!(
+            "has dimensions {:?}, expected [cols, rows, experts]",
+            t.dims
+        ));
+    };
+    let layer = prefix
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|l| l.parse().ok())
+        .ok_or_else(|| format!("`{prefix}` is not a decoder layer"))?;
+    let bytes_per_expert = t.bytes / experts.max(1);
+    let offsets = match &piece.fused {
+        Some(starts) => starts.clone(),
+        None => (0..experts)
+            .map(|e| t.offset + e * bytes_per_expert)
+            .collect(),
+    };
+    Ok(StreamedExperts {
+        layer,
+        prefix,
+        projection,
+        ggml_type: t.ggml_type,
+        rows: rows as usize,
+        cols: cols as usize,
+        file: t.part,
+        offsets,
+        bytes_per_expert,
     })
 }
 

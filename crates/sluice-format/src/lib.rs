@@ -47,7 +47,7 @@ mod tensors;
 
 pub use error::FormatError;
 pub use fs_util::safetensors_bytes;
-pub use gguf_model::GGUF_ARCHITECTURES;
+pub use gguf_model::{GgufExperts, StreamedExperts, GGUF_ARCHITECTURES};
 pub use quant::QuantConfig;
 pub use safetensors::{convert_to_f32, read_safetensors, StDtype, TensorInfo};
 pub use safetensors_writer::{safetensors_header_for, write_safetensors};
@@ -81,6 +81,10 @@ pub struct ModelDir {
     /// How the weights were stored when that is not what [`ModelDir::quantization`] says (a
     /// GGUF's ggml types, e.g. `GGUF Q4_K x 290, Q6_K x 50, F32 x 241`), for banners.
     pub stored_as: Option<String>,
+    /// A GGUF's routed experts when they were left in the file ([`GgufExperts::Stream`]): then
+    /// [`ModelDir::tensors`] lacks them, and the model runs them only from an expert store
+    /// that reads and converts them. Empty otherwise.
+    pub streamed_experts: Vec<StreamedExperts>,
 }
 
 impl ModelDir {
@@ -88,13 +92,24 @@ impl ModelDir {
     /// are memory-mapped and their headers checked (no weight bytes are read). A GGUF file
     /// (recognised by its magic) opens as a model too: see `gguf_model`.
     pub fn open(path: impl AsRef<Path>) -> Result<ModelDir, FormatError> {
+        Self::open_with(path, GgufExperts::Convert)
+    }
+
+    /// [`ModelDir::open`], with a GGUF's routed experts converted or left in the file as
+    /// `experts` says (a directory's tensors are always left in their files).
+    pub fn open_with(
+        path: impl AsRef<Path>,
+        experts: GgufExperts,
+    ) -> Result<ModelDir, FormatError> {
         let path = path.as_ref().to_path_buf();
         match std::fs::metadata(&path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(FormatError::NoDir(path))
             }
             Err(source) => return Err(FormatError::Io { path, source }),
-            Ok(m) if m.is_file() && gguf_model::is_gguf(&path) => return gguf_model::open(&path),
+            Ok(m) if m.is_file() && gguf_model::is_gguf(&path) => {
+                return gguf_model::open(&path, experts)
+            }
             Ok(m) if !m.is_dir() => return Err(FormatError::NotADir(path)),
             Ok(_) => {}
         }
@@ -147,6 +162,7 @@ impl ModelDir {
             generation,
             tokenizer_json: None,
             stored_as: None,
+            streamed_experts: Vec::new(),
         })
     }
 

@@ -129,21 +129,19 @@ impl Slot {
     }
 
     /// Ends the loading of assignment `generation`, all of whose reads are in: ready, or failed
-    /// by its first failed read or else by a bad checksum (`sum_ok` false). `None` when the slot
-    /// is no longer loading that assignment; else whether it failed.
-    pub(crate) fn finish(&mut self, generation: u32, sum_ok: bool) -> Option<bool> {
+    /// by its first failed read or else by what `checked` says (a bad checksum, a block that
+    /// did not convert). `None` when the slot is no longer loading that assignment; else whether
+    /// it failed.
+    pub(crate) fn finish(&mut self, generation: u32, checked: Result<(), String>) -> Option<bool> {
         if self.generation != generation {
             return None;
         }
         let Status::Loading { failure, .. } = &mut self.status else {
             return None;
         };
-        let failure = failure.take().or_else(|| {
-            (!sum_ok).then(|| Failure {
-                msg: "checksum mismatch".into(),
-                part: 0,
-            })
-        });
+        let failure = failure
+            .take()
+            .or_else(|| checked.err().map(|msg| Failure { msg, part: 0 }));
         let failed = failure.is_some();
         self.status = failure.map_or(Status::Ready, Status::Failed);
         Some(failed)
@@ -267,8 +265,8 @@ mod tests {
         let eof = || Err(std::io::Error::other("end of file"));
         assert!(!s.part_done(g, 2, eof()));
         assert!(s.part_done(g, 1, Err(std::io::Error::other("later"))));
-        assert_eq!(s.finish(g + 1, true), None);
-        assert_eq!(s.finish(g, true), Some(true));
+        assert_eq!(s.finish(g + 1, Ok(())), None);
+        assert_eq!(s.finish(g, Ok(())), Some(true));
         assert_eq!(
             s.status,
             Status::Failed(Failure {
@@ -280,11 +278,11 @@ mod tests {
         let (evicted, g) = s.assign((1, 0), 1);
         assert_eq!(evicted, Some((0, 5)));
         assert!(s.part_done(g, 0, Ok(())));
-        assert_eq!(s.finish(g, false), Some(true));
+        assert_eq!(s.finish(g, Err("checksum mismatch".into())), Some(true));
         assert!(matches!(&s.status, Status::Failed(f) if f.msg == "checksum mismatch"));
         let (_, g) = s.assign((1, 0), 1);
         assert!(s.part_done(g, 0, Ok(())));
-        assert_eq!(s.finish(g, true), Some(false));
+        assert_eq!(s.finish(g, Ok(())), Some(false));
         assert_eq!(s.status, Status::Ready);
         // No reads: ready at once.
         s.assign((2, 0), 0);

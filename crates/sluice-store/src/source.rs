@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use crate::error::StoreError;
 use crate::io::{IoKind, Reader, ReaderOptions};
 use crate::manifest::Manifest;
-use crate::unpacked::{PartRead, UnpackedLayout};
+use crate::unpacked::{Conversion, PartRead, UnpackedLayout};
 
 const PACKED_HINT: &str = "the file is damaged: re-run `sluice pack`";
 const UNPACKED_HINT: &str =
@@ -27,6 +27,9 @@ pub(crate) struct Source {
     /// block from `files`. `None` for a packed directory: one read of the whole block from
     /// `files[0]`.
     gather: Option<Vec<Vec<Vec<PartRead>>>>,
+    /// Per manifest layer index, the projections converted once read (a GGUF's blocks); empty
+    /// when nothing converts.
+    conversions: Vec<Vec<Conversion>>,
 }
 
 fn open(path: &Path, io: &ReaderOptions) -> Result<Reader, StoreError> {
@@ -51,6 +54,7 @@ impl Source {
             files: vec![path],
             readers: vec![reader],
             gather: None,
+            conversions: Vec::new(),
         })
     }
 
@@ -73,6 +77,7 @@ impl Source {
             files: layout.files,
             readers,
             gather: Some(layout.reads),
+            conversions: layout.conversions,
         })
     }
 
@@ -109,6 +114,25 @@ impl Source {
         }
     }
 
+    /// Whether any block is converted once read.
+    pub(crate) fn converts_any(&self) -> bool {
+        self.conversions.iter().any(|c| !c.is_empty())
+    }
+
+    /// Whether the blocks of manifest layer `li` are converted once read.
+    pub(crate) fn converts(&self, li: usize) -> bool {
+        self.conversions.get(li).is_some_and(|c| !c.is_empty())
+    }
+
+    /// Converts, in place, what the reads of a block of manifest layer `li` left in `block` (its
+    /// slot); nothing to do for a layer that does not convert.
+    pub(crate) fn convert(&self, li: usize, block: &mut [u8]) -> Result<(), String> {
+        for c in self.conversions.get(li).into_iter().flatten() {
+            c.apply(block)?;
+        }
+        Ok(())
+    }
+
     /// The file and offset of read `part` of `key`'s block, for error messages (a packed
     /// block is one read; `part` 0 also stands for the block as a whole).
     pub(crate) fn locate(&self, key: (usize, u32), part: usize) -> (PathBuf, u64) {
@@ -132,8 +156,13 @@ impl Source {
         let kind = self.readers.first().map_or(IoKind::Threads, Reader::kind);
         if self.is_unpacked() {
             let n = self.readers.len();
+            let converted = if self.converts_any() {
+                ", ggml blocks converted as read"
+            } else {
+                ""
+            };
             return format!(
-                "{kind:?}, buffered, unpacked: {n} file{}",
+                "{kind:?}, buffered, unpacked: {n} file{}{converted}",
                 if n == 1 { "" } else { "s" }
             );
         }
@@ -220,6 +249,7 @@ mod tests {
             manifest: Manifest::new(vec![layer(0, 0)]),
             files: files.clone(),
             reads: vec![vec![vec![r(0, 8), r(1, 40)], vec![r(1, 16)]]],
+            conversions: Vec::new(),
         };
         let s = Source::unpacked(layout, &ReaderOptions::default()).unwrap();
         assert!(s.is_unpacked());

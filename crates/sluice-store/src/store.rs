@@ -158,7 +158,7 @@ impl ExpertStore {
         dir: &sluice_format::ModelDir,
         opts: &StoreOptions,
     ) -> Result<ExpertStore, StoreError> {
-        let layout = UnpackedLayout::plan(&dir.tensors, dir.quantization.as_ref())?;
+        let layout = UnpackedLayout::for_model(dir)?;
         if layout.is_empty() {
             return Err(StoreError::Layout(format!(
                 "{} has no routed experts to stream",
@@ -425,14 +425,29 @@ impl ExpertStore {
                 }
             }
         }
-        // Verify outside the lock: the slots are Loading, so nothing else touches them.
-        let checked: Vec<(usize, u32, bool)> = finished
-            .into_iter()
-            .map(|(slot, generation)| (slot, generation, self.checksum_ok(slot)))
-            .collect();
+        // Verify and convert outside the lock: the slots are Loading, so nothing else touches
+        // them. Blocks that convert (a GGUF's) take milliseconds each: several convert at once.
+        let check = |(slot, generation): (usize, u32)| (slot, generation, self.check_block(slot));
+        let checked: Vec<(usize, u32, Result<(), String>)> =
+            if finished.len() > 1 && self.inner.source.converts_any() {
+                std::thread::scope(|s| {
+                    let mut rest = finished.into_iter();
+                    let first = rest.next();
+                    let others: Vec<_> = rest.map(|f| (f, s.spawn(move || check(f).2))).collect();
+                    let joined = others.into_iter().map(|((slot, generation), h)| {
+                        let r = h
+                            .join()
+                            .unwrap_or_else(|_| Err("converting it panicked".into()));
+                        (slot, generation, r)
+                    });
+                    first.into_iter().map(check).chain(joined).collect()
+                })
+            } else {
+                finished.into_iter().map(check).collect()
+            };
         let mut st = self.inner.lock();
-        for (slot, generation, sum_ok) in checked {
-            if st.slots[slot].finish(generation, sum_ok) == Some(true) {
+        for (slot, generation, checked) in checked {
+            if st.slots[slot].finish(generation, checked) == Some(true) {
                 st.stats.errors += 1;
             }
         }
@@ -443,12 +458,9 @@ impl ExpertStore {
         }
     }
 
-    /// Whether the block just read into `slot` matches its checksum (true when not verifying,
-    /// or when a read already failed it).
-    fn checksum_ok(&self, slot: usize) -> bool {
-        if !self.inner.verify {
-            return true;
-        }
+    /// Checks the block just read into `slot` against its checksum (when verifying), and
+    /// converts it where its source says so (a GGUF's blocks). Ok when a read already failed it.
+    fn check_block(&self, slot: usize) -> Result<(), String> {
         let key = {
             let st = self.inner.lock();
             let s = &st.slots[slot];
@@ -458,15 +470,28 @@ impl ExpertStore {
             }
         };
         let Some((li, e)) = key else {
-            return true;
+            return Ok(());
         };
         let l = &self.manifest().layers[li];
-        // SAFETY: the slot is Loading and its reads have completed: nothing writes it and nothing
-        // else reads it.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(self.inner.slab.slot_ptr(slot), l.stride as usize)
-        };
-        checksum(bytes) == l.checksums[e as usize]
+        let source = &self.inner.source;
+        if self.inner.verify {
+            // SAFETY: the slot is Loading and its reads have completed: nothing writes it and
+            // nothing else reads it.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(self.inner.slab.slot_ptr(slot), l.stride as usize)
+            };
+            if checksum(bytes) != l.checksums[e as usize] {
+                return Err("checksum mismatch".into());
+            }
+        }
+        if source.converts(li) {
+            // SAFETY: as above, and only this call (on this slot) holds the slice.
+            let block = unsafe {
+                std::slice::from_raw_parts_mut(self.inner.slab.slot_ptr(slot), l.stride as usize)
+            };
+            source.convert(li, block)?;
+        }
+        Ok(())
     }
 
     /// Releases the prefetch holds of layer index `li`, counting which were used by `wanted`.

@@ -7,15 +7,20 @@
 //! ([`sluice_format::experts`]), so whatever packs also streams unpacked. Packing remains the
 //! faster layout: one aligned O_DIRECT read per expert instead of up to nine buffered ones, and
 //! checksums.
+//!
+//! A GGUF whose routed experts were left in the file ([`ModelDir::streamed_experts`]) streams the
+//! same way, with one step more: each projection's ggml blocks are read as stored (the file's
+//! bytes, fewer than the converted form's) to the start of the projection's parts in the slot,
+//! and converted there, exactly, once the reads are in ([`Conversion`]).
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use sluice_format::experts::{self, FileSlice};
-use sluice_format::{QuantConfig, Tensors};
+use sluice_format::experts::{self, FileSlice, PROJECTIONS};
+use sluice_format::{ModelDir, QuantConfig, StreamedExperts, Tensors};
 
 use crate::error::StoreError;
-use crate::manifest::{plan_layers, Manifest, Part};
+use crate::manifest::{plan_layers, LayerExperts, Manifest, Part};
 
 /// One read of an expert's block: `len` bytes at `offset` of source file `file` (an index into
 /// the source's files) into the slot at byte `at`.
@@ -38,6 +43,43 @@ pub struct UnpackedLayout {
     /// Per manifest layer index, per expert: the reads that fill its slot (up to 9: gate, up and
     /// down x weight, scales, biases).
     pub(crate) reads: Vec<Vec<Vec<PartRead>>>,
+    /// Per manifest layer index: the projections whose bytes are converted once read (a
+    /// GGUF's quantised experts); empty for a safetensors checkpoint.
+    pub(crate) conversions: Vec<Vec<Conversion>>,
+}
+
+/// A projection read as ggml blocks and converted in its slot: the raw bytes land at the start
+/// of the projection's parts (`at`, `len`: never more than the parts span) and are replaced by
+/// the converted weight, scales and biases.
+#[derive(Debug, Clone)]
+pub(crate) struct Conversion {
+    pub(crate) experts: StreamedExperts,
+    pub(crate) at: u64,
+    pub(crate) len: u64,
+    pub(crate) parts: [Part; 3],
+}
+
+impl Conversion {
+    /// Converts the raw bytes of one expert's projection in `block` (its slot) into its parts.
+    pub(crate) fn apply(&self, block: &mut [u8]) -> Result<(), String> {
+        let raw = &block[self.at as usize..(self.at + self.len) as usize];
+        let parts = self.experts.convert(raw)?;
+        for (part, bytes) in self
+            .parts
+            .iter()
+            .zip([parts.data, parts.scales, parts.biases])
+        {
+            if bytes.len() as u64 != part.bytes {
+                return Err(format!(
+                    "{} bytes converted where the layout has {} (internal error)",
+                    bytes.len(),
+                    part.bytes
+                ));
+            }
+            block[part.offset as usize..][..bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(())
+    }
 }
 
 impl UnpackedLayout {
@@ -122,6 +164,138 @@ impl UnpackedLayout {
             manifest,
             files,
             reads,
+            conversions: Vec::new(),
+        })
+    }
+
+    /// The layout of `dir`'s routed experts: [`UnpackedLayout::plan`] for a checkpoint, or for
+    /// a GGUF whose experts were left in the file, their blocks with the conversion of each.
+    pub fn for_model(dir: &ModelDir) -> Result<UnpackedLayout, StoreError> {
+        if dir.streamed_experts.is_empty() {
+            return Self::plan(&dir.tensors, dir.quantization.as_ref());
+        }
+        Self::plan_streamed(&dir.streamed_experts, dir.tensors.files())
+    }
+
+    /// The layout of a GGUF's experts left in its files (`files`, which `stacks` index).
+    fn plan_streamed(
+        stacks: &[StreamedExperts],
+        files: &[PathBuf],
+    ) -> Result<UnpackedLayout, StoreError> {
+        let bad = |s: &StreamedExperts, msg: String| {
+            StoreError::Layout(format!(
+                "{}: {}.switch_mlp.{}: {msg}",
+                files
+                    .get(s.file)
+                    .map_or(String::new(), |f| f.display().to_string()),
+                s.prefix,
+                PROJECTIONS[s.projection]
+            ))
+        };
+        // layer -> [gate, up, down].
+        let mut layers: std::collections::BTreeMap<usize, [Option<&StreamedExperts>; 3]> =
+            Default::default();
+        for s in stacks {
+            let slot = &mut layers.entry(s.layer).or_default()[s.projection];
+            if slot.is_some() {
+                return Err(bad(s, "appears twice".into()));
+            }
+            *slot = Some(s);
+        }
+        let used: BTreeSet<usize> = stacks.iter().map(|s| s.file).collect();
+        if let Some(&f) = used.iter().find(|&&f| f >= files.len()) {
+            return Err(StoreError::Layout(format!(
+                "expert blocks in file {f} of a set of {} (internal error)",
+                files.len()
+            )));
+        }
+        let reader_of = |f: usize| used.range(..f).count();
+        let (mut plans, mut reads, mut conversions) = (Vec::new(), Vec::new(), Vec::new());
+        let mut offset = 0u64;
+        for (&layer, projections) in &layers {
+            let Some(first) = projections.iter().flatten().next() else {
+                continue;
+            };
+            if let Some(i) = projections.iter().position(Option::is_none) {
+                return Err(bad(first, format!("has no {} experts", PROJECTIONS[i])));
+            }
+            let projections = projections.map(|p| p.expect("checked above"));
+            let experts = first.offsets.len();
+            if let Some(p) = projections.iter().find(|p| p.offsets.len() != experts) {
+                return Err(bad(
+                    p,
+                    format!("{} experts, the gate has {experts}", p.offsets.len()),
+                ));
+            }
+            let shapes: Vec<(String, usize, usize, sluice_backend::WeightFormat)> = projections
+                .iter()
+                .map(|p| {
+                    (
+                        PROJECTIONS[p.projection].to_string(),
+                        p.rows,
+                        p.cols,
+                        p.format(),
+                    )
+                })
+                .collect();
+            let plan = LayerExperts::plan(layer, first.prefix.clone(), experts, offset, &shapes);
+            offset = plan.offset + plan.stride * experts as u64;
+            let mut convert = Vec::new();
+            for (p, proj) in projections.iter().zip(&plan.projections) {
+                let end = [Some(proj.weight), proj.scales, proj.biases]
+                    .into_iter()
+                    .flatten()
+                    .map(|x| x.offset + x.bytes)
+                    .max()
+                    .unwrap_or(0);
+                let span = end - proj.weight.offset;
+                if p.bytes_per_expert > span {
+                    return Err(bad(
+                        p,
+                        format!(
+                            "{} bytes per expert as stored, more than the {span} they convert \
+                             to (internal error)",
+                            p.bytes_per_expert
+                        ),
+                    ));
+                }
+                if p.converts() {
+                    let (Some(scales), Some(biases)) = (proj.scales, proj.biases) else {
+                        return Err(bad(p, "converts to a format without biases".into()));
+                    };
+                    convert.push(Conversion {
+                        experts: (*p).clone(),
+                        at: proj.weight.offset,
+                        len: p.bytes_per_expert,
+                        parts: [proj.weight, scales, biases],
+                    });
+                }
+            }
+            let per_expert: Vec<Vec<PartRead>> = (0..experts)
+                .map(|e| {
+                    projections
+                        .iter()
+                        .zip(&plan.projections)
+                        .map(|(p, proj)| PartRead {
+                            file: reader_of(p.file),
+                            offset: p.offsets[e],
+                            len: p.bytes_per_expert,
+                            at: proj.weight.offset,
+                        })
+                        .collect()
+                })
+                .collect();
+            plans.push(plan);
+            reads.push(per_expert);
+            conversions.push(convert);
+        }
+        let mut manifest = Manifest::new(plans);
+        manifest.file = None;
+        Ok(UnpackedLayout {
+            manifest,
+            files: used.iter().map(|&f| files[f].clone()).collect(),
+            reads,
+            conversions,
         })
     }
 
