@@ -18,8 +18,8 @@ holds); real routing is skewed, so real hit rates are higher. It prints two boun
 compute one after the other, and reads fully hidden behind compute."
 )]
 pub struct InfoArgs {
-    /// Model directory (packed or not), or a .gguf file (described: its architecture, metadata
-    /// and tensor types; sluice does not run GGUF models yet).
+    /// Model directory (packed or not), or a .gguf file (described: its architecture, metadata,
+    /// tensor types and what running it takes).
     #[arg(long, short = 'm', value_name = "DIR|FILE.gguf")]
     model: PathBuf,
     /// Total memory for the model (resident weights + expert cache + working memory).
@@ -312,26 +312,36 @@ fn describe_gguf(path: &std::path::Path) -> Result<()> {
         );
         return Ok(());
     }
-    let mut converted = 0f64;
+    let (mut converted, mut converted_resident) = (0f64, 0f64);
     let mut missing = Vec::new();
     for t in file.tensors() {
         let elements = t.elements() as f64;
-        match t.ggml_type.name() {
-            "F32" | "F16" | "BF16" => converted += t.bytes as f64,
+        let bytes = match t.ggml_type.name() {
+            "F32" | "F16" | "BF16" => t.bytes as f64,
             name => match affine_bits_per_weight(t.ggml_type) {
-                Some(bits) => converted += elements * bits / 8.0,
-                None if !missing.contains(&name) => missing.push(name),
-                None => {}
+                Some(bits) => elements * bits / 8.0,
+                None => {
+                    if !missing.contains(&name) {
+                        missing.push(name);
+                    }
+                    0.0
+                }
             },
+        };
+        converted += bytes;
+        if !t.name.contains("_exps.") {
+            converted_resident += bytes;
         }
     }
     if missing.is_empty() {
         println!(
             "  sluice runs it: quantised blocks become the same values as MLX-affine matrices at \
-             load, ~{} in memory ({:.0}% of the file's weights); `sluice pack` makes a streaming \
-             copy",
+             load, ~{} in memory ({:.0}% of the file's weights); with its routed experts \
+             streamed from the file (--memory-budget or --expert-cache, or by itself when that \
+             does not fit) ~{} resident, and each expert read at the file's size",
             format_bytes(converted as u64),
-            converted / total.max(1) as f64 * 100.0
+            converted / total.max(1) as f64 * 100.0,
+            format_bytes(converted_resident as u64),
         );
     } else {
         println!(

@@ -18,10 +18,13 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
 use sluice_backend::HostMatrix;
-use sluice_format::experts::{self, ExpertScan, MoeLayer};
-use sluice_format::{safetensors_header_for, FormatError, ModelDir, INDEX_FILE, SINGLE_FILE};
+use sluice_format::experts::{self, ExpertScan};
+use sluice_format::{
+    safetensors_header_for, FormatError, GgufExperts, ModelDir, INDEX_FILE, SINGLE_FILE,
+};
 
 use crate::manifest::{checksum, plan_layers, LayerExperts, Manifest, EXPERTS_FILE, MANIFEST_FILE};
+use crate::unpacked::UnpackedLayout;
 
 /// Bytes of whole blocks handed to the writer at once (large sequential writes).
 const BATCH_BYTES: u64 = 32 << 20;
@@ -190,7 +193,7 @@ pub fn pack(
     if model_dir.join(MANIFEST_FILE).exists() {
         return Err(PackError::AlreadyPacked(model_dir.to_path_buf()));
     }
-    let dir = ModelDir::open(model_dir)?;
+    let dir = ModelDir::open_with(model_dir, GgufExperts::Stream)?;
 
     // Where we write and what we may remove must never touch the source.
     let src = model_dir.canonicalize().map_err(io_at(model_dir))?;
@@ -211,16 +214,30 @@ pub fn pack(
 
     let quant = dir.quantization.as_ref();
     let t = &dir.tensors;
-    let ExpertScan {
-        layers,
-        tensors: used,
-    } = experts::scan(t, quant)?;
-    if layers.is_empty() {
+    // A GGUF's experts are converted one block at a time as they are written (its layout is
+    // the one its experts stream in unpacked), so packing takes memory for the resident
+    // weights only; a checkpoint's are copied from their tensors.
+    let (layers, used, streamed) = if dir.streamed_experts.is_empty() {
+        let ExpertScan { layers, tensors } = experts::scan(t, quant)?;
+        (layers, tensors, None)
+    } else {
+        let layout = UnpackedLayout::for_model(&dir).map_err(|e| PackError::Layout {
+            tensor: "experts".into(),
+            msg: e.to_string(),
+        })?;
+        (Vec::new(), Default::default(), Some(layout))
+    };
+    let mut plans = match &streamed {
+        Some(layout) => layout.manifest.layers.clone(),
+        None => plan_layers(&layers),
+    };
+    if plans.is_empty() {
         return Err(PackError::NoExperts(model_dir.to_path_buf()));
     }
+    let (layer_count, experts_per_layer) = (plans.len(), plans[0].experts);
+    let blocks = plans.iter().map(|p| p.experts).sum();
 
     // Plan experts.bin.
-    let mut plans = plan_layers(&layers);
     let expert_bytes = plans
         .last()
         .map_or(0, |p| p.offset + p.stride * p.experts as u64);
@@ -306,15 +323,49 @@ pub fn pack(
         // experts.bin: blocks are built into reused buffers while the previous batch is written.
         let path = partial.join(EXPERTS_FILE);
         let f = File::create(&path).map_err(io_at(&path))?;
-        write_blocks(&path, f, &layers, &mut plans, &mut |n| {
+        let layouts = plans.clone();
+        let from_tensors = |li: usize, e: usize, block: &mut [u8]| {
+            fill_block(&layouts[li], &layers[li].experts[e].matrices, block);
+            Ok(())
+        };
+        let sources = match &streamed {
+            Some(layout) => layout
+                .files
+                .iter()
+                .map(|p| File::open(p).map(|f| (p, f)).map_err(io_at(p)))
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
+        let from_gguf = |li: usize, e: usize, block: &mut [u8]| {
+            let layout = streamed.as_ref().expect("a streamed layout");
+            for r in &layout.reads[li][e] {
+                let (p, f) = &sources[r.file];
+                let dst = &mut block[r.at as usize..(r.at + r.len) as usize];
+                read_exact_at(f, dst, r.offset).map_err(io_at(p))?;
+            }
+            for c in layout.conversions.get(li).into_iter().flatten() {
+                c.apply(block).map_err(|msg| PackError::Layout {
+                    tensor: format!("{} expert {e}", layouts[li].prefix),
+                    msg,
+                })?;
+            }
+            Ok(())
+        };
+        let fill: &FillBlock<'_> = if streamed.is_some() {
+            &from_gguf
+        } else {
+            &from_tensors
+        };
+        write_blocks(&path, f, &mut plans, fill, &mut |n| {
             done += n;
             progress(done, total);
         })?;
 
         // experts.json.
+        let first = plans[0].prefix.clone();
         let manifest = Manifest::new(plans);
         manifest.validate().map_err(|msg| PackError::Layout {
-            tensor: format!("{}.*", layers[0].prefix),
+            tensor: format!("{first}.*"),
             msg: format!("internal error, the planned manifest is invalid: {msg}"),
         })?;
         let path = partial.join(MANIFEST_FILE);
@@ -354,9 +405,9 @@ pub fn pack(
     Ok(PackSummary {
         resident_bytes,
         expert_bytes,
-        layers: layers.len(),
-        experts_per_layer: layers[0].experts.len(),
-        blocks: layers.iter().map(|l| l.experts.len()).sum(),
+        layers: layer_count,
+        experts_per_layer,
+        blocks,
     })
 }
 
@@ -392,17 +443,36 @@ fn fill_block(plan: &LayerExperts, ms: &[HostMatrix; 3], block: &mut [u8]) {
     }
 }
 
-/// Writes every layer's blocks in order to `f`, filling in the plans' checksums. One thread
-/// builds batches of whole blocks (reading the source) while another writes the previous one.
+/// Reads `buf.len()` bytes of `f` at `offset` (end of file is an error).
+fn read_exact_at(f: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match crate::io::read_at(f, &mut buf[done..], offset + done as u64) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Fills expert `e`'s block of manifest layer `li`.
+type FillBlock<'a> = dyn Fn(usize, usize, &mut [u8]) -> Result<(), PackError> + Sync + 'a;
+
+/// Writes every layer's blocks in order to `f`, filling in the plans' checksums. Batches of
+/// whole blocks are built (`fill`, in parallel over the batch's blocks) while another thread
+/// writes the previous batch.
 fn write_blocks(
     path: &Path,
     mut f: File,
-    layers: &[MoeLayer],
     plans: &mut [LayerExperts],
+    fill: &FillBlock<'_>,
     progress: &mut (dyn FnMut(u64) + Send),
 ) -> Result<(), PackError> {
     let (full_tx, full_rx) = mpsc::sync_channel::<Vec<u8>>(1);
     let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     std::thread::scope(|s| {
         let writer = s.spawn(move || -> Result<(), PackError> {
             for buf in full_rx {
@@ -414,12 +484,14 @@ fn write_blocks(
             }
             f.sync_all().map_err(io_at(path))
         });
+        let mut failed = None;
         let mut spare = 3usize; // buffers that may still be allocated
-        'layers: for (l, plan) in layers.iter().zip(plans.iter_mut()) {
+        'layers: for (li, plan) in plans.iter_mut().enumerate() {
             let stride = plan.stride as usize;
             let per_batch = (BATCH_BYTES / plan.stride).max(1) as usize;
-            let mut sums = Vec::with_capacity(l.experts.len());
-            for batch in l.experts.chunks(per_batch) {
+            let mut sums = Vec::with_capacity(plan.experts);
+            for first in (0..plan.experts).step_by(per_batch) {
+                let n = per_batch.min(plan.experts - first);
                 let mut buf = match free_rx.try_recv() {
                     Ok(b) => b,
                     Err(_) if spare > 0 => {
@@ -432,11 +504,31 @@ fn write_blocks(
                     },
                 };
                 buf.clear();
-                buf.resize(batch.len() * stride, 0);
-                for (x, block) in batch.iter().zip(buf.chunks_exact_mut(stride)) {
-                    fill_block(plan, &x.matrices, block);
-                    sums.push(checksum(block));
+                buf.resize(n * stride, 0);
+                let mut blocks: Vec<(usize, &mut [u8])> =
+                    (first..).zip(buf.chunks_exact_mut(stride)).collect();
+                let per_thread = n.div_ceil(threads);
+                let filled = std::thread::scope(|t| {
+                    let workers: Vec<_> = blocks
+                        .chunks_mut(per_thread)
+                        .map(|chunk| {
+                            t.spawn(move || {
+                                chunk
+                                    .iter_mut()
+                                    .try_for_each(|(e, block)| fill(li, *e, block))
+                            })
+                        })
+                        .collect();
+                    workers
+                        .into_iter()
+                        .map(|w| w.join().expect("filling a block does not panic"))
+                        .collect::<Result<Vec<()>, PackError>>()
+                });
+                if let Err(e) = filled {
+                    failed = Some(e);
+                    break 'layers;
                 }
+                sums.extend(buf.chunks_exact(stride).map(checksum));
                 if full_tx.send(buf).is_err() {
                     break 'layers;
                 }
@@ -444,7 +536,11 @@ fn write_blocks(
             plan.checksums = sums;
         }
         drop(full_tx);
-        writer.join().expect("the writer thread does not panic")
+        let written = writer.join().expect("the writer thread does not panic");
+        match failed {
+            Some(e) => Err(e),
+            None => written,
+        }
     })
 }
 
