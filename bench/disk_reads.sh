@@ -28,7 +28,7 @@ start=$(date +%s.%N)
 status=0
 "$@" || status=$?
 after=$(awk '/^pgpgin /{print $2}' /proc/vmstat)
-secs=$(echo "$(date +%s.%N) - $start" | bc)
+secs=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
 bytes=$(( (after - before) * 1024 ))
-echo "disk_reads: $bytes bytes read ($(echo "scale=2; $bytes / 1000000000" | bc) GB) in ${secs} s: $*" >&2
+echo "disk_reads: $bytes bytes read ($(awk -v b="$bytes" 'BEGIN { printf "%.2f", b / 1e9 }') GB) in ${secs} s: $*" >&2
 exit $status

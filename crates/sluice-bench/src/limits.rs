@@ -164,8 +164,12 @@ pub struct DiskReport {
     pub notes: Vec<String>,
 }
 
-/// The largest `*.safetensors` file in a model directory: the natural file for [`disk`].
+/// The largest `*.safetensors` file in a model directory, or a model given as one file (a
+/// GGUF): the natural file for [`disk`].
 pub fn default_disk_file(model_dir: &Path) -> Result<PathBuf> {
+    if model_dir.is_file() {
+        return Ok(model_dir.to_path_buf());
+    }
     let entries = std::fs::read_dir(model_dir)
         .with_context(|| format!("reading model directory {}", model_dir.display()))?;
     let mut best: Option<(u64, PathBuf)> = None;

@@ -170,7 +170,8 @@ pub fn open_unpacked_store(
             policy: opts.policy,
             io: ReaderOptions {
                 kind: opts.io,
-                direct: false,
+                // Only reads the layout aligned (a GGUF's converted experts) go O_DIRECT.
+                direct: opts.direct,
                 queue_depth: opts.queue_depth.max(1),
                 faults: opts.faults.clone(),
             },

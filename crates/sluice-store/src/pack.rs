@@ -343,11 +343,12 @@ pub fn pack(
                 let dst = &mut block[r.at as usize..(r.at + r.len) as usize];
                 read_exact_at(f, dst, r.offset).map_err(io_at(p))?;
             }
-            for c in layout.conversions.get(li).into_iter().flatten() {
-                c.apply(block).map_err(|msg| PackError::Layout {
-                    tensor: format!("{} expert {e}", layouts[li].prefix),
-                    msg,
-                })?;
+            for (i, c) in layout.conversions.get(li).into_iter().flatten().enumerate() {
+                c.apply(block, layout.raw_at[li][e][i])
+                    .map_err(|msg| PackError::Layout {
+                        tensor: format!("{} expert {e}", layouts[li].prefix),
+                        msg,
+                    })?;
             }
             Ok(())
         };

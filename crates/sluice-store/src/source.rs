@@ -30,6 +30,8 @@ pub(crate) struct Source {
     /// Per manifest layer index, the projections converted once read (a GGUF's blocks); empty
     /// when nothing converts.
     conversions: Vec<Vec<Conversion>>,
+    /// Per layer, expert and conversion: where the raw bytes land in the slot.
+    raw_at: Vec<Vec<Vec<u64>>>,
 }
 
 fn open(path: &Path, io: &ReaderOptions) -> Result<Reader, StoreError> {
@@ -55,22 +57,27 @@ impl Source {
             readers: vec![reader],
             gather: None,
             conversions: Vec::new(),
+            raw_at: Vec::new(),
         })
     }
 
-    /// The shards of an unpacked checkpoint (always buffered: the slices are not aligned).
+    /// The shards of an unpacked checkpoint: buffered reads, except where the layout aligned
+    /// them for O_DIRECT (a GGUF's converted experts) and `io` asks for it.
     pub(crate) fn unpacked(
         layout: UnpackedLayout,
         io: &ReaderOptions,
     ) -> Result<Source, StoreError> {
-        let io = ReaderOptions {
-            direct: false,
-            ..io.clone()
-        };
         let readers = layout
             .files
             .iter()
-            .map(|path| open(path, &io))
+            .zip(&layout.direct)
+            .map(|(path, &direct)| {
+                let io = ReaderOptions {
+                    direct: direct && io.direct,
+                    ..io.clone()
+                };
+                open(path, &io)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Source {
             manifest: layout.manifest,
@@ -78,6 +85,7 @@ impl Source {
             readers,
             gather: Some(layout.reads),
             conversions: layout.conversions,
+            raw_at: layout.raw_at,
         })
     }
 
@@ -124,11 +132,11 @@ impl Source {
         self.conversions.get(li).is_some_and(|c| !c.is_empty())
     }
 
-    /// Converts, in place, what the reads of a block of manifest layer `li` left in `block` (its
-    /// slot); nothing to do for a layer that does not convert.
-    pub(crate) fn convert(&self, li: usize, block: &mut [u8]) -> Result<(), String> {
-        for c in self.conversions.get(li).into_iter().flatten() {
-            c.apply(block)?;
+    /// Converts, in place, what the reads of `key`'s block left in `block` (its slot); nothing
+    /// to do for a layer that does not convert.
+    pub(crate) fn convert(&self, (li, e): (usize, u32), block: &mut [u8]) -> Result<(), String> {
+        for (i, c) in self.conversions.get(li).into_iter().flatten().enumerate() {
+            c.apply(block, self.raw_at[li][e as usize][i])?;
         }
         Ok(())
     }
@@ -156,13 +164,18 @@ impl Source {
         let kind = self.readers.first().map_or(IoKind::Threads, Reader::kind);
         if self.is_unpacked() {
             let n = self.readers.len();
-            let converted = if self.converts_any() {
-                ", ggml blocks converted as read"
-            } else {
-                ""
-            };
+            if self.converts_any() {
+                // Each file has an aligned reader and an exact one (the file's end).
+                let direct = self.readers.iter().any(Reader::direct);
+                return format!(
+                    "{kind:?}, {}, unpacked: {} file{}, ggml blocks converted as read",
+                    if direct { "O_DIRECT" } else { "buffered" },
+                    n / 2,
+                    if n == 2 { "" } else { "s" }
+                );
+            }
             return format!(
-                "{kind:?}, buffered, unpacked: {n} file{}{converted}",
+                "{kind:?}, buffered, unpacked: {n} file{}",
                 if n == 1 { "" } else { "s" }
             );
         }
@@ -250,6 +263,8 @@ mod tests {
             files: files.clone(),
             reads: vec![vec![vec![r(0, 8), r(1, 40)], vec![r(1, 16)]]],
             conversions: Vec::new(),
+            raw_at: Vec::new(),
+            direct: vec![false; 2],
         };
         let s = Source::unpacked(layout, &ReaderOptions::default()).unwrap();
         assert!(s.is_unpacked());

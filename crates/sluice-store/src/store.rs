@@ -489,7 +489,7 @@ impl ExpertStore {
             let block = unsafe {
                 std::slice::from_raw_parts_mut(self.inner.slab.slot_ptr(slot), l.stride as usize)
             };
-            source.convert(li, block)?;
+            source.convert((li, e), block)?;
         }
         Ok(())
     }

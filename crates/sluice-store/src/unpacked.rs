@@ -20,7 +20,7 @@ use sluice_format::experts::{self, FileSlice, PROJECTIONS};
 use sluice_format::{ModelDir, QuantConfig, StreamedExperts, Tensors};
 
 use crate::error::StoreError;
-use crate::manifest::{plan_layers, LayerExperts, Manifest, Part};
+use crate::manifest::{align_up, plan_layers, LayerExperts, Manifest, Part, BLOCK_ALIGN};
 
 /// One read of an expert's block: `len` bytes at `offset` of source file `file` (an index into
 /// the source's files) into the slot at byte `at`.
@@ -46,23 +46,29 @@ pub struct UnpackedLayout {
     /// Per manifest layer index: the projections whose bytes are converted once read (a
     /// GGUF's quantised experts); empty for a safetensors checkpoint.
     pub(crate) conversions: Vec<Vec<Conversion>>,
+    /// Per manifest layer index, per expert, per conversion: where in the slot that expert's
+    /// raw bytes landed (aligned reads put each expert's at its own offset).
+    pub(crate) raw_at: Vec<Vec<Vec<u64>>>,
+    /// Per file: whether its reads are aligned for O_DIRECT (a file may be listed twice, once
+    /// for aligned reads and once for the reads that end the file).
+    pub(crate) direct: Vec<bool>,
 }
 
-/// A projection read as ggml blocks and converted in its slot: the raw bytes land at the start
-/// of the projection's parts (`at`, `len`: never more than the parts span) and are replaced by
-/// the converted weight, scales and biases.
+/// A projection read as ggml blocks and converted in its slot: the raw bytes (`len` of them)
+/// land in the projection's own span of the slot, at an offset per expert (`raw_at`), and are
+/// replaced by the converted weight, scales and biases.
 #[derive(Debug, Clone)]
 pub(crate) struct Conversion {
     pub(crate) experts: StreamedExperts,
-    pub(crate) at: u64,
     pub(crate) len: u64,
     pub(crate) parts: [Part; 3],
 }
 
 impl Conversion {
-    /// Converts the raw bytes of one expert's projection in `block` (its slot) into its parts.
-    pub(crate) fn apply(&self, block: &mut [u8]) -> Result<(), String> {
-        let raw = &block[self.at as usize..(self.at + self.len) as usize];
+    /// Converts the raw bytes of one expert's projection, at `raw_at` of `block` (its slot),
+    /// into its parts.
+    pub(crate) fn apply(&self, block: &mut [u8], raw_at: u64) -> Result<(), String> {
+        let raw = &block[raw_at as usize..(raw_at + self.len) as usize];
         let parts = self.experts.convert(raw)?;
         for (part, bytes) in self
             .parts
@@ -114,7 +120,7 @@ impl UnpackedLayout {
             .flatten()
             .map(|f| f.file)
             .collect();
-        let files = shards.iter().map(|&i| t.files()[i].clone()).collect();
+        let files: Vec<PathBuf> = shards.iter().map(|&i| t.files()[i].clone()).collect();
         let reader_of = |f: FileSlice| shards.range(..f.file).count();
 
         let mut reads = Vec::with_capacity(scan.layers.len());
@@ -160,11 +166,14 @@ impl UnpackedLayout {
         let mut manifest = Manifest::new(plans);
         // No blocks file: the slots are filled from `files`.
         manifest.file = None;
+        let direct = vec![false; files.len()];
         Ok(UnpackedLayout {
             manifest,
             files,
             reads,
             conversions: Vec::new(),
+            raw_at: Vec::new(),
+            direct,
         })
     }
 
@@ -209,8 +218,15 @@ impl UnpackedLayout {
                 files.len()
             )));
         }
-        let reader_of = |f: usize| used.range(..f).count();
-        let (mut plans, mut reads, mut conversions) = (Vec::new(), Vec::new(), Vec::new());
+        // Each file is read through two readers: aligned reads (O_DIRECT) and the exact reads
+        // of blocks whose aligned range would run past the end of the file.
+        let file_len = |f: usize| std::fs::metadata(&files[f]).map(|m| m.len()).unwrap_or(0);
+        let lens: std::collections::BTreeMap<usize, u64> =
+            used.iter().map(|&f| (f, file_len(f))).collect();
+        let reader_of =
+            |f: usize, aligned: bool| 2 * used.range(..f).count() + usize::from(!aligned);
+        let (mut plans, mut reads, mut conversions, mut raw_at) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut offset = 0u64;
         for (&layer, projections) in &layers {
             let Some(first) = projections.iter().flatten().next() else {
@@ -240,62 +256,107 @@ impl UnpackedLayout {
                 .collect();
             let plan = LayerExperts::plan(layer, first.prefix.clone(), experts, offset, &shapes);
             offset = plan.offset + plan.stride * experts as u64;
-            let mut convert = Vec::new();
-            for (p, proj) in projections.iter().zip(&plan.projections) {
-                let end = [Some(proj.weight), proj.scales, proj.biases]
-                    .into_iter()
-                    .flatten()
-                    .map(|x| x.offset + x.bytes)
-                    .max()
-                    .unwrap_or(0);
-                let span = end - proj.weight.offset;
-                if p.bytes_per_expert > span {
-                    return Err(bad(
-                        p,
-                        format!(
-                            "{} bytes per expert as stored, more than the {span} they convert \
-                             to (internal error)",
-                            p.bytes_per_expert
-                        ),
-                    ));
-                }
-                if p.converts() {
-                    let (Some(scales), Some(biases)) = (proj.scales, proj.biases) else {
-                        return Err(bad(p, "converts to a format without biases".into()));
-                    };
-                    convert.push(Conversion {
-                        experts: (*p).clone(),
-                        at: proj.weight.offset,
-                        len: p.bytes_per_expert,
-                        parts: [proj.weight, scales, biases],
-                    });
-                }
-            }
-            let per_expert: Vec<Vec<PartRead>> = (0..experts)
-                .map(|e| {
-                    projections
-                        .iter()
-                        .zip(&plan.projections)
-                        .map(|(p, proj)| PartRead {
-                            file: reader_of(p.file),
-                            offset: p.offsets[e],
-                            len: p.bytes_per_expert,
-                            at: proj.weight.offset,
-                        })
-                        .collect()
+            // Each projection's span of the slot: from its weight to the next projection's.
+            let spans: Vec<(u64, u64)> = plan
+                .projections
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let end = plan
+                        .projections
+                        .get(i + 1)
+                        .map_or(plan.stride, |n| n.weight.offset);
+                    (p.weight.offset, end)
                 })
                 .collect();
+            let mut convert = Vec::new();
+            for (p, proj) in projections.iter().zip(&plan.projections) {
+                if !p.converts() {
+                    continue;
+                }
+                let (Some(scales), Some(biases)) = (proj.scales, proj.biases) else {
+                    return Err(bad(p, "converts to a format without biases".into()));
+                };
+                convert.push(Conversion {
+                    experts: (*p).clone(),
+                    len: p.bytes_per_expert,
+                    parts: [proj.weight, scales, biases],
+                });
+            }
+            // Aligned reads when every projection converts (its raw bytes may then land
+            // anywhere in its span) and an aligned range fits each span.
+            let aligned = convert.len() == projections.len()
+                && projections.iter().zip(&spans).all(|(p, &(start, end))| {
+                    align_up(start, BLOCK_ALIGN) + p.bytes_per_expert + 2 * BLOCK_ALIGN <= end
+                });
+            let mut per_expert = Vec::with_capacity(experts);
+            let mut per_expert_raw = Vec::with_capacity(experts);
+            for e in 0..experts {
+                let (mut parts, mut raws) = (Vec::with_capacity(3), Vec::with_capacity(3));
+                for (p, &(start, end)) in projections.iter().zip(&spans) {
+                    let (off, len) = (p.offsets[e], p.bytes_per_expert);
+                    if len > end - start {
+                        return Err(bad(
+                            p,
+                            format!(
+                                "{len} bytes per expert as stored, more than the {} they \
+                                 convert to (internal error)",
+                                end - start
+                            ),
+                        ));
+                    }
+                    let a_off = off / BLOCK_ALIGN * BLOCK_ALIGN;
+                    let a_end = align_up(off + len, BLOCK_ALIGN);
+                    let at = align_up(start, BLOCK_ALIGN);
+                    let read = if aligned && a_end <= lens[&p.file] {
+                        PartRead {
+                            file: reader_of(p.file, true),
+                            offset: a_off,
+                            len: a_end - a_off,
+                            at,
+                        }
+                    } else if aligned {
+                        // The end of the file: the exact range, where the aligned read would
+                        // have put it.
+                        PartRead {
+                            file: reader_of(p.file, false),
+                            offset: off,
+                            len,
+                            at: at + (off - a_off),
+                        }
+                    } else {
+                        PartRead {
+                            file: reader_of(p.file, false),
+                            offset: off,
+                            len,
+                            at: start,
+                        }
+                    };
+                    if p.converts() {
+                        raws.push(read.at + (off - read.offset));
+                    }
+                    parts.push(read);
+                }
+                per_expert.push(parts);
+                per_expert_raw.push(raws);
+            }
             plans.push(plan);
             reads.push(per_expert);
             conversions.push(convert);
+            raw_at.push(per_expert_raw);
         }
         let mut manifest = Manifest::new(plans);
         manifest.file = None;
         Ok(UnpackedLayout {
             manifest,
-            files: used.iter().map(|&f| files[f].clone()).collect(),
+            files: used
+                .iter()
+                .flat_map(|&f| [files[f].clone(), files[f].clone()])
+                .collect(),
             reads,
             conversions,
+            raw_at,
+            direct: used.iter().flat_map(|_| [true, false]).collect(),
         })
     }
 
@@ -370,6 +431,102 @@ mod tests {
             verify: true, // ignored: no checksums
             min_slots: 1,
             pinner: None,
+        }
+    }
+
+    /// A GGUF-like file: `pad` bytes, then a Q8_0 stack per projection of `experts` experts of
+    /// `rows x cols`, ending the file unaligned; and the stacks as a GGUF open describes them.
+    fn q8_stacks(
+        dir: &std::path::Path,
+        pad: u64,
+        experts: usize,
+        rows: usize,
+        cols: usize,
+    ) -> (PathBuf, Vec<StreamedExperts>, Vec<u8>) {
+        let ty = sluice_format::gguf::GgmlType::from_id(8).unwrap();
+        assert_eq!(ty.name(), "Q8_0");
+        let per = (rows * cols / 32 * 34) as u64;
+        let mut bytes: Vec<u8> = (0..pad).map(|i| i as u8).collect();
+        let mut stacks = Vec::new();
+        for projection in 0..3 {
+            let (r, c) = if projection == 2 {
+                (cols, rows)
+            } else {
+                (rows, cols)
+            };
+            let base = bytes.len() as u64;
+            for e in 0..experts {
+                for b in 0..r * c / 32 {
+                    // d: a finite f16 per block; 32 codes.
+                    // f16 bits of 2^-7 times 1..1.75.
+                    let d = 0x2000u16 + ((b + e + projection) % 7) as u16 * 0x80;
+                    bytes.extend_from_slice(&d.to_le_bytes());
+                    bytes.extend((0..32).map(|i| (i * 37 + b * 11 + e * 5 + projection) as u8));
+                }
+            }
+            stacks.push(StreamedExperts {
+                layer: 0,
+                prefix: "model.layers.0.mlp".into(),
+                projection,
+                ggml_type: ty,
+                rows: r,
+                cols: c,
+                file: 0,
+                offsets: (0..experts as u64).map(|e| base + e * per).collect(),
+                bytes_per_expert: per,
+            });
+        }
+        let path = dir.join("model.gguf");
+        std::fs::write(&path, &bytes).unwrap();
+        (path, stacks, bytes)
+    }
+
+    #[test]
+    fn streamed_gguf_experts_read_whole_pages_and_convert_exactly() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (experts, rows, cols) = (3, 512, 256);
+        let (path, stacks, bytes) = q8_stacks(tmp.path(), 100, experts, rows, cols);
+        let layout = UnpackedLayout::plan_streamed(&stacks, std::slice::from_ref(&path)).unwrap();
+        assert_eq!(layout.files.len(), 2, "an aligned and an exact reader");
+        assert_eq!(layout.direct, [true, false]);
+        let stride = layout.manifest.layers[0].stride;
+        for (e, parts) in layout.reads[0].iter().enumerate() {
+            for (p, r) in parts.iter().enumerate() {
+                let s = &stacks[p];
+                // The read covers the expert's blocks, and lands where the conversion looks.
+                assert!(
+                    r.offset <= s.offsets[e]
+                        && s.offsets[e] + s.bytes_per_expert <= r.offset + r.len
+                );
+                assert_eq!(layout.raw_at[0][e][p], r.at + (s.offsets[e] - r.offset));
+                assert!(r.at + r.len <= stride);
+                if r.file == 0 {
+                    assert_eq!(
+                        (r.offset % 4096, r.len % 4096, r.at % 4096),
+                        (0, 0, 0),
+                        "{r:?}"
+                    );
+                } else {
+                    // Only the expert that ends the file is read exactly.
+                    assert_eq!((e, p), (experts - 1, 2));
+                    assert_eq!(r.offset + r.len, bytes.len() as u64);
+                }
+            }
+        }
+        let store = ExpertStore::from_unpacked(tmp.path(), layout, &opts(2, stride)).unwrap();
+        for e in [2u32, 0, 1, 2] {
+            let got = store.fetch(0, &[e]).unwrap();
+            let got = [&got[0].gate, &got[0].up, &got[0].down];
+            for (m, s) in got.into_iter().zip(&stacks) {
+                let at = s.offsets[e as usize] as usize;
+                let want = s
+                    .convert(&bytes[at..at + s.bytes_per_expert as usize])
+                    .unwrap();
+                assert_eq!(m.format, s.format());
+                assert_eq!(m.data.as_slice(), &want.data[..]);
+                assert_eq!(m.scales.as_slice(), &want.scales[..]);
+                assert_eq!(m.biases.as_slice(), &want.biases[..]);
+            }
         }
     }
 
