@@ -65,8 +65,8 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_name = "fast|exact")]
     kernels: Vec<sluice_cpu::Kernels>,
     /// Measure disk throughput first (O_DIRECT; sequential, and random blocks at queue depth 1
-    /// and N) on --file, else on the first model's experts.bin (packed) or largest safetensors
-    /// file.
+    /// and N) on --file, else on the first model's experts.bin (packed), largest safetensors
+    /// file, or GGUF file.
     #[arg(long)]
     disk: bool,
     /// File for --disk.
