@@ -47,8 +47,8 @@ from make_fixtures_transformers import init_, routing_gap, TOKENIZER_FROM, TOKEN
 
 TEXT = "The quick brown fox jumps over the lazy dog while the river runs to the sea."
 
-# (fixture suffix, llama-quantize ftype, extra arguments): together every type with an affine
-# form (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and F16/BF16/F32, in ~5 MB. (Q5_K_M, Q6_K and
+# (fixture suffix, llama-quantize ftype, extra arguments): together every type sluice runs
+# (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, MXFP4) and F16/BF16/F32. (Q5_K_M, Q6_K and
 # Q8_0 files were made too and dropped: their types are covered here.)
 VARIANTS = [
     ("q4_k_m", "Q4_K_M", []),
@@ -58,6 +58,10 @@ VARIANTS = [
                         "--tensor-type", "attn_v=q5_1", "--tensor-type", "attn_output=f16",
                         "--tensor-type", "ffn_up_exps=q5_1", "--tensor-type", "ffn_down_exps=q4_1",
                         "--output-tensor-type", "bf16", "--token-embedding-type", "q8_0"]),
+    # The codebook types as llama-quantize writes them: IQ4_XS, with IQ4_NL and MXFP4 (gpt-oss's
+    # expert type) per tensor.
+    ("iq4", "IQ4_XS", ["--tensor-type", "attn_v=iq4_nl", "--tensor-type", "ffn_up_exps=iq4_nl",
+                       "--tensor-type", "ffn_down_exps=mxfp4", "--tensor-type", "attn_k=mxfp4"]),
 ]
 
 

@@ -75,8 +75,10 @@ enum Command {
 #[derive(Args)]
 pub(crate) struct ModelArgs {
     /// Model directory (config.json, tokenizer.json, *.safetensors), or a llama.cpp GGUF file
-    /// (qwen3moe, qwen35moe, qwen3next; quantised blocks are converted at load; any part of a
-    /// split set NAME-00001-of-0000N.gguf opens the whole set) [default:
+    /// (qwen3moe, qwen35moe, qwen3next; quantised blocks are converted at load, but the routed
+    /// experts stay in the file and stream from it when a cache is asked for or the converted
+    /// weights would not fit in memory; any part of a split set NAME-00001-of-0000N.gguf opens
+    /// the whole set) [default:
     /// $SLUICE_MODEL, else the demo model bundled in the repo, models/demo].
     #[arg(long, short = 'm', value_name = "DIR|FILE.gguf")]
     pub(crate) model: Option<PathBuf>,
@@ -99,7 +101,7 @@ pub(crate) struct ModelArgs {
     experts_per_token: Option<usize>,
     /// Expert cache size, e.g. 6GiB (packed models default to the available memory minus the
     /// resident weights and 1 GiB; unpacked models stream their experts only when this or
-    /// --memory-budget is given).
+    /// --memory-budget is given, or, for a GGUF, when its converted weights would not fit).
     #[arg(long, value_name = "SIZE")]
     expert_cache: Option<ByteSize>,
     #[command(flatten)]

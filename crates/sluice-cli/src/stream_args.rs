@@ -26,7 +26,8 @@ pub enum IoArg {
 pub struct StreamArgs {
     /// Total memory for the model: resident weights + expert cache + working memory (e.g.
     /// 10GiB); the expert cache gets what is left. Unpacked models then stream their experts
-    /// too (buffered reads; `sluice pack` makes streaming faster).
+    /// too (a safetensors checkpoint with buffered reads, where `sluice pack` makes streaming
+    /// faster; a GGUF's experts as the file stores them, converted as they are read).
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<ByteSize>,
     /// GPU memory for the model (e.g. 8GiB): resident weights, KV caches and activations, and a

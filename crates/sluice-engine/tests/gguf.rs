@@ -28,6 +28,18 @@ fn load(path: &Path, streaming: StreamingOptions) -> Result<Engine<CpuBackend>, 
     Engine::load(path, Arc::new(CpuBackend::new()), &opts).map_err(|e| e.to_string())
 }
 
+/// Every GGUF fixture: each weight type and family sluice reads from a GGUF.
+const GGUF_FIXTURES: [&str; 8] = [
+    "qwen3_moe-gguf-q4_k_m",
+    "qwen3_moe-gguf-q3_k_m",
+    "qwen3_moe-gguf-q2_k",
+    "qwen3_moe-gguf-legacy",
+    "qwen3_moe-gguf-codebooks",
+    "qwen3_moe-gguf-iq4",
+    "qwen3_5_moe-gguf-q4_k_m",
+    "qwen3_next-gguf-q4_k_m",
+];
+
 const TOKENS: [u32; 12] = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 26, 43];
 
 /// `sluice pack GGUF -o OUT`, then OUT loaded with a cache of one expert per layer's worth, so
@@ -51,13 +63,7 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 
 #[test]
 fn packed_gguf_streams_the_same_logits() {
-    for name in [
-        "qwen3_moe-gguf-q4_k_m",
-        "qwen3_moe-gguf-legacy",
-        "qwen3_moe-gguf-codebooks",
-        "qwen3_5_moe-gguf-q4_k_m",
-        "qwen3_next-gguf-q4_k_m",
-    ] {
+    for name in GGUF_FIXTURES {
         let gguf = fixture(name);
         let resident = load(&gguf, StreamingOptions::default()).unwrap();
         let tmp = tempfile::tempdir().unwrap();
@@ -106,15 +112,7 @@ fn tiny_cache() -> StreamingOptions {
 
 #[test]
 fn a_gguf_streams_its_experts_from_the_file_with_the_same_logits() {
-    for name in [
-        "qwen3_moe-gguf-q4_k_m",
-        "qwen3_moe-gguf-q3_k_m",
-        "qwen3_moe-gguf-q2_k",
-        "qwen3_moe-gguf-legacy",
-        "qwen3_moe-gguf-codebooks",
-        "qwen3_5_moe-gguf-q4_k_m",
-        "qwen3_next-gguf-q4_k_m",
-    ] {
+    for name in GGUF_FIXTURES {
         let gguf = fixture(name);
         let resident = load(&gguf, StreamingOptions::default()).unwrap();
         assert!(resident.store.is_none(), "{name}: resident by default");

@@ -147,6 +147,7 @@ macro_rules! reference_suite {
             qwen3_moe_gguf_q2_k: "qwen3_moe-gguf-q2_k",
             qwen3_moe_gguf_legacy: "qwen3_moe-gguf-legacy",
             qwen3_moe_gguf_codebooks: "qwen3_moe-gguf-codebooks",
+            qwen3_moe_gguf_iq4: "qwen3_moe-gguf-iq4",
             qwen3_5_moe_gguf_q4_k_m: "qwen3_5_moe-gguf-q4_k_m",
             qwen3_next_gguf_q4_k_m: "qwen3_next-gguf-q4_k_m",
             mixtral_q4: "mixtral-q4",
