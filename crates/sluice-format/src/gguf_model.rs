@@ -603,7 +603,15 @@ fn tensors(
     // ggml lists the contiguous dimension first.
     let shape_of =
         |t: &GgufTensorInfo| -> Vec<usize> { t.dims.iter().rev().map(|&d| d as usize).collect() };
-    let pieces = pieces(file, experts != GgufExperts::Stream).map_err(|(t, msg)| err(t, msg))?;
+    let available = sluice_sys::mem_available_bytes();
+    // Decided from the tensor table, before the fused stacks would be copied: when the experts
+    // stream, nothing of them is read now.
+    let stream = match experts {
+        GgufExperts::Convert => false,
+        GgufExperts::Stream => true,
+        GgufExperts::Auto => memory_shortfall(conversion_bytes(file), available).is_some(),
+    };
+    let pieces = pieces(file, !stream).map_err(|(t, msg)| err(t, msg))?;
     let mut quantised: Vec<(&Piece, String)> = Vec::new();
     // The routed experts' stacks: (piece, module, prefix, projection), decided on below.
     let mut expert_pieces: Vec<(&Piece, String, String, usize)> = Vec::new();
@@ -675,25 +683,6 @@ fn tensors(
             }
         }
     }
-    let converted_bytes = |t: &GgufTensorInfo| {
-        let bits = ggml_quants::affine_bits_per_weight(t.ggml_type).unwrap_or(32.0);
-        (t.elements() as f64 * bits / 8.0) as u64
-    };
-    let quantised_experts = expert_pieces
-        .iter()
-        .filter(|(p, ..)| !dense_type(p.info.ggml_type));
-    let need: u64 = quantised
-        .iter()
-        .map(|(p, _)| &p.info)
-        .chain(quantised_experts.map(|(p, ..)| &p.info))
-        .map(converted_bytes)
-        .sum();
-    let available = sluice_sys::mem_available_bytes();
-    let stream = match experts {
-        GgufExperts::Convert => false,
-        GgufExperts::Stream => true,
-        GgufExperts::Auto => memory_shortfall(need, available).is_some(),
-    };
     let mut streamed = Vec::new();
     for (piece, module, prefix, projection) in expert_pieces {
         let t = &piece.info;
@@ -917,6 +906,20 @@ fn memory_shortfall(need: u64, available: Option<u64>) -> Option<String> {
             gb(available)
         )
     })
+}
+
+/// Bytes of `t` converted to its affine form (0 for a dense tensor, a view of the file).
+fn converted_bytes(t: &GgufTensorInfo) -> u64 {
+    match ggml_quants::affine_bits_per_weight(t.ggml_type) {
+        Some(bits) => (t.elements() as f64 * bits / 8.0) as u64,
+        None => 0,
+    }
+}
+
+/// Bytes of every quantised tensor of `file` converted (those the model does not use too: an
+/// upper bound).
+fn conversion_bytes(file: &GgufFile) -> u64 {
+    file.tensors().iter().map(converted_bytes).sum()
 }
 
 /// Whether `ty` is a float type, read as it is.
