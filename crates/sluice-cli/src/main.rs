@@ -75,7 +75,8 @@ enum Command {
 #[derive(Args)]
 pub(crate) struct ModelArgs {
     /// Model directory (config.json, tokenizer.json, *.safetensors), or a llama.cpp GGUF file
-    /// (qwen3moe, qwen35moe, qwen3next; quantised blocks are converted at load, but the routed
+    /// (qwen3moe, qwen35moe, qwen3next, llama with experts (Mixtral), gpt-oss, glm4moe,
+    /// deepseek2; quantised blocks are converted at load, but the routed
     /// experts stay in the file and stream from it when a cache is asked for or the converted
     /// weights would not fit in memory; any part of a split set NAME-00001-of-0000N.gguf opens
     /// the whole set) [default:

@@ -29,7 +29,7 @@ fn load(path: &Path, streaming: StreamingOptions) -> Result<Engine<CpuBackend>, 
 }
 
 /// Every GGUF fixture: each weight type and family sluice reads from a GGUF.
-const GGUF_FIXTURES: [&str; 8] = [
+const GGUF_FIXTURES: [&str; 12] = [
     "qwen3_moe-gguf-q4_k_m",
     "qwen3_moe-gguf-q3_k_m",
     "qwen3_moe-gguf-q2_k",
@@ -38,6 +38,10 @@ const GGUF_FIXTURES: [&str; 8] = [
     "qwen3_moe-gguf-iq4",
     "qwen3_5_moe-gguf-q4_k_m",
     "qwen3_next-gguf-q4_k_m",
+    "mixtral-gguf-q4_k_m",
+    "gpt_oss-gguf-mxfp4",
+    "glm4_moe-gguf-q4_k_m",
+    "deepseek_v3-gguf-q4_k_m",
 ];
 
 const TOKENS: [u32; 12] = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 26, 43];

@@ -1,5 +1,6 @@
-//! A GGUF file opened as a model ([`ModelDir`]) for llama.cpp's `qwen3moe`, `qwen35moe` and
-//! `qwen3next` architectures: the Hugging Face config its metadata describes, its tensors under
+//! A GGUF file opened as a model ([`ModelDir`]) for llama.cpp's `qwen3moe`, `qwen35moe`,
+//! `qwen3next`, `llama` (Mixtral), `gpt-oss`, `glm4moe` and `deepseek2` architectures (the last
+//! four in [`crate::gguf_families`]): the Hugging Face config its metadata describes, its tensors under
 //! Hugging Face names (llama.cpp's changes to them undone where the model needs it, see
 //! [`Transform`]), its tokenizer as a `tokenizer.json`, chat template, stop tokens and sampling
 //! defaults. Everything downstream (model code, expert scanner, packing) then
@@ -24,6 +25,7 @@ use sluice_backend::{Dtype, HostBytes, WeightFormat};
 use crate::error::FormatError;
 use crate::ggml_quants;
 use crate::gguf::{GgmlType, GgufFile, GgufTensorInfo, GgufValue};
+use crate::gguf_families;
 use crate::gguf_tokenizer;
 use crate::safetensors::{StDtype, TensorInfo};
 use crate::{GenerationConfig, ModelDir, QuantConfig, Tensors, TokenizerConfig};
@@ -39,7 +41,15 @@ pub(crate) fn is_gguf(path: &Path) -> bool {
 }
 
 /// The architectures whose GGUF files sluice runs, by `general.architecture`.
-pub const GGUF_ARCHITECTURES: [&str; 3] = ["qwen3moe", "qwen35moe", "qwen3next"];
+pub const GGUF_ARCHITECTURES: [&str; 7] = [
+    "qwen3moe",
+    "qwen35moe",
+    "qwen3next",
+    "llama",
+    "gpt-oss",
+    "glm4moe",
+    "deepseek2",
+];
 
 pub(crate) fn open(path: &Path, experts: GgufExperts) -> Result<ModelDir, FormatError> {
     let file = GgufFile::open(path).map_err(|e| FormatError::Config {
@@ -62,6 +72,10 @@ pub(crate) fn open(path: &Path, experts: GgufExperts) -> Result<ModelDir, Format
         "qwen3moe" => qwen3moe_config(&meta)?,
         "qwen35moe" => qwen35moe_config(&meta)?,
         "qwen3next" => qwen3next_config(&meta)?,
+        "llama" => gguf_families::mixtral_config(&meta)?,
+        "gpt-oss" => gguf_families::gpt_oss_config(&meta)?,
+        "glm4moe" => gguf_families::glm4moe_config(&meta)?,
+        "deepseek2" => gguf_families::deepseek2_config(&meta)?,
         other => {
             return Err(err(format!(
                 "architecture `{other}` is not supported in GGUF files yet (sluice runs {}); \
@@ -169,24 +183,24 @@ fn type_counts(file: &GgufFile) -> String {
 }
 
 /// Reads `{arch}.*` keys with messages that name the key.
-struct Meta<'a> {
-    file: &'a GgufFile,
-    arch: &'a str,
+pub(crate) struct Meta<'a> {
+    pub(crate) file: &'a GgufFile,
+    pub(crate) arch: &'a str,
 }
 
 impl Meta<'_> {
-    fn err(&self, msg: String) -> FormatError {
+    pub(crate) fn err(&self, msg: String) -> FormatError {
         FormatError::Config {
             path: self.file.path().to_path_buf(),
             msg,
         }
     }
 
-    fn value(&self, key: &str) -> Option<&GgufValue> {
+    pub(crate) fn value(&self, key: &str) -> Option<&GgufValue> {
         self.file.metadata(&format!("{}.{key}", self.arch))
     }
 
-    fn uint_opt(&self, key: &str) -> Result<Option<usize>, FormatError> {
+    pub(crate) fn uint_opt(&self, key: &str) -> Result<Option<usize>, FormatError> {
         match self.value(key) {
             None => Ok(None),
             Some(v) => v.as_u64().map(|v| Some(v as usize)).ok_or_else(|| {
@@ -198,7 +212,7 @@ impl Meta<'_> {
         }
     }
 
-    fn uint(&self, key: &str) -> Result<usize, FormatError> {
+    pub(crate) fn uint(&self, key: &str) -> Result<usize, FormatError> {
         self.uint_opt(key)?.ok_or_else(|| {
             self.err(format!(
                 "no `{}.{key}` key (a GGUF written by llama.cpp's converter has it)",
@@ -207,7 +221,7 @@ impl Meta<'_> {
         })
     }
 
-    fn float_opt(&self, key: &str) -> Result<Option<f64>, FormatError> {
+    pub(crate) fn float_opt(&self, key: &str) -> Result<Option<f64>, FormatError> {
         match self.value(key) {
             None => Ok(None),
             Some(v) => v.as_f64().map(Some).ok_or_else(|| {
@@ -216,16 +230,15 @@ impl Meta<'_> {
         }
     }
 
-    fn tensor_dims(&self, name: &str) -> Option<&[u64]> {
+    pub(crate) fn tensor_dims(&self, name: &str) -> Option<&[u64]> {
         self.file.tensor(name).map(|t| t.dims.as_slice())
     }
 }
 
-/// The keys both architectures share: a Hugging Face config of `model_type` with `layers`
-/// decoder layers (attention heads, norms, rotary base, context, the routed experts, whether the
-/// embeddings are the output head), and its head size. llama.cpp always renormalises the top-k
-/// routing weights of these architectures (`norm_topk_prob`).
-fn moe_decoder_config(
+/// The keys every architecture shares: a Hugging Face config of `model_type` with `layers`
+/// decoder layers (vocabulary, width, attention heads, norm epsilon, rotary base, context,
+/// whether the embeddings are the output head), and its number of attention heads.
+pub(crate) fn base_config(
     m: &Meta,
     model_type: &str,
     architecture: &str,
@@ -236,16 +249,6 @@ fn moe_decoder_config(
     let heads = m.uint("attention.head_count")?;
     if heads == 0 {
         return Err(m.err(format!("`{arch}.attention.head_count` is 0")));
-    }
-    let head_dim = m
-        .uint_opt("attention.key_length")?
-        .unwrap_or(hidden / heads);
-    if let Some(v) = m.uint_opt("attention.value_length")? {
-        if v != head_dim {
-            return Err(m.err(format!(
-                "value heads of {v} and key heads of {head_dim}: {arch} has equal ones"
-            )));
-        }
     }
     let vocab = match m.tensor_dims("token_embd.weight") {
         Some([_, rows]) => *rows as usize,
@@ -266,7 +269,6 @@ fn moe_decoder_config(
         "num_key_value_heads".into(),
         json!(m.uint_opt("attention.head_count_kv")?.unwrap_or(heads)),
     );
-    c.insert("head_dim".into(), json!(head_dim));
     c.insert(
         "rms_norm_eps".into(),
         json!(m
@@ -281,6 +283,36 @@ fn moe_decoder_config(
     if let Some(ctx) = m.uint_opt("context_length")? {
         c.insert("max_position_embeddings".into(), json!(ctx));
     }
+    c.insert(
+        "tie_word_embeddings".into(),
+        json!(m.file.tensor("output.weight").is_none()),
+    );
+    Ok((c, heads))
+}
+
+/// The keys the Qwen MoE architectures share: [`base_config`], the head size, the routed
+/// experts. llama.cpp always renormalises the top-k routing weights of these architectures
+/// (`norm_topk_prob`).
+fn moe_decoder_config(
+    m: &Meta,
+    model_type: &str,
+    architecture: &str,
+    layers: usize,
+) -> Result<(Map<String, Value>, usize), FormatError> {
+    let arch = m.arch;
+    let (mut c, heads) = base_config(m, model_type, architecture, layers)?;
+    let hidden = m.uint("embedding_length")?;
+    let head_dim = m
+        .uint_opt("attention.key_length")?
+        .unwrap_or(hidden / heads);
+    if let Some(v) = m.uint_opt("attention.value_length")? {
+        if v != head_dim {
+            return Err(m.err(format!(
+                "value heads of {v} and key heads of {head_dim}: {arch} has equal ones"
+            )));
+        }
+    }
+    c.insert("head_dim".into(), json!(head_dim));
     c.insert("num_experts".into(), json!(m.uint("expert_count")?));
     c.insert(
         "num_experts_per_tok".into(),
@@ -291,10 +323,6 @@ fn moe_decoder_config(
         json!(m.uint("expert_feed_forward_length")?),
     );
     c.insert("norm_topk_prob".into(), json!(true));
-    c.insert(
-        "tie_word_embeddings".into(),
-        json!(m.file.tensor("output.weight").is_none()),
-    );
     Ok((c, head_dim))
 }
 
@@ -395,7 +423,7 @@ fn deltanet_moe_config(
 }
 
 /// `rope.scaling.*` as a Hugging Face `rope_scaling` object (`None` when absent or `none`).
-fn rope_scaling(m: &Meta) -> Result<Option<Value>, FormatError> {
+pub(crate) fn rope_scaling(m: &Meta) -> Result<Option<Value>, FormatError> {
     let kind = match m.value("rope.scaling.type") {
         None => return Ok(None),
         Some(v) => v.as_str().unwrap_or("").to_string(),
@@ -410,6 +438,14 @@ fn rope_scaling(m: &Meta) -> Result<Option<Value>, FormatError> {
             s.insert("factor".into(), json!(factor));
             if let Some(orig) = m.uint_opt("rope.scaling.original_context_length")? {
                 s.insert("original_max_position_embeddings".into(), json!(orig));
+            }
+            for (key, hf) in [
+                ("rope.scaling.yarn_beta_fast", "beta_fast"),
+                ("rope.scaling.yarn_beta_slow", "beta_slow"),
+            ] {
+                if let Some(v) = m.float_opt(key)? {
+                    s.insert(hf.into(), json!(v));
+                }
             }
             Ok(Some(Value::Object(s)))
         }
@@ -474,6 +510,9 @@ fn hf_target(
         return Ok(None);
     }
     let module = |m: &str| format!("model.layers.{layer}.{m}");
+    if let Some((m, weight)) = gguf_families::layer_target(arch, rest) {
+        return target(module(m), weight, Transform::None);
+    }
     let common = match rest {
         "attn_norm.weight" => Some("input_layernorm"),
         "attn_q.weight" => Some("self_attn.q_proj"),
@@ -611,7 +650,16 @@ fn tensors(
         GgufExperts::Stream => true,
         GgufExperts::Auto => memory_shortfall(conversion_bytes(file), available).is_some(),
     };
-    let pieces = pieces(file, !stream).map_err(|(t, msg)| err(t, msg))?;
+    let mut pieces = pieces(file, !stream).map_err(|(t, msg)| err(t, msg))?;
+    if arch == "llama" {
+        gguf_families::undo_llama_permute(file, &mut pieces).map_err(|(name, msg)| {
+            FormatError::Tensor {
+                name,
+                file: path.to_path_buf(),
+                msg,
+            }
+        })?;
+    }
     let mut quantised: Vec<(&Piece, String)> = Vec::new();
     // The routed experts' stacks: (piece, module, prefix, projection), decided on below.
     let mut expert_pieces: Vec<(&Piece, String, String, usize)> = Vec::new();
@@ -788,17 +836,18 @@ fn tensors(
 }
 
 /// A tensor as the model reads it: one of the file's, or one half of a fused one.
-struct Piece {
-    info: GgufTensorInfo,
-    /// The piece's bytes when they are not one range of the file (copied out of a fused tensor).
-    owned: Option<Vec<u8>>,
+pub(crate) struct Piece {
+    pub(crate) info: GgufTensorInfo,
+    /// The piece's bytes when they are not one range of the file (copied out of a fused tensor,
+    /// or rows put back in order).
+    pub(crate) owned: Option<Vec<u8>>,
     /// For a half of a fused gate/up stack: which half (0 gate, 1 up), and where in the file
     /// each expert's rows of it are.
     fused: Option<Vec<u64>>,
 }
 
 impl Piece {
-    fn bytes<'a>(&'a self, file: &'a GgufFile) -> &'a [u8] {
+    pub(crate) fn bytes<'a>(&'a self, file: &'a GgufFile) -> &'a [u8] {
         match &self.owned {
             Some(b) => b,
             None => file.tensor_bytes(&self.info),
@@ -1214,10 +1263,10 @@ mod tests {
     #[test]
     fn unsupported_files_are_one_line_errors() {
         let mut w = Writer::new();
-        w.kv = vec![("general.architecture".into(), STRING, s("llama"))];
+        w.kv = vec![("general.architecture".into(), STRING, s("falcon"))];
         let e = open_error(&w);
         assert!(
-            e.contains("`llama` is not supported") && e.contains("qwen3moe"),
+            e.contains("`falcon` is not supported") && e.contains("qwen3moe"),
             "{e}"
         );
 
@@ -1240,6 +1289,62 @@ mod tests {
                 && e.contains("llama-quantize"),
             "{e}"
         );
+    }
+
+    /// `arch`'s keys for a one-layer model of width 64 with 2 heads, and its embeddings.
+    fn base(arch: &str) -> Writer {
+        let mut w = Writer::new();
+        w.kv = vec![("general.architecture".into(), STRING, s(arch))];
+        w.kv(&format!("{arch}.embedding_length"), U32, u32v(64))
+            .kv(&format!("{arch}.block_count"), U32, u32v(1))
+            .kv(&format!("{arch}.attention.head_count"), U32, u32v(2))
+            .tensor("token_embd.weight", &[64, 4], 0, vec![0; 64 * 4 * 4])
+    }
+
+    #[test]
+    fn families_llama_cpp_writes_otherwise_are_one_line_errors() {
+        // A dense Llama, and a Mixtral in llama.cpp's pre-2024 one-tensor-per-expert layout.
+        let e = open_error(&base("llama"));
+        assert!(
+            e.contains("dense Llama") && e.contains("mixture-of-experts"),
+            "{e}"
+        );
+        let legacy = base("llama").kv("llama.expert_count", U32, u32v(2)).tensor(
+            "blk.0.ffn_gate.0.weight",
+            &[64, 2],
+            0,
+            vec![0; 64 * 2 * 4],
+        );
+        let e = open_error(&legacy);
+        assert!(
+            e.contains("blk.N.ffn_gate.E.weight") && e.contains("convert_hf_to_gguf"),
+            "{e}"
+        );
+
+        // DeepSeek-V2's softmax router, and a sigmoid one without its selection bias.
+        let mla_keys = |w: Writer, key_length: u32| {
+            w.kv("deepseek2.attention.kv_lora_rank", U32, u32v(32))
+                .kv("deepseek2.rope.dimension_count", U32, u32v(16))
+                .kv("deepseek2.attention.key_length_mla", U32, u32v(key_length))
+                .kv("deepseek2.attention.value_length_mla", U32, u32v(32))
+                .kv("deepseek2.expert_count", U32, u32v(4))
+                .kv("deepseek2.expert_used_count", U32, u32v(2))
+                .kv("deepseek2.expert_feed_forward_length", U32, u32v(32))
+        };
+        let mla = |w: Writer| mla_keys(w, 48);
+        let e =
+            open_error(&mla(base("deepseek2")).kv("deepseek2.expert_gating_func", U32, u32v(1)));
+        assert!(
+            e.contains("softmax") && e.contains("expert_gating_func"),
+            "{e}"
+        );
+        let e =
+            open_error(&mla(base("deepseek2")).kv("deepseek2.expert_gating_func", U32, u32v(2)));
+        assert!(e.contains("exp_probs_b"), "{e}");
+        // Keys without position of no width.
+        let w = mla_keys(base("deepseek2"), 16).kv("deepseek2.expert_gating_func", U32, u32v(2));
+        let e = open_error(&w);
+        assert!(e.contains("key_length_mla"), "{e}");
     }
 
     /// A qwen35moe file's metadata (one DeltaNet key head, two value heads) and embeddings.

@@ -37,6 +37,7 @@ pub mod experts;
 pub mod fs_util;
 pub mod ggml_quants;
 pub mod gguf;
+mod gguf_families;
 mod gguf_model;
 pub mod gguf_tokenizer;
 mod quant;
