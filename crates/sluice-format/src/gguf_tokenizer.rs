@@ -58,9 +58,12 @@
 //! name, true only for Llama 3), else a `ByteLevel` one as in Qwen's files; it runs only when
 //! encoding with `add_special_tokens`. The decoder is `ByteLevel`.
 //!
-//! Only `tokenizer.ggml.model` "gpt2" (byte-level BPE) is converted; SentencePiece ("llama")
-//! and the rest are refused with a one-line error, as are pre-tokenizers not in the table
-//! (e.g. `kimi-k2`, whose llama.cpp implementation is custom code, not a regex).
+//! `tokenizer.ggml.model` "gpt2" (byte-level BPE) is converted as above; "llama" (SentencePiece
+//! BPE: Llama 1/2, Mistral, Mixtral) as the legacy tokenizer.json transformers makes of a
+//! `tokenizer.model` (see `sentencepiece_json`: merges from the pieces' scores, byte fallback,
+//! `▁` for spaces and a space prefix). Other models are refused with a one-line error, as are
+//! pre-tokenizers not in the table (e.g. `kimi-k2`, whose llama.cpp implementation is custom
+//! code, not a regex).
 //!
 //! ```no_run
 //! # fn main() -> Result<(), sluice_format::gguf::GgufError> {
@@ -263,9 +266,11 @@ impl GgufTokenizerInfo {
         };
         let text = |id: Option<u32>| id.map(|i| tokens[i as usize].to_string());
         let (bos, eos, eot) = (id("bos")?, id("eos")?, id("eot")?);
-        let default_add_bos = pre
-            .and_then(pre_tokenizer)
-            .is_some_and(|p| p.default_add_bos);
+        // llama.cpp adds BOS by default for SentencePiece vocabularies and Llama 3's.
+        let default_add_bos = model == "llama"
+            || pre
+                .and_then(pre_tokenizer)
+                .is_some_and(|p| p.default_add_bos);
         Ok(GgufTokenizerInfo {
             pre: pre.map(str::to_string),
             n_tokens: tokens.len(),
@@ -291,19 +296,13 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<String, GgufError> {
     let info = GgufTokenizerInfo::read(file)?;
     match info.model.as_str() {
         "gpt2" => {}
-        "llama" => {
-            return Err(err(
-                file,
-                "tokenizer.ggml.model \"llama\" (SentencePiece) is not supported yet: use the \
-                 original model's tokenizer.json",
-            ))
-        }
+        "llama" => return sentencepiece_json(file, &info),
         m => {
             return Err(err(
                 file,
                 &format!(
                     "tokenizer.ggml.model {m:?} is not supported (only \"gpt2\", byte-level BPE, \
-                     is): use the original model's tokenizer.json"
+                     and \"llama\", SentencePiece BPE, are)"
                 ),
             ))
         }
@@ -366,7 +365,14 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<String, GgufError> {
         "use_regex": false,
     }));
 
-    let post_processor = post_processor(&info);
+    let post_processor = post_processor(&info).unwrap_or_else(|| {
+        json!({
+            "type": "ByteLevel",
+            "add_prefix_space": false,
+            "trim_offsets": false,
+            "use_regex": false,
+        })
+    });
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
@@ -402,17 +408,12 @@ fn pre_tokenizer(name: &str) -> Option<&'static PreTokenizer> {
 }
 
 /// BOS/EOS added as the GGUF says (the template Hugging Face's fast tokenizers build from
-/// `add_bos_token`/`add_eos_token`), else Qwen's `ByteLevel` post-processor.
-fn post_processor(info: &GgufTokenizerInfo) -> Value {
+/// `add_bos_token`/`add_eos_token`); `None` when neither is added.
+fn post_processor(info: &GgufTokenizerInfo) -> Option<Value> {
     let bos = info.bos_text.as_deref().filter(|_| info.add_bos);
     let eos = info.eos_text.as_deref().filter(|_| info.add_eos);
     if bos.is_none() && eos.is_none() {
-        return json!({
-            "type": "ByteLevel",
-            "add_prefix_space": false,
-            "trim_offsets": false,
-            "use_regex": false,
-        });
+        return None;
     }
     let special = |t: &str, type_id: u32| json!({"SpecialToken": {"id": t, "type_id": type_id}});
     let sequence = |s: &str, type_id: u32| json!({"Sequence": {"id": s, "type_id": type_id}});
@@ -433,12 +434,149 @@ fn post_processor(info: &GgufTokenizerInfo) -> Value {
             );
         }
     }
-    json!({
+    Some(json!({
         "type": "TemplateProcessing",
         "single": single,
         "pair": pair,
         "special_tokens": special_tokens,
-    })
+    }))
+}
+
+/// A SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 1/2, Mistral,
+/// Mixtral) as the tokenizer.json transformers' `LlamaConverter` makes of the original
+/// `tokenizer.model` (the legacy form Mixtral's published tokenizer.json has): a BPE model over
+/// the vocabulary whose merges are every split of a piece into two pieces, ranked by the
+/// piece's score (`tokenizer.ggml.scores`; ties as transformers' `generate_merges` orders
+/// them), byte fallback to the `<0xXX>` tokens, unknown text fused into `<unk>`; the normalizer
+/// writes spaces as `▁` and, unless `tokenizer.ggml.add_space_prefix` is false, puts one before
+/// the text and after each special token (as llama.cpp's SentencePiece tokenizer does). That
+/// ranks merges as llama.cpp does, highest score first.
+fn sentencepiece_json(file: &GgufFile, info: &GgufTokenizerInfo) -> Result<String, GgufError> {
+    const SCORES: &str = "tokenizer.ggml.scores";
+    let tokens = tokens(file)?;
+    let types = token_types(file, tokens.len())?;
+    let scores: Vec<f64> = match array_key(file, SCORES)? {
+        Some(items) if items.len() == tokens.len() => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_f64().ok_or_else(|| {
+                    err(
+                        file,
+                        &format!("{SCORES}[{i}] is {v}, not a number (re-convert the GGUF)"),
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(items) => {
+            return Err(err(
+                file,
+                &format!(
+                    "{SCORES} has {} entries for {} tokens (re-convert the GGUF)",
+                    items.len(),
+                    tokens.len()
+                ),
+            ))
+        }
+        None => {
+            return Err(err(
+                file,
+                &format!("no {SCORES}: a SentencePiece vocabulary ranks its merges by them"),
+            ))
+        }
+    };
+    let prefix = bool_key(file, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+    let mut vocab: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
+    let mut vocab_json = Map::new();
+    let mut added = Vec::new();
+    let mut unk = None;
+    for (id, (&text, &ty)) in tokens.iter().zip(&types).enumerate() {
+        if ty == TOKEN_UNUSED || text.is_empty() || vocab.contains_key(text) {
+            continue;
+        }
+        let id = id as u32;
+        vocab.insert(text, id);
+        vocab_json.insert(text.to_string(), json!(id));
+        if ty == TOKEN_UNKNOWN {
+            unk.get_or_insert(text);
+        }
+        if matches!(ty, TOKEN_CONTROL | TOKEN_UNKNOWN | TOKEN_USER_DEFINED) {
+            added.push(json!({
+                "id": id,
+                "content": text,
+                "single_word": false,
+                "lstrip": false,
+                "rstrip": false,
+                "normalized": false,
+                "special": ty != TOKEN_USER_DEFINED,
+            }));
+        }
+    }
+    // transformers' generate_merges: each piece's splits into two pieces, ordered by the ids of
+    // their parts, then all of them by (score, left length, right length) descending, stably.
+    let mut merges: Vec<(f64, usize, usize, u32, u32, &str, &str)> = Vec::new();
+    for (id, &text) in tokens.iter().enumerate() {
+        if vocab.get(text) != Some(&(id as u32)) {
+            continue;
+        }
+        let mut local = Vec::new();
+        for (cut, _) in text.char_indices().skip(1) {
+            let (l, r) = text.split_at(cut);
+            if let (Some(&il), Some(&ir)) = (vocab.get(l), vocab.get(r)) {
+                local.push((
+                    scores[id],
+                    l.chars().count(),
+                    r.chars().count(),
+                    il,
+                    ir,
+                    l,
+                    r,
+                ));
+            }
+        }
+        local.sort_by_key(|m| (m.3, m.4));
+        merges.extend(local);
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+    let merges: Vec<Value> = merges.iter().map(|m| json!([m.5, m.6])).collect();
+    let byte_fallback = types.contains(&TOKEN_BYTE);
+
+    let mut normalizers = Vec::new();
+    if prefix {
+        normalizers.push(json!({"type": "Prepend", "prepend": "\u{2581}"}));
+    }
+    normalizers.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}));
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": null,
+        "post_processor": post_processor(info),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": unk,
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": true,
+            "byte_fallback": byte_fallback,
+            "ignore_merges": false,
+            "vocab": vocab_json,
+            "merges": merges,
+        },
+    });
+    Ok(tokenizer.to_string())
 }
 
 fn err(file: &GgufFile, message: &str) -> GgufError {
@@ -847,7 +985,15 @@ mod tests {
             ),
             (
                 with(valid(), "tokenizer.ggml.model", Some(s("llama"))),
-                "(SentencePiece) is not supported yet",
+                "no tokenizer.ggml.scores: a SentencePiece vocabulary ranks its merges by them",
+            ),
+            (
+                with(
+                    with(valid(), "tokenizer.ggml.model", Some(s("llama"))),
+                    "tokenizer.ggml.scores",
+                    Some(GgufValue::Array(vec![GgufValue::F32(0.0); 2])),
+                ),
+                "tokenizer.ggml.scores has 2 entries for 6 tokens",
             ),
             (
                 with(valid(), "tokenizer.ggml.pre", Some(s("kimi-k2"))),
