@@ -17,7 +17,9 @@ use crate::ModelArgs;
     sluice serve --model ./packed --port 9000 --api-key secret\n\n\
     Then point any OpenAI client at http://127.0.0.1:8080/v1, e.g.\n  \
     curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
-    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"stream\": true}'")]
+    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"stream\": true}'\n\n\
+    Anthropic's Messages API is at /v1/messages; Claude Code runs against it with\n  \
+    ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_AUTH_TOKEN=KEY claude")]
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -28,8 +30,9 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one; the address is printed).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1 requests (default: the SLUICE_API_KEY
-    /// environment variable, else no key).
+    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`, Anthropic's header, on
+    /// /v1/messages) on /v1 requests (default: the SLUICE_API_KEY environment variable, else no
+    /// key).
     #[arg(long, env = "SLUICE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// Model id reported by /v1/models (default: the model directory's name).
@@ -139,6 +142,9 @@ fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u6
     let model = config.model_name.clone();
     sluice_server::run(engine, config, |addr| {
         eprintln!("sluice: serving `{model}` at http://{addr}/v1 (OpenAI API)");
+        eprintln!(
+            "sluice: Anthropic Messages API on http://{addr}/v1/messages (Claude Code: ANTHROPIC_BASE_URL=http://{addr})"
+        );
         if loopback {
             eprintln!("sluice: listening on {addr}: loopback only, other machines cannot connect (--host 0.0.0.0 to allow)");
         } else {

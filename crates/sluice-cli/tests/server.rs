@@ -1,4 +1,5 @@
-//! `sluice serve` driven by the official `openai` Python client (tests/server/openai_client.py):
+//! `sluice serve` driven by the official `openai` and `anthropic` Python clients
+//! (tests/server/openai_client.py, anthropic_client.py):
 //! chat and completions, streaming, tool-call round trips, stop sequences, usage, the prompt
 //! cache, cancel on disconnect and the error cases.
 //!
@@ -17,7 +18,7 @@ mod common;
 
 use common::repo;
 
-/// A virtualenv with the pinned `openai` client; returns its python.
+/// A virtualenv with the pinned `openai` and `anthropic` clients; returns its python.
 fn python_with_openai() -> PathBuf {
     common::python_with("tests/server/requirements.txt", "openai-venv")
 }
@@ -84,6 +85,31 @@ fn openai_client_against_sluice_serve() {
         .arg("--expect-tool-use")
         .arg("--heldout")
         .arg(model.join("eval/weather_prompts.jsonl"))
+        .output()
+        .expect("running the client checks");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "client checks failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains(" 0 failed"), "{stdout}");
+}
+
+/// The Messages API through the official `anthropic` client (tests/server/anthropic_client.py):
+/// plain and streamed answers, a tool-use round trip both ways, stop sequences, count_tokens and
+/// errors in Anthropic's shape.
+#[test]
+fn anthropic_client_against_sluice_serve() {
+    let python = python_with_openai();
+    let model = repo().join("models/demo");
+    let server = start_server(&["--model", model.to_str().unwrap(), "--api-key", "test-key"]);
+    let root = server.base_url.trim_end_matches("/v1").to_string();
+    let out = Command::new(&python)
+        .arg(repo().join("tests/server/anthropic_client.py"))
+        .args(["--base-url", &root, "--api-key", "test-key"])
+        .arg("--expect-tool-use")
         .output()
         .expect("running the client checks");
     let stdout = String::from_utf8_lossy(&out.stdout);

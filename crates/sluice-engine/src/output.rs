@@ -717,6 +717,8 @@ pub struct OutputParser {
     pending: String,
     splitter: Reader,
     stopped: bool,
+    /// The stop string found, once [`stopped`](Self::stopped).
+    matched: Option<String>,
     /// Stopped or finished: nothing more is read.
     done: bool,
 }
@@ -745,6 +747,7 @@ impl OutputParser {
             pending: String::new(),
             splitter,
             stopped: false,
+            matched: None,
             done: false,
         }
     }
@@ -772,6 +775,12 @@ impl OutputParser {
     /// stop string has been returned by push).
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// The stop string the text reached (the first listed of those found at the earliest
+    /// place), once [`stopped`](Self::stopped).
+    pub fn stop_sequence(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// End of generation: flushes held-back text. A malformed tool call, or an unclosed
@@ -814,6 +823,11 @@ impl OutputParser {
             // A stop string that might begin before the one found has to be decided first, or the
             // result would depend on how the text was split.
             (Some(at), m) if m.is_none_or(|m| m >= at) => {
+                self.matched = self
+                    .stops
+                    .iter()
+                    .find(|s| self.pending.find(s.as_str()) == Some(at))
+                    .cloned();
                 let before = self.pending[..at].to_string();
                 self.pending.clear();
                 self.splitter.feed(&before, out);

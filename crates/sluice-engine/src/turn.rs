@@ -54,10 +54,12 @@ impl<'a, F: FnMut(TurnEvent) -> ControlFlow<()>> TurnSink<'a, F> {
         }
     }
 
-    /// After the generation ended well: the output still held back, as `End`.
-    pub fn end(mut self) {
+    /// After the generation ended well: the output still held back, as `End`. Returns the stop
+    /// sequence that ended it, if one did.
+    pub fn end(mut self) -> Option<String> {
         self.held.extend(self.parser.finish());
         let _ = (self.on_event)(TurnEvent::End { output: self.held });
+        self.parser.stop_sequence().map(str::to_string)
     }
 }
 
@@ -109,7 +111,7 @@ impl<B: Backend + 'static> Engine<B> {
         let sequence = self.sequence(cache.as_deref_mut(), request, sink)?;
         let (stats, sink) = crate::batch::run_alone(self, sequence, cache);
         let stats = stats?;
-        sink.end();
+        let _ = sink.end();
         Ok(stats)
     }
 }

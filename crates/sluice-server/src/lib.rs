@@ -2,6 +2,7 @@
 //! the `openai` SDKs talk to.
 //!
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (JSON or SSE streaming),
+//! Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens` ([`anthropic`]),
 //! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Requests queue for the single
 //! model thread ([`worker`]); a client that disconnects cancels its generation. Chat requests
 //! are rendered with the model's own chat template; `<think>` reasoning (gpt-oss: the harmony
@@ -19,6 +20,7 @@
 
 #![forbid(unsafe_code)]
 
+mod anthropic;
 pub mod api;
 pub mod error;
 pub mod metrics;
@@ -207,12 +209,23 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
         .route("/v1/models", get(list_models::<B>))
         .route("/v1/models/{*id}", get(get_model::<B>))
         .route_layer(middleware::from_fn_with_state(app.clone(), check_key::<B>));
+    let messages = Router::new()
+        .route("/v1/messages", post(anthropic::messages::<B>))
+        .route(
+            "/v1/messages/count_tokens",
+            post(anthropic::count_tokens::<B>),
+        )
+        .route_layer(middleware::from_fn_with_state(
+            app.clone(),
+            anthropic::check_key::<B>,
+        ));
     Ok(Router::new()
         .merge(v1)
+        .merge(messages)
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics_text::<B>))
         .fallback(|| async {
-            ApiError::invalid("no such route (see /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
+            ApiError::invalid("no such route (see /v1/chat/completions, /v1/completions, /v1/messages, /v1/models, /health, /metrics)")
                 .with_status(StatusCode::NOT_FOUND)
         })
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
@@ -524,7 +537,7 @@ async fn chat_inner<B: Backend + 'static>(
             guard,
         ));
     }
-    let (events, stats) = collect(rx, guard).await?;
+    let (events, stats, _) = collect(rx, guard).await?;
     let mut reasoning = String::new();
     let mut content = String::new();
     let mut calls = Vec::new();
@@ -640,7 +653,7 @@ async fn completion_inner<B: Backend + 'static>(
             guard,
         ));
     }
-    let (events, stats) = collect(rx, guard).await?;
+    let (events, stats, _) = collect(rx, guard).await?;
     let mut text = echo.unwrap_or_default();
     for e in events {
         if let OutputEvent::Content(t) | OutputEvent::Reasoning(t) = e {
@@ -660,15 +673,19 @@ async fn completion_inner<B: Backend + 'static>(
 
 /// Waits for a whole generation. Dropping this future (the client went away) drops `guard`,
 /// which cancels the generation.
+/// Also returns the stop sequence that ended it, if one did.
 async fn collect(
     mut rx: UnboundedReceiver<Event>,
     guard: CancelOnDrop,
-) -> Result<(Vec<OutputEvent>, GenerationStats), ApiError> {
+) -> Result<(Vec<OutputEvent>, GenerationStats, Option<String>), ApiError> {
     let mut events = Vec::new();
     let result = loop {
         match rx.recv().await {
             Some(Event::Output(e)) => events.extend(e),
-            Some(Event::Done(stats)) => break Ok((events, stats)),
+            Some(Event::Done {
+                stats,
+                stop_sequence,
+            }) => break Ok((events, stats, stop_sequence)),
             Some(Event::Error(e)) => break Err(ApiError::internal(e)),
             None => break Err(ApiError::internal("the generation ended without a result")),
         }
@@ -773,7 +790,7 @@ impl<F: ChunkFormat> ChunkStream<F> {
                     .into_iter()
                     .map(|c| s.chunk(json!([c]), None))
                     .collect(),
-                Some(Event::Done(stats)) => {
+                Some(Event::Done { stats, .. }) => {
                     s.finished = true;
                     let last = s.format.closing(stats.finish);
                     let mut out = vec![s.chunk(json!([last]), None)];

@@ -43,9 +43,12 @@ pub struct Job {
 pub enum Event {
     Output(Vec<OutputEvent>),
     /// The generation ended with `stats.finish` [`FinishReason::Stop`],
-    /// [`FinishReason::StopSequence`] or [`FinishReason::Length`] (a cancelled one has no client
-    /// left to tell).
-    Done(GenerationStats),
+    /// [`FinishReason::StopSequence`] (`stop_sequence` says which) or [`FinishReason::Length`]
+    /// (a cancelled one has no client left to tell).
+    Done {
+        stats: GenerationStats,
+        stop_sequence: Option<String>,
+    },
     Error(String),
 }
 
@@ -226,10 +229,13 @@ fn retire<B: Backend + 'static>(
             metrics.record(&stats, submitted.elapsed());
         }
         Ok(stats) => {
-            turn.end();
+            let stop_sequence = turn.end();
             metrics.record(&stats, submitted.elapsed());
             metrics.requests_finished.fetch_add(1, Relaxed);
-            let _ = events.send(Event::Done(stats));
+            let _ = events.send(Event::Done {
+                stats,
+                stop_sequence,
+            });
         }
         Err(e) => {
             metrics.requests_failed.fetch_add(1, Relaxed);

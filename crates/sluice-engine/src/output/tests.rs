@@ -144,6 +144,26 @@ fn earliest_stop_wins_whatever_the_chunking() {
 }
 
 #[test]
+fn the_stop_string_reached_is_named() {
+    let o = OutputOptions {
+        stop: vec!["bc".into(), "abcd".into(), "zz".into()],
+        ..OutputOptions::default()
+    };
+    let named = |chunks: &[&str]| {
+        let mut p = OutputParser::new(o.clone());
+        for c in chunks {
+            p.push(c);
+        }
+        p.finish();
+        p.stop_sequence().map(str::to_string)
+    };
+    assert_eq!(named(&["xabc", "d"]).as_deref(), Some("abcd"));
+    assert_eq!(named(&["xabc", "e"]).as_deref(), Some("bc"));
+    assert_eq!(named(&["x", "yz", "z"]).as_deref(), Some("zz"));
+    assert_eq!(named(&["no stop here"]), None);
+}
+
+#[test]
 fn stop_strings_respect_char_boundaries() {
     let o = OutputOptions {
         stop: vec!["é!".into()],
