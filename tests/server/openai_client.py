@@ -271,6 +271,75 @@ class Checks:
         assert not r.choices[0].message.tool_calls, r
         assert r.choices[0].finish_reason != "tool_calls", r
 
+    # --- the Responses API ---------------------------------------------------------------
+
+    def respond(self, **kw):
+        kw.setdefault("model", self.model)
+        kw.setdefault("temperature", 0)
+        return self.client.responses.create(**kw)
+
+    def respond_streamed(self, **kw):
+        """The final response and the event types, from the SDK's stream helper."""
+        kw.setdefault("model", self.model)
+        kw.setdefault("temperature", 0)
+        with self.client.responses.stream(**kw) as s:
+            events = list(s)
+        # The helper's get_final_response wants `response.completed`; a response cut by
+        # max_output_tokens ends with `response.incomplete` instead, as OpenAI's does.
+        last = events[-1]
+        assert last.type in ("response.completed", "response.incomplete"), [e.type for e in events]
+        return last.response, [e.type for e in events]
+
+    def test_responses_text(self):
+        r = self.respond(input="Tell me a story.", max_output_tokens=12)
+        assert r.object == "response" and r.id.startswith("resp_"), r
+        # The same conversation as the chat completion's story: the same greedy answer.
+        story, finish, tokens = self.story
+        assert r.output_text == story, (r.output_text, story)
+        assert r.usage.output_tokens == tokens, r.usage
+        if finish == "length":
+            assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
+        else:
+            assert r.status == "completed" and r.incomplete_details is None, r
+        streamed, types = self.respond_streamed(input="Tell me a story.", max_output_tokens=12)
+        assert streamed.output_text == story and streamed.status == r.status, streamed
+        assert types[:2] == ["response.created", "response.in_progress"], types
+        assert "response.output_text.delta" in types, types
+        assert types[-1] in ("response.completed", "response.incomplete"), types
+
+    def responses_tool_round_trip(self, stream):
+        tools = [dict(type="function", **t["function"]) for t in TOOLS]
+        kw = dict(input=WEATHER_QUESTION, tools=tools, max_output_tokens=60)
+        r = self.respond_streamed(**kw)[0] if stream else self.respond(**kw)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert calls and calls[0].name == "get_weather", r.output
+        assert calls[0].call_id.startswith("call_"), calls[0]
+        assert json.loads(calls[0].arguments)["location"] == "Paris", calls[0].arguments
+        follow = WEATHER_QUESTION + [o.model_dump(exclude_none=True) for o in r.output] + [
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": json.dumps(
+                {"location": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny",
+                 "humidity": 40, "wind_kph": 12})},
+        ]
+        answer = self.respond(input=follow, tools=tools, max_output_tokens=60)
+        assert not [o for o in answer.output if o.type == "function_call"], answer.output
+        assert answer.output_text, answer.output
+        if self.args.expect_tool_use:
+            assert "18" in answer.output_text, answer.output_text
+
+    def test_responses_tool_round_trip(self):
+        self.responses_tool_round_trip(stream=False)
+
+    def test_responses_tool_round_trip_streamed(self):
+        self.responses_tool_round_trip(stream=True)
+
+    def test_responses_errors(self):
+        self.expect_error(400, lambda: self.respond(input="Hi", previous_response_id="resp_1"),
+                          "previous_response_id")
+        image = {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}
+        self.expect_error(400, lambda: self.respond(input=[image]), "input_image")
+        self.expect_error(400, lambda: self.respond(input="Hi", tools=[{"type": "web_search"}]),
+                          "web_search")
+
     def test_prompt_cache(self):
         system = {"role": "system", "content": "You are a helpful assistant. Answer in one sentence."}
         first = [system, {"role": "user", "content": "Tell me about the river."}]

@@ -2,7 +2,8 @@
 //! the `openai` SDKs talk to.
 //!
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (JSON or SSE streaming),
-//! Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens` ([`anthropic`]),
+//! OpenAI's `POST /v1/responses` ([`responses`]), Anthropic's `POST /v1/messages` and
+//! `/v1/messages/count_tokens` ([`anthropic`]),
 //! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Requests queue for the single
 //! model thread ([`worker`]); a client that disconnects cancels its generation. Chat requests
 //! are rendered with the model's own chat template; `<think>` reasoning (gpt-oss: the harmony
@@ -24,6 +25,7 @@ mod anthropic;
 pub mod api;
 pub mod error;
 pub mod metrics;
+mod responses;
 pub mod worker;
 
 use std::convert::Infallible;
@@ -206,6 +208,7 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions::<B>))
         .route("/v1/completions", post(completions::<B>))
+        .route("/v1/responses", post(responses::responses::<B>))
         .route("/v1/models", get(list_models::<B>))
         .route("/v1/models/{*id}", get(get_model::<B>))
         .route_layer(middleware::from_fn_with_state(app.clone(), check_key::<B>));
@@ -225,7 +228,7 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics_text::<B>))
         .fallback(|| async {
-            ApiError::invalid("no such route (see /v1/chat/completions, /v1/completions, /v1/messages, /v1/models, /health, /metrics)")
+            ApiError::invalid("no such route (see /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /health, /metrics)")
                 .with_status(StatusCode::NOT_FOUND)
         })
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
