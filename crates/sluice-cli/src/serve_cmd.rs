@@ -61,6 +61,11 @@ pub struct ServeArgs {
     /// one that does not say stops there (default: up to the model's context).
     #[arg(long, value_name = "N")]
     max_tokens_limit: Option<usize>,
+    /// Let web pages from this origin call the server from a browser (CORS), e.g.
+    /// http://localhost:3000; repeat for several, `*` for any. Default: none (other origins'
+    /// pages cannot call it).
+    #[arg(long, value_name = "ORIGIN")]
+    cors_origin: Vec<String>,
 }
 
 /// Positions of state per request that the default `--parallel` leaves room for.
@@ -80,6 +85,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     shutdown_timeout(&a)?;
     if a.max_tokens_limit == Some(0) {
         bail!("--max-tokens-limit must be at least 1");
+    }
+    if a.cors_origin.iter().any(|o| o.trim().is_empty()) {
+        bail!("--cors-origin must name an origin (e.g. http://localhost:3000) or be `*`");
     }
     with_engine!(&a.model, |engine| serve_on(engine, &a, max_body))
 }
@@ -112,6 +120,7 @@ fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u6
     config.prompt_cache = a.prompt_cache;
     config.shutdown_timeout = shutdown_timeout(a)?;
     config.max_tokens_limit = a.max_tokens_limit;
+    config.cors_origins = a.cors_origin.clone();
     config.parallel = match a.parallel {
         Some(0) => bail!("--parallel must be at least 1"),
         Some(n) => n,

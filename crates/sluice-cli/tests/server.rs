@@ -290,8 +290,97 @@ fn tool_call_formats_through_the_openai_client() {
     tool_formats_client(&python, &dir, cases);
 }
 
-/// One HTTP/1.1 request with the standard library; returns (status, body).
-fn http(base_url: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+/// llama-server's routes without `/v1`, and CORS: off by default (a preflight gets 405), and
+/// for the origins of `--cors-origin` a preflight answered 204 with what it may send, and
+/// responses carrying `Access-Control-Allow-Origin`; another origin's preflight gets 403.
+#[test]
+fn unprefixed_routes_and_cors() {
+    let model = repo().join("models/demo");
+    let model = model.to_str().unwrap();
+    let chat = r#"{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}"#;
+    let preflight = [
+        ("Origin", "http://app.example"),
+        ("Access-Control-Request-Method", "POST"),
+        ("Access-Control-Request-Headers", "content-type, x-api-key"),
+    ];
+    let server = start_server(&["--model", model]);
+    let (status, _, body) = http_with(&server.base_url, "POST", "/chat/completions", &[], chat);
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = http_with(
+        &server.base_url,
+        "POST",
+        "/completions",
+        &[],
+        r#"{"prompt": "Hi", "max_tokens": 2}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, head, _) = http_with(
+        &server.base_url,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &preflight,
+        "",
+    );
+    assert_eq!(status, 405, "{head}");
+    assert!(
+        !head.to_ascii_lowercase().contains("access-control"),
+        "{head}"
+    );
+    drop(server);
+
+    let server = start_server(&["--model", model, "--cors-origin", "http://app.example"]);
+    let (status, head, _) = http_with(&server.base_url, "OPTIONS", "/v1/messages", &preflight, "");
+    let head = head.to_ascii_lowercase();
+    assert_eq!(status, 204, "{head}");
+    assert!(
+        head.contains("access-control-allow-origin: http://app.example"),
+        "{head}"
+    );
+    assert!(
+        head.contains("access-control-allow-methods: get, post, options"),
+        "{head}"
+    );
+    assert!(
+        head.contains("access-control-allow-headers: content-type, x-api-key"),
+        "{head}"
+    );
+    let origin = [("Origin", "http://app.example")];
+    let (status, head, body) = http_with(
+        &server.base_url,
+        "POST",
+        "/v1/chat/completions",
+        &origin,
+        chat,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("access-control-allow-origin: http://app.example"),
+        "{head}"
+    );
+    let other = [
+        ("Origin", "http://evil.example"),
+        ("Access-Control-Request-Method", "POST"),
+    ];
+    let (status, head, body) = http_with(
+        &server.base_url,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &other,
+        "",
+    );
+    assert_eq!(status, 403, "{head}");
+    assert!(body.contains("--cors-origin"), "{body}");
+}
+
+/// One HTTP/1.1 request with extra headers; returns (status, head, body).
+fn http_with(
+    base_url: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String, String) {
     let addr = base_url
         .trim_start_matches("http://")
         .split('/')
@@ -301,9 +390,13 @@ fn http(base_url: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{extra}\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
@@ -312,7 +405,13 @@ fn http(base_url: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     stream.read_to_string(&mut response).unwrap();
     let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
     let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, body.to_string())
+    (status, head.to_string(), body.to_string())
+}
+
+/// One HTTP/1.1 request with the standard library; returns (status, body).
+fn http(base_url: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let (status, _, body) = http_with(base_url, method, path, &[], body);
+    (status, body)
 }
 
 fn chat_message(base_url: &str, request: serde_json::Value) -> serde_json::Value {

@@ -75,6 +75,9 @@ pub struct ServerConfig {
     /// The most tokens one request may generate: asking for more is an error, and requests that
     /// do not say get this limit (None: up to the context).
     pub max_tokens_limit: Option<usize>,
+    /// Browser origins allowed to call the server (CORS), e.g. `http://localhost:3000`; `*`
+    /// allows any. Empty: no CORS headers, and preflight requests are refused.
+    pub cors_origins: Vec<String>,
 }
 
 impl ServerConfig {
@@ -88,6 +91,7 @@ impl ServerConfig {
             parallel: 4,
             shutdown_timeout: std::time::Duration::from_secs(30),
             max_tokens_limit: None,
+            cors_origins: Vec::new(),
         }
     }
 }
@@ -211,6 +215,10 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
         .route("/v1/responses", post(responses::responses::<B>))
         .route("/v1/models", get(list_models::<B>))
         .route("/v1/models/{*id}", get(get_model::<B>))
+        // llama-server's routes without the prefix, which some clients call.
+        .route("/chat/completions", post(chat_completions::<B>))
+        .route("/completions", post(completions::<B>))
+        .route("/models", get(list_models::<B>))
         .route_layer(middleware::from_fn_with_state(app.clone(), check_key::<B>));
     let messages = Router::new()
         .route("/v1/messages", post(anthropic::messages::<B>))
@@ -233,7 +241,77 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
         })
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .layer(middleware::from_fn_with_state(app.clone(), refuse_oversized_body::<B>))
+        .layer(middleware::from_fn_with_state(app.clone(), cors::<B>))
         .with_state(app))
+}
+
+/// CORS for the origins of `--cors-origin`: a preflight (`OPTIONS` with
+/// `Access-Control-Request-Method`) from an allowed origin is answered 204 with what it may
+/// send; other responses to an allowed origin carry `Access-Control-Allow-Origin`. Without
+/// allowed origins nothing changes (a preflight gets 405, so browsers on other origins cannot
+/// call the server).
+async fn cors<B: Backend + 'static>(
+    State(app): State<Arc<App<B>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let allowed = &app.config.cors_origins;
+    let origin = request
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let Some(origin) = origin.filter(|_| !allowed.is_empty()) else {
+        return next.run(request).await;
+    };
+    let allow = if allowed.iter().any(|a| a == "*") {
+        Some("*".to_string())
+    } else {
+        allowed.iter().find(|a| **a == origin).cloned()
+    };
+    let preflight = request.method() == axum::http::Method::OPTIONS
+        && request
+            .headers()
+            .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    let Some(allow) = allow else {
+        if preflight {
+            return ApiError::invalid(format!(
+                "origin {origin} is not allowed (sluice serve --cors-origin)"
+            ))
+            .with_status(StatusCode::FORBIDDEN)
+            .into_response();
+        }
+        return next.run(request).await;
+    };
+    let value =
+        |s: &str| header::HeaderValue::from_str(s).unwrap_or(header::HeaderValue::from_static("*"));
+    let mut response = if preflight {
+        let asked = request
+            .headers()
+            .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
+            .cloned()
+            .unwrap_or(header::HeaderValue::from_static(
+                "authorization, content-type, x-api-key, anthropic-version",
+            ));
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        let h = r.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            header::HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            header::HeaderValue::from_static("600"),
+        );
+        r
+    } else {
+        next.run(request).await
+    };
+    let h = response.headers_mut();
+    h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, value(&allow));
+    h.insert(header::VARY, header::HeaderValue::from_static("Origin"));
+    response
 }
 
 fn unix_now() -> u64 {
