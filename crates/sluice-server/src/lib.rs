@@ -218,6 +218,7 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
         // llama-server's routes without the prefix, which some clients call.
         .route("/chat/completions", post(chat_completions::<B>))
         .route("/completions", post(completions::<B>))
+        .route("/responses", post(responses::responses::<B>))
         .route("/models", get(list_models::<B>))
         .route_layer(middleware::from_fn_with_state(app.clone(), check_key::<B>));
     let messages = Router::new()
