@@ -29,7 +29,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use sluice_backend::Backend;
 use sluice_engine::chat::ChatMessage;
-use sluice_engine::output::{prompt_opens_thinking, OutputEvent, OutputOptions};
+use sluice_engine::output::OutputEvent;
 use sluice_engine::{FinishReason, GenerationStats};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -483,17 +483,7 @@ async fn messages_inner<B: Backend + 'static>(
         prompt,
         tools,
     } = render(app, body)?;
-    let harmony = app.engine.chat_template.is_harmony();
-    let output = OutputOptions {
-        starts_in_reasoning: !harmony && prompt_opens_thinking(&prompt.text),
-        parse_reasoning: true,
-        parse_tool_calls: tools.is_some(),
-        stop: Vec::new(),
-        tools,
-        harmony,
-    };
-    let mut prepared = app.prepare(prompt.tokens, request.sampling()?, output, None)?;
-    prepared.checkpoint = prompt.checkpoint;
+    let prepared = app.prepare_chat(prompt, request.sampling()?, tools)?;
     let (rx, guard) = app.submit(&prepared)?;
     let id = format!("msg_{:016x}{:08x}", random_u64(), random_u64() as u32);
     let model = app.config.model_name.clone();

@@ -494,6 +494,29 @@ impl<B: Backend + 'static> App<B> {
         })
     }
 
+    /// [`App::prepare`] for a rendered chat prompt: its answer read for reasoning (harmony's
+    /// channels for gpt-oss's template) and, when tools were offered, for tool calls; resumable
+    /// from the conversation's checkpoint.
+    fn prepare_chat(
+        &self,
+        prompt: sluice_engine::ChatPrompt,
+        sampling: Sampling,
+        tools: Option<Value>,
+    ) -> Result<Prepared, ApiError> {
+        let harmony = self.engine.chat_template.is_harmony();
+        let output = OutputOptions {
+            starts_in_reasoning: !harmony && prompt_opens_thinking(&prompt.text),
+            parse_reasoning: true,
+            parse_tool_calls: tools.is_some(),
+            stop: Vec::new(),
+            tools,
+            harmony,
+        };
+        let mut prepared = self.prepare(prompt.tokens, sampling, output, None)?;
+        prepared.checkpoint = prompt.checkpoint;
+        Ok(prepared)
+    }
+
     /// Queues the generation; the receiver yields its events, the guard cancels it when dropped.
     fn submit(&self, p: &Prepared) -> Result<(UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
         let (events, rx) = unbounded_channel();
@@ -596,18 +619,7 @@ async fn chat_inner<B: Backend + 'static>(
         .engine
         .chat_prompt(&messages, tools.as_ref(), &extra)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
-    // A harmony template (gpt-oss) gets a harmony answer: channels, not `<think>`.
-    let harmony = app.engine.chat_template.is_harmony();
-    let output = OutputOptions {
-        starts_in_reasoning: !harmony && prompt_opens_thinking(&prompt.text),
-        parse_reasoning: true,
-        parse_tool_calls: tools.is_some(),
-        stop: Vec::new(),
-        tools,
-        harmony,
-    };
-    let mut prepared = app.prepare(prompt.tokens, sampling, output, None)?;
-    prepared.checkpoint = prompt.checkpoint;
+    let prepared = app.prepare_chat(prompt, sampling, tools)?;
     let (rx, guard) = app.submit(&prepared)?;
     let reply = app.reply("chatcmpl");
     if prepared.sampling.stream() {

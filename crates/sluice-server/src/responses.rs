@@ -27,7 +27,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use sluice_backend::Backend;
 use sluice_engine::chat::ChatMessage;
-use sluice_engine::output::{prompt_opens_thinking, OutputEvent, OutputOptions};
+use sluice_engine::output::OutputEvent;
 use sluice_engine::{FinishReason, GenerationStats};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -584,17 +584,7 @@ async fn responses_inner<B: Backend + 'static>(
         .engine
         .chat_prompt(&messages, tools.as_ref(), &kwargs)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let harmony = app.engine.chat_template.is_harmony();
-    let output = OutputOptions {
-        starts_in_reasoning: !harmony && prompt_opens_thinking(&prompt.text),
-        parse_reasoning: true,
-        parse_tool_calls: tools.is_some(),
-        stop: Vec::new(),
-        tools,
-        harmony,
-    };
-    let mut prepared = app.prepare(prompt.tokens, request.sampling(), output, None)?;
-    prepared.checkpoint = prompt.checkpoint;
+    let prepared = app.prepare_chat(prompt, request.sampling(), tools)?;
     let (rx, guard) = app.submit(&prepared)?;
     let mut settings = Map::new();
     settings.insert("instructions".into(), json!(request.instructions));
