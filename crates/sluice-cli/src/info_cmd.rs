@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_engine::streaming::{plan_cache_for, safetensors_bytes, StreamingOptions};
@@ -42,6 +42,11 @@ pub struct InfoArgs {
     /// Disk read bandwidth in GB/s (default: measured now on the model's largest file, ~3 s).
     #[arg(long, value_name = "GB/S")]
     disk_gbps: Option<f64>,
+    /// A request's context in tokens: prints its state (KV cache and recurrent state) at that
+    /// length, and whether the weights, the expert cache and that state fit --memory-budget
+    /// (default: the state at 4096 tokens and at the model's full context).
+    #[arg(long, value_name = "TOKENS")]
+    context: Option<usize>,
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
@@ -120,6 +125,18 @@ pub fn run(a: InfoArgs) -> Result<()> {
         share * 100.0,
         plan.reason
     );
+    let state = (
+        info.state_bytes_per_token,
+        info.state_bytes_fixed,
+        info.max_context,
+    );
+    request_state(
+        state,
+        a.context,
+        resident,
+        plan.cache_bytes,
+        a.memory_budget,
+    )?;
 
     let mem = match a.memory_gbps {
         Some(g) => g,
@@ -168,6 +185,60 @@ pub fn run(a: InfoArgs) -> Result<()> {
             per_expert / (if packed { moe_layers } else { info.layers }).max(1) as f64,
             experts_per_token,
             a.pcie_gbps,
+        );
+    }
+    Ok(())
+}
+
+/// One request's state (KV cache, growing per token; DeltaNet recurrent state, fixed) at
+/// `context` tokens, or at 4096 and the full context; with a memory budget, whether weights,
+/// expert cache and that state fit it together.
+fn request_state(
+    (per_token, fixed, max_context): (usize, usize, usize),
+    context: Option<usize>,
+    resident: u64,
+    cache: u64,
+    budget: Option<ByteSize>,
+) -> Result<()> {
+    let at = |n: usize| (fixed + per_token * n) as u64;
+    let recurrent = if fixed > 0 {
+        format!(" + recurrent state {}", format_bytes(fixed as u64))
+    } else {
+        String::new()
+    };
+    let mut lengths = match context {
+        Some(0) => bail!("--context must be at least 1 token"),
+        Some(n) if n > max_context => {
+            bail!("--context {n} is past the model's context of {max_context} tokens")
+        }
+        Some(n) => vec![n],
+        None => vec![4096.min(max_context), max_context],
+    };
+    lengths.dedup();
+    let sizes: Vec<String> = lengths
+        .iter()
+        .map(|&n| format!("{} at {n} tokens", format_bytes(at(n))))
+        .collect();
+    println!(
+        "  state per request: KV cache {} per token (f32){recurrent}: {}",
+        format_bytes(per_token as u64),
+        sizes.join(", ")
+    );
+    if let (Some(n), Some(budget)) = (context, budget) {
+        let total = resident + cache + at(n);
+        let verdict = if total <= budget.bytes() {
+            "fits"
+        } else {
+            "does NOT fit: lower --expert-cache, or shorten the context"
+        };
+        println!(
+            "  memory at {n} tokens: resident {} + expert cache {} + state {} = {} of the {} \
+             budget: {verdict}",
+            format_bytes(resident),
+            format_bytes(cache),
+            format_bytes(at(n)),
+            format_bytes(total),
+            format_bytes(budget.bytes())
         );
     }
     Ok(())

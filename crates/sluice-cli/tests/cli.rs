@@ -664,6 +664,47 @@ fn generate_streams_an_unpacked_model_when_given_a_cache() {
     assert!(!stderr.contains("streaming experts from"), "{stderr}");
 }
 
+/// `sluice info --context N`: a request's state at N tokens (KV per token times N plus the
+/// DeltaNet's fixed state, from the model's own sizes), and whether it fits the budget with the
+/// weights and the expert cache; a context past the model's is an error.
+#[test]
+fn info_sizes_a_requests_state_at_a_context() {
+    let m = fixture("qwen3_5_moe-q4");
+    let m = m.to_str().unwrap();
+    let info = |extra: &[&str]| {
+        let mut args = vec!["info", "-m", m, "--memory-gbps", "20", "--disk-gbps", "1"];
+        args.extend_from_slice(extra);
+        sluice(&args)
+    };
+    // Three Gated DeltaNet layers and one attention layer with 2 KV heads of 32: keys and values,
+    // 2 x 2 x 32 f32 per token.
+    let out = info(&["--context", "100", "--memory-budget", "10MiB"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("KV cache 512 B per token (f32) + recurrent state"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("at 100 tokens"), "{stdout}");
+    assert!(
+        stdout.contains("memory at 100 tokens") && stdout.contains(": fits"),
+        "{stdout}"
+    );
+    let out = info(&["--context", "512", "--memory-budget", "400KiB"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("does NOT fit"), "{stdout}");
+    let out = info(&["--context", "100000"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("past the model's context"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn info_shows_the_plan_with_its_arithmetic() {
     let tmp = tempfile::tempdir().unwrap();
