@@ -180,10 +180,41 @@ impl<'a, B: Backend, S: Sink> Sequence<'a, B, S> {
     }
 }
 
+/// Why a request whose state (KV cache and recurrent state) at `tokens` tokens takes `need`
+/// bytes cannot run with `free` bytes of the backend's memory, if it cannot: said before any
+/// work, instead of an allocation failure partway through a long prompt.
+pub fn state_shortfall(need: u64, tokens: usize, free: u64) -> Option<String> {
+    let gb = |b: u64| b as f64 / 1e9;
+    (need > free).then(|| {
+        format!(
+            "this prompt's model state (its KV cache at {tokens} tokens) needs {:.2} GB and \
+             {:.2} GB of memory is free: shorten the prompt, or free memory (a smaller \
+             --expert-cache)",
+            gb(need),
+            gb(free)
+        )
+    })
+}
+
 impl<B: Backend + 'static> Engine<B> {
+    /// Whether the state of a `prompt_len`-token prompt (its KV cache and recurrent state, which
+    /// its prefill takes before the first answer token) fits the backend's free memory; `Err`
+    /// says what it needs. The answer's growth is not reserved: a request without a length
+    /// limit would otherwise reserve the whole context.
+    pub fn prompt_state_fits(&self, prompt_len: usize) -> Result<(), String> {
+        let info = self.model.info();
+        let tokens = prompt_len + 1;
+        let need = info.state_bytes_fixed as u64 + (info.state_bytes_per_token * tokens) as u64;
+        match state_shortfall(need, tokens, self.model.backend().memory().free) {
+            Some(msg) => Err(msg),
+            None => Ok(()),
+        }
+    }
+
     /// A generation of `request` that [`Engine::step`] advances, resuming from the longest usable
-    /// state saved in `cache`. Fails at once on bad parameters, an empty prompt or one that
-    /// leaves no room in the model's context.
+    /// state saved in `cache`. Fails at once on bad parameters, an empty prompt, one that
+    /// leaves no room in the model's context, or one whose state (the KV cache of the whole
+    /// prompt) would not fit the backend's free memory.
     pub fn sequence<S: Sink>(
         &self,
         cache: Option<&mut PromptCache<B>>,
@@ -209,6 +240,8 @@ impl<B: Backend + 'static> Engine<B> {
                 prompt.len()
             )));
         }
+        self.prompt_state_fits(prompt.len())
+            .map_err(EngineError::Input)?;
         let start = Instant::now();
         let snapshots_wanted = cache.is_some();
         let resumed = cache.and_then(|c| c.take(self.model.backend(), prompt));
@@ -437,4 +470,19 @@ pub(crate) fn run_alone<B: Backend + 'static, S: Sink>(
         engine.step(&mut [&mut sequence], cache.as_deref_mut());
     }
     sequence.finish(cache)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::state_shortfall;
+
+    #[test]
+    fn a_state_past_free_memory_is_refused_naming_both_sizes() {
+        assert_eq!(state_shortfall(1_000, 10, 1_000), None);
+        let msg = state_shortfall(12_500_000_000, 262_144, 4_000_000_000).unwrap();
+        assert!(
+            msg.contains("262144 tokens") && msg.contains("12.50 GB") && msg.contains("4.00 GB"),
+            "{msg}"
+        );
+    }
 }

@@ -474,6 +474,9 @@ impl<B: Backend + 'static> App<B> {
             ))
             .with_code("context_length_exceeded"));
         }
+        self.engine
+            .prompt_state_fits(prompt.len())
+            .map_err(|msg| ApiError::invalid(msg).with_code("insufficient_memory"))?;
         let room = ctx - prompt.len();
         let asked = sampling.max_tokens()?;
         let limit = self.config.max_tokens_limit.unwrap_or(usize::MAX);
