@@ -26,7 +26,7 @@ use serde_json::{json, Map, Value};
 
 use crate::error::FormatError;
 use crate::gguf::GgufFile;
-use crate::gguf_model::{base_config, rope_scaling, Meta, Piece};
+use crate::gguf_model::{base_config, head_dim, rope_scaling, Meta, Piece};
 
 /// The Hugging Face `mixtral` config of a llama.cpp `llama` file with routed experts.
 pub(crate) fn mixtral_config(m: &Meta) -> Result<Value, FormatError> {
@@ -208,21 +208,6 @@ fn trunk(m: &Meta) -> Result<usize, FormatError> {
             m.arch
         ))
     })
-}
-
-/// `attention.key_length`, else hidden / heads; checked against `value_length`.
-fn head_dim(m: &Meta, c: &Map<String, Value>, heads: usize) -> Result<usize, FormatError> {
-    let hidden = c["hidden_size"].as_u64().unwrap_or(0) as usize;
-    let key = m
-        .uint_opt("attention.key_length")?
-        .unwrap_or(hidden / heads);
-    match m.uint_opt("attention.value_length")? {
-        Some(v) if v != key => Err(m.err(format!(
-            "value heads of {v} and key heads of {key}: {} has equal ones",
-            m.arch
-        ))),
-        _ => Ok(key),
-    }
 }
 
 fn rms_eps(m: &Meta, default: f64) -> Result<f64, FormatError> {

@@ -290,6 +290,26 @@ pub(crate) fn base_config(
     Ok((c, heads))
 }
 
+/// The attention head size: `attention.key_length`, else hidden / heads; checked against
+/// `attention.value_length` (these architectures have equal key and value heads).
+pub(crate) fn head_dim(
+    m: &Meta,
+    c: &Map<String, Value>,
+    heads: usize,
+) -> Result<usize, FormatError> {
+    let hidden = c["hidden_size"].as_u64().unwrap_or(0) as usize;
+    let key = m
+        .uint_opt("attention.key_length")?
+        .unwrap_or(hidden / heads);
+    match m.uint_opt("attention.value_length")? {
+        Some(v) if v != key => Err(m.err(format!(
+            "value heads of {v} and key heads of {key}: {} has equal ones",
+            m.arch
+        ))),
+        _ => Ok(key),
+    }
+}
+
 /// The keys the Qwen MoE architectures share: [`base_config`], the head size, the routed
 /// experts. llama.cpp always renormalises the top-k routing weights of these architectures
 /// (`norm_topk_prob`).
@@ -299,19 +319,8 @@ fn moe_decoder_config(
     architecture: &str,
     layers: usize,
 ) -> Result<(Map<String, Value>, usize), FormatError> {
-    let arch = m.arch;
     let (mut c, heads) = base_config(m, model_type, architecture, layers)?;
-    let hidden = m.uint("embedding_length")?;
-    let head_dim = m
-        .uint_opt("attention.key_length")?
-        .unwrap_or(hidden / heads);
-    if let Some(v) = m.uint_opt("attention.value_length")? {
-        if v != head_dim {
-            return Err(m.err(format!(
-                "value heads of {v} and key heads of {head_dim}: {arch} has equal ones"
-            )));
-        }
-    }
+    let head_dim = head_dim(m, &c, heads)?;
     c.insert("head_dim".into(), json!(head_dim));
     c.insert("num_experts".into(), json!(m.uint("expert_count")?));
     c.insert(

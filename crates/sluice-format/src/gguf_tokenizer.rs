@@ -321,28 +321,12 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<String, GgufError> {
 
     let tokens = tokens(file)?;
     let types = token_types(file, tokens.len())?;
-    let mut vocab: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
-    let mut vocab_json = Map::new();
-    let mut added = Vec::new();
-    for (id, (&text, &ty)) in tokens.iter().zip(&types).enumerate() {
-        if ty == TOKEN_UNUSED || text.is_empty() || vocab.contains_key(text) {
-            continue;
-        }
-        let id = id as u32;
-        vocab.insert(text, id);
-        vocab_json.insert(text.to_string(), json!(id));
-        if ty == TOKEN_CONTROL || ty == TOKEN_USER_DEFINED {
-            added.push(json!({
-                "id": id,
-                "content": text,
-                "single_word": false,
-                "lstrip": false,
-                "rstrip": false,
-                "normalized": false,
-                "special": ty == TOKEN_CONTROL,
-            }));
-        }
-    }
+    let Vocabulary {
+        ids: vocab,
+        json: vocab_json,
+        added,
+        ..
+    } = vocabulary(&tokens, &types, false);
 
     let merges = merges(file, &vocab)?;
 
@@ -442,6 +426,57 @@ fn post_processor(info: &GgufTokenizerInfo) -> Option<Value> {
     }))
 }
 
+/// The tokens as a BPE model's vocabulary.
+struct Vocabulary<'a> {
+    /// Text -> GGUF id.
+    ids: HashMap<&'a str, u32>,
+    /// The same, as tokenizer.json's `model.vocab`.
+    json: Map<String, Value>,
+    /// tokenizer.json's `added_tokens`.
+    added: Vec<Value>,
+    /// The first `UNKNOWN` token's text.
+    unk: Option<&'a str>,
+}
+
+/// Every token at its GGUF index (see the module documentation for what is skipped), and the
+/// added tokens: `CONTROL` ones special, `USER_DEFINED` ones not, and `UNKNOWN` ones special
+/// when `unknown_added` (SentencePiece's `<unk>`, which transformers adds).
+fn vocabulary<'a>(tokens: &[&'a str], types: &[i64], unknown_added: bool) -> Vocabulary<'a> {
+    let mut v = Vocabulary {
+        ids: HashMap::with_capacity(tokens.len()),
+        json: Map::new(),
+        added: Vec::new(),
+        unk: None,
+    };
+    for (id, (&text, &ty)) in tokens.iter().zip(types).enumerate() {
+        if ty == TOKEN_UNUSED || text.is_empty() || v.ids.contains_key(text) {
+            continue;
+        }
+        let id = id as u32;
+        v.ids.insert(text, id);
+        v.json.insert(text.to_string(), json!(id));
+        if ty == TOKEN_UNKNOWN {
+            v.unk.get_or_insert(text);
+        }
+        let special = match ty {
+            TOKEN_CONTROL => true,
+            TOKEN_UNKNOWN if unknown_added => true,
+            TOKEN_USER_DEFINED => false,
+            _ => continue,
+        };
+        v.added.push(json!({
+            "id": id,
+            "content": text,
+            "single_word": false,
+            "lstrip": false,
+            "rstrip": false,
+            "normalized": false,
+            "special": special,
+        }));
+    }
+    v
+}
+
 /// A SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 1/2, Mistral,
 /// Mixtral) as the tokenizer.json transformers' `LlamaConverter` makes of the original
 /// `tokenizer.model` (the legacy form Mixtral's published tokenizer.json has): a BPE model over
@@ -486,32 +521,12 @@ fn sentencepiece_json(file: &GgufFile, info: &GgufTokenizerInfo) -> Result<Strin
         }
     };
     let prefix = bool_key(file, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
-    let mut vocab: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
-    let mut vocab_json = Map::new();
-    let mut added = Vec::new();
-    let mut unk = None;
-    for (id, (&text, &ty)) in tokens.iter().zip(&types).enumerate() {
-        if ty == TOKEN_UNUSED || text.is_empty() || vocab.contains_key(text) {
-            continue;
-        }
-        let id = id as u32;
-        vocab.insert(text, id);
-        vocab_json.insert(text.to_string(), json!(id));
-        if ty == TOKEN_UNKNOWN {
-            unk.get_or_insert(text);
-        }
-        if matches!(ty, TOKEN_CONTROL | TOKEN_UNKNOWN | TOKEN_USER_DEFINED) {
-            added.push(json!({
-                "id": id,
-                "content": text,
-                "single_word": false,
-                "lstrip": false,
-                "rstrip": false,
-                "normalized": false,
-                "special": ty != TOKEN_USER_DEFINED,
-            }));
-        }
-    }
+    let Vocabulary {
+        ids: vocab,
+        json: vocab_json,
+        added,
+        unk,
+    } = vocabulary(&tokens, &types, true);
     // transformers' generate_merges: each piece's splits into two pieces, ordered by the ids of
     // their parts, then all of them by (score, left length, right length) descending, stably.
     let mut merges: Vec<(f64, usize, usize, u32, u32, &str, &str)> = Vec::new();

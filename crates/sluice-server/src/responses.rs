@@ -41,7 +41,8 @@ use crate::{body_bytes, failed, random_u64, sse, tool_call_id, unix_now, App};
 struct ResponsesRequest {
     input: Value,
     instructions: Option<String>,
-    tools: Option<Vec<ToolDef>>,
+    /// As sent: echoed back in the response, and read as [`ToolDef`]s.
+    tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
     max_output_tokens: Option<u64>,
     temperature: Option<f32>,
@@ -248,6 +249,8 @@ impl ResponsesRequest {
         };
         let mut functions = Vec::new();
         for (i, t) in tools.iter().enumerate() {
+            let t: ToolDef = serde_json::from_value(t.clone())
+                .map_err(|e| ApiError::field(&format!("tools[{i}]"), format!("tools[{i}]: {e}")))?;
             if t.kind != "function" {
                 return Err(ApiError::field(
                     &format!("tools[{i}].type"),
@@ -272,7 +275,7 @@ impl ResponsesRequest {
             if let Some(p) = &t.parameters {
                 f.insert("parameters".into(), p.clone());
             }
-            functions.push((name, json!({"type": "function", "function": f})));
+            functions.push((name.to_string(), json!({"type": "function", "function": f})));
         }
         let chosen: Vec<Value> = match &self.tool_choice {
             None => functions.into_iter().map(|f| f.1).collect(),
@@ -597,7 +600,7 @@ async fn responses_inner<B: Backend + 'static>(
     );
     settings.insert(
         "tools".into(),
-        body_field(&body, "tools").unwrap_or(json!([])),
+        json!(request.tools.clone().unwrap_or_default()),
     );
     settings.insert(
         "parallel_tool_calls".into(),
@@ -636,14 +639,6 @@ async fn responses_inner<B: Backend + 'static>(
     items.close();
     let status = status_of(&stats);
     Ok(Json(envelope.response(status, &items.output, Some(&stats))).into_response())
-}
-
-/// A top-level field of the request body as sent (`tools` echoed back as given).
-fn body_field(body: &[u8], name: &str) -> Option<Value> {
-    serde_json::from_slice::<Value>(body)
-        .ok()?
-        .get_mut(name)
-        .map(Value::take)
 }
 
 fn event(v: &Value) -> SseEvent {
