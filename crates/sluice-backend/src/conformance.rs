@@ -12,7 +12,8 @@
 use crate::reference::{self, HostLinearState};
 use crate::{
     Activation, AttentionSpec, Backend, DeltaNetDims, Dtype, ExpertFfn, ExpertKey, FfnWeights,
-    HostBytes, HostMatrix, HostRouting, MatRef, Rope, SigmoidRouting, ValueHeadOrder, WeightFormat,
+    HostBytes, HostMatrix, HostRouting, KvFormat, MatRef, Rope, SigmoidRouting, ValueHeadOrder,
+    WeightFormat,
 };
 
 /// How far a backend may stray from the reference, relative to the largest reference value.
@@ -613,7 +614,9 @@ pub fn attention_segments<B: Backend>(b: &B, tol: Tolerance) {
                 .iter()
                 .enumerate()
                 .map(|(i, _)| {
-                    let mut c = b.kv_cache(kv_heads, hd, 256).expect("kv_cache");
+                    let mut c = b
+                        .kv_cache(kv_heads, hd, 256, KvFormat::F32)
+                        .expect("kv_cache");
                     let n = 1 + (i * 37) % 150;
                     let act =
                         |w: usize, rng: &mut Rng| b.act_from_host(&rng.vec(n * w, -2.0, 2.0), n, w);
@@ -700,7 +703,9 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
         (16, 1, 64),
     ] {
         let (qw, kw) = (heads * hd, kv_heads * hd);
-        let mut cache = b.kv_cache(kv_heads, hd, 64).expect("kv_cache");
+        let mut cache = b
+            .kv_cache(kv_heads, hd, 64, KvFormat::F32)
+            .expect("kv_cache");
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         let scale = 1.0 / (hd as f32).sqrt();
         let mut step = |cache: &mut B::KvCache,
@@ -810,8 +815,12 @@ pub fn attention<B: Backend>(b: &B, tol: Tolerance) {
         let (theta, eps, scale) = (1_000_000.0, 1e-6, 1.0 / (hd as f32).sqrt());
         let q_norm = b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector");
         let k_norm = b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector");
-        let mut fused = b.kv_cache(kv_heads, hd, 16).expect("kv_cache");
-        let mut plain = b.kv_cache(kv_heads, hd, 16).expect("kv_cache");
+        let mut fused = b
+            .kv_cache(kv_heads, hd, 16, KvFormat::F32)
+            .expect("kv_cache");
+        let mut plain = b
+            .kv_cache(kv_heads, hd, 16, KvFormat::F32)
+            .expect("kv_cache");
         let mut step = |fused: &mut B::KvCache, plain: &mut B::KvCache, rows: usize| {
             let q = b.act_from_host(&rng.vec(rows * qw, -2.0, 2.0), rows, qw);
             let k = b.act_from_host(&rng.vec(rows * kw, -2.0, 2.0), rows, kw);
@@ -881,7 +890,8 @@ pub fn attention_without_norms<B: Backend>(b: &B, tol: Tolerance) {
         let mut reqs: Vec<(B::KvCache, Vec<f32>, Vec<f32>)> = (0..3)
             .map(|_| {
                 (
-                    b.kv_cache(kv_heads, hd, 64).expect("kv_cache"),
+                    b.kv_cache(kv_heads, hd, 64, KvFormat::F32)
+                        .expect("kv_cache"),
                     vec![],
                     vec![],
                 )
@@ -974,7 +984,9 @@ pub fn attention_window_sinks<B: Backend>(b: &B, tol: Tolerance) {
         let name =
             format!("attention {heads}/{kv_heads}x{hd}, window {window:?}, sinks {with_sinks}");
         let host_sinks = with_sinks.then_some(&host_sinks[..]);
-        let mut cache = b.kv_cache(kv_heads, hd, 64).expect("kv_cache");
+        let mut cache = b
+            .kv_cache(kv_heads, hd, 64, KvFormat::F32)
+            .expect("kv_cache");
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         for (i, rows) in [5, 1, 40, 1, 1, 123, 1, 300, 1].into_iter().enumerate() {
             let q = rng.vec(rows * qw, -2.0, 2.0);
@@ -1004,7 +1016,9 @@ pub fn attention_window_sinks<B: Backend>(b: &B, tol: Tolerance) {
         let rope = Rope::new(hd, hd, 10_000.0);
         let mut reqs: Vec<(B::KvCache, Vec<f32>, Vec<f32>)> = Vec::new();
         for len in [3, 20, 200] {
-            let mut cache = b.kv_cache(kv_heads, hd, 64).expect("kv_cache");
+            let mut cache = b
+                .kv_cache(kv_heads, hd, 64, KvFormat::F32)
+                .expect("kv_cache");
             let (q, k, v) = (
                 rng.vec(len * qw, -2.0, 2.0),
                 rng.vec(len * kw, -2.0, 2.0),
@@ -1053,6 +1067,211 @@ pub fn attention_window_sinks<B: Backend>(b: &B, tol: Tolerance) {
             );
             let what = format!("{name}: segments of 3 requests, step {step}");
             assert_close(&what, &host(b, &got), &parts.3, tol.other);
+        }
+    }
+}
+
+/// Attention through caches in every compact format the backend offers ([`Backend::kv_formats`]):
+/// against the reference over keys and values as [`crate::kv::round_trip`] gives them back, over
+/// prefills, decode steps past several splits of positions, a rewind, a clone, a sliding window with
+/// sinks, and requests decoding together; and the cache's rotary prelude
+/// ([`Backend::attention_rope`]) within a quantization step of the plain path (a key one ulp
+/// apart may round to the next code).
+pub fn attention_kv_formats<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(65);
+    let formats: Vec<KvFormat> = b
+        .kv_formats()
+        .iter()
+        .copied()
+        .filter(|f| f.is_lossy())
+        .collect();
+    if formats.is_empty() {
+        eprintln!(
+            "attention_kv_formats: {} keeps f32 caches only",
+            b.describe()
+        );
+    }
+    for f in KvFormat::ALL {
+        if !b.kv_formats().contains(&f) {
+            assert!(
+                b.kv_cache(2, 64, 16, f).is_err(),
+                "kv_cache takes {f}, which kv_formats does not list"
+            );
+        }
+    }
+    for format in formats {
+        // (heads, kv heads, head size, window, sinks): Qwen3.5's 16/2x256, Qwen3's 32/4x128,
+        // gpt-oss's 64/8x64 with window and sinks (scaled down), a group of 16 of 64, and heads
+        // of 48 (groups of 16).
+        for (heads, kv_heads, hd, window, with_sinks) in [
+            (16, 2, 256, None, false),
+            (8, 4, 128, None, false),
+            (8, 2, 64, Some(16), true),
+            (16, 1, 64, None, false),
+            (4, 2, 48, None, true),
+        ] {
+            let (qw, kw) = (heads * hd, kv_heads * hd);
+            let scale = 1.0 / (hd as f32).sqrt();
+            let host_sinks = rng.vec(heads, -1.0, 3.0);
+            let sinks = b.vector(&host_sinks).expect("vector");
+            let spec = AttentionSpec {
+                window,
+                sinks: with_sinks.then_some(&sinks),
+                ..AttentionSpec::new(heads, scale)
+            };
+            let host_sinks = with_sinks.then_some(&host_sinks[..]);
+            let name = format!("{format} cache, {heads}/{kv_heads}x{hd}, window {window:?}");
+            let mut cache = match b.kv_cache(kv_heads, hd, 64, format) {
+                Ok(c) => c,
+                Err(e) => panic!("{name}: the backend lists {format} but refuses it: {e}"),
+            };
+            let (mut keys, mut values) = (Vec::new(), Vec::new());
+            let mut saved = None;
+            let steps: &[usize] = if heads <= 8 {
+                &[5, 1, 40, 1, 123, 1, 600, 1, 1]
+            } else {
+                &[5, 1, 40, 1, 123, 1, 300, 1]
+            };
+            for (i, &rows) in steps.iter().enumerate() {
+                let q = rng.vec(rows * qw, -2.0, 2.0);
+                let k = rng.vec(rows * kw, -2.0, 2.0);
+                let v = rng.vec(rows * kw, -2.0, 2.0);
+                let got = b.attention(
+                    &b.act_from_host(&q, rows, qw),
+                    &b.act_from_host(&k, rows, kw),
+                    &b.act_from_host(&v, rows, kw),
+                    &mut cache,
+                    spec,
+                );
+                let (mut k, mut v) = (k, v);
+                crate::kv::round_trip(format, &mut k, hd);
+                crate::kv::round_trip(format, &mut v, hd);
+                keys.extend_from_slice(&k);
+                values.extend_from_slice(&v);
+                let want = reference::attention(
+                    &q, &keys, &values, heads, kv_heads, hd, scale, window, host_sinks,
+                );
+                let what = format!(
+                    "{name}, step {i}: {rows} rows at {}",
+                    keys.len() / kw - rows
+                );
+                assert_close(&what, &host(b, &got), &want, tol.other);
+                assert_eq!(b.kv_len(&cache), keys.len() / kw, "{what}: kv_len");
+                if i == 3 {
+                    b.kv_truncate(&mut cache, 30);
+                    keys.truncate(30 * kw);
+                    values.truncate(30 * kw);
+                    saved = Some((cache.clone(), keys.clone(), values.clone()));
+                }
+            }
+            // The clone taken after the rewind kept its own positions.
+            let (mut cache, mut keys, mut values) = saved.expect("saved");
+            assert_eq!(b.kv_len(&cache), 30, "{name}: a clone keeps its length");
+            let q = rng.vec(qw, -2.0, 2.0);
+            let (mut k, mut v) = (rng.vec(kw, -2.0, 2.0), rng.vec(kw, -2.0, 2.0));
+            let got = b.attention(
+                &b.act_from_host(&q, 1, qw),
+                &b.act_from_host(&k, 1, kw),
+                &b.act_from_host(&v, 1, kw),
+                &mut cache,
+                spec,
+            );
+            crate::kv::round_trip(format, &mut k, hd);
+            crate::kv::round_trip(format, &mut v, hd);
+            keys.extend_from_slice(&k);
+            values.extend_from_slice(&v);
+            let want = reference::attention(
+                &q, &keys, &values, heads, kv_heads, hd, scale, window, host_sinks,
+            );
+            assert_close(
+                &format!("{name}: on a clone"),
+                &host(b, &got),
+                &want,
+                tol.other,
+            );
+        }
+
+        // The rotary prelude, alone and in segments of three requests, against rms_norm_rope
+        // then attention through a cache of the same format.
+        let step_tol = match format {
+            KvFormat::F32 | KvFormat::F16 => 1e-3,
+            KvFormat::Bf16 => 1e-2,
+            KvFormat::Q8 => 2e-2,
+            KvFormat::Q4 => 1e-1,
+        };
+        for (heads, kv_heads, hd, rd) in [(8, 2, 64, 64), (16, 2, 256, 64), (8, 4, 128, 32)] {
+            let (qw, kw) = (heads * hd, kv_heads * hd);
+            let (theta, eps, scale) = (1_000_000.0, 1e-6, 1.0 / (hd as f32).sqrt());
+            let rope = Rope::new(hd, rd, theta);
+            let q_norm = b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector");
+            let k_norm = b.vector(&rng.vec(hd, 0.5, 1.5)).expect("vector");
+            let spec = AttentionSpec::new(heads, scale);
+            let new = || b.kv_cache(kv_heads, hd, 16, format).expect("kv_cache");
+            let mut fused: Vec<B::KvCache> = (0..3).map(|_| new()).collect();
+            let mut plain: Vec<B::KvCache> = (0..3).map(|_| new()).collect();
+            for (step, rows) in [[7, 1, 20], [1, 1, 1], [1, 1, 1], [3, 1, 1], [1, 1, 1]]
+                .into_iter()
+                .enumerate()
+            {
+                let n: usize = rows.iter().sum();
+                let q = b.act_from_host(&rng.vec(n * qw, -2.0, 2.0), n, qw);
+                let k = b.act_from_host(&rng.vec(n * kw, -2.0, 2.0), n, kw);
+                let v = b.act_from_host(&rng.vec(n * kw, -2.0, 2.0), n, kw);
+                let got = if step % 2 == 0 {
+                    let mut caches: Vec<&mut B::KvCache> = fused.iter_mut().collect();
+                    b.attention_rope_segments(
+                        &q,
+                        &k,
+                        &v,
+                        Some((&q_norm, &k_norm)),
+                        eps,
+                        rope,
+                        &mut caches,
+                        &rows,
+                        spec,
+                    )
+                } else {
+                    // One request at a time through attention_rope.
+                    let mut outs = Vec::new();
+                    let mut at = 0;
+                    for (r, cache) in rows.iter().zip(fused.iter_mut()) {
+                        let (qr, kr, vr) = (
+                            b.slice_rows(&q, at, *r),
+                            b.slice_rows(&k, at, *r),
+                            b.slice_rows(&v, at, *r),
+                        );
+                        outs.push(b.attention_rope(
+                            &qr,
+                            &kr,
+                            &vr,
+                            Some((&q_norm, &k_norm)),
+                            eps,
+                            rope,
+                            cache,
+                            spec,
+                        ));
+                        at += r;
+                    }
+                    b.concat_rows(&outs.iter().collect::<Vec<_>>())
+                };
+                let mut want = Vec::new();
+                let mut at = 0;
+                for (r, cache) in rows.iter().zip(plain.iter_mut()) {
+                    let pos = b.kv_len(cache);
+                    let qr = b.rms_norm_rope(&b.slice_rows(&q, at, *r), &q_norm, eps, rope, pos);
+                    let kr = b.rms_norm_rope(&b.slice_rows(&k, at, *r), &k_norm, eps, rope, pos);
+                    let vr = b.slice_rows(&v, at, *r);
+                    want.extend(host(b, &b.attention(&qr, &kr, &vr, cache, spec)));
+                    at += r;
+                }
+                let what = format!(
+                    "{format} cache, attention_rope {heads}/{kv_heads}x{hd}, step {step} ({rows:?} rows)"
+                );
+                assert_close(&what, &host(b, &got), &want, step_tol);
+                for (f, p) in fused.iter().zip(&plain) {
+                    assert_eq!(b.kv_len(f), b.kv_len(p), "{what}: kv_len");
+                }
+            }
         }
     }
 }
@@ -1641,7 +1860,7 @@ macro_rules! conformance_tests {
     };
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
-            activations matmul matmul_heads embed elementwise rope attention attention_segments attention_without_norms attention_window_sinks route route_sigmoid route_matmul
+            activations matmul matmul_heads embed elementwise rope attention attention_segments attention_without_norms attention_window_sinks attention_kv_formats route route_sigmoid route_matmul
             moe delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {

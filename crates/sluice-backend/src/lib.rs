@@ -36,12 +36,14 @@ mod tiers;
 mod weight;
 
 pub mod conformance;
+pub mod kv;
 pub mod reference;
 
 pub use error::BackendError;
 pub use experts::{
     ExpertError, ExpertErrorKind, ExpertKey, ExpertLayer, ExpertSource, HostExpert, MatrixShape,
 };
+pub use kv::KvFormat;
 pub use reference::HostLinearState;
 pub use rope::{Rope, Yarn};
 pub use tiers::{ExpertCachePlan, ExpertCacheStats, HostPinner, PinnedRegion};
@@ -350,13 +352,20 @@ pub trait Backend: Send + Sync {
 
     // ---- per-request caches ------------------------------------------------------------------
 
-    /// An empty attention cache that will hold at most `capacity` positions.
+    /// An empty attention cache that will hold at most `capacity` positions, storing its keys
+    /// and values in `format` (one of [`Backend::kv_formats`]; what it holds is what
+    /// [`kv::round_trip`] gives).
     fn kv_cache(
         &self,
         kv_heads: usize,
         head_dim: usize,
         capacity: usize,
+        format: KvFormat,
     ) -> Result<Self::KvCache, BackendError>;
+    /// The cache formats [`Backend::kv_cache`] takes.
+    fn kv_formats(&self) -> &'static [KvFormat] {
+        &[KvFormat::F32]
+    }
     /// Number of positions held by a cache.
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
     /// Drops every position at or after `len` (to rewind a request).

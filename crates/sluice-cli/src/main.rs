@@ -100,6 +100,17 @@ pub(crate) struct ModelArgs {
     /// Routed experts per token, overriding the config (fewer is faster, less accurate).
     #[arg(long, value_name = "K")]
     experts_per_token: Option<usize>,
+    /// How attention caches store keys and values: `f32` (exact), `f16` or `bf16` (half the
+    /// memory), `q8` (8-bit codes with an f16 scale per 32 values: 0.27x of f32) or `q4` (4-bit
+    /// codes with an f16 scale and minimum per 32: 0.16x). The README's table gives what each
+    /// costs in accuracy.
+    #[arg(long, default_value = "f32", value_name = "f32|f16|bf16|q8|q4")]
+    kv_cache: sluice_backend::KvFormat,
+    /// The context in tokens that one request's state is sized for: an expert cache derived
+    /// from --memory-budget or the free memory leaves room for its KV cache (longer prompts
+    /// still run while memory allows; one that does not fit is refused before its prefill).
+    #[arg(long, short = 'c', default_value_t = 4096, value_name = "TOKENS")]
+    context: usize,
     /// Expert cache size, e.g. 6GiB (packed models default to the available memory minus the
     /// resident weights and 1 GiB; unpacked models stream their experts only when this or
     /// --memory-budget is given, or, for a GGUF, when its converted weights would not fit).
@@ -285,6 +296,8 @@ pub(crate) fn load<B: Backend + 'static>(args: &ModelArgs, backend: Arc<B>) -> R
     }
     let opts = LoadOptions {
         experts_per_token: args.experts_per_token,
+        kv_format: args.kv_cache,
+        context: Some(args.context),
         streaming: args
             .stream
             .options_on(args.expert_cache, backend.as_ref())?,

@@ -109,6 +109,7 @@ impl StreamArgs {
             vram_budget: self.vram_budget.map(ByteSize::bytes),
             pinner: None,
             faults: None,
+            state_reserve: None,
         })
     }
 }

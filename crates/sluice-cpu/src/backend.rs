@@ -3,13 +3,14 @@
 
 use sluice_backend::{
     Activation, AttentionSpec, Backend, BackendError, ExpertFfn, ExpertKey, FfnWeights, HostExpert,
-    HostLinearState, HostMatrix, HostRouting, MemoryInfo, Rope, SigmoidRouting,
+    HostLinearState, HostMatrix, HostRouting, KvFormat, MemoryInfo, Rope, SigmoidRouting,
 };
 
 use std::borrow::Cow;
 use std::sync::Mutex;
 
 use crate::kernels::{self, Kernels, MatmulJob};
+use crate::kv::{self, CpuKvCache};
 use crate::{profile, team};
 
 /// f32 activations `[rows, cols]`, row-major.
@@ -31,25 +32,6 @@ impl CpuAct {
 
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
-    }
-}
-
-/// Keys and values of one layer, `[len, kv_heads * head_dim]` each, grown as tokens arrive.
-#[derive(Debug, Clone)]
-pub struct CpuKvCache {
-    kv_heads: usize,
-    head_dim: usize,
-    keys: Vec<f32>,
-    values: Vec<f32>,
-}
-
-impl CpuKvCache {
-    fn width(&self) -> usize {
-        self.kv_heads * self.head_dim
-    }
-
-    fn len(&self) -> usize {
-        self.keys.len() / self.width()
     }
 }
 
@@ -140,15 +122,13 @@ impl Backend for CpuBackend {
         kv_heads: usize,
         head_dim: usize,
         _capacity: usize,
+        format: KvFormat,
     ) -> Result<CpuKvCache, BackendError> {
-        // Grown as tokens arrive: reserving the capacity up front would commit memory for the
-        // whole context on every request.
-        Ok(CpuKvCache {
-            kv_heads,
-            head_dim,
-            keys: Vec::new(),
-            values: Vec::new(),
-        })
+        Ok(CpuKvCache::new(kv_heads, head_dim, format))
+    }
+
+    fn kv_formats(&self) -> &'static [KvFormat] {
+        &KvFormat::ALL
     }
 
     fn kv_len(&self, cache: &CpuKvCache) -> usize {
@@ -156,9 +136,7 @@ impl Backend for CpuBackend {
     }
 
     fn kv_truncate(&self, cache: &mut CpuKvCache, len: usize) {
-        let w = cache.width();
-        cache.keys.truncate(len * w);
-        cache.values.truncate(len * w);
+        cache.truncate(len);
     }
 
     fn linear_state_to_host(&self, s: &HostLinearState) -> Result<HostLinearState, BackendError> {
@@ -342,9 +320,11 @@ impl Backend for CpuBackend {
         assert_eq!(q.cols, heads * hd);
         assert!(heads.is_multiple_of(kvh));
         let first = cache.len();
-        cache.keys.extend_from_slice(&k.data);
-        cache.values.extend_from_slice(&v.data);
-        let (keys, values, width) = (&cache.keys, &cache.values, cache.width());
+        cache.append(&k.data, &v.data);
+        let Some((keys, values)) = cache.as_f32() else {
+            return kv::attention(q, cache, first, spec);
+        };
+        let width = cache.width();
         let group = heads / kvh;
         let mut out = CpuAct::zeros(q.rows, q.cols);
         if q.rows >= GROUPED_ATTENTION_ROWS && group > 1 {

@@ -5,10 +5,12 @@
 
 mod backend;
 pub mod kernels;
+mod kv;
 mod profile;
 mod team;
 
-pub use backend::{CpuAct, CpuBackend, CpuKvCache};
+pub use backend::{CpuAct, CpuBackend};
 pub use kernels::Kernels;
+pub use kv::CpuKvCache;
 pub use profile::report as profile_report;
 pub use team::{set_thread_count, thread_count};

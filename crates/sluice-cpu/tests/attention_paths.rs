@@ -2,7 +2,7 @@
 //! for a prompt) give the same bits: a prompt attended at once equals its rows attended one by
 //! one, so prefill and decode agree exactly.
 
-use sluice_backend::{AttentionSpec, Backend};
+use sluice_backend::{AttentionSpec, Backend, KvFormat};
 use sluice_cpu::CpuBackend;
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -27,7 +27,9 @@ fn a_prompt_at_once_equals_its_rows_one_by_one() {
         let q = values(rows * qw, 1);
         let k = values(rows * kw, 2);
         let v = values(rows * kw, 3);
-        let mut whole = b.kv_cache(kv_heads, hd, rows).expect("kv_cache");
+        let mut whole = b
+            .kv_cache(kv_heads, hd, rows, KvFormat::F32)
+            .expect("kv_cache");
         let at_once = b.attention(
             &b.act_from_host(&q, rows, qw),
             &b.act_from_host(&k, rows, kw),
@@ -36,7 +38,9 @@ fn a_prompt_at_once_equals_its_rows_one_by_one() {
             AttentionSpec::new(heads, scale),
         );
         let at_once = b.to_host(&at_once).expect("to_host");
-        let mut steps = b.kv_cache(kv_heads, hd, rows).expect("kv_cache");
+        let mut steps = b
+            .kv_cache(kv_heads, hd, rows, KvFormat::F32)
+            .expect("kv_cache");
         for r in 0..rows {
             let one = b.attention(
                 &b.act_from_host(&q[r * qw..(r + 1) * qw], 1, qw),

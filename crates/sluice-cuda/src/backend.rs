@@ -8,7 +8,7 @@ use cudarc::driver::CudaFunction;
 use sluice_backend::{
     Activation, AttentionSpec, Backend, BackendError, DeltaNetDims, ExpertCachePlan,
     ExpertCacheStats, ExpertFfn, ExpertKey, ExpertSource, FfnWeights, HostExpert, HostLinearState,
-    HostMatrix, HostPinner, HostRouting, MemoryInfo, Rope, SigmoidRouting, TopLogits,
+    HostMatrix, HostPinner, HostRouting, KvFormat, MemoryInfo, Rope, SigmoidRouting, TopLogits,
     ValueHeadOrder,
 };
 
@@ -1935,7 +1935,13 @@ impl Backend for CudaBackend {
         kv_heads: usize,
         head_dim: usize,
         _capacity: usize,
+        format: KvFormat,
     ) -> Result<CudaKvCache, BackendError> {
+        if format != KvFormat::F32 {
+            return Err(BackendError::Unsupported(format!(
+                "a {format} KV cache on CUDA: this backend keeps f32 caches (use --kv-cache f32)"
+            )));
+        }
         if head_dim > MAX_ATTENTION_HEAD_DIM {
             return Err(BackendError::Unsupported(format!(
                 "attention heads of {head_dim}: the CUDA kernels take at most \

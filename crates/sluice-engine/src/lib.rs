@@ -50,6 +50,11 @@ pub enum EngineError {
 pub struct LoadOptions {
     /// Overrides the config's number of routed experts per token.
     pub experts_per_token: Option<usize>,
+    /// How attention caches store keys and values.
+    pub kv_format: sluice_backend::KvFormat,
+    /// The context one request's state is sized for: an expert cache derived from the memory
+    /// budget or the free memory leaves room for it (`None`: no room kept beyond the reserve).
+    pub context: Option<usize>,
     /// Expert cache and I/O settings for streamed experts (packed model directories, or
     /// unpacked ones with `streaming.stream_unpacked`).
     pub streaming: streaming::StreamingOptions,
@@ -207,14 +212,22 @@ impl<B: Backend + 'static> Engine<B> {
                 path.display()
             );
         }
+        let config = sluice_models::config_plan(&dir)?;
         // The cache holds at least the experts one token needs in one layer.
-        let k = sluice_models::config_plan(&dir)?
+        let k = config
             .experts_per_token
             .max(opts.experts_per_token.unwrap_or(0))
             .max(1);
-        // The store's cache page-locked where the backend copies from it (a GPU).
         let streaming = streaming::StreamingOptions {
+            // The store's cache page-locked where the backend copies from it (a GPU).
             pinner: backend.host_pinner().map(sluice_store::Pinner),
+            // On the CPU a request's state shares host memory with the expert cache.
+            state_reserve: match opts.context {
+                Some(n) if !backend.has_device_memory() => {
+                    Some((config.state.bytes(opts.kv_format, n), n))
+                }
+                _ => None,
+            },
             ..opts.streaming.clone()
         };
         let (store, cache_plan) = match sluice_store::Manifest::open(&dir.path)
@@ -250,6 +263,7 @@ impl<B: Backend + 'static> Engine<B> {
         if let Some(k) = opts.experts_per_token {
             model.set_experts_per_token(k)?;
         }
+        model.set_kv_format(opts.kv_format)?;
         let tokenizer = match &dir.tokenizer_json {
             Some(json) => Tokenizer::from_bytes(json.as_bytes(), &dir.path)?,
             None => Tokenizer::from_file(&dir.tokenizer_path())?,

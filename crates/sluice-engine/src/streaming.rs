@@ -38,6 +38,9 @@ pub struct StreamingOptions {
     pub pinner: Option<sluice_store::Pinner>,
     /// Faults injected into the expert reads (tests of disk failures); None in normal use.
     pub faults: Option<std::sync::Arc<dyn sluice_store::ReadFaults>>,
+    /// Memory a cache derived from the budget or the free memory leaves for one request's
+    /// state (its KV cache at the context asked for), with the length it was sized at.
+    pub state_reserve: Option<(u64, usize)>,
 }
 
 impl Default for StreamingOptions {
@@ -54,6 +57,7 @@ impl Default for StreamingOptions {
             vram_budget: None,
             pinner: None,
             faults: None,
+            state_reserve: None,
         }
     }
 }
@@ -71,7 +75,8 @@ pub struct CachePlan {
 pub use sluice_format::safetensors_bytes;
 
 /// Sizes the cache: `--expert-cache` if given, else `--memory-budget` minus the resident
-/// weights and a reserve, else the available memory minus the same; never more than all experts.
+/// weights, a reserve and a request's state ([`StreamingOptions::state_reserve`]), else the
+/// available memory minus the same; never more than all experts.
 pub fn plan_cache(dir: &Path, manifest: &Manifest, opts: &StreamingOptions) -> CachePlan {
     plan_cache_for(safetensors_bytes(dir), manifest.total_block_bytes(), opts)
 }
@@ -105,6 +110,17 @@ pub fn plan_cache_for(resident: u64, experts: u64, opts: &StreamingOptions) -> C
                 "default 4 GiB (available memory unknown)".to_string(),
             ),
         }
+    };
+    // A derived cache leaves room for a request's state.
+    let (want, reason) = match opts.state_reserve {
+        Some((state, tokens)) if opts.expert_cache.is_none() => (
+            want.saturating_sub(state),
+            format!(
+                "{reason}, less {} for a request's state at {tokens} tokens",
+                sluice_sys::format_bytes(state)
+            ),
+        ),
+        _ => (want, reason),
     };
     CachePlan {
         cache_bytes: want.min(experts),

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use sluice_backend::Backend;
+use sluice_backend::{Backend, KvFormat};
 
 use crate::loader::Loader;
 use crate::{CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
@@ -49,6 +49,10 @@ impl<B: Backend + 'static, M: Architecture<B>> CausalLm<B> for M {
         self.decoder_mut().set_experts_per_token(k)
     }
 
+    fn set_kv_format(&mut self, format: KvFormat) -> Result<(), ModelError> {
+        self.decoder_mut().set_kv_format(format)
+    }
+
     fn backend(&self) -> &B {
         self.decoder().backend()
     }
@@ -64,9 +68,26 @@ pub(crate) struct Dims {
     pub experts: usize,
     pub experts_per_token: usize,
     pub rms_norm_eps: f32,
-    /// See [`ModelInfo::state_bytes_per_token`].
-    pub state_bytes_per_token: usize,
-    pub state_bytes_fixed: usize,
+    pub state: StateDims,
+}
+
+/// What one request's state holds, from a model's config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateDims {
+    /// Key and value entries the attention caches add per position, over all layers.
+    pub kv_values_per_token: usize,
+    /// The size of the cached heads (how the compact formats group values).
+    pub kv_head_dim: usize,
+    /// Bytes of the recurrent states (f32), there from the start.
+    pub fixed_bytes: usize,
+}
+
+impl StateDims {
+    /// Bytes of the state at `tokens` positions with caches in `format`.
+    pub fn bytes(&self, format: KvFormat, tokens: usize) -> u64 {
+        self.fixed_bytes as u64
+            + format.bytes(self.kv_values_per_token, self.kv_head_dim) as u64 * tokens as u64
+    }
 }
 
 /// The weights before and after the layers.
@@ -98,8 +119,12 @@ impl<B: Backend> Decoder<B> {
             experts_per_token: dims.experts_per_token,
             dense_bytes,
             expert_bytes,
-            state_bytes_per_token: dims.state_bytes_per_token,
-            state_bytes_fixed: dims.state_bytes_fixed,
+            state_bytes_per_token: KvFormat::F32
+                .bytes(dims.state.kv_values_per_token, dims.state.kv_head_dim),
+            state_bytes_fixed: dims.state.fixed_bytes,
+            kv_format: KvFormat::F32,
+            kv_values_per_token: dims.state.kv_values_per_token,
+            kv_head_dim: dims.state.kv_head_dim,
             weight_format: match (&ld.dir.stored_as, &ld.dir.quantization) {
                 (Some(stored), _) => stored.clone(),
                 (None, Some(q)) => format!("{}-bit affine, group {}", q.bits, q.group_size),
@@ -142,6 +167,23 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
+    /// Sets how new requests' attention caches store their keys and values.
+    pub fn set_kv_format(&mut self, format: KvFormat) -> Result<(), ModelError> {
+        let offered = self.backend.kv_formats();
+        if !offered.contains(&format) {
+            let names: Vec<&str> = offered.iter().map(|f| f.name()).collect();
+            return Err(ModelError::Unsupported(format!(
+                "a {format} KV cache on {}: it keeps {}",
+                self.backend.describe(),
+                names.join(", ")
+            )));
+        }
+        let info = &mut self.info;
+        info.kv_format = format;
+        info.state_bytes_per_token = format.bytes(info.kv_values_per_token, info.kv_head_dim);
+        Ok(())
+    }
+
     /// An empty attention cache for one layer, sized for the model's context.
     pub fn attention_state(
         &self,
@@ -152,6 +194,7 @@ impl<B: Backend> Decoder<B> {
             kv_heads,
             head_dim,
             self.info.max_context,
+            self.info.kv_format,
         )?))
     }
 

@@ -36,7 +36,7 @@ use sluice_backend::{
 };
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
+use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends, StateDims};
 use crate::loader::Loader;
 use crate::moe::{check_sigmoid_router, Mlp, MoeDims, Routing, SharedDims};
 use crate::{config_error, yarn_rope_theta, ModelError, Segment, State};
@@ -274,9 +274,7 @@ impl<B: Backend> DeepseekV3<B> {
             experts: cfg.n_routed_experts,
             experts_per_token: cfg.num_experts_per_tok,
             rms_norm_eps: cfg.rms_norm_eps as f32,
-            // The cache's keys and values: both the latent head (see `attention`).
-            state_bytes_per_token: cfg.num_hidden_layers * 2 * cfg.latent_head_dim() * 4,
-            state_bytes_fixed: 0,
+            state: state_dims(&cfg),
         };
         let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
         Ok(DeepseekV3 {
@@ -523,5 +521,15 @@ impl<B: Backend> Architecture<B> for DeepseekV3<B> {
     fn new_state(&self) -> Result<State<B>, ModelError> {
         self.decoder
             .attention_only_state(self.layers.len(), 1, self.cfg.latent_head_dim())
+    }
+}
+
+/// What one request's state holds, from the config.
+pub(crate) fn state_dims(cfg: &DeepseekV3Config) -> StateDims {
+    StateDims {
+        // The cache's keys and values: both the latent head (see `attention`).
+        kv_values_per_token: cfg.num_hidden_layers * 2 * cfg.latent_head_dim(),
+        kv_head_dim: cfg.latent_head_dim(),
+        fixed_bytes: 0,
     }
 }

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use sluice_backend::{AttentionSpec, Backend, ExpertSource, Rope, SigmoidRouting};
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
+use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends, StateDims};
 use crate::loader::Loader;
 use crate::moe::{check_sigmoid_router, Mlp, MoeDims, Routing, SharedDims};
 use crate::{config_error, default_rope_theta, ModelError, Segment, State};
@@ -228,13 +228,7 @@ impl<B: Backend> Glm4Moe<B> {
             experts: cfg.n_routed_experts,
             experts_per_token: cfg.num_experts_per_tok,
             rms_norm_eps: cfg.rms_norm_eps as f32,
-            // Keys and values of every layer.
-            state_bytes_per_token: cfg.num_hidden_layers
-                * 2
-                * cfg.num_key_value_heads
-                * cfg.head_dim()
-                * 4,
-            state_bytes_fixed: 0,
+            state: state_dims(&cfg),
         };
         let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
         Ok(Glm4Moe {
@@ -369,5 +363,15 @@ impl<B: Backend> Architecture<B> for Glm4Moe<B> {
         let hd = self.cfg.head_dim();
         self.decoder
             .attention_only_state(self.layers.len(), self.cfg.num_key_value_heads, hd)
+    }
+}
+
+/// What one request's state holds, from the config.
+pub(crate) fn state_dims(cfg: &Glm4MoeConfig) -> StateDims {
+    StateDims {
+        // Keys and values of every layer.
+        kv_values_per_token: cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim(),
+        kv_head_dim: cfg.head_dim(),
+        fixed_bytes: 0,
     }
 }

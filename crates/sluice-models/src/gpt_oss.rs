@@ -16,7 +16,7 @@ use serde::Deserialize;
 use sluice_backend::{Activation, AttentionSpec, Backend, ExpertSource, Rope};
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
+use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends, StateDims};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims, Routing};
 use crate::{config_error, yarn_rope_theta, ModelError, Segment, State};
@@ -232,13 +232,7 @@ impl<B: Backend> GptOss<B> {
             experts: cfg.num_local_experts,
             experts_per_token: cfg.experts_per_tok(),
             rms_norm_eps: cfg.rms_norm_eps as f32,
-            // Keys and values of every layer (the sliding layers keep every position too).
-            state_bytes_per_token: cfg.num_hidden_layers
-                * 2
-                * cfg.num_key_value_heads
-                * cfg.head_dim
-                * 4,
-            state_bytes_fixed: 0,
+            state: state_dims(&cfg),
         };
         let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
         Ok(GptOss {
@@ -371,5 +365,15 @@ impl<B: Backend> Architecture<B> for GptOss<B> {
             self.cfg.num_key_value_heads,
             self.cfg.head_dim,
         )
+    }
+}
+
+/// What one request's state holds, from the config.
+pub(crate) fn state_dims(cfg: &GptOssConfig) -> StateDims {
+    StateDims {
+        // Keys and values of every layer (the sliding layers keep every position too).
+        kv_values_per_token: cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim,
+        kv_head_dim: cfg.head_dim,
+        fixed_bytes: 0,
     }
 }

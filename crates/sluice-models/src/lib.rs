@@ -20,6 +20,7 @@ use std::sync::Arc;
 use sluice_backend::{Backend, BackendError, ExpertError, ExpertSource, Yarn};
 use sluice_format::{FormatError, ModelDir};
 
+pub use decoder::StateDims;
 pub use experts::Experts;
 
 mod decoder;
@@ -72,10 +73,16 @@ pub struct ModelInfo {
     pub dense_bytes: usize,
     /// Bytes of all routed experts.
     pub expert_bytes: usize,
-    /// Bytes one request's state holds (f32): attention caches grow by `state_bytes_per_token`
-    /// per position, recurrent states are `state_bytes_fixed` from the start.
+    /// Bytes one request's state holds: attention caches grow by `state_bytes_per_token` per
+    /// position (in `kv_format`), recurrent states (f32) are `state_bytes_fixed` from the start.
     pub state_bytes_per_token: usize,
     pub state_bytes_fixed: usize,
+    /// How attention caches store keys and values ([`CausalLm::set_kv_format`]).
+    pub kv_format: sluice_backend::KvFormat,
+    /// Key and value entries the attention caches add per position, over all layers.
+    pub kv_values_per_token: usize,
+    /// The size of the cached heads.
+    pub kv_head_dim: usize,
     pub weight_format: String,
 }
 
@@ -163,6 +170,9 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     fn forward_batch(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError>;
     /// Overrides the number of routed experts per token (`1..=experts`).
     fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError>;
+    /// How the attention caches of requests started from now on store keys and values (one of
+    /// the backend's [`sluice_backend::Backend::kv_formats`]).
+    fn set_kv_format(&mut self, format: sluice_backend::KvFormat) -> Result<(), ModelError>;
     fn backend(&self) -> &B;
 }
 
@@ -179,41 +189,67 @@ pub struct ConfigPlan {
     pub experts: usize,
     /// Routed experts each token uses, as configured.
     pub experts_per_token: usize,
+    /// What one request's state holds.
+    pub state: StateDims,
 }
 
 /// The [`ConfigPlan`] of `dir`.
 pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
     let model_type = dir.model_type()?.to_string();
-    let (experts, experts_per_token) = match model_type.as_str() {
+    let (experts, experts_per_token, state) = match model_type.as_str() {
         "qwen3_moe" => {
             let c: qwen3_moe::Qwen3MoeConfig = dir.parse_config()?;
             c.check(dir)?;
-            (c.num_experts, c.num_experts_per_tok)
+            (
+                c.num_experts,
+                c.num_experts_per_tok,
+                qwen3_moe::state_dims(&c),
+            )
         }
         "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => {
             let c: qwen3_5_moe::Qwen35MoeConfig = dir.parse_config()?;
             c.check(dir)?;
-            (c.num_experts, c.num_experts_per_tok)
+            (
+                c.num_experts,
+                c.num_experts_per_tok,
+                qwen3_5_moe::state_dims(&c),
+            )
         }
         "mixtral" => {
             let c: mixtral::MixtralConfig = dir.parse_config()?;
             c.check(dir)?;
-            (c.num_local_experts, c.num_experts_per_tok)
+            (
+                c.num_local_experts,
+                c.num_experts_per_tok,
+                mixtral::state_dims(&c),
+            )
         }
         "glm4_moe" => {
             let c: glm4_moe::Glm4MoeConfig = dir.parse_config()?;
             c.check(dir)?;
-            (c.n_routed_experts, c.num_experts_per_tok)
+            (
+                c.n_routed_experts,
+                c.num_experts_per_tok,
+                glm4_moe::state_dims(&c),
+            )
         }
         "deepseek_v3" | "kimi_k2" => {
             let c: deepseek_v3::DeepseekV3Config = dir.parse_config()?;
             c.check(dir)?;
-            (c.n_routed_experts, c.num_experts_per_tok)
+            (
+                c.n_routed_experts,
+                c.num_experts_per_tok,
+                deepseek_v3::state_dims(&c),
+            )
         }
         "gpt_oss" => {
             let c: gpt_oss::GptOssConfig = dir.parse_config()?;
             c.check(dir)?;
-            (c.num_local_experts, c.experts_per_tok())
+            (
+                c.num_local_experts,
+                c.experts_per_tok(),
+                gpt_oss::state_dims(&c),
+            )
         }
         other => {
             return Err(ModelError::Unsupported(format!(
@@ -226,6 +262,7 @@ pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
         model_type,
         experts,
         experts_per_token,
+        state,
     })
 }
 

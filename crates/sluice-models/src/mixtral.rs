@@ -13,7 +13,7 @@ use serde::Deserialize;
 use sluice_backend::{AttentionSpec, Backend, ExpertSource, Rope};
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends};
+use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends, StateDims};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims, Routing};
 use crate::{config_error, default_rope_theta, ModelError, Segment, State};
@@ -173,9 +173,7 @@ impl<B: Backend> Mixtral<B> {
             experts: cfg.num_local_experts,
             experts_per_token: cfg.num_experts_per_tok,
             rms_norm_eps: cfg.rms_norm_eps as f32,
-            // Keys and values of every layer.
-            state_bytes_per_token: cfg.num_hidden_layers * 2 * cfg.kv_heads() * cfg.head_dim() * 4,
-            state_bytes_fixed: 0,
+            state: state_dims(&cfg),
         };
         let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
         Ok(Mixtral {
@@ -284,5 +282,15 @@ impl<B: Backend> Architecture<B> for Mixtral<B> {
         let hd = self.cfg.head_dim();
         self.decoder
             .attention_only_state(self.layers.len(), self.cfg.kv_heads(), hd)
+    }
+}
+
+/// What one request's state holds, from the config.
+pub(crate) fn state_dims(cfg: &MixtralConfig) -> StateDims {
+    StateDims {
+        // Keys and values of every layer.
+        kv_values_per_token: cfg.num_hidden_layers * 2 * cfg.kv_heads() * cfg.head_dim(),
+        kv_head_dim: cfg.head_dim(),
+        fixed_bytes: 0,
     }
 }

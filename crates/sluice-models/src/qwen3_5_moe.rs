@@ -26,7 +26,7 @@ use sluice_backend::{AttentionSpec, Backend, DeltaNetDims, ExpertSource, Rope, V
 use sluice_format::ModelDir;
 
 use crate::decoder::{
-    attention_caches, per_segment, wrong_state, Architecture, Decoder, Dims, Ends,
+    attention_caches, per_segment, wrong_state, Architecture, Decoder, Dims, Ends, StateDims,
 };
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims, Routing, SharedDims};
@@ -336,10 +336,6 @@ impl<B: Backend> Qwen35Moe<B> {
                 .unwrap_or("lm_head");
             Some(ld.matrix(head, cfg.vocab_size, hidden)?)
         };
-        let full_layers = (0..cfg.num_hidden_layers)
-            .filter(|&i| cfg.layer_type(i) == LayerType::FullAttention)
-            .count();
-        let delta = cfg.delta_dims();
         let dims = Dims {
             model_type: dir.model_type()?.to_string(),
             vocab_size: cfg.vocab_size,
@@ -349,13 +345,7 @@ impl<B: Backend> Qwen35Moe<B> {
             experts: cfg.num_experts,
             experts_per_token: cfg.num_experts_per_tok,
             rms_norm_eps: cfg.rms_norm_eps as f32,
-            // Keys and values of the full-attention layers; each DeltaNet layer's recurrent
-            // state and convolution window.
-            state_bytes_per_token: full_layers * 2 * cfg.num_key_value_heads * cfg.head_dim() * 4,
-            state_bytes_fixed: (cfg.num_hidden_layers - full_layers)
-                * (delta.value_heads * delta.key_dim * delta.value_dim
-                    + delta.conv_channels() * delta.conv_kernel.saturating_sub(1))
-                * 4,
+            state: state_dims(&cfg),
         };
         let ends = Ends {
             embed_tokens,
@@ -624,5 +614,23 @@ impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
                 .collect::<Result<_, ModelError>>()?,
             position: 0,
         })
+    }
+}
+
+/// What one request's state holds, from the config.
+pub(crate) fn state_dims(cfg: &Qwen35MoeConfig) -> StateDims {
+    let full_layers = (0..cfg.num_hidden_layers)
+        .filter(|&i| cfg.layer_type(i) == LayerType::FullAttention)
+        .count();
+    let delta = cfg.delta_dims();
+    StateDims {
+        // Keys and values of the full-attention layers; each DeltaNet layer's recurrent
+        // state and convolution window.
+        kv_values_per_token: full_layers * 2 * cfg.num_key_value_heads * cfg.head_dim(),
+        kv_head_dim: cfg.head_dim(),
+        fixed_bytes: (cfg.num_hidden_layers - full_layers)
+            * (delta.value_heads * delta.key_dim * delta.value_dim
+                + delta.conv_channels() * delta.conv_kernel.saturating_sub(1))
+            * 4,
     }
 }
