@@ -10,6 +10,7 @@ use serde_json::json;
 use sluice_backend::Backend;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_bench::model::{markdown_table, run_model, LimitRates, RunSettings, Test};
+use sluice_backend::KvFormat;
 use sluice_engine::{Engine, LoadOptions};
 use sluice_sys::{format_bytes, format_bytes_binary, ByteSize};
 
@@ -86,6 +87,10 @@ pub struct BenchArgs {
     /// default cache), so `off,4GiB` compares the two in one run.
     #[arg(long, value_delimiter = ',', value_name = "SIZE")]
     expert_cache: Vec<CacheArg>,
+    /// KV cache formats to run (comma-separated: f32, f16, bf16, q8, q4), each a run of every
+    /// test; a derived expert cache leaves room for one request's state at the longest test.
+    #[arg(long, value_delimiter = ',', default_value = "f32", value_name = "FORMAT")]
+    kv_cache: Vec<KvFormat>,
     #[command(flatten)]
     stream: crate::stream_args::StreamArgs,
     /// Print JSON instead of markdown.
@@ -230,6 +235,8 @@ fn run_on<B: Backend + 'static>(
         seed: a.seed,
     };
     let mut results = Vec::new();
+    let longest = a.prompt.iter().max().copied().unwrap_or(0)
+        + a.generate.iter().max().copied().unwrap_or(0);
     let caches: Vec<Option<ByteSize>> = if a.expert_cache.is_empty() {
         vec![None]
     } else {
@@ -242,13 +249,21 @@ fn run_on<B: Backend + 'static>(
             .collect()
     };
     for dir in &a.model {
-        for ((backend, variant), cache) in backends
+        for (((backend, variant), cache), kv) in backends
             .iter()
             .flat_map(|b| caches.iter().map(move |c| (b, c)))
+            .flat_map(|bc| a.kv_cache.iter().map(move |kv| (bc, *kv)))
         {
             let opts = LoadOptions {
                 streaming: a.stream.options_on(*cache, backend.as_ref())?,
+                kv_format: kv,
+                context: Some(longest),
                 ..LoadOptions::default()
+            };
+            let variant = match (variant.as_str(), kv) {
+                (v, KvFormat::F32) if a.kv_cache.len() == 1 => v.to_string(),
+                ("", kv) => format!("kv {kv}"),
+                (v, kv) => format!("{v}, kv {kv}"),
             };
             let mut engine = Engine::load(dir, backend.clone(), &opts)
                 .with_context(|| format!("loading {}", dir.display()))?;

@@ -11,6 +11,7 @@ mod bench_cmd;
 mod chat_cmd;
 mod info_cmd;
 mod pack_cmd;
+mod perplexity_cmd;
 mod serve_cmd;
 mod stream_args;
 mod synth_cmd;
@@ -70,6 +71,9 @@ enum Command {
     /// Write the logits at every position of a token list to a .npy file (to compare with
     /// another implementation).
     Logits(LogitsArgs),
+    /// Score a text: perplexity window by window, and with --compare how far other KV cache
+    /// formats move the predictions (mean KL divergence, argmax agreement).
+    Perplexity(perplexity_cmd::PerplexityArgs),
 }
 
 #[derive(Args)]
@@ -233,6 +237,7 @@ fn main() {
         Command::Pack(a) => pack_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
         Command::Info(a) => info_cmd::run(a),
+        Command::Perplexity(a) => perplexity_cmd::run(a),
     };
     if let Some(report) = sluice_cpu::profile_report() {
         eprint!("{report}");
