@@ -146,6 +146,9 @@ pub struct RunSettings {
     /// One untimed run of each test first (page cache, allocator, branch predictors).
     pub warmup: bool,
     pub seed: u64,
+    /// Generation tests start after an untimed prefill of this many random tokens (llama-bench's
+    /// `-d`): decoding at a long context.
+    pub depth: usize,
 }
 
 /// Runs every test at every setting on `engine`, calling `report` after each. Thread counts run
@@ -188,7 +191,7 @@ pub fn run_model<B: Backend + 'static>(
                 let engine = &*engine;
                 let result = pool.install(|| -> Result<RunResult> {
                     if settings.warmup {
-                        run_once(engine, test, settings.seed)?;
+                        run_once(engine, test, settings.seed, settings.depth)?;
                     }
                     sluice_sys::reset_peak_rss();
                     let before = engine.store.as_ref().map(|s| s.stats());
@@ -196,7 +199,7 @@ pub fn run_model<B: Backend + 'static>(
                     let mut samples = Vec::new();
                     let mut ttft = Vec::new();
                     for r in 0..settings.repetitions {
-                        let secs = run_once(engine, test, settings.seed + 1 + r as u64)?;
+                        let secs = run_once(engine, test, settings.seed + 1 + r as u64, settings.depth)?;
                         samples.push(test.tokens() as f64 / secs);
                         ttft.push(secs);
                     }
@@ -243,7 +246,11 @@ pub fn run_model<B: Backend + 'static>(
                     Ok(RunResult {
                         model: dir.clone(),
                         variant: String::new(),
-                        test: test.name(),
+                        test: match test {
+                            Test::Prompt(_) => test.name(),
+                            _ if settings.depth > 0 => format!("{} @ d{}", test.name(), settings.depth),
+                            _ => test.name(),
+                        },
                         threads,
                         experts_per_token: k,
                         tok_s: mean,
@@ -272,8 +279,13 @@ pub fn run_model<B: Backend + 'static>(
     Ok(out)
 }
 
-/// Seconds for one run of `test` from a fresh state.
-fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> Result<f64> {
+/// Seconds for one run of `test` from a fresh state (generation after `depth` tokens).
+fn run_once<B: Backend + 'static>(
+    engine: &Engine<B>,
+    test: Test,
+    seed: u64,
+    depth: usize,
+) -> Result<f64> {
     let info = engine.model.info();
     // Ordinary tokens only: below the first special token of Qwen vocabularies when known.
     let range = engine.tokenizer.vocab_size().min(info.vocab_size).max(1) as u64;
@@ -294,6 +306,16 @@ fn run_once<B: Backend + 'static>(engine: &Engine<B>, test: Test, seed: u64) -> 
             Ok(start.elapsed().as_secs_f64())
         }
         Test::Generate(n) => {
+            if depth > 0 {
+                let tokens: Vec<u32> = (0..depth).map(|_| next_token()).collect();
+                let start = Instant::now();
+                engine.prefill(&mut state, &tokens)?;
+                let secs = start.elapsed().as_secs_f64();
+                eprintln!(
+                    "  (prefill to depth {depth}: {secs:.1} s, {:.1} tok/s, untimed)",
+                    depth as f64 / secs
+                );
+            }
             let mut token = next_token();
             let backend = engine.model.backend();
             let start = Instant::now();

@@ -87,6 +87,13 @@ pub struct BenchArgs {
     /// default cache), so `off,4GiB` compares the two in one run.
     #[arg(long, value_delimiter = ',', value_name = "SIZE")]
     expert_cache: Vec<CacheArg>,
+    /// Generation tests start after an untimed prefill of this many random tokens (decoding
+    /// at a long context; the prefill's speed is printed).
+    #[arg(long, short = 'd', default_value_t = 0, value_name = "TOKENS")]
+    depth: usize,
+    /// Tokens per prefill pass (see `sluice generate --help`).
+    #[arg(long, short = 'u', default_value_t = sluice_engine::PREFILL_CHUNK, value_name = "TOKENS")]
+    ubatch: usize,
     /// KV cache formats to run (comma-separated: f32, f16, bf16, q8, q4), each a run of every
     /// test; a derived expert cache leaves room for one request's state at the longest test.
     #[arg(long, value_delimiter = ',', default_value = "f32", value_name = "FORMAT")]
@@ -233,9 +240,10 @@ fn run_on<B: Backend + 'static>(
         },
         warmup: !a.no_warmup,
         seed: a.seed,
+        depth: a.depth,
     };
     let mut results = Vec::new();
-    let longest = a.prompt.iter().max().copied().unwrap_or(0)
+    let longest = a.prompt.iter().max().copied().unwrap_or(0).max(a.depth)
         + a.generate.iter().max().copied().unwrap_or(0);
     let caches: Vec<Option<ByteSize>> = if a.expert_cache.is_empty() {
         vec![None]
@@ -258,6 +266,7 @@ fn run_on<B: Backend + 'static>(
                 streaming: a.stream.options_on(*cache, backend.as_ref())?,
                 kv_format: kv,
                 context: Some(longest),
+                prefill_chunk: Some(a.ubatch),
                 ..LoadOptions::default()
             };
             let variant = match (variant.as_str(), kv) {

@@ -115,6 +115,11 @@ pub(crate) struct ModelArgs {
     /// still run while memory allows; one that does not fit is refused before its prefill).
     #[arg(long, short = 'c', default_value_t = 4096, value_name = "TOKENS")]
     context: usize,
+    /// Tokens per prefill pass (llama.cpp's --ubatch-size): a streamed model reads each expert
+    /// a pass needs once for all its tokens, so larger passes read less from disk per prompt
+    /// token, at the cost of working memory.
+    #[arg(long, short = 'u', default_value_t = sluice_engine::PREFILL_CHUNK, value_name = "TOKENS")]
+    ubatch: usize,
     /// Expert cache size, e.g. 6GiB (packed models default to the available memory minus the
     /// resident weights and 1 GiB; unpacked models stream their experts only when this or
     /// --memory-budget is given, or, for a GGUF, when its converted weights would not fit).
@@ -303,6 +308,7 @@ pub(crate) fn load<B: Backend + 'static>(args: &ModelArgs, backend: Arc<B>) -> R
         experts_per_token: args.experts_per_token,
         kv_format: args.kv_cache,
         context: Some(args.context),
+        prefill_chunk: Some(args.ubatch),
         streaming: args
             .stream
             .options_on(args.expert_cache, backend.as_ref())?,

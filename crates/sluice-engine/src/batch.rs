@@ -21,7 +21,6 @@ use crate::sampler::Sampler;
 use crate::tokenizer::StreamDecoder;
 use crate::{
     Engine, EngineError, FinishReason, GenerateRequest, GenerationStats, Halt, TokenEvent,
-    PREFILL_CHUNK,
 };
 
 /// A prompt chunk that runs beside decoding sequences is at most this long, so that a long
@@ -282,7 +281,7 @@ impl<B: Backend + 'static> Engine<B> {
 
     /// Advances every unfinished sequence of `batch` by one step: each decoding sequence by one
     /// token (all in one forward pass), and the first sequence still reading its prompt by one
-    /// chunk ([`PREFILL_CHUNK`] tokens alone, [`PREFILL_CHUNK_SHARED`] beside decoding ones).
+    /// chunk ([`Engine::prefill_chunk`] tokens alone, [`PREFILL_CHUNK_SHARED`] beside decoding ones).
     /// A sequence whose sink reports it cancelled ends first. A failed pass ends the sequences
     /// that were in it with the error ([`Sequence::finish`] returns it).
     pub fn step<S: Sink>(
@@ -311,7 +310,7 @@ impl<B: Backend + 'static> Engine<B> {
         }
         if let Some(i) = batch.iter().position(|s| s.in_prompt()) {
             let budget = match decoding.is_empty() {
-                true => PREFILL_CHUNK,
+                true => self.prefill_chunk,
                 false => PREFILL_CHUNK_SHARED,
             };
             self.prompt_pass(batch[i], budget, cache);

@@ -52,6 +52,9 @@ pub struct LoadOptions {
     pub experts_per_token: Option<usize>,
     /// How attention caches store keys and values.
     pub kv_format: sluice_backend::KvFormat,
+    /// Tokens per prefill pass ([`PREFILL_CHUNK`] when `None`): larger passes read each
+    /// streamed expert once for more tokens, at the cost of working memory.
+    pub prefill_chunk: Option<usize>,
     /// The context one request's state is sized for: an expert cache derived from the memory
     /// budget or the free memory leaves room for it (`None`: no room kept beyond the reserve).
     pub context: Option<usize>,
@@ -190,6 +193,8 @@ pub struct Engine<B: Backend> {
     pub store: Option<sluice_store::ExpertStore>,
     /// How the expert cache was sized (streamed experts).
     pub cache_plan: Option<streaming::CachePlan>,
+    /// Tokens per prefill pass of a prompt running alone.
+    pub prefill_chunk: usize,
     /// How the backend's own expert cache (a GPU's) was sized, when it keeps one.
     pub device_cache_plan: Option<sluice_backend::ExpertCachePlan>,
 }
@@ -308,6 +313,7 @@ impl<B: Backend + 'static> Engine<B> {
             store,
             cache_plan,
             device_cache_plan,
+            prefill_chunk: opts.prefill_chunk.unwrap_or(PREFILL_CHUNK).max(1),
         })
     }
 
@@ -367,7 +373,7 @@ impl<B: Backend + 'static> Engine<B> {
         cancel: Option<&AtomicBool>,
     ) -> Result<Option<Vec<f32>>, EngineError> {
         let mut last = None;
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
+        for chunk in tokens.chunks(self.prefill_chunk) {
             if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
                 return Ok(None);
             }
@@ -424,7 +430,7 @@ impl<B: Backend + 'static> Engine<B> {
         match mode {
             LogitsMode::Prefill => {
                 let mut all = Vec::new();
-                for chunk in tokens.chunks(PREFILL_CHUNK) {
+                for chunk in tokens.chunks(self.prefill_chunk) {
                     all.extend(b.to_host(&self.model.forward(&mut state, chunk, true)?)?);
                 }
                 Ok(all)
