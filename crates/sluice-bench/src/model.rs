@@ -199,7 +199,8 @@ pub fn run_model<B: Backend + 'static>(
                     let mut samples = Vec::new();
                     let mut ttft = Vec::new();
                     for r in 0..settings.repetitions {
-                        let secs = run_once(engine, test, settings.seed + 1 + r as u64, settings.depth)?;
+                        let secs =
+                            run_once(engine, test, settings.seed + 1 + r as u64, settings.depth)?;
                         samples.push(test.tokens() as f64 / secs);
                         ttft.push(secs);
                     }
@@ -248,7 +249,9 @@ pub fn run_model<B: Backend + 'static>(
                         variant: String::new(),
                         test: match test {
                             Test::Prompt(_) => test.name(),
-                            _ if settings.depth > 0 => format!("{} @ d{}", test.name(), settings.depth),
+                            _ if settings.depth > 0 => {
+                                format!("{} @ d{}", test.name(), settings.depth)
+                            }
                             _ => test.name(),
                         },
                         threads,

@@ -8,9 +8,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 use sluice_backend::Backend;
+use sluice_backend::KvFormat;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_bench::model::{markdown_table, run_model, LimitRates, RunSettings, Test};
-use sluice_backend::KvFormat;
 use sluice_engine::{Engine, LoadOptions};
 use sluice_sys::{format_bytes, format_bytes_binary, ByteSize};
 
@@ -96,7 +96,12 @@ pub struct BenchArgs {
     ubatch: usize,
     /// KV cache formats to run (comma-separated: f32, f16, bf16, q8, q4), each a run of every
     /// test; a derived expert cache leaves room for one request's state at the longest test.
-    #[arg(long, value_delimiter = ',', default_value = "f32", value_name = "FORMAT")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "f32",
+        value_name = "FORMAT"
+    )]
     kv_cache: Vec<KvFormat>,
     #[command(flatten)]
     stream: crate::stream_args::StreamArgs,

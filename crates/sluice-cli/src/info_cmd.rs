@@ -47,6 +47,9 @@ pub struct InfoArgs {
     /// (default: the state at 4096 tokens and at the model's full context).
     #[arg(long, value_name = "TOKENS")]
     context: Option<usize>,
+    /// The KV cache format the state is sized in (f32, f16, bf16, q8, q4).
+    #[arg(long, default_value = "f32", value_name = "FORMAT")]
+    kv_cache: sluice_backend::KvFormat,
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
@@ -64,6 +67,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
             expert_cache: Some(0),
             ..streaming.clone()
         },
+        kv_format: a.kv_cache,
         ..LoadOptions::default()
     };
     let engine = Engine::load(&a.model, crate::device::shape_probe(), &probe)
@@ -116,7 +120,17 @@ pub fn run(a: InfoArgs) -> Result<()> {
         format_bytes((dense_per_token + experts_per_token) as u64)
     );
 
-    // Packed or not, the cache that fits (for an unpacked model: what packing it would give).
+    // Packed or not, the cache that fits (for an unpacked model: what packing it would give),
+    // leaving room for a request's state at --context as a run would.
+    let streaming = StreamingOptions {
+        state_reserve: a.context.map(|n| {
+            (
+                (info.state_bytes_fixed + info.state_bytes_per_token * n) as u64,
+                n,
+            )
+        }),
+        ..streaming
+    };
     let plan = plan_cache_for(resident, experts_total, &streaming);
     let share = plan.cache_bytes as f64 / experts_total.max(1) as f64;
     println!(
@@ -129,6 +143,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
         info.state_bytes_per_token,
         info.state_bytes_fixed,
         info.max_context,
+        info.kv_format,
     );
     request_state(
         state,
@@ -194,7 +209,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
 /// `context` tokens, or at 4096 and the full context; with a memory budget, whether weights,
 /// expert cache and that state fit it together.
 fn request_state(
-    (per_token, fixed, max_context): (usize, usize, usize),
+    (per_token, fixed, max_context, format): (usize, usize, usize, sluice_backend::KvFormat),
     context: Option<usize>,
     resident: u64,
     cache: u64,
@@ -220,7 +235,7 @@ fn request_state(
         .map(|&n| format!("{} at {n} tokens", format_bytes(at(n))))
         .collect();
     println!(
-        "  state per request: KV cache {} per token (f32){recurrent}: {}",
+        "  state per request: KV cache {} per token ({format}){recurrent}: {}",
         format_bytes(per_token as u64),
         sizes.join(", ")
     );

@@ -703,6 +703,88 @@ fn info_sizes_a_requests_state_at_a_context() {
         !out.status.success() && stderr.contains("past the model's context"),
         "{stderr}"
     );
+    // In q8, the 128 values per token take 128 code bytes and 4 f16 scales; q4 half the codes
+    // and a scale and minimum per 32.
+    for (format, bytes) in [("q8", 136), ("q4", 80), ("f16", 256)] {
+        let out = info(&["--context", "100", "--kv-cache", format]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains(&format!("KV cache {bytes} B per token ({format})")),
+            "{stdout}"
+        );
+    }
+}
+
+/// Every KV cache format runs a model end to end; `perplexity --compare` measures what one
+/// costs against the first (nothing, for the same format twice); an unknown format is a
+/// one-line error.
+#[test]
+fn kv_cache_formats_run_and_compare() {
+    let m = fixture("qwen3_5_moe-q4");
+    let m = m.to_str().unwrap();
+    for format in ["f16", "bf16", "q8", "q4"] {
+        let out = sluice(&[
+            "generate",
+            "-m",
+            m,
+            "--device",
+            "cpu",
+            "-p",
+            "hello",
+            "-n",
+            "8",
+            "--kv-cache",
+            format,
+        ]);
+        assert!(
+            out.status.success(),
+            "{format}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // A usage error (clap's exit code 2), naming the choices.
+    let out = sluice(&["generate", "-m", m, "-p", "x", "--kv-cache", "q3"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("f32, f16, bf16, q8 or q4"), "{err}");
+    let out = sluice(&[
+        "perplexity",
+        "-m",
+        m,
+        "--device",
+        "cpu",
+        "--kernels",
+        "exact",
+        "--random",
+        "--window",
+        "96",
+        "--windows",
+        "2",
+        "--compare",
+        "f32,q4",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = |name: &str| -> Vec<String> {
+        stdout
+            .lines()
+            .filter(|l| l.starts_with(&format!("| {name} |")))
+            .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
+            .nth(if name == "f32" { 1 } else { 0 })
+            .unwrap_or_else(|| panic!("no {name} row: {stdout}"))
+    };
+    let same = row("f32");
+    assert_eq!(same[3].parse::<f64>().unwrap(), 0.0, "{stdout}");
+    assert_eq!(same[4], "100.00%", "{stdout}");
+    assert_eq!(same[5], "190", "{stdout}");
+    let q4: f64 = row("q4")[3].parse().unwrap();
+    assert!(q4 > 0.0 && q4 < 1.0, "{stdout}");
+    let err = sluice_fails(&["perplexity", "-m", m, "--random", "--window", "100000"]);
+    assert!(err.contains("past the model's context"), "{err}");
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! a few rows' positions are split over the threads (decoding a long context), their partial
 //! softmaxes combined at the end.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use sluice_backend::kv::{quantize_q4, quantize_q8};
 use sluice_backend::{AttentionSpec, KvFormat};
@@ -51,8 +52,16 @@ impl Rows {
     fn push(&mut self, x: &[f32], group: usize) {
         match self {
             Rows::F32(v) => v.extend_from_slice(x),
-            Rows::F16(v) => v.extend(x.iter().map(|&a| f16::from_f32(a))),
-            Rows::Bf16(v) => v.extend(x.iter().map(|&a| bf16::from_f32(a))),
+            Rows::F16(v) => {
+                let at = v.len();
+                v.resize(at + x.len(), f16::ZERO);
+                v[at..].convert_from_f32_slice(x);
+            }
+            Rows::Bf16(v) => {
+                let at = v.len();
+                v.resize(at + x.len(), bf16::ZERO);
+                v[at..].convert_from_f32_slice(x);
+            }
             Rows::Q8 { q, d } => {
                 for g in x.chunks_exact(group) {
                     let at = q.len();
@@ -97,16 +106,9 @@ impl Rows {
         let n = out.len();
         match self {
             Rows::F32(v) => out.copy_from_slice(&v[start..start + n]),
-            Rows::F16(v) => {
-                for (o, a) in out.iter_mut().zip(&v[start..start + n]) {
-                    *o = a.to_f32();
-                }
-            }
-            Rows::Bf16(v) => {
-                for (o, a) in out.iter_mut().zip(&v[start..start + n]) {
-                    *o = a.to_f32();
-                }
-            }
+            // half's slice conversions use F16C where the CPU has it.
+            Rows::F16(v) => v[start..start + n].convert_to_f32_slice(out),
+            Rows::Bf16(v) => v[start..start + n].convert_to_f32_slice(out),
             Rows::Q8 { q, d } => {
                 let first = start / group;
                 for (i, (o, q)) in out
