@@ -321,11 +321,16 @@ impl Backend for CpuBackend {
         assert!(heads.is_multiple_of(kvh));
         let first = cache.len();
         cache.append(&k.data, &v.data);
+        let group = heads / kvh;
         let Some((keys, values)) = cache.as_f32() else {
             return kv::attention(q, cache, first, spec);
         };
+        // Decoding a long context: the query heads sharing a kv head read its keys and values
+        // from memory once between them, split over the threads, instead of once per head.
+        if q.rows < GROUPED_ATTENTION_ROWS && group > 1 && first + q.rows >= LONG_DECODE {
+            return kv::attention(q, cache, first, spec);
+        }
         let width = cache.width();
-        let group = heads / kvh;
         let mut out = CpuAct::zeros(q.rows, q.cols);
         if q.rows >= GROUPED_ATTENTION_ROWS && group > 1 {
             // A prompt: one task per (row, kv head) for the heads that share it, so that each
@@ -844,6 +849,9 @@ thread_local! {
 /// From this many query rows on, attention runs a task per row and kv head (else per row and
 /// head: more tasks for the few rows of decoding).
 const GROUPED_ATTENTION_ROWS: usize = 16;
+/// From this many positions on, decoding attends through `kv::attention` (keys and values read
+/// once per kv head; 2048 positions of a head of 256 are 2 MiB, past a core's L2).
+const LONG_DECODE: usize = 2048;
 /// Positions per run of keys or values that the heads sharing them take in turn (64 KiB of
 /// keys at a head size of 256: stays in L1/L2 between heads).
 const ATTENTION_RUN: usize = 64;
