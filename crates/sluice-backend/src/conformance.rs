@@ -1274,6 +1274,50 @@ pub fn attention_kv_formats<B: Backend>(b: &B, tol: Tolerance) {
             }
         }
     }
+
+    // A long cache, past the 8192 positions where a backend may split a decoded token's
+    // positions differently: one prefill (not checked), then two decode steps checked, in every
+    // format the backend lists. (The prefill looks back 16 positions only, to be cheap: what it
+    // stores does not depend on that.)
+    let (heads, kv_heads, hd, len) = (2, 1, 64, 8300);
+    let (qw, kw) = (heads * hd, kv_heads * hd);
+    let spec = AttentionSpec::new(heads, 1.0 / (hd as f32).sqrt());
+    for &format in b.kv_formats() {
+        let mut cache = b.kv_cache(kv_heads, hd, 64, format).expect("kv_cache");
+        let (mut keys, mut values) = (rng.vec(len * kw, -2.0, 2.0), rng.vec(len * kw, -2.0, 2.0));
+        b.attention(
+            &b.act_from_host(&rng.vec(len * qw, -2.0, 2.0), len, qw),
+            &b.act_from_host(&keys, len, kw),
+            &b.act_from_host(&values, len, kw),
+            &mut cache,
+            AttentionSpec {
+                window: Some(16),
+                ..spec
+            },
+        );
+        crate::kv::round_trip(format, &mut keys, hd);
+        crate::kv::round_trip(format, &mut values, hd);
+        for step in 0..2 {
+            let q = rng.vec(qw, -2.0, 2.0);
+            let (mut k, mut v) = (rng.vec(kw, -2.0, 2.0), rng.vec(kw, -2.0, 2.0));
+            let got = b.attention(
+                &b.act_from_host(&q, 1, qw),
+                &b.act_from_host(&k, 1, kw),
+                &b.act_from_host(&v, 1, kw),
+                &mut cache,
+                spec,
+            );
+            crate::kv::round_trip(format, &mut k, hd);
+            crate::kv::round_trip(format, &mut v, hd);
+            keys.extend_from_slice(&k);
+            values.extend_from_slice(&v);
+            let want = reference::attention(
+                &q, &keys, &values, heads, kv_heads, hd, spec.scale, None, None,
+            );
+            let what = format!("{format} cache of {} positions, step {step}", len + step);
+            assert_close(&what, &host(b, &got), &want, tol.other);
+        }
+    }
 }
 
 /// `join_chunks` (the inverse of `split_chunks`) and `matmul_heads` (one product per head) in

@@ -1060,6 +1060,188 @@ extern "C" __global__ void qkv_norm_rope_append(const float* q, const float* k, 
 }
 
 // ------------------------------------------------------------------------------------------------
+// KV cache formats
+// ------------------------------------------------------------------------------------------------
+
+// The storage of a compact attention cache (KvFormat in sluice-backend's kv.rs, whose rounding
+// these follow bit for bit: a cache holds what its `round_trip` gives). A position's row of
+// `width` (kv_heads x head size) values: the codes of every value, then per group of `group`
+// values (a power of two dividing the head, at most 32) its f16 scales: q8 `d` (value = code x d),
+// q4 `d` then `min` (value = code x d + min, two roundings as on the host). f16 and bf16 rows are
+// the values alone; f32 caches never come here.
+enum { KV_F16 = 1, KV_BF16 = 2, KV_Q8 = 3, KV_Q4 = 4 };
+
+__device__ __forceinline__ long kv_row_bytes(int fmt, int width, int group) {
+    const long groups = width / group;
+    switch (fmt) {
+        case KV_Q8: return width + 2 * groups;
+        case KV_Q4: return (width + 1) / 2 + 4 * groups;
+        default: return 2L * width;
+    }
+}
+
+__device__ __forceinline__ float kv_half(const uint8_t* p) {
+    return __half2float(*reinterpret_cast<const __half*>(p));
+}
+
+// Value `c` of a row.
+__device__ __forceinline__ float kv_value(const uint8_t* row, int fmt, int width, int group, int c) {
+    switch (fmt) {
+        case KV_F16: return kv_half(row + 2L * c);
+        case KV_BF16: return __uint_as_float((uint32_t)reinterpret_cast<const unsigned short*>(row)[c] << 16);
+        case KV_Q8: {
+            const float d = kv_half(row + width + 2 * (c / group));
+            return __fmul_rn((float)(signed char)row[c], d);
+        }
+        default: {
+            const uint8_t* s = row + (width + 1) / 2 + 4 * (c / group);
+            const float q = (float)((row[c / 2] >> (4 * (c % 2))) & 15);
+            return __fadd_rn(__fmul_rn(q, kv_half(s)), kv_half(s + 2));
+        }
+    }
+}
+
+// Stores `rows` rows of keys `k` and values `v` ([rows, width] f32) at positions first + r (with
+// `cached`, first + *cached: a replayed decode step) of the caches in format `fmt`. A thread per
+// group of `group` values: q8 and q4 round as quantize_q8 and quantize_q4 do (IEEE division and
+// round-half-away, no fused multiply-adds).
+extern "C" __global__ void kv_store(const float* k, const float* v, uint8_t* keys, uint8_t* values,
+                                    int rows, int width, int group, int fmt, int first,
+                                    const int* cached) {
+    PDL_START();
+    if (cached) first += *cached;
+    const int groups = width / group;
+    const long per = (long)rows * groups;
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2 * per) return;
+    const bool is_v = i >= per;
+    const long j = is_v ? i - per : i;
+    const long r = j / groups;
+    const int g = j % groups, c0 = g * group;
+    const float* x = (is_v ? v : k) + r * width + c0;
+    uint8_t* row = (is_v ? values : keys) + (first + r) * kv_row_bytes(fmt, width, group);
+    switch (fmt) {
+        case KV_F16:
+            for (int c = 0; c < group; c++)
+                reinterpret_cast<__half*>(row)[c0 + c] = __float2half_rn(x[c]);
+            break;
+        case KV_BF16:
+            for (int c = 0; c < group; c++)
+                reinterpret_cast<__nv_bfloat16*>(row)[c0 + c] = __float2bfloat16_rn(x[c]);
+            break;
+        case KV_Q8: {
+            float amax = 0.0f;
+            for (int c = 0; c < group; c++) amax = fmaxf(amax, fabsf(x[c]));
+            const float d = __fdiv_rn(amax, 127.0f);
+            const float inv = d > 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+            for (int c = 0; c < group; c++)
+                row[c0 + c] = (uint8_t)(signed char)fminf(fmaxf(roundf(__fmul_rn(x[c], inv)), -127.0f), 127.0f);
+            *reinterpret_cast<__half*>(row + width + 2 * g) = __float2half_rn(d);
+            break;
+        }
+        default: {
+            float lo = INFINITY, hi = -INFINITY;
+            for (int c = 0; c < group; c++) {
+                lo = fminf(lo, x[c]);
+                hi = fmaxf(hi, x[c]);
+            }
+            const __half min = __float2half_rn(lo);
+            // The codes count up from the minimum as stored, so that 0 dequantises to it exactly.
+            const float base = __half2float(min);
+            const float d = __fdiv_rn(fmaxf(__fsub_rn(hi, base), 0.0f), 15.0f);
+            const float inv = d > 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+            for (int c = 0; c < group; c++) {
+                const uint32_t q =
+                    (uint32_t)fminf(fmaxf(roundf(__fmul_rn(__fsub_rn(x[c], base), inv)), 0.0f), 15.0f);
+                const int at = c0 + c;
+                if (group == 1) {
+                    // Odd head sizes: the two nibbles of a byte belong to two threads.
+                    const unsigned long long a = (unsigned long long)(row + at / 2);
+                    uint32_t* word = reinterpret_cast<uint32_t*>(a & ~3ull);
+                    const int shift = 8 * (int)(a & 3) + 4 * (at % 2);
+                    atomicAnd(word, ~(15u << shift));
+                    atomicOr(word, q << shift);
+                } else if (at % 2 == 0) row[at / 2] = (uint8_t)q;
+                else row[at / 2] |= (uint8_t)(q << 4);
+            }
+            uint8_t* s = row + (width + 1) / 2 + 4 * g;
+            *reinterpret_cast<__half*>(s) = __float2half_rn(d);
+            *reinterpret_cast<__half*>(s + 2) = min;
+            break;
+        }
+    }
+}
+
+// Positions [0, n) of the key and value caches in format `fmt` as f32 rows [n, width] (for the
+// kernels that read f32 caches: prefill tiles, the generic attention). A thread per value.
+extern "C" __global__ void kv_expand(const uint8_t* keys, const uint8_t* values, float* k_out,
+                                     float* v_out, int n, int width, int group, int fmt) {
+    PDL_START();
+    const long per = (long)n * width;
+    const long rb = kv_row_bytes(fmt, width, group);
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < 2 * per;
+         i += (long)gridDim.x * blockDim.x) {
+        const bool is_v = i >= per;
+        const long j = is_v ? i - per : i;
+        const long p = j / width;
+        const int c = j % width;
+        const float x = kv_value((is_v ? values : keys) + p * rb, fmt, width, group, c);
+        (is_v ? v_out : k_out)[j] = x;
+    }
+}
+
+// The `N` values [c, c + N) of a compact row (c a multiple of N, N in 2, 4, 8; groups of 32) into
+// `out`, with the widest loads the format allows: what attention_decode reads per lane.
+template <int N>
+__device__ __forceinline__ void kv_load(const uint8_t* row, int fmt, int width, int c, float out[N]) {
+    if (fmt == KV_F16 || fmt == KV_BF16) {
+        uint32_t w[N / 2];
+        if constexpr (N == 2) w[0] = *reinterpret_cast<const uint32_t*>(row + 2 * c);
+        if constexpr (N == 4) {
+            const uint2 u = *reinterpret_cast<const uint2*>(row + 2 * c);
+            w[0] = u.x, w[1] = u.y;
+        }
+        if constexpr (N == 8) {
+            const uint4 u = *reinterpret_cast<const uint4*>(row + 2 * c);
+            w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+        }
+#pragma unroll
+        for (int j = 0; j < N / 2; j++) {
+            if (fmt == KV_BF16) {
+                out[2 * j] = bf16_lo(w[j]);
+                out[2 * j + 1] = bf16_hi(w[j]);
+            } else {
+                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
+                out[2 * j] = f.x;
+                out[2 * j + 1] = f.y;
+            }
+        }
+    } else if (fmt == KV_Q8) {
+        uint32_t w[(N + 3) / 4];
+        if constexpr (N == 2) w[0] = *reinterpret_cast<const unsigned short*>(row + c);
+        if constexpr (N == 4) w[0] = *reinterpret_cast<const uint32_t*>(row + c);
+        if constexpr (N == 8) {
+            const uint2 u = *reinterpret_cast<const uint2*>(row + c);
+            w[0] = u.x, w[1] = u.y;
+        }
+        const float d = kv_half(row + width + 2 * (c / 32));
+#pragma unroll
+        for (int j = 0; j < N; j++)
+            out[j] = __fmul_rn((float)(signed char)((w[j / 4] >> (8 * (j % 4))) & 255u), d);
+    } else {
+        uint32_t w;
+        if constexpr (N == 2) w = row[c / 2];
+        if constexpr (N == 4) w = *reinterpret_cast<const unsigned short*>(row + c / 2);
+        if constexpr (N == 8) w = *reinterpret_cast<const uint32_t*>(row + c / 2);
+        const uint8_t* s = row + width / 2 + 4 * (c / 32);
+        const float d = kv_half(s), min = kv_half(s + 2);
+#pragma unroll
+        for (int j = 0; j < N; j++)
+            out[j] = __fadd_rn(__fmul_rn((float)((w >> (4 * j)) & 15u), d), min);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Attention
 // ------------------------------------------------------------------------------------------------
 
@@ -1243,13 +1425,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_wide(
 // caches. `cached` and `all_done`, `window` (only the positions a token sees are split) and
 // `sinks` (joining in the block that writes the output, or in the combine) as in `attention`.
 #define ATTN_WARPS 8
-template <int HD>
+// With C, the caches are compact (`fmt`, see kv_store; groups of 32) and never fused.
+template <int HD, bool C = false>
 __device__ void attention_decode(const float* q, const float* k, const float* v, const float* wq,
                                  const float* wk, const float* inv_freq, float eps, int rotary_dim,
                                  float* keys, float* values, float* out, int heads, int kv_heads,
                                  int total, int ntok, float scale, float* partial, uint32_t* done,
                                  int* cached, uint32_t* all_done, int t, uint32_t blocks,
-                                 int window, const float* sinks) {
+                                 int window, const float* sinks, int fmt = 0) {
     constexpr int DPL = HD / 32, PR = HD > 128 ? 4 : 8, PASS = ATTN_WARPS * PR;
     __shared__ __align__(16) float qs[HD], ks[HD], vs[HD];
     __shared__ __align__(16) float accs[ATTN_WARPS][HD];
@@ -1265,7 +1448,8 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
     const int per = max(PASS, (n - first + splits - 1) / splits);
     const int active = (n - first + per - 1) / per;
     const int p0 = first + split * per, p1 = min(n, p0 + per);
-    const bool fused = k != nullptr;
+    const bool fused = !C && k != nullptr;
+    const long row_bytes = C ? kv_row_bytes(fmt, (int)width, 32) : 0;
     const float sink = sinks != nullptr ? sinks[h] : -INFINITY;
     float* const mine = partial + ((long)t * heads + h) * splits * (HD + 2);
     if (split < active) {
@@ -1303,6 +1487,14 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
 #pragma unroll
             for (int i = 0; i < PR; i++) {
                 const int p = min(base + i, p1 - 1);
+                if constexpr (C) {
+                    const int c = kv * HD + lane * DPL;
+                    kv_load<DPL>(reinterpret_cast<const uint8_t*>(keys) + p * row_bytes, fmt,
+                                 (int)width, c, kk[i]);
+                    kv_load<DPL>(reinterpret_cast<const uint8_t*>(values) + p * row_bytes, fmt,
+                                 (int)width, c, vv[i]);
+                    continue;
+                }
                 const bool here = has_new && p == pos;
                 const float* kp = (here ? ks : keys + (long)p * width + (long)kv * HD) + lane * DPL;
                 const float* vp = (here ? vs : values + (long)p * width + (long)kv * HD) + lane * DPL;
@@ -1405,6 +1597,15 @@ struct KvRows {
                              partial + (long)r * heads * gridDim.z * (HD + 2), done + r * heads, \
                              rows.cached[r], all_done + r, 0, gridDim.x * gridDim.z, window, \
                              sinks); \
+    } \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32, 1) attention_decode_kv_##HD( \
+        const float* q, const uint8_t* keys, const uint8_t* values, float* out, int fmt, \
+        int heads, int kv_heads, int total, int ntok, float scale, float* partial, uint32_t* done, \
+        int* cached, uint32_t* all_done, int window, const float* sinks) { PDL_START(); \
+        attention_decode<HD, true>(q, nullptr, nullptr, nullptr, nullptr, nullptr, 0.0f, 0, \
+                                   (float*)keys, (float*)values, out, heads, kv_heads, total, ntok, \
+                                   scale, partial, done, cached, all_done, blockIdx.y, \
+                                   gridDim.x * gridDim.y * gridDim.z, window, sinks, fmt); \
     }
 ATTENTION_DECODE(64) ATTENTION_DECODE(128) ATTENTION_DECODE(256)
 

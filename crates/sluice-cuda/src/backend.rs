@@ -107,8 +107,8 @@ pub struct CudaRouting {
     k: usize,
 }
 
-/// Keys and values of one attention layer, `[capacity, kv_heads * head_dim]` f32 each; grown by
-/// doubling.
+/// Keys and values of one attention layer, `capacity` rows of `kv_heads * head_dim` values each,
+/// in `format` (f32, or compact as `kv_store` in the kernels lays it out); grown by doubling.
 pub struct CudaKvCache {
     keys: Option<DevBuf>,
     values: Option<DevBuf>,
@@ -116,6 +116,7 @@ pub struct CudaKvCache {
     capacity: usize,
     kv_heads: usize,
     head_dim: usize,
+    format: KvFormat,
     /// The length as the decode kernels read and advance it on the device (one i32), so that a
     /// replayed decode step has no argument that changes from token to token ...
     device_len: Option<DevBuf>,
@@ -124,9 +125,32 @@ pub struct CudaKvCache {
     device: Arc<Device>,
 }
 
+impl CudaKvCache {
+    /// Bytes of one position's keys (or values).
+    fn row_bytes(&self) -> usize {
+        self.format
+            .bytes(self.kv_heads * self.head_dim, self.head_dim)
+    }
+
+    /// The format as the kernels name it (`KV_*` in the source); f32 caches never reach them.
+    fn format_code(&self) -> i32 {
+        match self.format {
+            KvFormat::F32 => 0,
+            KvFormat::F16 => 1,
+            KvFormat::Bf16 => 2,
+            KvFormat::Q8 => 3,
+            KvFormat::Q4 => 4,
+        }
+    }
+
+    fn is_compact(&self) -> bool {
+        self.format != KvFormat::F32
+    }
+}
+
 impl Clone for CudaKvCache {
     fn clone(&self) -> Self {
-        let width = self.kv_heads * self.head_dim * 4;
+        let width = self.row_bytes();
         let dup = |b: &Option<DevBuf>| {
             let b = b.as_ref()?;
             let new = self
@@ -142,6 +166,7 @@ impl Clone for CudaKvCache {
             capacity: self.capacity,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            format: self.format,
             device_len: None,
             device_len_value: None,
             device: self.device.clone(),
@@ -235,6 +260,24 @@ struct Prelude {
 /// 64-128 positions: up to a pass, one block and no combining). Measured on an H100 (Qwen3-30B-A3B
 /// shape): 4 and 8 equal at 128 and 1024 positions, 16 slower.
 const DECODE_SPLITS: usize = 8;
+/// Positions per block that `long_decode_splits` aims at.
+const LONG_DECODE_POSITIONS: usize = 1024;
+
+/// Splits of a decoded token over a cache of `positions`: [`DECODE_SPLITS`], and more (a power of
+/// two, at most the kernel's 32) once each block would take more than [`LONG_DECODE_POSITIONS`]
+/// (a graph is rebuilt at each of those few steps). `SLUICE_CUDA_LONG_SPLITS=0` keeps
+/// [`DECODE_SPLITS`] at every length, to measure against.
+fn long_decode_splits(positions: usize) -> usize {
+    static FIXED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *FIXED.get_or_init(|| std::env::var("SLUICE_CUDA_LONG_SPLITS").is_ok_and(|v| v == "0")) {
+        return DECODE_SPLITS;
+    }
+    positions
+        .div_ceil(LONG_DECODE_POSITIONS)
+        .next_power_of_two()
+        .clamp(DECODE_SPLITS, 32)
+}
+
 /// Threads of a block of `attention_decode` (`ATTN_WARPS` warps in the source).
 const ATTENTION_DECODE_THREADS: u32 = 256;
 /// ... that is, when there are fewer (head, token) pairs than this.
@@ -1331,7 +1374,24 @@ impl CudaBackend {
             return self.poisoned(rows, q.cols);
         };
         let plan = Self::attend_plan(rows, heads, kvh, hd);
-        let splits = plan.unwrap_or(1);
+        let decode = plan.is_some_and(|s| s > 1) && self.decode_kernel(hd).is_some();
+        let compact_decode = cache.is_compact() && decode;
+        let splits = match decode {
+            true => long_decode_splits(total),
+            false => plan.unwrap_or(1),
+        };
+        // The other kernels read f32 caches: a compact one is expanded for them.
+        let expanded = match cache.is_compact() && !compact_decode {
+            true => match self.kv_expand(cache, total) {
+                Some(e) => Some(e),
+                None => return self.poisoned(rows, q.cols),
+            },
+            false => None,
+        };
+        let (keys, values) = match &expanded {
+            Some((k, v)) => (k.ptr, v.ptr),
+            None => (keys.ptr, values.ptr),
+        };
         assert!(
             device_len.is_none() || splits > 1,
             "the device length is for split decode"
@@ -1362,8 +1422,8 @@ impl CudaBackend {
                 (128, 1, 1),
                 &[
                     Arg::Ptr(qp),
-                    Arg::Ptr(keys.ptr),
-                    Arg::Ptr(values.ptr),
+                    Arg::Ptr(keys),
+                    Arg::Ptr(values),
                     Arg::Ptr(o),
                     Arg::I32(heads as i32),
                     Arg::I32(kvh as i32),
@@ -1382,6 +1442,33 @@ impl CudaBackend {
             let partial = partial.as_ref().map_or(0, DevBuf::ptr);
             let done = done.as_ref().map_or(0, |d| d.ptr);
             let all_done = if device_len.is_some() { all_done } else { 0 };
+            if compact_decode {
+                let [window, sinks] = attn.args();
+                self.d.launch(
+                    self.decode_kv_kernel(hd).expect("checked above"),
+                    (heads as u32, rows as u32, splits as u32),
+                    (ATTENTION_DECODE_THREADS, 1, 1),
+                    &[
+                        Arg::Ptr(qp),
+                        Arg::Ptr(keys),
+                        Arg::Ptr(values),
+                        Arg::Ptr(o),
+                        Arg::I32(cache.format_code()),
+                        Arg::I32(heads as i32),
+                        Arg::I32(kvh as i32),
+                        Arg::I32(total),
+                        Arg::I32(rows as i32),
+                        Arg::F32(scale),
+                        Arg::Ptr(partial),
+                        Arg::Ptr(done),
+                        Arg::Ptr(0),
+                        Arg::Ptr(0),
+                        window,
+                        sinks,
+                    ],
+                );
+                return out;
+            }
             match self.decode_kernel(hd).filter(|_| splits > 1) {
                 Some(kernel) => self.launch_attention_decode(
                     kernel,
@@ -1406,8 +1493,8 @@ impl CudaBackend {
                         (128, 1, 1),
                         &[
                             Arg::Ptr(qp),
-                            Arg::Ptr(keys.ptr),
-                            Arg::Ptr(values.ptr),
+                            Arg::Ptr(keys),
+                            Arg::Ptr(values),
                             Arg::Ptr(o),
                             Arg::I32(heads as i32),
                             Arg::I32(kvh as i32),
@@ -1502,9 +1589,10 @@ impl CudaBackend {
         let heads = attn.heads;
         let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
-        let splits = Self::attend_plan(1, heads, kvh, hd).filter(|&s| s > 1)?;
+        Self::attend_plan(1, heads, kvh, hd).filter(|&s| s > 1)?;
         let kernel = self.decode_kernel(hd)?;
         let first = cache.len;
+        let splits = long_decode_splits(first + 1);
         if !self.ensure_capacity(cache, first + 1) {
             return Some(false);
         }
@@ -1565,7 +1653,7 @@ impl CudaBackend {
         let (heads, scale) = (attn.heads, attn.scale);
         let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (caches[0].head_dim, caches[0].kv_heads);
-        let (Some(splits), Some(kernel)) = (
+        let (Some(_), Some(kernel)) = (
             Self::attend_plan(1, heads, kvh, hd),
             DECODE_HEAD_DIMS
                 .iter()
@@ -1594,6 +1682,7 @@ impl CudaBackend {
             };
         }
         let n = caches.len();
+        let splits = long_decode_splits(caches.iter().map(|c| c.len + 1).max().unwrap_or(1));
         let [window, sinks] = attn.args();
         let (Some(freq), Some(partial), Some(done)) = (
             self.rotary_frequencies(rope),
@@ -1637,6 +1726,41 @@ impl CudaBackend {
         true
     }
 
+    /// `decode_kernel` for compact caches.
+    fn decode_kv_kernel(&self, hd: usize) -> Option<&CudaFunction> {
+        let i = DECODE_HEAD_DIMS.iter().position(|&d| d == hd)?;
+        self.d.k.attention_decode_kv.get(i)
+    }
+
+    /// The first `n` positions of a compact cache as f32 keys and values `[n, width]` (for the
+    /// kernels that read f32): what it holds, exactly. `None` after a failure (recorded).
+    fn kv_expand(&self, cache: &CudaKvCache, n: usize) -> Option<(DevBuf, DevBuf)> {
+        let (keys, values) = (cache.keys.as_ref()?, cache.values.as_ref()?);
+        let width = cache.kv_heads * cache.head_dim;
+        let k = self
+            .d
+            .alloc_or_record(n * width * 4, "an expanded KV cache")?;
+        let v = self
+            .d
+            .alloc_or_record(n * width * 4, "an expanded KV cache")?;
+        self.d.launch(
+            &self.d.k.kv_expand,
+            (grid(2 * n * width, 256).clamp(1, 8192), 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(keys.ptr),
+                Arg::Ptr(values.ptr),
+                Arg::Ptr(k.ptr),
+                Arg::Ptr(v.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(width as i32),
+                Arg::I32(KvFormat::group(cache.head_dim) as i32),
+                Arg::I32(cache.format_code()),
+            ],
+        );
+        Some((k, v))
+    }
+
     /// The split decode attention kernel for head size `hd`, if it is compiled for it.
     fn decode_kernel(&self, hd: usize) -> Option<&CudaFunction> {
         let i = DECODE_HEAD_DIMS.iter().position(|&d| d == hd)?;
@@ -1648,7 +1772,7 @@ impl CudaBackend {
             return true;
         }
         let capacity = needed.max(cache.capacity * 2).max(256);
-        let width = cache.kv_heads * cache.head_dim * 4;
+        let width = cache.row_bytes();
         let grow = |old: &Option<DevBuf>| -> Option<DevBuf> {
             let new = self.d.alloc_or_record(capacity * width, "the KV cache")?;
             if let Some(o) = old {
@@ -1693,7 +1817,9 @@ fn rope_fuses(
     heads: usize,
 ) -> bool {
     let (hd, kvh) = (cache.head_dim, cache.kv_heads);
-    head_dim == hd
+    // A compact cache is written by `kv_store` after the norms and rotations, op by op.
+    !cache.is_compact()
+        && head_dim == hd
         && hd <= MAX_HEAD_DIM
         && (norms.0.len, norms.1.len) == (hd, hd)
         && (k.cols, v.cols, q.cols) == (kvh * hd, kvh * hd, heads * hd)
@@ -1937,11 +2063,6 @@ impl Backend for CudaBackend {
         _capacity: usize,
         format: KvFormat,
     ) -> Result<CudaKvCache, BackendError> {
-        if format != KvFormat::F32 {
-            return Err(BackendError::Unsupported(format!(
-                "a {format} KV cache on CUDA: this backend keeps f32 caches (use --kv-cache f32)"
-            )));
-        }
         if head_dim > MAX_ATTENTION_HEAD_DIM {
             return Err(BackendError::Unsupported(format!(
                 "attention heads of {head_dim}: the CUDA kernels take at most \
@@ -1957,10 +2078,15 @@ impl Backend for CudaBackend {
             capacity: 0,
             kv_heads,
             head_dim,
+            format,
             device_len: None,
             device_len_value: None,
             device: self.d.clone(),
         })
+    }
+
+    fn kv_formats(&self) -> &'static [KvFormat] {
+        &KvFormat::ALL
     }
 
     fn kv_len(&self, cache: &CudaKvCache) -> usize {
@@ -2441,7 +2567,29 @@ impl Backend for CudaBackend {
         let (Some(keys), Some(values)) = (&cache.keys, &cache.values) else {
             return self.poisoned(rows, q.cols);
         };
-        if let (Some(kp), Some(vp)) = (k.ptr(), v.ptr()) {
+        if cache.is_compact() {
+            if let (Some(kp), Some(vp)) = (k.ptr(), v.ptr()) {
+                let group = KvFormat::group(hd);
+                let threads = 2 * rows * (kvh * hd / group);
+                self.d.launch(
+                    &self.d.k.kv_store,
+                    (grid(threads, 128), 1, 1),
+                    (128, 1, 1),
+                    &[
+                        Arg::Ptr(kp),
+                        Arg::Ptr(vp),
+                        Arg::Ptr(keys.ptr),
+                        Arg::Ptr(values.ptr),
+                        Arg::I32(rows as i32),
+                        Arg::I32((kvh * hd) as i32),
+                        Arg::I32(group as i32),
+                        Arg::I32(cache.format_code()),
+                        Arg::I32(cache.len as i32),
+                        Arg::Ptr(0),
+                    ],
+                );
+            }
+        } else if let (Some(kp), Some(vp)) = (k.ptr(), v.ptr()) {
             let at = (cache.len * width) as u64;
             let words = rows * width / 4;
             self.d.launch(

@@ -77,6 +77,11 @@ pub(crate) struct Kernels {
     pub attention_decode: Vec<CudaFunction>,
     /// `attention_decode` for one token of each of several requests (`DECODE_HEAD_DIMS`).
     pub attention_decode_rows: Vec<CudaFunction>,
+    /// `attention_decode` over a compact cache (f16, bf16, q8, q4; `DECODE_HEAD_DIMS`).
+    pub attention_decode_kv: Vec<CudaFunction>,
+    /// Compact caches: rows quantised into one, and the whole of one expanded to f32.
+    pub kv_store: CudaFunction,
+    pub kv_expand: CudaFunction,
     pub route: CudaFunction,
     /// The router's product and `route` in one launch, by weight kind.
     pub route_gemv: Vec<CudaFunction>,
@@ -233,6 +238,12 @@ impl Kernels {
                 .iter()
                 .map(|h| f(&format!("attention_decode_rows_{h}")))
                 .collect::<Result<_, _>>()?,
+            attention_decode_kv: DECODE_HEAD_DIMS
+                .iter()
+                .map(|h| f(&format!("attention_decode_kv_{h}")))
+                .collect::<Result<_, _>>()?,
+            kv_store: f("kv_store")?,
+            kv_expand: f("kv_expand")?,
             route: f("route")?,
             route_gemv: KINDS
                 .iter()
