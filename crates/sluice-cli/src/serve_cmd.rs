@@ -1,4 +1,4 @@
-//! `sluice serve`: the OpenAI-compatible HTTP server (crate `sluice-server`).
+//! `sluice serve`: the OpenAI-compatible HTTP server and its web page (crate `sluice-server`).
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -15,7 +15,8 @@ use crate::ModelArgs;
 #[command(after_help = "Examples:\n  \
     sluice serve --model ./Qwen3-30B-A3B-4bit\n  \
     sluice serve --model ./packed --port 9000 --api-key secret\n\n\
-    Then point any OpenAI client at http://127.0.0.1:8080/v1, e.g.\n  \
+    Open http://127.0.0.1:8080/ in a browser to chat and watch the experts stream, or point\n\
+    any OpenAI client at http://127.0.0.1:8080/v1, e.g.\n  \
     curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
     -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"stream\": true}'\n\n\
     Anthropic's Messages API is at /v1/messages; Claude Code runs against it with\n  \
@@ -74,7 +75,12 @@ const PARALLEL_CONTEXT: usize = 4096;
 /// GPU (more than 8) and the CPU (16 or more), and per-request speed falls.
 const PARALLEL_MAX: usize = 8;
 
-pub fn run(a: ServeArgs) -> Result<()> {
+/// The expert cache of the bundled demo model when no size is given: about a third of its
+/// 14.7 MB of experts, so that they really stream and the web page's expert view shows reads,
+/// hits and evictions (fully resident, there would be nothing to watch).
+const DEMO_EXPERT_CACHE: u64 = 4 << 20;
+
+pub fn run(mut a: ServeArgs) -> Result<()> {
     let max_body = a.max_body.bytes();
     if max_body == 0 {
         bail!("--max-body must be more than 0 bytes");
@@ -88,6 +94,19 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     if a.cors_origin.iter().any(|o| o.trim().is_empty()) {
         bail!("--cors-origin must name an origin (e.g. http://localhost:3000) or be `*`");
+    }
+    let model = &mut a.model;
+    let demo = model.model.is_none()
+        && std::env::var_os("SLUICE_MODEL").is_none_or(|m| m.is_empty())
+        && model.expert_cache.is_none()
+        && model.stream.memory_budget.is_none()
+        && model.stream.vram_budget.is_none();
+    if demo {
+        model.expert_cache = Some(ByteSize(DEMO_EXPERT_CACHE));
+        eprintln!(
+            "sluice: the demo model streams its experts through a {} cache (as with --expert-cache 4MiB), for the web page's expert view; --expert-cache or --memory-budget sets another",
+            sluice_sys::format_bytes_binary(DEMO_EXPERT_CACHE)
+        );
     }
     with_engine!(&a.model, |engine| serve_on(engine, &a, max_body))
 }
@@ -151,6 +170,10 @@ fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u6
     let model = config.model_name.clone();
     sluice_server::run(engine, config, |addr| {
         eprintln!("sluice: serving `{model}` at http://{addr}/v1 (OpenAI API)");
+        eprintln!(
+            "sluice: web page: http://{addr}/ (chat, and the experts streaming; {} kB, in the binary)",
+            sluice_server::web::page_bytes().div_ceil(1000)
+        );
         eprintln!(
             "sluice: Anthropic Messages API on http://{addr}/v1/messages (Claude Code: ANTHROPIC_BASE_URL=http://{addr})"
         );

@@ -4,7 +4,9 @@
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (JSON or SSE streaming),
 //! OpenAI's `POST /v1/responses` ([`responses`]), Anthropic's `POST /v1/messages` and
 //! `/v1/messages/count_tokens` ([`anthropic`]),
-//! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Requests queue for the single
+//! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), and for people and other
+//! tools the web page at `/` ([`web`]: chat, and a live view of the experts streaming) with the
+//! live statistics it draws, `GET /stats` and `GET /stats/stream` ([`live`]). Requests queue for the single
 //! model thread ([`worker`]); a client that disconnects cancels its generation. Chat requests
 //! are rendered with the model's own chat template; `<think>` reasoning (gpt-oss: the harmony
 //! analysis channel) comes back as `reasoning_content` and `<tool_call>` blocks (and the other
@@ -24,8 +26,10 @@
 mod anthropic;
 pub mod api;
 pub mod error;
+pub mod live;
 pub mod metrics;
 mod responses;
+pub mod web;
 pub mod worker;
 
 use std::convert::Infallible;
@@ -103,6 +107,7 @@ struct App<B: Backend> {
     config: ServerConfig,
     created: u64,
     ids: AtomicU64,
+    live: live::Live,
 }
 
 /// Serves until Ctrl-C or SIGTERM, then lets running requests finish (or until a bind/serve
@@ -208,7 +213,9 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
         created: unix_now(),
         ids: AtomicU64::new(0),
         config: config.clone(),
+        live: live::Live::new(),
     });
+    live::start_sampler(Arc::downgrade(&app));
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions::<B>))
         .route("/v1/completions", post(completions::<B>))
@@ -236,8 +243,12 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
         .merge(messages)
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics_text::<B>))
+        .route("/stats", get(live::stats::<B>))
+        .route("/stats/stream", get(live::stream::<B>))
+        .route("/", get(web::index))
+        .route("/assets/{*name}", get(web::asset))
         .fallback(|| async {
-            ApiError::invalid("no such route (see /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /health, /metrics)")
+            ApiError::invalid("no such route (see /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /health, /metrics, /stats, /stats/stream, and the web page at /)")
                 .with_status(StatusCode::NOT_FOUND)
         })
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
@@ -1008,6 +1019,9 @@ impl ChunkFormat for CompletionChunks {
 fn choice_text(text: &str, finish: Option<&str>) -> Value {
     json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
 }
+
+#[cfg(test)]
+mod live_tests;
 
 #[cfg(test)]
 mod tests {

@@ -24,7 +24,7 @@
 //!   `examples/read_bench.rs`);
 //! - `expert_source`: [`ExpertStore`] as the models see it, a
 //!   [`sluice_backend::ExpertSource`] → `store`, `manifest`;
-//! - `policy`: eviction policies; `stats`: [`StoreStats`]; `error`: [`StoreError`] (→
+//! - `policy`: eviction policies; `stats`: [`StoreStats`] and the per-expert [`ExpertMap`]; `error`: [`StoreError`] (→
 //!   `manifest`).
 
 mod error;
@@ -50,6 +50,6 @@ pub use manifest::{
 };
 pub use pack::{pack, PackError, PackOptions, PackSummary};
 pub use policy::Policy;
-pub use stats::StoreStats;
+pub use stats::{ExpertMap, StoreStats};
 pub use store::{ExpertStore, FetchedExpert, Pinner, StoreOptions};
 pub use unpacked::UnpackedLayout;

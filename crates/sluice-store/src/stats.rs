@@ -1,4 +1,6 @@
-//! The store's counters.
+//! The store's counters, and the per-expert map of what happened lately ([`ExpertMap`]).
+
+use std::sync::atomic::Ordering::Relaxed;
 
 use serde::Serialize;
 
@@ -73,5 +75,98 @@ impl StoreStats {
             return 0.0;
         }
         self.prefetch_useful as f64 / done as f64
+    }
+}
+
+/// What happened to each routed expert lately, one byte per (layer, expert), for live views of
+/// the cache (`sluice serve`'s `/stats/stream`). The store sets the bits under its lock as it
+/// works; readers need no lock. [`IN_CACHE`](ExpertMap::IN_CACHE) is the expert's state now
+/// (it holds a slot, ready or still loading); the other bits are events, kept until a reader
+/// clears them ([`ExpertMap::snapshot`]), so a reader that samples every so often sees every
+/// kind of event of the interval. One relaxed atomic OR per expert fetched: nothing next to the
+/// fetch's lock.
+pub struct ExpertMap {
+    /// Decoder layer of each manifest layer, and where its experts start in `cells`.
+    layers: Vec<(usize, usize, usize)>,
+    cells: Box<[std::sync::atomic::AtomicU8]>,
+}
+
+impl ExpertMap {
+    /// Holds a cache slot now (loading or ready).
+    pub const IN_CACHE: u8 = 1;
+    /// Asked for and found in the cache (or already being read by a prefetch).
+    pub const HIT: u8 = 2;
+    /// Read ahead by a prefetch.
+    pub const READ_AHEAD: u8 = 4;
+    /// Read on demand: asked for and not in the cache.
+    pub const DEMAND_READ: u8 = 8;
+    /// Lost its slot to another expert.
+    pub const EVICTED: u8 = 16;
+    /// The event bits (all but [`ExpertMap::IN_CACHE`]).
+    pub const EVENTS: u8 = Self::HIT | Self::READ_AHEAD | Self::DEMAND_READ | Self::EVICTED;
+
+    /// A map for layers given as (decoder layer, experts), in manifest order.
+    pub fn new(layers: impl IntoIterator<Item = (usize, usize)>) -> ExpertMap {
+        let mut at = 0;
+        let layers: Vec<(usize, usize, usize)> = layers
+            .into_iter()
+            .map(|(layer, experts)| {
+                at += experts;
+                (layer, at - experts, experts)
+            })
+            .collect();
+        ExpertMap {
+            layers,
+            cells: (0..at).map(|_| Default::default()).collect(),
+        }
+    }
+
+    /// Sets `bits` for expert `e` of manifest layer `li` (out of range: ignored).
+    pub(crate) fn mark(&self, li: usize, e: u32, bits: u8) {
+        if let Some(c) = self.cell(li, e) {
+            c.fetch_or(bits, Relaxed);
+        }
+    }
+
+    /// Expert `e` of manifest layer `li` left the cache; `evicted` when another expert took its
+    /// slot (a failed read also drops it).
+    pub(crate) fn leave(&self, li: usize, e: u32, evicted: bool) {
+        if let Some(c) = self.cell(li, e) {
+            c.fetch_and(!Self::IN_CACHE, Relaxed);
+            if evicted {
+                c.fetch_or(Self::EVICTED, Relaxed);
+            }
+        }
+    }
+
+    fn cell(&self, li: usize, e: u32) -> Option<&std::sync::atomic::AtomicU8> {
+        let &(_, start, n) = self.layers.get(li)?;
+        ((e as usize) < n).then(|| &self.cells[start + e as usize])
+    }
+
+    /// The decoder layers in map order, with their expert counts.
+    pub fn layers(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.layers.iter().map(|&(layer, _, n)| (layer, n))
+    }
+
+    /// Every expert's bits, layer by layer. With `clear`, the event bits are reset as they are
+    /// read, so that the next snapshot shows the events since this one (one reader should
+    /// clear; others read without).
+    pub fn snapshot(&self, clear: bool) -> Vec<Vec<u8>> {
+        self.layers
+            .iter()
+            .map(|&(_, start, n)| {
+                self.cells[start..start + n]
+                    .iter()
+                    .map(|c| {
+                        if clear {
+                            c.fetch_and(!Self::EVENTS, Relaxed)
+                        } else {
+                            c.load(Relaxed)
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
     }
 }

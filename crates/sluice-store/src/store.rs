@@ -24,7 +24,7 @@ use crate::manifest::{checksum, LayerExperts, Manifest, ManifestError, MANIFEST_
 use crate::policy::{Frequencies, Policy};
 use crate::slots::{tag, untag, Failure, Slab, Slot, Status};
 use crate::source::Source;
-use crate::stats::StoreStats;
+use crate::stats::{ExpertMap, StoreStats};
 use crate::unpacked::UnpackedLayout;
 
 /// How the store is set up.
@@ -86,6 +86,8 @@ struct Inner {
     verify: bool,
     policy: Policy,
     state: Mutex<State>,
+    /// What happened to each expert lately, readable without the lock.
+    expert_map: ExpertMap,
 }
 
 /// The streamed experts of a packed model directory (or of an unpacked checkpoint).
@@ -199,6 +201,7 @@ impl ExpertStore {
             .map(|(i, l)| (l.layer, i))
             .collect();
         let experts: Vec<usize> = manifest.layers.iter().map(|l| l.experts).collect();
+        let expert_map = ExpertMap::new(manifest.layers.iter().map(|l| (l.layer, l.experts)));
         // Counts halve over about the cache's worth of accesses.
         let freq = Frequencies::new(&experts, (slots as f64).max(64.0));
         let state = State {
@@ -220,6 +223,7 @@ impl ExpertStore {
                 verify,
                 policy: opts.policy,
                 state: Mutex::new(state),
+                expert_map,
             }),
         })
     }
@@ -263,6 +267,12 @@ impl ExpertStore {
     /// Whether the experts stream from an unpacked checkpoint rather than a packed directory.
     pub fn is_unpacked(&self) -> bool {
         self.inner.source.is_unpacked()
+    }
+
+    /// What happened to each expert lately (in the cache, hit, read ahead, read on demand,
+    /// evicted), for live views.
+    pub fn expert_map(&self) -> &ExpertMap {
+        &self.inner.expert_map
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -316,11 +326,14 @@ impl ExpertStore {
     ) {
         let reads = self.inner.source.reads_for(key);
         let (evicted, generation) = st.slots[slot].assign(key, reads.len());
+        let experts = &self.inner.expert_map;
         if let Some(old) = evicted {
             st.map.remove(&old);
             st.stats.evictions += 1;
+            experts.leave(old.0, old.1, true);
         }
         st.map.insert(key, slot);
+        experts.mark(key.0, key.1, ExpertMap::IN_CACHE);
         let dst = self.inner.slab.slot_ptr(slot);
         let slot_bytes = self.inner.slab.slot_bytes();
         // The reads fill the parts only: zero the gaps (alignment padding, the slot's tail), so
@@ -573,6 +586,7 @@ impl ExpertStore {
                 st.stats.requests += 1;
                 let slot = st.map.get(&(li, e)).copied();
                 if let Some(s) = slot {
+                    self.inner.expert_map.mark(li, e, ExpertMap::HIT);
                     if st.slots[s].status == Status::Ready {
                         st.stats.hits += 1;
                     } else {
@@ -619,6 +633,7 @@ impl ExpertStore {
                 )));
             };
             self.assign(st, v, (li, e), &mut reqs);
+            self.inner.expert_map.mark(li, e, ExpertMap::DEMAND_READ);
             blocks += 1;
             st.pin(v);
             slots.push(v);
@@ -687,6 +702,7 @@ impl ExpertStore {
             if matches!(slot.status, Status::Failed(_)) {
                 if let Some(k) = slot.key.take() {
                     st.map.remove(&k);
+                    self.inner.expert_map.leave(k.0, k.1, false);
                 }
                 slot.status = Status::Empty;
             }
@@ -755,6 +771,7 @@ impl ExpertStore {
             }
             let Some(v) = self.victim(&st) else { break };
             self.assign(&mut st, v, (li, e), &mut reqs);
+            self.inner.expert_map.mark(li, e, ExpertMap::READ_AHEAD);
             // Held, not used: its recency is left to the fetch that uses it.
             st.slots[v].pins += 1;
             held.push(v);
