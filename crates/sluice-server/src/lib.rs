@@ -135,7 +135,10 @@ async fn serve<B: Backend + 'static>(
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.addr))?;
     let addr = listener.local_addr()?;
     let grace = config.shutdown_timeout;
-    let router = router(engine, config)?;
+    // Set when the stop signal comes: ends the statistics streams, which would otherwise keep
+    // the graceful shutdown waiting for the whole grace period.
+    let (closing, closing_rx) = tokio::sync::watch::channel(false);
+    let router = router_with(engine, config, closing_rx)?;
     on_ready(addr);
     // On a stop signal the server stops accepting and lets running requests finish; past the
     // grace period it exits anyway.
@@ -144,6 +147,7 @@ async fn serve<B: Backend + 'static>(
         let stopping = stopping.clone();
         async move {
             let signal = stop_signal().await;
+            closing.send_replace(true);
             eprintln!(
                 "sluice: {signal}: no new connections; waiting up to {} s (--shutdown-timeout) for running requests",
                 grace.as_secs_f64()
@@ -197,7 +201,12 @@ fn keys_match(given: &[u8], key: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyhow::Result<Router> {
+/// The routes; `closing` turns true when the server starts to shut down.
+fn router_with<B: Backend + 'static>(
+    engine: Engine<B>,
+    config: ServerConfig,
+    closing: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Router> {
     let engine = Arc::new(engine);
     let metrics = Arc::new(Metrics::default());
     let queue = worker::start(
@@ -213,7 +222,7 @@ fn router<B: Backend + 'static>(engine: Engine<B>, config: ServerConfig) -> anyh
         created: unix_now(),
         ids: AtomicU64::new(0),
         config: config.clone(),
-        live: live::Live::new(),
+        live: live::Live::new(closing),
     });
     live::start_sampler(Arc::downgrade(&app));
     let v1 = Router::new()

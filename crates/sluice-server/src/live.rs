@@ -3,8 +3,8 @@
 //!
 //! One sampler task serves every stream: it wakes every [`INTERVAL`], does nothing while nobody
 //! listens, and otherwise reads the counters (atomics, and the store's lock for a moment) and the
-//! expert map (one atomic per expert), clearing the map's event bits so that each snapshot shows
-//! what happened since the one before. Generation never waits on it. The snapshot's fields are
+//! expert map (one atomic byte per expert), clearing each byte's "fresh" bit so that each
+//! snapshot marks the experts something happened to since the one before. Generation never waits on it. The snapshot's fields are
 //! documented in the README ("Live statistics").
 
 use std::sync::atomic::Ordering::Relaxed;
@@ -26,20 +26,23 @@ use crate::App;
 /// How often the stream sends a snapshot.
 pub const INTERVAL: Duration = Duration::from_millis(250);
 
-/// The base-32 digit of each expert's bits in `experts.map` (bits 0-4, see [`ExpertMap`]).
+/// The base-32 digit of each expert's byte in `experts.map` (bits 0-4, see [`ExpertMap`]).
 const DIGITS: &[u8; 32] = b"0123456789abcdefghijklmnopqrstuv";
 
 /// The sampler's latest snapshot, shared by the streams.
 pub(crate) struct Live {
     started: Instant,
     latest: watch::Sender<Arc<str>>,
+    /// True once the server shuts down: the streams end.
+    closing: watch::Receiver<bool>,
 }
 
 impl Live {
-    pub(crate) fn new() -> Live {
+    pub(crate) fn new(closing: watch::Receiver<bool>) -> Live {
         Live {
             started: Instant::now(),
             latest: watch::Sender::new(Arc::from("")),
+            closing,
         }
     }
 }
@@ -74,26 +77,36 @@ pub(crate) fn start_sampler<B: Backend + 'static>(app: Weak<App<B>>) {
     });
 }
 
-/// `GET /stats`: the state now (the map's events since the stream's last snapshot; no rates).
+/// `GET /stats`: the state now (the map's fresh bits: since the stream's last snapshot; no
+/// rates).
 pub(crate) async fn stats<B: Backend + 'static>(State(app): State<Arc<App<B>>>) -> Response {
     Json(snapshot(&app, None, false).0).into_response()
 }
 
-/// `GET /stats/stream`: a snapshot at once, then one every [`INTERVAL`], as SSE `data:` lines.
+/// `GET /stats/stream`: a snapshot at once, then one every [`INTERVAL`], as SSE `data:` lines,
+/// until the server shuts down.
 pub(crate) async fn stream<B: Backend + 'static>(State(app): State<Arc<App<B>>>) -> Response {
     let first = snapshot(&app, None, false).0.to_string();
     let rx = app.live.latest.subscribe();
+    let mut closing = app.live.closing.clone();
     drop(app);
+    let closed = async move {
+        // A server that never closes (its sender gone) leaves the stream open.
+        if closing.wait_for(|&c| c).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
     let rest = stream::unfold(rx, |mut rx| async move {
         rx.changed().await.ok()?;
         let text = rx.borrow_and_update().clone();
         Some((SseEvent::default().data(&*text), rx))
     });
-    crate::sse(stream::once(async move { SseEvent::default().data(first) }).chain(rest))
+    let events = stream::once(async move { SseEvent::default().data(first) }).chain(rest);
+    crate::sse(events.take_until(closed))
 }
 
 /// The snapshot as JSON, and the counters for the next one's rates. `clear` resets the expert
-/// map's events (the sampler only).
+/// map's fresh bits (the sampler only).
 fn snapshot<B: Backend + 'static>(
     app: &App<B>,
     prev: Option<&Counters>,

@@ -1,5 +1,6 @@
 //! The web page's routes and the live statistics, over real HTTP against the demo model.
 
+use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -10,8 +11,9 @@ use serde_json::Value;
 use sluice_cpu::CpuBackend;
 use sluice_engine::streaming::StreamingOptions;
 use sluice_engine::{Engine, LoadOptions};
+use sluice_store::{ExpertEvent, ExpertMap};
 
-use crate::{router, ServerConfig};
+use crate::{router_with, ServerConfig};
 
 /// The demo model; its experts stream through a cache of `cache` bytes, or all stay resident.
 fn demo(cache: Option<u64>) -> Engine<CpuBackend> {
@@ -29,6 +31,15 @@ fn demo(cache: Option<u64>) -> Engine<CpuBackend> {
 
 /// A server on a free port; it runs until the runtime is dropped.
 fn start(engine: Engine<CpuBackend>) -> (SocketAddr, tokio::runtime::Runtime) {
+    // Its sender dropped: a server that never shuts down.
+    start_with(engine, tokio::sync::watch::channel(false).1)
+}
+
+/// [`start`], told to shut down through `closing`.
+fn start_with(
+    engine: Engine<CpuBackend>,
+    closing: tokio::sync::watch::Receiver<bool>,
+) -> (SocketAddr, tokio::runtime::Runtime) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -37,7 +48,7 @@ fn start(engine: Engine<CpuBackend>) -> (SocketAddr, tokio::runtime::Runtime) {
     let addr = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let router = router(engine, ServerConfig::new(addr, "demo")).unwrap();
+        let router = router_with(engine, ServerConfig::new(addr, "demo"), closing).unwrap();
         tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
         addr
     });
@@ -80,7 +91,8 @@ struct Events(BufReader<TcpStream>);
 
 impl Events {
     fn open(addr: SocketAddr, path: &str) -> Events {
-        let s = connect(addr, &format!("GET {path} HTTP/1.1\r\nHost: t\r\n\r\n"));
+        let request = format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
+        let s = connect(addr, &request);
         let mut r = BufReader::new(s);
         let mut line = String::new();
         r.read_line(&mut line).unwrap();
@@ -117,6 +129,8 @@ fn the_stats_stream_shows_the_experts_a_generation_reads() {
     let cache = first["memory"]["expert_cache"].as_u64().unwrap();
     assert!(cache > 3 << 20 && cache <= 4 << 20, "{cache}");
 
+    // The sampler's first snapshot: the next ones have rates.
+    events.next();
     let (status, _, body) = http(
         addr,
         "POST",
@@ -127,7 +141,7 @@ fn the_stats_stream_shows_the_experts_a_generation_reads() {
 
     // The sampler's snapshots: the counters move, the map fills and records the events, and one
     // interval saw tokens generated.
-    let (mut events_seen, mut fastest) = (0, 0.0f64);
+    let (mut events_seen, mut fastest) = (HashSet::new(), 0.0f64);
     let mut cached;
     let deadline = Instant::now() + Duration::from_secs(30);
     let last = loop {
@@ -139,7 +153,8 @@ fn the_stats_stream_shows_the_experts_a_generation_reads() {
             .flat_map(|r| r.as_str().unwrap().chars().map(|c| c.to_digit(32).unwrap()))
             .collect();
         cached = digits.iter().filter(|&&d| d & 1 != 0).count();
-        events_seen |= digits.iter().fold(0, |a, &d| a | (d & !1));
+        let fresh = digits.iter().filter(|&&d| d as u8 & ExpertMap::FRESH != 0);
+        events_seen.extend(fresh.filter_map(|&d| ExpertMap::event(d as u8)));
         fastest = fastest.max(s["rates"]["tok_s"].as_f64().unwrap_or(0.0));
         let done = s["tokens"]["generated"].as_u64() >= Some(24) && s["requests"]["running"] == 0;
         if done && fastest > 0.0 {
@@ -154,9 +169,17 @@ fn the_stats_stream_shows_the_experts_a_generation_reads() {
     assert!(store["requests"].as_u64().unwrap() > 0, "{store}");
     assert!(store["bytes_read"].as_u64().unwrap() > 0, "{store}");
     assert!(cached > 0 && cached <= store["slots"].as_u64().unwrap() as usize);
-    // Reads on demand at least (bit 3); a 73-slot cache over 256 experts also evicts (bit 4).
-    assert!(events_seen & 8 != 0, "no demand read seen: {events_seen:b}");
-    assert!(events_seen & 16 != 0, "no eviction seen: {events_seen:b}");
+    // A 73-slot cache over 256 experts reads on demand and evicts, and hits some.
+    for event in [
+        ExpertEvent::DemandRead,
+        ExpertEvent::Evicted,
+        ExpertEvent::Hit,
+    ] {
+        assert!(
+            events_seen.contains(&event),
+            "no {event:?} in {events_seen:?}"
+        );
+    }
     assert!(last["memory"]["expert_cache_used"].as_u64().unwrap() > 0);
 
     // The one-shot snapshot agrees.
@@ -232,4 +255,27 @@ fn the_page_and_its_files_are_served() {
     assert_eq!(status, 404);
     let (status, _, _) = http(addr, "GET", "/assets/../Cargo.toml", "");
     assert_eq!(status, 404);
+}
+
+#[test]
+fn the_stats_stream_ends_when_the_server_shuts_down() {
+    let (closing, rx) = tokio::sync::watch::channel(false);
+    let (addr, _rt) = start_with(demo(None), rx);
+    let mut events = Events::open(addr, "/stats/stream");
+    events.next();
+    events.next();
+    closing.send_replace(true);
+    // The rest of the response is its last chunk: the connection can close, and a graceful
+    // shutdown need not wait for it.
+    let mut rest = String::new();
+    events
+        .0
+        .get_mut()
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    events.0.read_to_string(&mut rest).ok();
+    assert!(
+        rest.contains("0\r\n\r\n"),
+        "the stream did not end: {rest:?}"
+    );
 }

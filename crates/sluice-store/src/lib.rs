@@ -50,6 +50,6 @@ pub use manifest::{
 };
 pub use pack::{pack, PackError, PackOptions, PackSummary};
 pub use policy::Policy;
-pub use stats::{ExpertMap, StoreStats};
+pub use stats::{ExpertEvent, ExpertMap, StoreStats};
 pub use store::{ExpertStore, FetchedExpert, Pinner, StoreOptions};
 pub use unpacked::UnpackedLayout;

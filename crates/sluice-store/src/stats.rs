@@ -1,4 +1,4 @@
-//! The store's counters, and the per-expert map of what happened lately ([`ExpertMap`]).
+//! The store's counters, and the per-expert map of what happened last ([`ExpertMap`]).
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -78,32 +78,39 @@ impl StoreStats {
     }
 }
 
-/// What happened to each routed expert lately, one byte per (layer, expert), for live views of
-/// the cache (`sluice serve`'s `/stats/stream`). The store sets the bits under its lock as it
-/// works; readers need no lock. [`IN_CACHE`](ExpertMap::IN_CACHE) is the expert's state now
-/// (it holds a slot, ready or still loading); the other bits are events, kept until a reader
-/// clears them ([`ExpertMap::snapshot`]), so a reader that samples every so often sees every
-/// kind of event of the interval. One relaxed atomic OR per expert fetched: nothing next to the
-/// fetch's lock.
+/// What happened to each routed expert last, one byte per (layer, expert), for live views of
+/// the cache (`sluice serve`'s `/stats/stream`). The store writes a byte under its lock at
+/// every event; readers need no lock. A byte is [`IN_CACHE`](ExpertMap::IN_CACHE) (the expert
+/// holds a slot now, ready or loading), the last [`ExpertEvent`] in bits 1-3
+/// ([`ExpertMap::event`]) and [`FRESH`](ExpertMap::FRESH) when that event came after the last
+/// clearing snapshot ([`ExpertMap::snapshot`]). The last event, not all of them: a reader that
+/// samples while many tokens pass sees each expert's latest fate, so the shares of hits, reads
+/// and evictions across the map follow the cache's rates. One relaxed store per expert fetched.
 pub struct ExpertMap {
     /// Decoder layer of each manifest layer, and where its experts start in `cells`.
     layers: Vec<(usize, usize, usize)>,
     cells: Box<[std::sync::atomic::AtomicU8]>,
 }
 
+/// What last happened to an expert ([`ExpertMap`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ExpertEvent {
+    /// Asked for and found in the cache (or already being read by a prefetch).
+    Hit = 1,
+    /// Read ahead by a prefetch.
+    ReadAhead = 2,
+    /// Asked for and not in the cache: read on demand.
+    DemandRead = 3,
+    /// Lost its slot to another expert.
+    Evicted = 4,
+}
+
 impl ExpertMap {
     /// Holds a cache slot now (loading or ready).
     pub const IN_CACHE: u8 = 1;
-    /// Asked for and found in the cache (or already being read by a prefetch).
-    pub const HIT: u8 = 2;
-    /// Read ahead by a prefetch.
-    pub const READ_AHEAD: u8 = 4;
-    /// Read on demand: asked for and not in the cache.
-    pub const DEMAND_READ: u8 = 8;
-    /// Lost its slot to another expert.
-    pub const EVICTED: u8 = 16;
-    /// The event bits (all but [`ExpertMap::IN_CACHE`]).
-    pub const EVENTS: u8 = Self::HIT | Self::READ_AHEAD | Self::DEMAND_READ | Self::EVICTED;
+    /// The last event came after the last clearing snapshot.
+    pub const FRESH: u8 = 16;
 
     /// A map for layers given as (decoder layer, experts), in manifest order.
     pub fn new(layers: impl IntoIterator<Item = (usize, usize)>) -> ExpertMap {
@@ -121,21 +128,34 @@ impl ExpertMap {
         }
     }
 
-    /// Sets `bits` for expert `e` of manifest layer `li` (out of range: ignored).
-    pub(crate) fn mark(&self, li: usize, e: u32, bits: u8) {
-        if let Some(c) = self.cell(li, e) {
-            c.fetch_or(bits, Relaxed);
+    /// The last event recorded in a byte of [`ExpertMap::snapshot`].
+    pub fn event(byte: u8) -> Option<ExpertEvent> {
+        match (byte >> 1) & 7 {
+            1 => Some(ExpertEvent::Hit),
+            2 => Some(ExpertEvent::ReadAhead),
+            3 => Some(ExpertEvent::DemandRead),
+            4 => Some(ExpertEvent::Evicted),
+            _ => None,
         }
     }
 
-    /// Expert `e` of manifest layer `li` left the cache; `evicted` when another expert took its
-    /// slot (a failed read also drops it).
-    pub(crate) fn leave(&self, li: usize, e: u32, evicted: bool) {
+    /// Records `event` for expert `e` of manifest layer `li` (out of range: ignored). Callers
+    /// hold the store's lock: writers never race.
+    pub(crate) fn record(&self, li: usize, e: u32, event: ExpertEvent) {
+        if let Some(c) = self.cell(li, e) {
+            let cached = if event == ExpertEvent::Evicted {
+                0
+            } else {
+                Self::IN_CACHE
+            };
+            c.store(cached | (event as u8) << 1 | Self::FRESH, Relaxed);
+        }
+    }
+
+    /// Expert `e` of manifest layer `li` left the cache without being evicted (its read failed).
+    pub(crate) fn forget(&self, li: usize, e: u32) {
         if let Some(c) = self.cell(li, e) {
             c.fetch_and(!Self::IN_CACHE, Relaxed);
-            if evicted {
-                c.fetch_or(Self::EVICTED, Relaxed);
-            }
         }
     }
 
@@ -149,9 +169,9 @@ impl ExpertMap {
         self.layers.iter().map(|&(layer, _, n)| (layer, n))
     }
 
-    /// Every expert's bits, layer by layer. With `clear`, the event bits are reset as they are
-    /// read, so that the next snapshot shows the events since this one (one reader should
-    /// clear; others read without).
+    /// Every expert's byte, layer by layer. With `clear`, [`ExpertMap::FRESH`] is reset as it
+    /// is read, so that the next such snapshot marks the events since this one (one reader
+    /// should clear; others read without).
     pub fn snapshot(&self, clear: bool) -> Vec<Vec<u8>> {
         self.layers
             .iter()
@@ -160,7 +180,7 @@ impl ExpertMap {
                     .iter()
                     .map(|c| {
                         if clear {
-                            c.fetch_and(!Self::EVENTS, Relaxed)
+                            c.fetch_and(!Self::FRESH, Relaxed)
                         } else {
                             c.load(Relaxed)
                         }

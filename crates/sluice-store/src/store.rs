@@ -24,7 +24,7 @@ use crate::manifest::{checksum, LayerExperts, Manifest, ManifestError, MANIFEST_
 use crate::policy::{Frequencies, Policy};
 use crate::slots::{tag, untag, Failure, Slab, Slot, Status};
 use crate::source::Source;
-use crate::stats::{ExpertMap, StoreStats};
+use crate::stats::{ExpertEvent, ExpertMap, StoreStats};
 use crate::unpacked::UnpackedLayout;
 
 /// How the store is set up.
@@ -86,7 +86,7 @@ struct Inner {
     verify: bool,
     policy: Policy,
     state: Mutex<State>,
-    /// What happened to each expert lately, readable without the lock.
+    /// What happened to each expert last, readable without the lock.
     expert_map: ExpertMap,
 }
 
@@ -269,8 +269,8 @@ impl ExpertStore {
         self.inner.source.is_unpacked()
     }
 
-    /// What happened to each expert lately (in the cache, hit, read ahead, read on demand,
-    /// evicted), for live views.
+    /// What happened to each expert last (hit, read ahead, read on demand, evicted) and whether
+    /// it is in the cache, for live views.
     pub fn expert_map(&self) -> &ExpertMap {
         &self.inner.expert_map
     }
@@ -326,14 +326,13 @@ impl ExpertStore {
     ) {
         let reads = self.inner.source.reads_for(key);
         let (evicted, generation) = st.slots[slot].assign(key, reads.len());
-        let experts = &self.inner.expert_map;
         if let Some(old) = evicted {
+            let experts = &self.inner.expert_map;
             st.map.remove(&old);
             st.stats.evictions += 1;
-            experts.leave(old.0, old.1, true);
+            experts.record(old.0, old.1, ExpertEvent::Evicted);
         }
         st.map.insert(key, slot);
-        experts.mark(key.0, key.1, ExpertMap::IN_CACHE);
         let dst = self.inner.slab.slot_ptr(slot);
         let slot_bytes = self.inner.slab.slot_bytes();
         // The reads fill the parts only: zero the gaps (alignment padding, the slot's tail), so
@@ -586,7 +585,7 @@ impl ExpertStore {
                 st.stats.requests += 1;
                 let slot = st.map.get(&(li, e)).copied();
                 if let Some(s) = slot {
-                    self.inner.expert_map.mark(li, e, ExpertMap::HIT);
+                    self.inner.expert_map.record(li, e, ExpertEvent::Hit);
                     if st.slots[s].status == Status::Ready {
                         st.stats.hits += 1;
                     } else {
@@ -633,7 +632,7 @@ impl ExpertStore {
                 )));
             };
             self.assign(st, v, (li, e), &mut reqs);
-            self.inner.expert_map.mark(li, e, ExpertMap::DEMAND_READ);
+            self.inner.expert_map.record(li, e, ExpertEvent::DemandRead);
             blocks += 1;
             st.pin(v);
             slots.push(v);
@@ -702,7 +701,7 @@ impl ExpertStore {
             if matches!(slot.status, Status::Failed(_)) {
                 if let Some(k) = slot.key.take() {
                     st.map.remove(&k);
-                    self.inner.expert_map.leave(k.0, k.1, false);
+                    self.inner.expert_map.forget(k.0, k.1);
                 }
                 slot.status = Status::Empty;
             }
@@ -771,7 +770,7 @@ impl ExpertStore {
             }
             let Some(v) = self.victim(&st) else { break };
             self.assign(&mut st, v, (li, e), &mut reqs);
-            self.inner.expert_map.mark(li, e, ExpertMap::READ_AHEAD);
+            self.inner.expert_map.record(li, e, ExpertEvent::ReadAhead);
             // Held, not used: its recency is left to the fetch that uses it.
             st.slots[v].pins += 1;
             held.push(v);

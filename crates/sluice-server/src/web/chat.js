@@ -89,6 +89,16 @@ function fakeWeather(args) {
   };
 }
 
+/** JSON as Python's json.dumps writes it (", " and ": "): the demo model was trained on tool
+ * results in that form, and misreads numbers in JSON.stringify's compact one. */
+function spacedJson(value) {
+  if (Array.isArray(value)) return `[${value.map(spacedJson).join(', ')}]`;
+  if (value && typeof value === 'object') {
+    return `{${Object.entries(value).map(([k, v]) => `${JSON.stringify(k)}: ${spacedJson(v)}`).join(', ')}}`;
+  }
+  return JSON.stringify(value);
+}
+
 function runTool(call) {
   let args = {};
   try {
@@ -419,7 +429,7 @@ async function send(text) {
       save();
       if (!ok || msg.tool_calls.length === 0) break;
       for (const call of msg.tool_calls) {
-        const result = { role: 'tool', tool_call_id: call.id, name: call.name, content: JSON.stringify(runTool(call)) };
+        const result = { role: 'tool', tool_call_id: call.id, name: call.name, content: spacedJson(runTool(call)) };
         conv.messages.push(result);
         appendMessage(result);
       }

@@ -3,12 +3,14 @@
 // the view is open.
 import { $, formatBytes } from './util.js';
 
-// The bits of each expert in `experts.map` (sluice_store::ExpertMap).
+// Each expert's byte in `experts.map` (sluice_store::ExpertMap): in the cache now (bit 0), its
+// last event (bits 1-3: HIT ... EVICTED) and whether that came since the last snapshot (bit 4).
 const IN_CACHE = 1;
-const HIT = 2;
-const READ_AHEAD = 4;
-const DEMAND_READ = 8;
-const EVICTED = 16;
+const FRESH = 16;
+const HIT = 1;
+const READ_AHEAD = 2;
+const DEMAND_READ = 3;
+const EVICTED = 4;
 // An event's colour fades over this many snapshots (1 s).
 const FADE = 4;
 // Seconds of history in the plots.
@@ -24,10 +26,10 @@ const css = (name) => {
 window.matchMedia('(prefers-color-scheme: dark)').addEventListener('change', () => { colours = {}; });
 
 const KINDS = [
-  { bit: DEMAND_READ, name: 'read on demand', color: '--demand' },
-  { bit: READ_AHEAD, name: 'read ahead', color: '--ahead' },
-  { bit: EVICTED, name: 'evicted', color: '--evicted' },
-  { bit: HIT, name: 'hit', color: '--hit' },
+  { event: HIT, name: 'hit', color: '--hit' },
+  { event: READ_AHEAD, name: 'read ahead', color: '--ahead' },
+  { event: DEMAND_READ, name: 'read on demand', color: '--demand' },
+  { event: EVICTED, name: 'evicted', color: '--evicted' },
 ];
 
 function legend(el, items) {
@@ -91,7 +93,7 @@ export function initExperts() {
     const colors = {
       empty: css('--empty'), cached: css('--cached'), muted: css('--muted'),
     };
-    for (const k of KINDS) colors[k.bit] = css(k.color);
+    for (const k of KINDS) colors[k.event] = css(k.color);
     ctx.font = `${Math.min(11, size)}px system-ui, sans-serif`;
     ctx.textBaseline = 'middle';
     rows.forEach((row, r) => {
@@ -102,9 +104,9 @@ export function initExperts() {
       for (let e = 0; e < row.length; e += 1) {
         const bits = parseInt(row[e], 32);
         const i = r * cols + e;
-        const kind = KINDS.find((k) => bits & k.bit);
-        if (kind) {
-          lastEvent[i] = kind.bit;
+        const event = (bits >> 1) & 7;
+        if (bits & FRESH && colors[event]) {
+          lastEvent[i] = event;
           age[i] = 0;
         } else if (age[i] < 255) {
           age[i] += 1;
@@ -115,16 +117,26 @@ export function initExperts() {
         ctx.fillStyle = bits & IN_CACHE ? colors.cached : colors.empty;
         ctx.fillRect(x, y, size - gap, size - gap);
         if (age[i] < FADE) {
+          // A fresh event colours the cell, fading; an eviction only outlines it (the cell says
+          // "not in the cache"), or with a small cache most of the map would be red.
           ctx.globalAlpha = 1 - age[i] / FADE;
-          ctx.fillStyle = colors[lastEvent[i]];
-          ctx.fillRect(x, y, size - gap, size - gap);
+          const c = colors[lastEvent[i]];
+          if (lastEvent[i] === EVICTED) {
+            const w = Math.max(1, Math.floor(size / 6));
+            ctx.strokeStyle = c;
+            ctx.lineWidth = w;
+            ctx.strokeRect(x + w / 2, y + w / 2, size - gap - w, size - gap - w);
+          } else {
+            ctx.fillStyle = c;
+            ctx.fillRect(x, y, size - gap, size - gap);
+          }
         }
       }
     });
     ctx.globalAlpha = 1;
     canvas.dataset.map = rows.join('|');
     canvas.dataset.snapshots = String(snapshots);
-    $('#map-caption').textContent = `${rows.length} layers × ${cols} experts: the colour of an event fades over a second; without one, whether the expert is in the cache now.`;
+    $('#map-caption').textContent = `${rows.length} layers × ${cols} experts: what last happened to each expert, fading over a second; under it, whether the expert is in the cache now.`;
   }
 
   // The process's memory, split; what the machine has left is said beside it.

@@ -259,27 +259,28 @@ fn a_layer_served_elsewhere_lets_its_prefetch_go() {
 }
 
 #[test]
-fn the_expert_map_records_reads_hits_read_ahead_and_evictions() {
+fn the_expert_map_records_each_experts_last_event() {
     const IN: u8 = ExpertMap::IN_CACHE;
+    const NEW: u8 = ExpertMap::FRESH;
+    let code = |event: ExpertEvent| (event as u8) << 1;
     let (dir, _) = tiny_store(8);
     let store = open(dir.path(), 2, Policy::Lru);
     let map = store.expert_map();
     assert_eq!(map.layers().collect::<Vec<_>>(), vec![(0, 8)]);
     assert_eq!(map.snapshot(true), vec![vec![0; 8]]);
     drop(store.fetch(0, &[1, 2]).unwrap());
+    let read = IN | code(ExpertEvent::DemandRead);
     let m = &map.snapshot(true)[0];
-    assert_eq!(
-        (m[1], m[2], m[3]),
-        (IN | ExpertMap::DEMAND_READ, IN | ExpertMap::DEMAND_READ, 0)
-    );
-    // Cleared: events are reported once, the cache state stays.
+    assert_eq!((m[1], m[2], m[3]), (read | NEW, read | NEW, 0));
+    assert_eq!(ExpertMap::event(m[1]), Some(ExpertEvent::DemandRead));
+    // Cleared: the last event stays, no longer new.
     drop(store.fetch(0, &[2]).unwrap());
     let m = &map.snapshot(false)[0];
-    assert_eq!((m[1], m[2]), (IN, IN | ExpertMap::HIT));
+    assert_eq!((m[1], m[2]), (read, IN | code(ExpertEvent::Hit) | NEW));
     // Expert 1 is the least recently used: reading 5 ahead takes its slot.
     store.prefetch(0, &[5]);
     let m = &map.snapshot(true)[0];
-    assert_eq!(m[1], ExpertMap::EVICTED, "left the cache");
-    assert_eq!(m[5], IN | ExpertMap::READ_AHEAD);
-    assert_eq!(map.snapshot(true)[0][1], 0);
+    assert_eq!(m[1], code(ExpertEvent::Evicted) | NEW, "left the cache");
+    assert_eq!(m[5], IN | code(ExpertEvent::ReadAhead) | NEW);
+    assert_eq!(map.snapshot(true)[0][1], code(ExpertEvent::Evicted));
 }
