@@ -112,6 +112,45 @@ async function run() {
   check(steps >= 2, `it streamed: shown in ${steps} partial steps before the end`);
   check(/tok\/s/.test(await lastAnswer().locator('.meta').textContent()), 'its speed is shown');
 
+  // 2b. Rendering, from a canned stream (the demo model writes no Markdown, code or reasoning):
+  // Markdown, highlighted code, folded reasoning; the model's raw HTML and javascript: links
+  // stay inert.
+  const chunk = (delta, finish = null) => `data: ${JSON.stringify({ choices: [{ index: 0, delta, finish_reason: finish }] })}\n\n`;
+  const canned = [
+    chunk({ role: 'assistant', content: '' }),
+    chunk({ reasoning_content: 'The user wants Rust. ' }),
+    chunk({ reasoning_content: 'Keep it short.' }),
+    chunk({ content: '## Hello\n\nA **bold** word, <img src=x id=injected onerror="window.pwned=1">' }),
+    chunk({ content: ' and [a link](javascript:window.pwned=1).\n\n```rust\nfn main() { let x = 1; }\n```\n' }),
+    chunk({}, 'stop'),
+    'data: [DONE]\n\n',
+  ].join('');
+  await page.route('**/v1/chat/completions', (route) => route.fulfill({
+    status: 200, headers: { 'content-type': 'text/event-stream' }, body: canned,
+  }));
+  await page.click('#new-chat');
+  await send('Show me some Rust.');
+  await page.waitForSelector('.msg.assistant[data-state=done]');
+  const rendered = await page.evaluate(() => {
+    const m = [...document.querySelectorAll('.msg.assistant')].pop();
+    const details = m.querySelector('details.reasoning');
+    return {
+      heading: m.querySelector('.body h2')?.textContent,
+      bold: m.querySelector('.body strong')?.textContent,
+      keyword: m.querySelector('.body pre code.language-rust .hljs-keyword')?.textContent,
+      reasoning: details && !details.open && details.textContent.includes('Keep it short.'),
+      injected: !!document.querySelector('#injected') || !!window.pwned,
+      links: m.querySelectorAll('.body a').length,
+      text: m.querySelector('.body').textContent,
+    };
+  });
+  await page.unroute('**/v1/chat/completions');
+  check(rendered.heading === 'Hello' && rendered.bold === 'bold', 'Markdown is rendered');
+  check(rendered.keyword === 'fn', 'code is highlighted');
+  check(rendered.reasoning, 'reasoning is shown folded');
+  check(!rendered.injected && rendered.links === 0 && rendered.text.includes('<img'),
+    'the model\'s HTML is shown as text and its javascript: link is not a link');
+
   // 3. Stop a long answer: the page says stopped and the server cancels the generation.
   const before = await stats();
   await setSettings({ maxTokens: 3000, extra: '{"ignore_eos": true}' });

@@ -6,11 +6,12 @@
 //! `/v1/messages/count_tokens` ([`anthropic`]),
 //! `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), and for people and other
 //! tools the web page at `/` ([`web`]: chat, and a live view of the experts streaming) with the
-//! live statistics it draws, `GET /stats` and `GET /stats/stream` ([`live`]). Requests queue for the single
-//! model thread ([`worker`]); a client that disconnects cancels its generation. Chat requests
-//! are rendered with the model's own chat template; `<think>` reasoning (gpt-oss: the harmony
-//! analysis channel) comes back as `reasoning_content` and `<tool_call>` blocks (and the other
-//! families' call formats) as OpenAI `tool_calls` ([`sluice_engine::output`]). A request that
+//! live statistics it draws, `GET /stats` and `GET /stats/stream` ([`live`]). Requests queue
+//! for the single model thread ([`worker`]); a client that disconnects cancels its generation.
+//! Chat requests are rendered with the model's own chat template; `<think>` reasoning
+//! (gpt-oss: the harmony analysis channel) comes back as `reasoning_content` and `<tool_call>`
+//! blocks (and the other families' call formats) as OpenAI `tool_calls`
+//! ([`sluice_engine::output`]). A request that
 //! extends an earlier conversation resumes from the saved model state of the common prefix
 //! ([`sluice_engine::prompt_cache`]) and reports it in `usage.prompt_tokens_details.cached_tokens`.
 //!
