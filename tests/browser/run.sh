@@ -64,7 +64,8 @@ fi
 
 log=$(mktemp)
 key="browser-test-key"
-"$sluice" serve --port 0 --api-key "$key" 2>"$log" &
+# The bundled demo model (not $SLUICE_MODEL), so that its experts stream through the default cache.
+env -u SLUICE_MODEL "$sluice" serve --port 0 --api-key "$key" 2>"$log" &
 server=$!
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -f "$log"' EXIT
 base=""
