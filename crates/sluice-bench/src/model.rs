@@ -191,57 +191,65 @@ pub fn run_model<B: Backend + 'static>(
                 let engine = &*engine;
                 let result = pool.install(|| -> Result<RunResult> {
                     if settings.warmup {
-                        run_once(engine, test, settings.seed, settings.depth)?;
+                        run_once(engine, test, settings.seed, settings.depth, &mut || {})?;
                     }
                     sluice_sys::reset_peak_rss();
-                    let before = engine.store.as_ref().map(|s| s.stats());
-                    let vram_before = engine.model.backend().expert_cache_stats();
+                    let store_now = || engine.store.as_ref().map(|s| s.stats());
+                    let vram_now = || engine.model.backend().expert_cache_stats();
+                    // The counters at the start and end of each run's timed part.
+                    let (mut store_marks, mut vram_marks) = (Vec::new(), Vec::new());
                     let mut samples = Vec::new();
                     let mut ttft = Vec::new();
                     for r in 0..settings.repetitions {
-                        let secs =
-                            run_once(engine, test, settings.seed + 1 + r as u64, settings.depth)?;
+                        let mut start = None;
+                        let secs = run_once(
+                            engine,
+                            test,
+                            settings.seed + 1 + r as u64,
+                            settings.depth,
+                            &mut || start = Some((store_now(), vram_now())),
+                        )?;
+                        let (store_start, vram_start) = start.unwrap_or((None, None));
+                        store_marks.push((store_start, store_now()));
+                        vram_marks.push((vram_start, vram_now()));
                         samples.push(test.tokens() as f64 / secs);
                         ttft.push(secs);
                     }
                     let (mean, sd) = mean_sd(&samples);
                     let total_secs: f64 = ttft.iter().sum();
                     let tokens = (test.tokens() * settings.repetitions) as f64;
-                    let streaming = engine.store.as_ref().zip(before).map(|(store, before)| {
-                        let d = store.stats().since(&before);
-                        StreamingRun {
-                            cache_bytes: store.cache_bytes(),
-                            cache_slots: store.slots(),
-                            io: store.io_description(),
-                            read_bytes_per_token: d.bytes_read as f64 / tokens,
-                            read_gbps: d.read_gbps(),
-                            read_gbps_wall: d.bytes_read as f64 / total_secs / 1e9,
-                            hit_rate: d.hit_rate(),
-                            prefetch_accuracy: d.prefetch_accuracy(),
-                            io_wait_share: d.io_wait_secs / total_secs,
-                            stats: d,
-                        }
-                    });
+                    let timed_store = timed(&store_marks, |a, b| a.since(b));
+                    let streaming =
+                        engine
+                            .store
+                            .as_ref()
+                            .zip(timed_store)
+                            .map(|(store, d)| StreamingRun {
+                                cache_bytes: store.cache_bytes(),
+                                cache_slots: store.slots(),
+                                io: store.io_description(),
+                                read_bytes_per_token: d.bytes_read as f64 / tokens,
+                                read_gbps: d.read_gbps(),
+                                read_gbps_wall: d.bytes_read as f64 / total_secs / 1e9,
+                                hit_rate: d.hit_rate(),
+                                prefetch_accuracy: d.prefetch_accuracy(),
+                                io_wait_share: d.io_wait_secs / total_secs,
+                                stats: d,
+                            });
                     let vram = engine
                         .device_cache_plan
                         .as_ref()
-                        .zip(vram_before)
-                        .zip(engine.model.backend().expert_cache_stats())
-                        .map(|((plan, before), now)| {
-                            let d = now.since(&before);
-                            VramRun {
-                                cache_bytes: plan.bytes(),
-                                slots: plan.slots,
-                                uploaded_bytes_per_token: d.bytes_uploaded as f64 / tokens,
-                                read_in_place_bytes_per_token: d.bytes_read_in_place as f64
-                                    / tokens,
-                                host_computed_bytes_per_token: d.bytes_host_computed as f64
-                                    / tokens,
-                                copy_share: d.upload_secs / total_secs,
-                                hit_rate: d.hit_rate(),
-                                upload_gbps: d.upload_gbps(),
-                                stats: d,
-                            }
+                        .zip(timed(&vram_marks, |a, b| a.since(b)))
+                        .map(|(plan, d)| VramRun {
+                            cache_bytes: plan.bytes(),
+                            slots: plan.slots,
+                            uploaded_bytes_per_token: d.bytes_uploaded as f64 / tokens,
+                            read_in_place_bytes_per_token: d.bytes_read_in_place as f64 / tokens,
+                            host_computed_bytes_per_token: d.bytes_host_computed as f64 / tokens,
+                            copy_share: d.upload_secs / total_secs,
+                            hit_rate: d.hit_rate(),
+                            upload_gbps: d.upload_gbps(),
+                            stats: d,
                         });
                     let bytes_per_token = bytes_per_token(engine, test);
                     Ok(RunResult {
@@ -282,12 +290,27 @@ pub fn run_model<B: Backend + 'static>(
     Ok(out)
 }
 
-/// Seconds for one run of `test` from a fresh state (generation after `depth` tokens).
+/// The counters of the timed parts of runs, from each one's counters at its start and end (in
+/// order; `None` where there are none): the whole span less the untimed stretches between them
+/// (the prefills to `--depth`), by subtraction alone.
+fn timed<T>(marks: &[(Option<T>, Option<T>)], since: impl Fn(&T, &T) -> T) -> Option<T> {
+    let (first, last) = (marks.first()?.0.as_ref()?, marks.last()?.1.as_ref()?);
+    let mut total = since(last, first);
+    for pair in marks.windows(2) {
+        let (end, next) = (pair[0].1.as_ref()?, pair[1].0.as_ref()?);
+        total = since(&total, &since(next, end));
+    }
+    Some(total)
+}
+
+/// Seconds for one run of `test` from a fresh state (generation after `depth` tokens);
+/// `timed_start` is called as the timed part begins.
 fn run_once<B: Backend + 'static>(
     engine: &Engine<B>,
     test: Test,
     seed: u64,
     depth: usize,
+    timed_start: &mut dyn FnMut(),
 ) -> Result<f64> {
     let info = engine.model.info();
     // Ordinary tokens only: below the first special token of Qwen vocabularies when known.
@@ -303,6 +326,7 @@ fn run_once<B: Backend + 'static>(
     match test {
         Test::Prompt(n) => {
             let tokens: Vec<u32> = (0..n).map(|_| next_token()).collect();
+            timed_start();
             let start = Instant::now();
             let logits = engine.prefill(&mut state, &tokens)?;
             std::hint::black_box(sluice_backend::reference::argmax(&logits));
@@ -321,6 +345,7 @@ fn run_once<B: Backend + 'static>(
             }
             let mut token = next_token();
             let backend = engine.model.backend();
+            timed_start();
             let start = Instant::now();
             for _ in 0..n {
                 let logits = engine.model.forward(&mut state, &[token], false)?;
@@ -335,6 +360,7 @@ fn run_once<B: Backend + 'static>(
                 .collect::<Result<Vec<_>, _>>()?;
             let mut tokens: Vec<[u32; 1]> = (0..b).map(|_| [next_token()]).collect();
             let backend = engine.model.backend();
+            timed_start();
             let start = Instant::now();
             for _ in 0..n {
                 let mut segments: Vec<Segment<'_, B>> = states
@@ -443,6 +469,21 @@ pub fn markdown_table(results: &[RunResult]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timed_counters_leave_out_what_ran_between_the_timed_parts() {
+        let sub = |a: &u64, b: &u64| a - b;
+        // Three runs timed 0..5, 20..23 and 40..41: the prefills between them are left out.
+        let marks = [
+            (Some(0), Some(5)),
+            (Some(20), Some(23)),
+            (Some(40), Some(41)),
+        ];
+        assert_eq!(timed(&marks, sub), Some(9));
+        assert_eq!(timed(&marks[..1], sub), Some(5));
+        assert_eq!(timed::<u64>(&[(None, None)], sub), None);
+        assert_eq!(timed::<u64>(&[], sub), None);
+    }
 
     #[test]
     fn mean_and_sample_sd() {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use sluice_bench::limits::{self, DiskOptions};
-use sluice_engine::streaming::{plan_cache_for, safetensors_bytes, StreamingOptions};
+use sluice_engine::streaming::{plan_cache_for, safetensors_bytes, StateReserve, StreamingOptions};
 use sluice_engine::{Engine, LoadOptions};
 use sluice_sys::{format_bytes, ByteSize};
 
@@ -50,6 +50,10 @@ pub struct InfoArgs {
     /// The KV cache format the state is sized in (f32, f16, bf16, q8, q4).
     #[arg(long, default_value = "f32", value_name = "FORMAT")]
     kv_cache: sluice_backend::KvFormat,
+    /// Tokens per prefill pass, as a run's --ubatch: the working memory that pass needs is
+    /// counted beside the state.
+    #[arg(long, short = 'u', default_value_t = sluice_engine::PREFILL_CHUNK, value_name = "TOKENS")]
+    ubatch: usize,
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
@@ -122,12 +126,13 @@ pub fn run(a: InfoArgs) -> Result<()> {
 
     // Packed or not, the cache that fits (for an unpacked model: what packing it would give),
     // leaving room for a request's state at --context as a run would.
+    let pass_tokens = |n: usize| a.ubatch.min(n).max(1);
     let streaming = StreamingOptions {
-        state_reserve: a.context.map(|n| {
-            (
-                (info.state_bytes_fixed + info.state_bytes_per_token * n) as u64,
-                n,
-            )
+        state_reserve: a.context.map(|n| StateReserve {
+            state: (info.state_bytes_fixed + info.state_bytes_per_token * n) as u64,
+            tokens: n,
+            pass: (info.pass_bytes_per_token * pass_tokens(n)) as u64,
+            pass_tokens: pass_tokens(n),
         }),
         ..streaming
     };
@@ -147,6 +152,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
     );
     request_state(
         state,
+        (info.pass_bytes_per_token, a.ubatch),
         a.context,
         resident,
         plan.cache_bytes,
@@ -210,6 +216,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
 /// expert cache and that state fit it together.
 fn request_state(
     (per_token, fixed, max_context, format): (usize, usize, usize, sluice_backend::KvFormat),
+    (pass_per_token, ubatch): (usize, usize),
     context: Option<usize>,
     resident: u64,
     cache: u64,
@@ -239,19 +246,26 @@ fn request_state(
         format_bytes(per_token as u64),
         sizes.join(", ")
     );
+    let pass = |n: usize| (pass_per_token * ubatch.min(n).max(1)) as u64;
+    println!(
+        "  prefill pass of {ubatch} tokens (--ubatch): {} working memory ({} per token)",
+        format_bytes(pass(ubatch)),
+        format_bytes(pass_per_token as u64)
+    );
     if let (Some(n), Some(budget)) = (context, budget) {
-        let total = resident + cache + at(n);
+        let total = resident + cache + at(n) + pass(n);
         let verdict = if total <= budget.bytes() {
             "fits"
         } else {
-            "does NOT fit: lower --expert-cache, or shorten the context"
+            "does NOT fit: lower --expert-cache or --ubatch, or shorten the context"
         };
         println!(
-            "  memory at {n} tokens: resident {} + expert cache {} + state {} = {} of the {} \
-             budget: {verdict}",
+            "  memory at {n} tokens: resident {} + expert cache {} + state {} + prefill pass {} = \
+             {} of the {} budget: {verdict}",
             format_bytes(resident),
             format_bytes(cache),
             format_bytes(at(n)),
+            format_bytes(pass(n)),
             format_bytes(total),
             format_bytes(budget.bytes())
         );

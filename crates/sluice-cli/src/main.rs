@@ -117,7 +117,8 @@ pub(crate) struct ModelArgs {
     context: usize,
     /// Tokens per prefill pass (llama.cpp's --ubatch-size): a streamed model reads each expert
     /// a pass needs once for all its tokens, so larger passes read less from disk per prompt
-    /// token, at the cost of working memory.
+    /// token, at the cost of working memory (about 250 kB per token on Qwen3.5-35B-A3B; an
+    /// expert cache derived from --memory-budget or the free memory leaves room for it).
     #[arg(long, short = 'u', default_value_t = sluice_engine::PREFILL_CHUNK, value_name = "TOKENS")]
     ubatch: usize,
     /// Expert cache size, e.g. 6GiB (packed models default to the available memory minus the

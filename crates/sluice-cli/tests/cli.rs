@@ -694,6 +694,16 @@ fn info_sizes_a_requests_state_at_a_context() {
         stdout.contains("memory at 100 tokens") && stdout.contains(": fits"),
         "{stdout}"
     );
+    // The derived cache also leaves room for a prefill pass: of --ubatch tokens, at most the
+    // context.
+    assert!(stdout.contains("prefill pass of 100 tokens)"), "{stdout}");
+    assert!(
+        stdout.contains("prefill pass of 512 tokens (--ubatch)"),
+        "{stdout}"
+    );
+    let out = info(&["--context", "100", "--memory-budget", "10MiB", "-u", "32"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("prefill pass of 32 tokens)"), "{stdout}");
     let out = info(&["--context", "512", "--memory-budget", "400KiB"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("does NOT fit"), "{stdout}");

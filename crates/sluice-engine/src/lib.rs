@@ -229,7 +229,13 @@ impl<B: Backend + 'static> Engine<B> {
             // On the CPU a request's state shares host memory with the expert cache.
             state_reserve: match opts.context {
                 Some(n) if !backend.has_device_memory() => {
-                    Some((config.state.bytes(opts.kv_format, n), n))
+                    let pass_tokens = opts.prefill_chunk.unwrap_or(PREFILL_CHUNK).min(n).max(1);
+                    Some(streaming::StateReserve {
+                        state: config.state.bytes(opts.kv_format, n),
+                        tokens: n,
+                        pass: config.state.pass_bytes(pass_tokens),
+                        pass_tokens,
+                    })
                 }
                 _ => None,
             },

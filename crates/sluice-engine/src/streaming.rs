@@ -38,9 +38,26 @@ pub struct StreamingOptions {
     pub pinner: Option<sluice_store::Pinner>,
     /// Faults injected into the expert reads (tests of disk failures); None in normal use.
     pub faults: Option<std::sync::Arc<dyn sluice_store::ReadFaults>>,
-    /// Memory a cache derived from the budget or the free memory leaves for one request's
-    /// state (its KV cache at the context asked for), with the length it was sized at.
-    pub state_reserve: Option<(u64, usize)>,
+    /// Memory a cache derived from the budget or the free memory leaves for one request.
+    pub state_reserve: Option<StateReserve>,
+}
+
+/// What one request needs beside the weights and the expert cache, where they share memory (the
+/// CPU): its state at the context asked for, and the working memory of a prefill pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateReserve {
+    /// The KV caches and recurrent states at `tokens` positions.
+    pub state: u64,
+    pub tokens: usize,
+    /// A forward pass over `pass_tokens` tokens at once.
+    pub pass: u64,
+    pub pass_tokens: usize,
+}
+
+impl StateReserve {
+    pub fn bytes(&self) -> u64 {
+        self.state + self.pass
+    }
 }
 
 impl Default for StreamingOptions {
@@ -113,11 +130,15 @@ pub fn plan_cache_for(resident: u64, experts: u64, opts: &StreamingOptions) -> C
     };
     // A derived cache leaves room for a request's state.
     let (want, reason) = match opts.state_reserve {
-        Some((state, tokens)) if opts.expert_cache.is_none() => (
-            want.saturating_sub(state),
+        Some(r) if opts.expert_cache.is_none() => (
+            want.saturating_sub(r.bytes()),
             format!(
-                "{reason}, less {} for a request's state at {tokens} tokens",
-                sluice_sys::format_bytes(state)
+                "{reason}, less {} for a request's state at {} tokens and {} for a prefill pass \
+                 of {} tokens",
+                sluice_sys::format_bytes(r.state),
+                r.tokens,
+                sluice_sys::format_bytes(r.pass),
+                r.pass_tokens
             ),
         ),
         _ => (want, reason),

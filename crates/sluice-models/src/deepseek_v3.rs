@@ -36,7 +36,9 @@ use sluice_backend::{
 };
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends, StateDims};
+use crate::decoder::{
+    attention_caches, moe_values, pass_values, Architecture, Decoder, Dims, Ends, StateDims,
+};
 use crate::loader::Loader;
 use crate::moe::{check_sigmoid_router, Mlp, MoeDims, Routing, SharedDims};
 use crate::{config_error, yarn_rope_theta, ModelError, Segment, State};
@@ -531,5 +533,19 @@ pub(crate) fn state_dims(cfg: &DeepseekV3Config) -> StateDims {
         kv_values_per_token: cfg.num_hidden_layers * 2 * cfg.latent_head_dim(),
         kv_head_dim: cfg.latent_head_dim(),
         fixed_bytes: 0,
+        // Absorbed attention: per head a query and an output in the latent space, and the
+        // output brought back.
+        pass_values_per_token: pass_values(
+            cfg.hidden_size,
+            cfg.num_attention_heads * (cfg.latent_head_dim() + cfg.kv_lora_rank + cfg.v_head_dim)
+                + cfg.latent_head_dim(),
+            moe_values(
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.hidden_size,
+                cfg.n_shared_experts.unwrap_or(0) * cfg.moe_intermediate_size,
+            )
+            .max(3 * cfg.intermediate_size),
+        ),
     }
 }

@@ -15,7 +15,10 @@ use serde::Deserialize;
 use sluice_backend::{AttentionSpec, Backend, ExpertSource, Rope, SigmoidRouting};
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends, StateDims};
+use crate::decoder::{
+    attention_caches, attention_values, moe_values, pass_values, Architecture, Decoder, Dims, Ends,
+    StateDims,
+};
 use crate::loader::Loader;
 use crate::moe::{check_sigmoid_router, Mlp, MoeDims, Routing, SharedDims};
 use crate::{config_error, default_rope_theta, ModelError, Segment, State};
@@ -373,5 +376,21 @@ pub(crate) fn state_dims(cfg: &Glm4MoeConfig) -> StateDims {
         kv_values_per_token: cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim(),
         kv_head_dim: cfg.head_dim(),
         fixed_bytes: 0,
+        pass_values_per_token: pass_values(
+            cfg.hidden_size,
+            attention_values(
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim(),
+                false,
+            ),
+            moe_values(
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.hidden_size,
+                cfg.n_shared_experts.unwrap_or(0) * cfg.moe_intermediate_size,
+            )
+            .max(3 * cfg.intermediate_size),
+        ),
     }
 }

@@ -77,6 +77,9 @@ pub struct ModelInfo {
     /// position (in `kv_format`), recurrent states (f32) are `state_bytes_fixed` from the start.
     pub state_bytes_per_token: usize,
     pub state_bytes_fixed: usize,
+    /// Working memory of a forward pass per token it runs at once (prefill passes): an
+    /// estimate by the shapes (see `StateDims::pass_bytes`).
+    pub pass_bytes_per_token: usize,
     /// How attention caches store keys and values ([`CausalLm::set_kv_format`]).
     pub kv_format: sluice_backend::KvFormat,
     /// Key and value entries the attention caches add per position, over all layers.

@@ -13,7 +13,10 @@ use serde::Deserialize;
 use sluice_backend::{AttentionSpec, Backend, ExpertSource, Rope};
 use sluice_format::ModelDir;
 
-use crate::decoder::{attention_caches, Architecture, Decoder, Dims, Ends, StateDims};
+use crate::decoder::{
+    attention_caches, attention_values, moe_values, pass_values, Architecture, Decoder, Dims, Ends,
+    StateDims,
+};
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims, Routing};
 use crate::{config_error, default_rope_theta, ModelError, Segment, State};
@@ -292,5 +295,20 @@ pub(crate) fn state_dims(cfg: &MixtralConfig) -> StateDims {
         kv_values_per_token: cfg.num_hidden_layers * 2 * cfg.kv_heads() * cfg.head_dim(),
         kv_head_dim: cfg.head_dim(),
         fixed_bytes: 0,
+        pass_values_per_token: pass_values(
+            cfg.hidden_size,
+            attention_values(
+                cfg.num_attention_heads,
+                cfg.kv_heads(),
+                cfg.head_dim(),
+                false,
+            ),
+            moe_values(
+                cfg.num_experts_per_tok,
+                cfg.intermediate_size,
+                cfg.hidden_size,
+                0,
+            ),
+        ),
     }
 }

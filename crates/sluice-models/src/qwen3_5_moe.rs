@@ -26,7 +26,8 @@ use sluice_backend::{AttentionSpec, Backend, DeltaNetDims, ExpertSource, Rope, V
 use sluice_format::ModelDir;
 
 use crate::decoder::{
-    attention_caches, per_segment, wrong_state, Architecture, Decoder, Dims, Ends, StateDims,
+    attention_caches, attention_values, moe_values, pass_values, per_segment, wrong_state,
+    Architecture, Decoder, Dims, Ends, StateDims,
 };
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims, Routing, SharedDims};
@@ -632,5 +633,23 @@ pub(crate) fn state_dims(cfg: &Qwen35MoeConfig) -> StateDims {
             * (delta.value_heads * delta.key_dim * delta.value_dim
                 + delta.conv_channels() * delta.conv_kernel.saturating_sub(1))
             * 4,
+        pass_values_per_token: pass_values(
+            cfg.hidden_size,
+            // Gated attention, or the DeltaNet's projections in and out of its convolution, its
+            // output gate and output.
+            attention_values(
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim(),
+                true,
+            )
+            .max(2 * delta.conv_channels() + 3 * delta.value_heads * delta.value_dim),
+            moe_values(
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.hidden_size,
+                cfg.shared_expert_intermediate_size,
+            ),
+        ),
     }
 }
