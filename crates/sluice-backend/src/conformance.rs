@@ -1167,26 +1167,13 @@ pub fn attention_kv_formats<B: Backend>(b: &B, tol: Tolerance) {
             // The clone taken after the rewind kept its own positions.
             let (mut cache, mut keys, mut values) = saved.expect("saved");
             assert_eq!(b.kv_len(&cache), 30, "{name}: a clone keeps its length");
-            let q = rng.vec(qw, -2.0, 2.0);
-            let (mut k, mut v) = (rng.vec(kw, -2.0, 2.0), rng.vec(kw, -2.0, 2.0));
-            let got = b.attention(
-                &b.act_from_host(&q, 1, qw),
-                &b.act_from_host(&k, 1, kw),
-                &b.act_from_host(&v, 1, kw),
-                &mut cache,
-                spec,
-            );
-            crate::kv::round_trip(format, &mut k, hd);
-            crate::kv::round_trip(format, &mut v, hd);
-            keys.extend_from_slice(&k);
-            values.extend_from_slice(&v);
-            let want = reference::attention(
-                &q, &keys, &values, heads, kv_heads, hd, scale, window, host_sinks,
-            );
-            assert_close(
+            decode_checked(
+                b,
+                &mut rng,
+                (&mut cache, format, kv_heads, hd),
+                (spec, host_sinks),
+                (&mut keys, &mut values),
                 &format!("{name}: on a clone"),
-                &host(b, &got),
-                &want,
                 tol.other,
             );
         }
@@ -1298,26 +1285,56 @@ pub fn attention_kv_formats<B: Backend>(b: &B, tol: Tolerance) {
         crate::kv::round_trip(format, &mut keys, hd);
         crate::kv::round_trip(format, &mut values, hd);
         for step in 0..2 {
-            let q = rng.vec(qw, -2.0, 2.0);
-            let (mut k, mut v) = (rng.vec(kw, -2.0, 2.0), rng.vec(kw, -2.0, 2.0));
-            let got = b.attention(
-                &b.act_from_host(&q, 1, qw),
-                &b.act_from_host(&k, 1, kw),
-                &b.act_from_host(&v, 1, kw),
-                &mut cache,
-                spec,
+            decode_checked(
+                b,
+                &mut rng,
+                (&mut cache, format, kv_heads, hd),
+                (spec, None),
+                (&mut keys, &mut values),
+                &format!("{format} cache of {} positions, step {step}", len + step),
+                tol.other,
             );
-            crate::kv::round_trip(format, &mut k, hd);
-            crate::kv::round_trip(format, &mut v, hd);
-            keys.extend_from_slice(&k);
-            values.extend_from_slice(&v);
-            let want = reference::attention(
-                &q, &keys, &values, heads, kv_heads, hd, spec.scale, None, None,
-            );
-            let what = format!("{format} cache of {} positions, step {step}", len + step);
-            assert_close(&what, &host(b, &got), &want, tol.other);
         }
     }
+}
+
+/// One token decoded through `cache` (which holds `keys` and `values`, rounded as its format
+/// stores them; the new token's are appended) checked against the reference attention.
+fn decode_checked<B: Backend>(
+    b: &B,
+    rng: &mut Rng,
+    (cache, format, kv_heads, hd): (&mut B::KvCache, KvFormat, usize, usize),
+    (spec, host_sinks): (AttentionSpec<'_, B::Vector>, Option<&[f32]>),
+    (keys, values): (&mut Vec<f32>, &mut Vec<f32>),
+    what: &str,
+    tol: f32,
+) {
+    let (qw, kw) = (spec.heads * hd, kv_heads * hd);
+    let q = rng.vec(qw, -2.0, 2.0);
+    let (mut k, mut v) = (rng.vec(kw, -2.0, 2.0), rng.vec(kw, -2.0, 2.0));
+    let got = b.attention(
+        &b.act_from_host(&q, 1, qw),
+        &b.act_from_host(&k, 1, kw),
+        &b.act_from_host(&v, 1, kw),
+        cache,
+        spec,
+    );
+    crate::kv::round_trip(format, &mut k, hd);
+    crate::kv::round_trip(format, &mut v, hd);
+    keys.extend_from_slice(&k);
+    values.extend_from_slice(&v);
+    let want = reference::attention(
+        &q,
+        keys,
+        values,
+        spec.heads,
+        kv_heads,
+        hd,
+        spec.scale,
+        spec.window,
+        host_sinks,
+    );
+    assert_close(what, &host(b, &got), &want, tol);
 }
 
 /// `join_chunks` (the inverse of `split_chunks`) and `matmul_heads` (one product per head) in

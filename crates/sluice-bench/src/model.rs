@@ -290,6 +290,18 @@ pub fn run_model<B: Backend + 'static>(
     Ok(out)
 }
 
+/// Random token ids below `range` (xorshift64 from `seed`): benchmark prompts and
+/// `perplexity --random`, the same ids for the same seed.
+pub fn random_tokens(range: u64, seed: u64) -> impl FnMut() -> u32 {
+    let (mut rng, range) = (seed | 1, range.max(1));
+    move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % range) as u32
+    }
+}
+
 /// The counters of the timed parts of runs, from each one's counters at its start and end (in
 /// order; `None` where there are none): the whole span less the untimed stretches between them
 /// (the prefills to `--depth`), by subtraction alone.
@@ -314,14 +326,8 @@ fn run_once<B: Backend + 'static>(
 ) -> Result<f64> {
     let info = engine.model.info();
     // Ordinary tokens only: below the first special token of Qwen vocabularies when known.
-    let range = engine.tokenizer.vocab_size().min(info.vocab_size).max(1) as u64;
-    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut next_token = || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng % range) as u32
-    };
+    let range = engine.tokenizer.vocab_size().min(info.vocab_size) as u64;
+    let mut next_token = random_tokens(range, seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let mut state = engine.new_state()?;
     match test {
         Test::Prompt(n) => {

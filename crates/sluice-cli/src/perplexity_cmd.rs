@@ -68,16 +68,10 @@ fn run_on<B: Backend + 'static>(mut engine: Engine<B>, a: &PerplexityArgs) -> Re
             )
         }
         None => {
-            let range = engine.tokenizer.vocab_size().min(info.vocab_size).max(1) as u64;
-            let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-            let n = window * a.windows.unwrap_or(4);
-            let ids = (0..n)
-                .map(|_| {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    (rng % range) as u32
-                })
+            let range = engine.tokenizer.vocab_size().min(info.vocab_size) as u64;
+            let mut next = sluice_bench::model::random_tokens(range, 0x9e37_79b9_7f4a_7c15);
+            let ids = (0..window * a.windows.unwrap_or(4))
+                .map(|_| next())
                 .collect();
             (ids, "random ids".to_string())
         }
