@@ -1374,7 +1374,7 @@ impl CudaBackend {
             return self.poisoned(rows, q.cols);
         };
         let plan = Self::attend_plan(rows, heads, kvh, hd);
-        let decode = plan.is_some_and(|s| s > 1) && self.decode_kernel(hd).is_some();
+        let decode = plan.is_some_and(|s| s > 1) && self.decode_kernel(hd, cache.format).is_some();
         let compact_decode = cache.is_compact() && decode;
         let splits = match decode {
             true => long_decode_splits(total),
@@ -1445,7 +1445,7 @@ impl CudaBackend {
             if compact_decode {
                 let [window, sinks] = attn.args();
                 self.d.launch(
-                    self.decode_kv_kernel(hd).expect("checked above"),
+                    self.decode_kernel(hd, cache.format).expect("checked above"),
                     (heads as u32, rows as u32, splits as u32),
                     (ATTENTION_DECODE_THREADS, 1, 1),
                     &[
@@ -1469,7 +1469,7 @@ impl CudaBackend {
                 );
                 return out;
             }
-            match self.decode_kernel(hd).filter(|_| splits > 1) {
+            match self.decode_kernel(hd, KvFormat::F32).filter(|_| splits > 1) {
                 Some(kernel) => self.launch_attention_decode(
                     kernel,
                     (rows, splits),
@@ -1590,7 +1590,7 @@ impl CudaBackend {
         let rotary_dim = rope.rotary_dim;
         let (hd, kvh) = (cache.head_dim, cache.kv_heads);
         Self::attend_plan(1, heads, kvh, hd).filter(|&s| s > 1)?;
-        let kernel = self.decode_kernel(hd)?;
+        let kernel = self.decode_kernel(hd, KvFormat::F32)?;
         let first = cache.len;
         let splits = long_decode_splits(first + 1);
         if !self.ensure_capacity(cache, first + 1) {
@@ -1726,12 +1726,6 @@ impl CudaBackend {
         true
     }
 
-    /// `decode_kernel` for compact caches.
-    fn decode_kv_kernel(&self, hd: usize) -> Option<&CudaFunction> {
-        let i = DECODE_HEAD_DIMS.iter().position(|&d| d == hd)?;
-        self.d.k.attention_decode_kv.get(i)
-    }
-
     /// The first `n` positions of a compact cache as f32 keys and values `[n, width]` (for the
     /// kernels that read f32): what it holds, exactly. `None` after a failure (recorded).
     fn kv_expand(&self, cache: &CudaKvCache, n: usize) -> Option<(DevBuf, DevBuf)> {
@@ -1761,10 +1755,15 @@ impl CudaBackend {
         Some((k, v))
     }
 
-    /// The split decode attention kernel for head size `hd`, if it is compiled for it.
-    fn decode_kernel(&self, hd: usize) -> Option<&CudaFunction> {
+    /// The split decode attention kernel for head size `hd` over a cache in `format` (f32:
+    /// `attention_decode`, which may fuse the prelude; compact: `attention_decode_kv`), if it is
+    /// compiled for it.
+    fn decode_kernel(&self, hd: usize, format: KvFormat) -> Option<&CudaFunction> {
         let i = DECODE_HEAD_DIMS.iter().position(|&d| d == hd)?;
-        self.d.k.attention_decode.get(i)
+        match format {
+            KvFormat::F32 => self.d.k.attention_decode.get(i),
+            _ => self.d.k.attention_decode_kv.get(i),
+        }
     }
 
     fn ensure_capacity(&self, cache: &mut CudaKvCache, needed: usize) -> bool {
@@ -2720,7 +2719,7 @@ impl Backend for CudaBackend {
                     rope_fuses((q, k, v), n, rope, c, heads)
                         && Self::attend_plan(1, heads, c.kv_heads, c.head_dim)
                             .is_some_and(|s| s > 1)
-                        && self.decode_kernel(c.head_dim).is_some()
+                        && self.decode_kernel(c.head_dim, KvFormat::F32).is_some()
                 })
         });
         let Some(norms) = in_place else {
