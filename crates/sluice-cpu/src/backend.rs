@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::sync::Mutex;
 
 use crate::kernels::{self, Kernels, MatmulJob};
-use crate::kv::{self, CpuKvCache};
+use crate::kv::{self, softmax_weights, CpuKvCache};
 use crate::{profile, team};
 
 /// f32 activations `[rows, cols]`, row-major.
@@ -321,57 +321,20 @@ impl Backend for CpuBackend {
         assert!(heads.is_multiple_of(kvh));
         let first = cache.len();
         cache.append(&k.data, &v.data);
+        if q.rows >= PROMPT_ROWS {
+            return kv::prompt_attention(q, cache, first, spec);
+        }
         let group = heads / kvh;
         let Some((keys, values)) = cache.as_f32() else {
             return kv::attention(q, cache, first, spec);
         };
         // Decoding a long context: the query heads sharing a kv head read its keys and values
         // from memory once between them, split over the threads, instead of once per head.
-        if q.rows < GROUPED_ATTENTION_ROWS && group > 1 && first + q.rows >= LONG_DECODE {
+        if group > 1 && first + q.rows >= LONG_DECODE {
             return kv::attention(q, cache, first, spec);
         }
         let width = cache.width();
         let mut out = CpuAct::zeros(q.rows, q.cols);
-        if q.rows >= GROUPED_ATTENTION_ROWS && group > 1 {
-            // A prompt: one task per (row, kv head) for the heads that share it, so that each
-            // run of keys and values is read from memory once for all of them and then from L1.
-            // Per head the same arithmetic in the same order as below: the same bits.
-            team::chunks_mut(&mut out.data, group * hd, |i, o| {
-                let (r, kv) = (i / kvh, i % kvh);
-                // Positions `start..start + n` are visible.
-                let start = spec.first_visible(first + r);
-                let n = first + r + 1 - start;
-                let qg = &q.data[r * q.cols + kv * group * hd..][..group * hd];
-                let (kr, vr) = (
-                    &keys[(start * width + kv * hd)..],
-                    &values[start * width + kv * hd..],
-                );
-                let mut scores = vec![0f32; group * n];
-                for p0 in (0..n).step_by(ATTENTION_RUN) {
-                    let m = ATTENTION_RUN.min(n - p0);
-                    for (h, s) in scores.chunks_exact_mut(n).enumerate() {
-                        let qv = &qg[h * hd..(h + 1) * hd];
-                        kernels::scaled_dots(
-                            qv,
-                            &kr[p0 * width..],
-                            width,
-                            scale,
-                            &mut s[p0..p0 + m],
-                        );
-                    }
-                }
-                for (h, s) in scores.chunks_exact_mut(n).enumerate() {
-                    softmax_weights(s, spec.sinks.map(|s| s[kv * group + h]));
-                }
-                for p0 in (0..n).step_by(ATTENTION_RUN) {
-                    let m = ATTENTION_RUN.min(n - p0);
-                    for (s, oh) in scores.chunks_exact(n).zip(o.chunks_exact_mut(hd)) {
-                        kernels::add_weighted_rows(&s[p0..p0 + m], &vr[p0 * width..], width, oh);
-                    }
-                }
-            });
-            return out;
-        }
         // One task per (row, head): each attends to positions 0..=first + row (keys and values
         // read for each head).
         let work = q.rows * heads * (first + q.rows) * 2 * hd;
@@ -846,30 +809,12 @@ thread_local! {
     static MOE_BUFFER: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// From this many query rows on, attention runs a task per row and kv head (else per row and
-/// head: more tasks for the few rows of decoding).
-const GROUPED_ATTENTION_ROWS: usize = 16;
+/// From this many query rows on, attention runs a task per block of rows and kv head
+/// (`kv::prompt_attention`), else per row and head: more tasks for the few rows of decoding.
+const PROMPT_ROWS: usize = 16;
 /// From this many positions on, decoding attends through `kv::attention` (keys and values read
 /// once per kv head; 2048 positions of a head of 256 are 2 MiB, past a core's L2).
 const LONG_DECODE: usize = 2048;
-/// Positions per run of keys or values that the heads sharing them take in turn (64 KiB of
-/// keys at a head size of 256: stays in L1/L2 between heads).
-const ATTENTION_RUN: usize = 64;
-
-/// Attention scores in place to their softmax weights (max subtracted, divided by the sum), with
-/// an attention sink's logit joining the softmax where there is one.
-fn softmax_weights(scores: &mut [f32], sink: Option<f32>) {
-    let max = scores
-        .iter()
-        .chain(&sink)
-        .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let mut sum = sink.map_or(0.0, |s| (s - max).exp());
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    scores.iter_mut().for_each(|s| *s /= sum);
-}
 
 /// From this many routed values (pairs x hidden size) on, an MoE call's gathers and sums run on
 /// the team.
@@ -896,7 +841,6 @@ fn l2_normalize(x: &[f32], scale: f32, out: &mut [f32]) {
     }
 }
 
-/// `gate = silu(gate) * up`.
 /// MemAvailable and MemTotal from /proc/meminfo (Linux); elsewhere unknown, reported as zero free.
 fn host_memory() -> MemoryInfo {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();

@@ -1,7 +1,8 @@
-//! The CPU's attention cache in every [`KvFormat`], and attention over the compact ones: each
-//! run of positions is expanded to f32 once for all the query heads that share its kv head, and
-//! a few rows' positions are split over the threads (decoding a long context), their partial
-//! softmaxes combined at the end.
+//! The CPU's attention cache in every [`KvFormat`], and the attention that reads it in bulk:
+//! a prompt's rows walk the positions tile by tile, each tile read (and expanded to f32) once
+//! for a block of rows and every query head sharing its kv head; a few rows over a long or
+//! compact cache split the positions over the threads, their partial softmaxes combined at the
+//! end.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -322,4 +323,168 @@ pub(crate) fn attention(
         o.iter_mut().for_each(|v| *v /= denom);
     });
     out
+}
+
+/// Positions a prompt's task holds at a time (256 KiB of f32 keys at a head of 256: they stay
+/// in L2 while every row and head of the task reads them).
+const TILE: usize = 256;
+/// Rows a prompt's task attends for at most.
+const BLOCK_ROWS: usize = 16;
+/// Scores a prompt's task keeps at most (4 MiB): fewer rows per task at long contexts.
+const BLOCK_SCORES: usize = 1 << 20;
+
+/// Causal grouped-query attention of a prompt's rows `q` (positions `first..`) over a `cache`
+/// of any format that already holds their keys and values, as `spec` says.
+///
+/// One task per block of rows and kv head walks the visible positions tile by tile, so each
+/// tile is read from memory (and, compact, expanded) once for all its rows and heads instead of
+/// once per row: past a few thousand positions attending row by row is bound by memory. Per row
+/// and head the arithmetic is that of the row alone (its scores by runs of [`RUN`] positions
+/// from its first visible one, one softmax, the values by the same runs), so the result does not
+/// depend on the blocks, the tiles or the thread count.
+pub(crate) fn prompt_attention(
+    q: &CpuAct,
+    cache: &CpuKvCache,
+    first: usize,
+    spec: AttentionSpec<'_, Vec<f32>>,
+) -> CpuAct {
+    let (heads, scale) = (spec.heads, spec.scale);
+    let (hd, kvh) = (cache.head_dim, cache.kv_heads);
+    let group = heads / kvh;
+    let rows = q.rows;
+    if rows == 0 {
+        return CpuAct::zeros(0, q.cols);
+    }
+    let longest = first + rows - spec.first_visible(first + rows - 1);
+    // Enough tasks for twice the threads where the rows allow it.
+    let block = (BLOCK_SCORES / (group * longest))
+        .min(rows * kvh / (2 * team::thread_count()))
+        .clamp(1, BLOCK_ROWS);
+    let blocks = rows.div_ceil(block);
+    // [kv head][block][row of the block][group * hd], rows past the last left unused.
+    let mut by_kv = vec![0f32; kvh * blocks * block * group * hd];
+    team::chunks_mut(&mut by_kv, block * group * hd, |i, out| {
+        let (kv, r0) = (i / blocks, (i % blocks) * block);
+        // Per row of the block: its visible positions `start..end`, and where its scores begin.
+        let spans: Vec<(usize, usize)> = (r0..rows.min(r0 + block))
+            .map(|r| (spec.first_visible(first + r), first + r + 1))
+            .collect();
+        let at: Vec<usize> = spans
+            .iter()
+            .scan(0, |total, &(s, e)| {
+                let at = *total;
+                *total += group * (e - s);
+                Some(at)
+            })
+            .collect();
+        let (s, e) = spans[spans.len() - 1];
+        let mut scores = vec![0f32; at[at.len() - 1] + group * (e - s)];
+        let mut buf = Vec::new();
+        walk_tiles(
+            cache,
+            true,
+            kv,
+            &spans,
+            &mut buf,
+            |j, a, m, keys, stride| {
+                let (start, end) = spans[j];
+                let r = r0 + j;
+                let qg = &q.data[r * q.cols + kv * group * hd..][..group * hd];
+                for (h, qh) in qg.chunks_exact(hd).enumerate() {
+                    let s = &mut scores[at[j] + h * (end - start) + (a - start)..][..m];
+                    kernels::scaled_dots(qh, keys, stride, scale, s);
+                }
+            },
+        );
+        for (j, &(start, end)) in spans.iter().enumerate() {
+            let n = end - start;
+            for (h, s) in scores[at[j]..][..group * n].chunks_exact_mut(n).enumerate() {
+                softmax_weights(s, spec.sinks.map(|s| s[kv * group + h]));
+            }
+        }
+        walk_tiles(
+            cache,
+            false,
+            kv,
+            &spans,
+            &mut buf,
+            |j, a, m, values, stride| {
+                let (start, end) = spans[j];
+                let o = &mut out[j * group * hd..][..group * hd];
+                for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                    let w = &scores[at[j] + h * (end - start) + (a - start)..][..m];
+                    kernels::add_weighted_rows(w, values, stride, oh);
+                }
+            },
+        );
+    });
+    let mut out = CpuAct::zeros(rows, heads * hd);
+    for (r, row) in out.data.chunks_exact_mut(heads * hd).enumerate() {
+        for (kv, o) in row.chunks_exact_mut(group * hd).enumerate() {
+            let (b, j) = (r / block, r % block);
+            o.copy_from_slice(&by_kv[((kv * blocks + b) * block + j) * group * hd..][..group * hd]);
+        }
+    }
+    out
+}
+
+/// Calls `visit(j, a, m, rows, stride)` for every run of row `j` (`spans[j]`: its visible
+/// positions): `m` positions from `a`, as f32 rows `stride` apart from `rows[0]`; in order of
+/// position within each row, tile by tile over all of them.
+fn walk_tiles(
+    cache: &CpuKvCache,
+    keys: bool,
+    kv: usize,
+    spans: &[(usize, usize)],
+    buf: &mut Vec<f32>,
+    mut visit: impl FnMut(usize, usize, usize, &[f32], usize),
+) {
+    let (hd, width) = (cache.head_dim, cache.width());
+    let lo = spans.iter().map(|s| s.0).min().unwrap_or(0);
+    let hi = spans.iter().map(|s| s.1).max().unwrap_or(0);
+    // Row j's runs that begin in `t0..t1`: from `start + RUN * k` on.
+    let runs = |(start, end): (usize, usize), t0: usize, t1: usize| {
+        let from = start + t0.saturating_sub(start).div_ceil(RUN) * RUN;
+        (from..end.min(t1))
+            .step_by(RUN)
+            .map(move |a| (a, RUN.min(end - a)))
+    };
+    let stored = cache.as_f32().map(|(k, v)| if keys { k } else { v });
+    for t0 in (lo..hi).step_by(TILE) {
+        let t1 = t0 + TILE;
+        let (rows, stride, base) = match stored {
+            Some(rows) => (&rows[kv * hd..], width, 0),
+            None => {
+                // The positions this tile's runs cover, expanded once.
+                let need = spans
+                    .iter()
+                    .flat_map(|&s| runs(s, t0, t1).map(|(a, m)| a + m))
+                    .max()
+                    .unwrap_or(t0);
+                buf.resize((need - t0) * hd, 0.0);
+                cache.load(keys, t0, kv, buf);
+                (&buf[..], hd, t0)
+            }
+        };
+        for (j, &span) in spans.iter().enumerate() {
+            for (a, m) in runs(span, t0, t1) {
+                visit(j, a, m, &rows[(a - base) * stride..], stride);
+            }
+        }
+    }
+}
+
+/// Attention scores in place to their softmax weights (max subtracted, divided by the sum), with
+/// an attention sink's logit joining the softmax where there is one.
+pub(crate) fn softmax_weights(scores: &mut [f32], sink: Option<f32>) {
+    let max = scores
+        .iter()
+        .chain(&sink)
+        .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut sum = sink.map_or(0.0, |s| (s - max).exp());
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    scores.iter_mut().for_each(|s| *s /= sum);
 }
