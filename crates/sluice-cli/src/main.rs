@@ -27,6 +27,7 @@ use sluice_backend::Backend;
 use sluice_cpu::Kernels;
 use sluice_engine::chat::ChatMessage;
 use sluice_engine::sampler::SamplingParams;
+use sluice_engine::speculate::Speculation;
 use sluice_engine::{Engine, Halt, LoadOptions, LogitsMode, TokenEvent};
 use sluice_sys::{format_bytes, ByteSize};
 
@@ -158,6 +159,28 @@ struct GenerateArgs {
     system: Option<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    speculate: SpeculateArgs,
+}
+
+/// Speculative decoding flags (`generate`, `serve`, `bench`).
+#[derive(Args, Clone)]
+pub(crate) struct SpeculateArgs {
+    /// Draft tokens and check them several per forward pass: `lookup` (the tokens that followed
+    /// the last few tokens' latest earlier occurrence in the prompt or output: helps when the
+    /// answer repeats its input, as code edits and quotes do) or `off`. The output is what
+    /// decoding without it gives (greedy: the same tokens; sampled: the same distribution).
+    #[arg(long, default_value = "off", value_name = "lookup|off")]
+    speculate: String,
+    /// Tokens drafted per pass (at most 64).
+    #[arg(long, value_name = "K")]
+    draft_tokens: Option<usize>,
+}
+
+impl SpeculateArgs {
+    pub(crate) fn speculation(&self) -> Result<Speculation> {
+        Speculation::from_args(&self.speculate, self.draft_tokens).map_err(|e| anyhow::anyhow!(e))
+    }
 }
 
 /// Sampling flags shared by `generate` and `chat` (defaults: the model's generation_config.json).
@@ -401,8 +424,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
     with_engine!(&a.model, |engine| generate_on(engine, &a))
 }
 
-fn generate_on<B: Backend + 'static>(engine: Engine<B>, a: &GenerateArgs) -> Result<()> {
+fn generate_on<B: Backend + 'static>(mut engine: Engine<B>, a: &GenerateArgs) -> Result<()> {
     let params = a.sampling.params(&engine.defaults)?;
+    engine.speculation = a.speculate.speculation()?;
     let chat = a.chat || a.system.is_some();
     let text = if chat {
         let mut messages = Vec::new();
@@ -479,6 +503,18 @@ fn generate_on<B: Backend + 'static>(engine: Engine<B>, a: &GenerateArgs) -> Res
         stats.decode_tok_per_sec(),
         stats.finish
     );
+    let spec = &stats.speculation;
+    if engine.speculation != Speculation::Off {
+        eprintln!(
+            "speculation ({}): {} passes checked {} drafted tokens, {} kept ({:.0}%), {:.2} tokens per pass",
+            engine.speculation,
+            spec.passes,
+            spec.drafted,
+            spec.accepted,
+            spec.acceptance() * 100.0,
+            spec.tokens_per_pass()
+        );
+    }
     if let (Some(store), Some(start)) = (&engine.store, &start_stats) {
         let d = store.stats().since(start);
         let total = stats.prompt_secs + stats.decode_secs;

@@ -18,6 +18,7 @@ use sluice_models::{Segment, State};
 
 use crate::prompt_cache::PromptCache;
 use crate::sampler::Sampler;
+use crate::speculate::{Speculation, SpeculationStats};
 use crate::tokenizer::StreamDecoder;
 use crate::{
     Engine, EngineError, FinishReason, GenerateRequest, GenerationStats, Halt, TokenEvent,
@@ -81,6 +82,8 @@ pub struct Sequence<'a, B: Backend, S> {
     stream: StreamDecoder<'a>,
     max_tokens: usize,
     ignore_eos: bool,
+    /// How this sequence drafts tokens when it decodes alone.
+    speculation: Speculation,
     phase: Phase,
     error: Option<EngineError>,
     stats: GenerationStats,
@@ -264,6 +267,7 @@ impl<B: Backend + 'static> Engine<B> {
             stream: StreamDecoder::new(&self.tokenizer, true),
             max_tokens: max_tokens.min(ctx - prompt.len()),
             ignore_eos,
+            speculation: self.speculation,
             phase: Phase::Prompt,
             error: None,
             stats: GenerationStats {
@@ -273,6 +277,7 @@ impl<B: Backend + 'static> Engine<B> {
                 prompt_secs: 0.0,
                 decode_secs: 0.0,
                 finish: FinishReason::Cancelled,
+                speculation: Default::default(),
             },
             start,
             decode_start: None,
@@ -305,7 +310,15 @@ impl<B: Backend + 'static> Engine<B> {
         let decoding: Vec<usize> = (0..batch.len())
             .filter(|&i| matches!(batch[i].phase, Phase::Decode(_)))
             .collect();
-        if !decoding.is_empty() {
+        if let [only] = decoding[..] {
+            let s = &mut *batch[only];
+            let drafts = self.drafts(s);
+            if !drafts.is_empty() {
+                self.speculative_pass(s, &drafts);
+            } else {
+                self.decode_pass(batch, &decoding);
+            }
+        } else if !decoding.is_empty() {
             self.decode_pass(batch, &decoding);
         }
         if let Some(i) = batch.iter().position(|s| s.in_prompt()) {
@@ -368,6 +381,101 @@ impl<B: Backend + 'static> Engine<B> {
             match token {
                 Ok(t) => s.take(t, &self.eos_ids),
                 Err(e) => s.fail(e),
+            }
+        }
+    }
+
+    /// The tokens `s`'s drafter proposes after its next token, as many as its length limit
+    /// and the model's context leave room for.
+    fn drafts<S: Sink>(&self, s: &Sequence<'_, B, S>) -> Vec<u32> {
+        let Phase::Decode(next) = s.phase else {
+            return Vec::new();
+        };
+        let room = (s.max_tokens - s.stats.generated_tokens).min(
+            self.model
+                .info()
+                .max_context
+                .saturating_sub(s.state.position + 1),
+        );
+        if room == 0 || s.speculation == Speculation::Off {
+            return Vec::new();
+        }
+        let mut history = Vec::with_capacity(s.consumed.len() + 1);
+        history.extend_from_slice(&s.consumed);
+        history.push(next);
+        s.speculation.draft(&history, room)
+    }
+
+    /// Runs `s`'s next token and `drafts` in one pass and keeps the drafts the model agrees
+    /// with (see [`crate::speculate`]): row `i`'s token is sampled as a decode step would
+    /// sample it, and the drafts are kept while they equal those tokens. The state is then
+    /// taken back to the tokens produced (all but the last, which runs next).
+    fn speculative_pass<S: Sink>(&self, s: &mut Sequence<'_, B, S>, drafts: &[u32]) {
+        let Phase::Decode(next) = s.phase else {
+            return;
+        };
+        let backend = self.model.backend();
+        let start = s.state.position;
+        // A recurrent state cannot drop positions: keep a copy to go back to.
+        let checkpoint = (!s.state.can_rewind()).then(|| s.state.checkpoint());
+        let mut fed = Vec::with_capacity(drafts.len() + 1);
+        fed.push(next);
+        fed.extend_from_slice(drafts);
+        let out = match self.model.forward(&mut s.state, &fed, true) {
+            Ok(out) => out,
+            Err(e) => return s.fail(e.into()),
+        };
+        let argmax = match s.sampler.is_argmax() {
+            true => match backend.argmax_rows(&out) {
+                Ok(ids) => Some(ids),
+                Err(e) => return s.fail(e.into()),
+            },
+            false => None,
+        };
+        let vocab = backend.shape(&out).1;
+        let mut round = SpeculationStats {
+            passes: 1,
+            drafted: drafts.len(),
+            ..Default::default()
+        };
+        for (row, &token) in fed.iter().enumerate() {
+            // Row `row` saw the tokens up to `token`: the sampler's history does too.
+            s.consumed.push(token);
+            let picked = match &argmax {
+                Some(ids) => Ok(ids[row]),
+                None => self.sample_row(s, &out, row, vocab),
+            };
+            let picked = match picked {
+                Ok(t) => t,
+                Err(e) => return s.fail(e),
+            };
+            round.produced += 1;
+            let kept = drafts.get(row) == Some(&picked);
+            round.accepted += kept as usize;
+            s.take(picked, &self.eos_ids);
+            if !kept || s.is_finished() {
+                break;
+            }
+        }
+        s.stats.speculation.add(&round);
+        // The state holds `fed`; keep the tokens run before each produced token.
+        let keep = start + round.produced;
+        if s.state.position > keep {
+            let kept = &fed[..round.produced];
+            let back = match checkpoint {
+                None => s.state.rewind(backend, keep),
+                Some(checkpoint) => {
+                    s.state.restore(backend, checkpoint)
+                        && match self.model.forward(&mut s.state, kept, false) {
+                            Ok(_) => true,
+                            Err(e) => return s.fail(e.into()),
+                        }
+                }
+            };
+            if !back {
+                s.fail(EngineError::Input(
+                    "speculative decoding could not take the state back".into(),
+                ));
             }
         }
     }

@@ -18,6 +18,7 @@ pub mod npy;
 pub mod output;
 pub mod prompt_cache;
 pub mod sampler;
+pub mod speculate;
 pub mod streaming;
 pub mod tokenizer;
 pub mod turn;
@@ -161,6 +162,8 @@ pub struct GenerationStats {
     /// Time spent producing the remaining tokens.
     pub decode_secs: f64,
     pub finish: FinishReason,
+    /// What speculative decoding did (all zero when off).
+    pub speculation: speculate::SpeculationStats,
 }
 
 impl GenerationStats {
@@ -197,6 +200,9 @@ pub struct Engine<B: Backend> {
     pub prefill_chunk: usize,
     /// How the backend's own expert cache (a GPU's) was sized, when it keeps one.
     pub device_cache_plan: Option<sluice_backend::ExpertCachePlan>,
+    /// How a sequence decoding alone drafts tokens to check several per pass (off by default;
+    /// sequences decoding together take one token each).
+    pub speculation: speculate::Speculation,
 }
 
 impl<B: Backend + 'static> Engine<B> {
@@ -320,6 +326,7 @@ impl<B: Backend + 'static> Engine<B> {
             cache_plan,
             device_cache_plan,
             prefill_chunk: opts.prefill_chunk.unwrap_or(PREFILL_CHUNK).max(1),
+            speculation: speculate::Speculation::Off,
         })
     }
 

@@ -145,6 +145,53 @@ impl<B: Backend> State<B> {
     }
 }
 
+/// Where a [`State`] was, for [`State::restore`]: its position and copies of its recurrent
+/// layers' states (attention caches are truncated instead, so they are not copied).
+pub struct Checkpoint<B: Backend> {
+    position: usize,
+    linear: Vec<Option<B::LinearState>>,
+}
+
+impl<B: Backend> State<B> {
+    /// A checkpoint of the state as it is now (see [`State::restore`]).
+    pub fn checkpoint(&self) -> Checkpoint<B> {
+        let linear = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Linear(s) => Some(s.clone()),
+                LayerState::Attention(_) => None,
+            })
+            .collect();
+        Checkpoint {
+            position: self.position,
+            linear,
+        }
+    }
+
+    /// Takes the state back to `checkpoint`, taken from it at an earlier or the same position
+    /// and not rewound past since: attention caches drop the positions after it, recurrent
+    /// layers get their copies back. Returns false (and changes nothing) if the state is
+    /// behind the checkpoint or has other layers.
+    pub fn restore(&mut self, backend: &B, checkpoint: Checkpoint<B>) -> bool {
+        let same_kinds = checkpoint.linear.len() == self.layers.len()
+            && (self.layers.iter().zip(&checkpoint.linear))
+                .all(|(l, s)| matches!(l, LayerState::Linear(_)) == s.is_some());
+        if checkpoint.position > self.position || !same_kinds {
+            return false;
+        }
+        for (layer, saved) in self.layers.iter_mut().zip(checkpoint.linear) {
+            match (layer, saved) {
+                (LayerState::Attention(kv), _) => backend.kv_truncate(kv, checkpoint.position),
+                (LayerState::Linear(s), Some(saved)) => *s = saved,
+                (LayerState::Linear(_), None) => {}
+            }
+        }
+        self.position = checkpoint.position;
+        true
+    }
+}
+
 /// One request's share of a batched forward call ([`CausalLm::forward_batch`]): its state and
 /// the tokens it runs next (a prompt chunk, or the one token it decodes).
 pub struct Segment<'a, B: Backend> {

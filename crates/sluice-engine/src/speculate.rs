@@ -1,0 +1,177 @@
+//! Speculative decoding: a cheap drafter guesses the next few tokens, and one forward pass of
+//! the model over the last token and the guesses checks them all (the dense weights and each
+//! routed expert read once for every row). The drafted tokens the model would have produced
+//! are kept, and the model's own token at the first miss comes free with the pass.
+//!
+//! The check is exact for any sampler: row `i` of the pass is sampled as decoding would sample
+//! it, and the draft is kept while the sample equals it. A drafter that proposes one token
+//! (probability 1) is accepted with the model's probability of that token, and a miss leaves the
+//! model's distribution without it, renormalised: the standard speculative-sampling rule for a
+//! deterministic draft. Greedy decoding therefore produces the tokens it produces without
+//! speculation (up to the order of summation of a multi-row pass).
+
+use std::fmt;
+use std::str::FromStr;
+
+/// How a generation drafts tokens for the model to check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Speculation {
+    /// One token per forward pass.
+    #[default]
+    Off,
+    /// Prompt lookup: where the last few tokens occurred before (in the prompt or the output so
+    /// far), the tokens that followed them there, up to `draft_tokens`.
+    Lookup { draft_tokens: usize },
+}
+
+/// Drafted tokens per pass when `--draft-tokens` is not given.
+pub const DEFAULT_DRAFT_TOKENS: usize = 4;
+
+/// The longest and shortest run of trailing tokens prompt lookup matches (longest first: a
+/// longer match predicts better; a single token matches too often to be worth a pass).
+const LOOKUP_NGRAM: std::ops::RangeInclusive<usize> = 2..=4;
+
+impl Speculation {
+    /// Parses `--speculate` with `--draft-tokens` (`None`: the default).
+    pub fn from_args(method: &str, draft_tokens: Option<usize>) -> Result<Self, String> {
+        let k = draft_tokens.unwrap_or(DEFAULT_DRAFT_TOKENS);
+        if k == 0 || k > 64 {
+            return Err(format!("--draft-tokens {k}: give 1 to 64"));
+        }
+        match method {
+            "off" => Ok(Speculation::Off),
+            "lookup" => Ok(Speculation::Lookup { draft_tokens: k }),
+            other => Err(format!(
+                "--speculate {other}: expected lookup or off (mtp and draft models are not built yet)"
+            )),
+        }
+    }
+
+    /// Up to `limit` drafted tokens to follow `history` (empty: decode one token).
+    pub fn draft(&self, history: &[u32], limit: usize) -> Vec<u32> {
+        match *self {
+            Speculation::Off => Vec::new(),
+            Speculation::Lookup { draft_tokens } => {
+                lookup_draft(history, draft_tokens.min(limit), LOOKUP_NGRAM)
+            }
+        }
+    }
+}
+
+impl fmt::Display for Speculation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Speculation::Off => write!(f, "off"),
+            Speculation::Lookup { draft_tokens } => write!(f, "lookup, {draft_tokens} tokens"),
+        }
+    }
+}
+
+impl FromStr for Speculation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Speculation::from_args(s, None)
+    }
+}
+
+/// Prompt lookup: finds the latest earlier occurrence of `history`'s last `n` tokens (the
+/// largest `n` of `ngram` that occurs) and returns up to `k` tokens that followed it.
+pub fn lookup_draft(history: &[u32], k: usize, ngram: std::ops::RangeInclusive<usize>) -> Vec<u32> {
+    if k == 0 {
+        return Vec::new();
+    }
+    for n in ngram.rev() {
+        if n == 0 || history.len() <= n {
+            continue;
+        }
+        let tail = &history[history.len() - n..];
+        // Latest first: recent text predicts best. The match must leave a token after it.
+        let found = (0..history.len() - n)
+            .rev()
+            .find(|&at| &history[at..at + n] == tail);
+        if let Some(at) = found {
+            let from = at + n;
+            return history[from..(from + k).min(history.len())].to_vec();
+        }
+    }
+    Vec::new()
+}
+
+/// Counts of a generation's speculation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpeculationStats {
+    /// Forward passes that checked drafted tokens.
+    pub passes: usize,
+    /// Tokens drafted, and of them those the model kept.
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Tokens those passes produced (the kept drafts and one of the model's own each).
+    pub produced: usize,
+}
+
+impl SpeculationStats {
+    /// The share of drafted tokens the model kept.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+
+    /// Tokens per checking pass.
+    pub fn tokens_per_pass(&self) -> f64 {
+        self.produced as f64 / self.passes.max(1) as f64
+    }
+
+    pub fn add(&mut self, other: &SpeculationStats) {
+        self.passes += other.passes;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        self.produced += other.produced;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_takes_the_latest_longest_match() {
+        // "1 2 3 4 5 ... 1 2 3" continues with "4 5" (the only 3-token match).
+        let h = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3];
+        assert_eq!(lookup_draft(&h, 2, 2..=4), vec![4, 5]);
+        // Two matches of "7 8": the later one's continuation wins.
+        let h = [7, 8, 1, 0, 7, 8, 2, 0, 7, 8];
+        assert_eq!(lookup_draft(&h, 3, 2..=4), vec![2, 0, 7]);
+        // A longer match wins over a later shorter one.
+        let h = [5, 7, 8, 1, 6, 7, 8, 2, 5, 7, 8];
+        assert_eq!(lookup_draft(&h, 1, 2..=4), vec![1]);
+        // The continuation stops at the end of the history.
+        let h = [3, 4, 3, 4];
+        assert_eq!(lookup_draft(&h, 5, 2..=4), vec![3, 4]);
+    }
+
+    #[test]
+    fn lookup_drafts_nothing_without_a_match() {
+        assert!(lookup_draft(&[1, 2, 3, 4], 4, 2..=4).is_empty());
+        assert!(lookup_draft(&[1], 4, 2..=4).is_empty());
+        assert!(lookup_draft(&[], 4, 2..=4).is_empty());
+        assert!(lookup_draft(&[1, 1, 1], 0, 2..=4).is_empty());
+        // A single repeated token is not enough (the shortest match is 2).
+        assert!(lookup_draft(&[1, 2, 1], 4, 2..=4).is_empty());
+    }
+
+    #[test]
+    fn arguments_are_checked() {
+        assert_eq!(
+            Speculation::from_args("lookup", Some(3)),
+            Ok(Speculation::Lookup { draft_tokens: 3 })
+        );
+        assert_eq!(Speculation::from_args("off", None), Ok(Speculation::Off));
+        assert!(Speculation::from_args("lookup", Some(0)).is_err());
+        assert!(Speculation::from_args("mtp", None)
+            .unwrap_err()
+            .contains("not built yet"));
+        assert_eq!(
+            Speculation::Lookup { draft_tokens: 4 }.draft(&[1, 2, 3, 1, 2], 1),
+            vec![3]
+        );
+    }
+}

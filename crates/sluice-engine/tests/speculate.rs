@@ -1,0 +1,148 @@
+//! Speculative decoding keeps the output of plain decoding: greedy gives the same tokens on
+//! every architecture (attention caches rewound, recurrent states restored and re-run after a
+//! miss, sliding windows), and sampling with a seed gives the same tokens too.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::Arc;
+
+use sluice_cpu::CpuBackend;
+use sluice_engine::sampler::SamplingParams;
+use sluice_engine::speculate::{Speculation, SpeculationStats};
+use sluice_engine::{Engine, GenerateRequest, LoadOptions, TokenEvent};
+
+fn load(fixture: &str) -> Engine<CpuBackend> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(fixture);
+    Engine::load(&dir, Arc::new(CpuBackend::new()), &LoadOptions::default()).unwrap()
+}
+
+/// A prompt that prompt lookup finds drafts in: a start, the model's own greedy continuation of
+/// it, and the start again (the model tends to continue it the same way).
+fn repetitive_prompt(engine: &mut Engine<CpuBackend>) -> Vec<u32> {
+    let start: Vec<u32> = (0..12).map(|i| 5 + 7 * i).collect();
+    let (own, _) = generate(engine, Speculation::Off, &start, &greedy(), 24);
+    [&start[..], &own, &start].concat()
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+fn generate(
+    engine: &mut Engine<CpuBackend>,
+    speculation: Speculation,
+    prompt: &[u32],
+    params: &SamplingParams,
+    max_tokens: usize,
+) -> (Vec<u32>, SpeculationStats) {
+    engine.speculation = speculation;
+    let request = GenerateRequest {
+        prompt,
+        params,
+        max_tokens,
+        cancel: None,
+        ignore_eos: true,
+        checkpoint: None,
+    };
+    let mut tokens = Vec::new();
+    let stats = engine
+        .generate_cached(None, &request, |event| {
+            if let TokenEvent::Token { id, .. } = event {
+                tokens.push(id);
+            }
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    assert_eq!(stats.generated_tokens, tokens.len());
+    (tokens, stats.speculation)
+}
+
+#[test]
+fn greedy_speculation_gives_the_tokens_of_plain_decoding() {
+    let greedy = greedy();
+    let mut total = SpeculationStats::default();
+    for fixture in [
+        "qwen3_moe-q4",
+        "qwen3_5_moe-q4",
+        "qwen3_next-bf16",
+        "gpt_oss-q4",
+        "mixtral-q4",
+        "deepseek_v3-q4",
+        "glm4_moe-q4",
+        "../../models/demo",
+    ] {
+        let mut engine = load(fixture);
+        let prompt = repetitive_prompt(&mut engine);
+        let (plain, none) = generate(&mut engine, Speculation::Off, &prompt, &greedy, 40);
+        assert_eq!(
+            none,
+            SpeculationStats::default(),
+            "{fixture}: off drafts nothing"
+        );
+        for k in [1, 4, 7] {
+            let lookup = Speculation::Lookup { draft_tokens: k };
+            let (got, spec) = generate(&mut engine, lookup, &prompt, &greedy, 40);
+            assert_eq!(
+                got, plain,
+                "{fixture}, {lookup}: tokens differ from plain decoding"
+            );
+            assert!(
+                spec.passes > 0 && spec.drafted > 0,
+                "{fixture}: nothing drafted"
+            );
+            assert!(spec.accepted <= spec.drafted && spec.produced <= got.len());
+            eprintln!(
+                "{fixture}, k {k}: {} passes, {} drafted, {} kept, {} produced",
+                spec.passes, spec.drafted, spec.accepted, spec.produced
+            );
+            total.add(&spec);
+        }
+    }
+    // Both kept and missed drafts were exercised (the rewinds and restores ran).
+    assert!(total.accepted > 0, "no draft was kept: {total:?}");
+    assert!(
+        total.accepted < total.drafted,
+        "no draft was missed: {total:?}"
+    );
+}
+
+#[test]
+fn sampled_speculation_gives_the_tokens_of_plain_sampling_with_a_seed() {
+    // Each produced token is drawn from its row as decoding draws it, one draw per token in
+    // order: with a seed, the very same tokens (which also keeps the distribution).
+    let mut total = SpeculationStats::default();
+    for fixture in [
+        "qwen3_5_moe-q4",
+        "gpt_oss-q4",
+        "glm4_moe-q4",
+        "../../models/demo",
+    ] {
+        let mut engine = load(fixture);
+        let prompt = repetitive_prompt(&mut engine);
+        for seed in 0..4 {
+            let params = SamplingParams {
+                temperature: 0.8,
+                top_k: [0, 5][seed as usize % 2],
+                top_p: [1.0, 0.9][seed as usize / 2],
+                repetition_penalty: 1.1,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            };
+            let (plain, _) = generate(&mut engine, Speculation::Off, &prompt, &params, 30);
+            let lookup = Speculation::Lookup { draft_tokens: 4 };
+            let (got, spec) = generate(&mut engine, lookup, &prompt, &params, 30);
+            assert_eq!(got, plain, "{fixture}, seed {seed}: tokens differ");
+            total.add(&spec);
+        }
+    }
+    eprintln!("sampled: {total:?}");
+    assert!(
+        total.accepted > 0 && total.accepted < total.drafted,
+        "{total:?}"
+    );
+}
