@@ -24,6 +24,8 @@ use crate::ModelArgs;
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    speculate: crate::SpeculateArgs,
     /// Address to listen on. The default accepts connections from this machine only; use
     /// 0.0.0.0 to accept others (set --api-key then).
     #[arg(long, default_value = "127.0.0.1")]
@@ -121,7 +123,13 @@ fn shutdown_timeout(a: &ServeArgs) -> Result<std::time::Duration> {
     })
 }
 
-fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, max_body: u64) -> Result<()> {
+fn serve_on<B: Backend + 'static>(
+    mut engine: Engine<B>,
+    a: &ServeArgs,
+    max_body: u64,
+) -> Result<()> {
+    // A request decoding alone checks drafted tokens; several together take one token each.
+    engine.speculation = a.speculate.speculation()?;
     crate::print_banner(&engine);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let path = engine

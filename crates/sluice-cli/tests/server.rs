@@ -658,3 +658,49 @@ fn oversized_headers_are_refused_and_the_server_stays_up() {
     let (status, body) = http(&server.base_url, "GET", "/health", "");
     assert_eq!(status, 200, "{body}");
 }
+
+/// `serve --speculate lookup` answers a greedy completion with the text of a server without it,
+/// and `/metrics` counts the drafted and kept tokens.
+#[test]
+fn speculation_in_serve_keeps_the_answer_and_is_counted() {
+    let list = "apple, banana, cherry, date, elderberry, fig, grape.";
+    let body = serde_json::json!({
+        "prompt": format!("A list: {list} The same list: {list} Once more: apple, banana,"),
+        "max_tokens": 48,
+        "temperature": 0,
+    })
+    .to_string();
+    let answer = |args: &[&str]| {
+        let server = start_server(args);
+        let (status, text) = http(&server.base_url, "POST", "/v1/completions", &body);
+        assert_eq!(status, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let root = server.base_url.trim_end_matches("/v1").to_string();
+        let (status, metrics) = http(&root, "GET", "/metrics", "");
+        assert_eq!(status, 200);
+        let counter = |name: &str| -> u64 {
+            let line = metrics
+                .lines()
+                .find(|l| l.starts_with(&format!("sluice_{name} ")))
+                .unwrap_or_else(|| panic!("no {name} in /metrics:\n{metrics}"));
+            line.split_whitespace().nth(1).unwrap().parse().unwrap()
+        };
+        let counts = [
+            counter("speculative_passes_total"),
+            counter("draft_tokens_total"),
+            counter("draft_tokens_accepted_total"),
+        ];
+        (
+            v["choices"][0]["text"].as_str().unwrap().to_string(),
+            counts,
+        )
+    };
+    let (plain, [passes, ..]) = answer(&[]);
+    assert_eq!(passes, 0, "no speculation without --speculate");
+    let (text, [passes, drafted, kept]) = answer(&["--speculate", "lookup", "--draft-tokens", "4"]);
+    assert_eq!(text, plain, "speculation changed a greedy answer");
+    assert!(
+        passes > 0 && drafted >= passes && kept > 0 && kept <= drafted,
+        "{passes} {drafted} {kept}"
+    );
+}

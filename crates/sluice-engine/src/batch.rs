@@ -28,6 +28,9 @@ use crate::{
 /// prompt delays the others' next token by one such chunk, not by a whole prompt.
 pub const PREFILL_CHUNK_SHARED: usize = 128;
 
+/// The most tokens a sequence decodes one at a time after checking passes that kept nothing.
+pub const MAX_DRAFT_BACKOFF: usize = 16;
+
 /// Where a sequence's output goes.
 pub trait Sink {
     /// A token or the final held-back text (see [`TokenEvent`]); breaking stops the generation.
@@ -84,6 +87,11 @@ pub struct Sequence<'a, B: Backend, S> {
     ignore_eos: bool,
     /// How this sequence drafts tokens when it decodes alone.
     speculation: Speculation,
+    /// Tokens to decode one at a time before drafting again, and how many checking passes in a
+    /// row kept no draft: each such pass doubles the wait (up to [`MAX_DRAFT_BACKOFF`]), so text
+    /// that does not repeat costs few wasted passes.
+    draft_backoff: usize,
+    draft_misses: u32,
     phase: Phase,
     error: Option<EngineError>,
     stats: GenerationStats,
@@ -268,6 +276,8 @@ impl<B: Backend + 'static> Engine<B> {
             max_tokens: max_tokens.min(ctx - prompt.len()),
             ignore_eos,
             speculation: self.speculation,
+            draft_backoff: 0,
+            draft_misses: 0,
             phase: Phase::Prompt,
             error: None,
             stats: GenerationStats {
@@ -312,7 +322,13 @@ impl<B: Backend + 'static> Engine<B> {
             .collect();
         if let [only] = decoding[..] {
             let s = &mut *batch[only];
-            let drafts = self.drafts(s);
+            let drafts = match s.draft_backoff {
+                0 => self.drafts(s),
+                _ => {
+                    s.draft_backoff -= 1;
+                    Vec::new()
+                }
+            };
             if !drafts.is_empty() {
                 self.speculative_pass(s, &drafts);
             } else {
@@ -458,6 +474,12 @@ impl<B: Backend + 'static> Engine<B> {
             }
         }
         s.stats.speculation.add(&round);
+        if round.accepted == 0 {
+            s.draft_misses = (s.draft_misses + 1).min(8);
+            s.draft_backoff = (1usize << s.draft_misses).min(MAX_DRAFT_BACKOFF);
+        } else {
+            s.draft_misses = 0;
+        }
         // The state holds `fed`; keep the tokens run before each produced token.
         let keep = start + round.produced;
         if s.state.position > keep {

@@ -123,7 +123,15 @@ fn sampled_speculation_gives_the_tokens_of_plain_sampling_with_a_seed() {
         "../../models/demo",
     ] {
         let mut engine = load(fixture);
-        let prompt = repetitive_prompt(&mut engine);
+        let prompt = match fixture.ends_with("demo") {
+            // The trained model continues a list it has seen: drafts kept.
+            true => {
+                let list = "apple, banana, cherry, date, elderberry, fig, grape.";
+                let text = format!("A list: {list} Again: {list} Again: {list} Again: apple,");
+                engine.tokenizer.encode(&text, true).unwrap()
+            }
+            false => repetitive_prompt(&mut engine),
+        };
         for seed in 0..4 {
             let params = SamplingParams {
                 temperature: 0.8,

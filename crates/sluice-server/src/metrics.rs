@@ -28,6 +28,10 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     pub prompt_tokens_cached: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Speculative decoding: checking passes, tokens drafted and kept.
+    pub speculative_passes: AtomicU64,
+    pub draft_tokens: AtomicU64,
+    pub draft_tokens_accepted: AtomicU64,
     timing: Mutex<Timing>,
 }
 
@@ -60,6 +64,12 @@ impl Metrics {
             .fetch_add(stats.prompt_tokens as u64, Relaxed);
         self.prompt_tokens_cached
             .fetch_add(stats.cached_tokens as u64, Relaxed);
+        let spec = &stats.speculation;
+        self.speculative_passes
+            .fetch_add(spec.passes as u64, Relaxed);
+        self.draft_tokens.fetch_add(spec.drafted as u64, Relaxed);
+        self.draft_tokens_accepted
+            .fetch_add(spec.accepted as u64, Relaxed);
         let mut t = self.timing.lock().unwrap_or_else(|e| e.into_inner());
         t.prompt_secs += stats.prompt_secs;
         t.decode_secs += stats.decode_secs;
@@ -146,6 +156,24 @@ impl Metrics {
             "counter",
             "Tokens generated.",
             get(&self.generated_tokens),
+        );
+        metric(
+            "speculative_passes_total",
+            "counter",
+            "Forward passes that checked drafted tokens (--speculate).",
+            get(&self.speculative_passes),
+        );
+        metric(
+            "draft_tokens_total",
+            "counter",
+            "Tokens drafted for checking (--speculate).",
+            get(&self.draft_tokens),
+        );
+        metric(
+            "draft_tokens_accepted_total",
+            "counter",
+            "Drafted tokens the model kept (their ratio to draft_tokens_total is the acceptance rate).",
+            get(&self.draft_tokens_accepted),
         );
         let t = *self.timing.lock().unwrap_or_else(|e| e.into_inner());
         metric(
