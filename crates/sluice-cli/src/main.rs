@@ -163,7 +163,7 @@ struct GenerateArgs {
     speculate: SpeculateArgs,
 }
 
-/// Speculative decoding flags (`generate`, `serve`, `bench`).
+/// Speculative decoding flags (`generate`, `serve`).
 #[derive(Args, Clone)]
 pub(crate) struct SpeculateArgs {
     /// Draft tokens and check them several per forward pass: `lookup` (the tokens that followed

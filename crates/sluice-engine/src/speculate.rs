@@ -11,7 +11,6 @@
 //! speculation (up to the order of summation of a multi-row pass).
 
 use std::fmt;
-use std::str::FromStr;
 
 /// How a generation drafts tokens for the model to check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -64,13 +63,6 @@ impl fmt::Display for Speculation {
             Speculation::Off => write!(f, "off"),
             Speculation::Lookup { draft_tokens } => write!(f, "lookup, {draft_tokens} tokens"),
         }
-    }
-}
-
-impl FromStr for Speculation {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Speculation::from_args(s, None)
     }
 }
 
