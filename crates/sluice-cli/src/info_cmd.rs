@@ -127,11 +127,13 @@ pub fn run(a: InfoArgs) -> Result<()> {
     // Packed or not, the cache that fits (for an unpacked model: what packing it would give),
     // leaving room for a request's state at --context as a run would.
     let pass_tokens = |n: usize| a.ubatch.min(n).max(1);
+    // A CPU run's threads hold their attention scores beside the pass's activations.
+    let scratch = sluice_cpu::prompt_scratch_bytes();
     let streaming = StreamingOptions {
         state_reserve: a.context.map(|n| StateReserve {
             state: (info.state_bytes_fixed + info.state_bytes_per_token * n) as u64,
             tokens: n,
-            pass: (info.pass_bytes_per_token * pass_tokens(n)) as u64,
+            pass: (info.pass_bytes_per_token * pass_tokens(n)) as u64 + scratch,
             pass_tokens: pass_tokens(n),
         }),
         ..streaming
@@ -152,7 +154,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
     );
     request_state(
         state,
-        (info.pass_bytes_per_token, a.ubatch),
+        (info.pass_bytes_per_token, a.ubatch, scratch),
         a.context,
         resident,
         plan.cache_bytes,
@@ -216,7 +218,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
 /// expert cache and that state fit it together.
 fn request_state(
     (per_token, fixed, max_context, format): (usize, usize, usize, sluice_backend::KvFormat),
-    (pass_per_token, ubatch): (usize, usize),
+    (pass_per_token, ubatch, scratch): (usize, usize, u64),
     context: Option<usize>,
     resident: u64,
     cache: u64,
@@ -246,11 +248,13 @@ fn request_state(
         format_bytes(per_token as u64),
         sizes.join(", ")
     );
-    let pass = |n: usize| (pass_per_token * ubatch.min(n).max(1)) as u64;
+    let pass = |n: usize| (pass_per_token * ubatch.min(n).max(1)) as u64 + scratch;
     println!(
-        "  prefill pass of {ubatch} tokens (--ubatch): {} working memory ({} per token)",
+        "  prefill pass of {ubatch} tokens (--ubatch): {} working memory ({} per token and {} \
+         of attention scores for the CPU's threads)",
         format_bytes(pass(ubatch)),
-        format_bytes(pass_per_token as u64)
+        format_bytes(pass_per_token as u64),
+        format_bytes(scratch)
     );
     if let (Some(n), Some(budget)) = (context, budget) {
         let total = resident + cache + at(n) + pass(n);

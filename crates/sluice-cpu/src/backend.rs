@@ -80,6 +80,10 @@ impl Backend for CpuBackend {
         host_memory()
     }
 
+    fn pass_scratch_bytes(&self) -> u64 {
+        kv::prompt_scratch_bytes()
+    }
+
     fn synchronize(&self) -> Result<(), BackendError> {
         Ok(())
     }
@@ -240,13 +244,16 @@ impl Backend for CpuBackend {
             x.cols.is_multiple_of(n),
             "rms_norm: width is not a multiple of the norm size"
         );
-        let mut out = x.clone();
-        let work = out.data.len();
-        team::chunks_mut_sized(&mut out.data, n, work, |_, v| {
+        // Written by the team into fresh (untouched) memory: a prompt's copy of `x` made on one
+        // thread, page faults included, cost more than the norm itself.
+        let mut out = CpuAct::zeros(x.rows, x.cols);
+        let work = 2 * out.data.len();
+        team::chunks_mut_sized(&mut out.data, n, work, |i, o| {
+            let v = &x.data[i * n..(i + 1) * n];
             let ms = kernels::dot(v, v) / n as f32;
             let inv = 1.0 / (ms + eps).sqrt();
-            for (a, w) in v.iter_mut().zip(weight) {
-                *a = *a * inv * w;
+            for ((o, a), w) in o.iter_mut().zip(v).zip(weight) {
+                *o = *a * inv * w;
             }
         });
         out
@@ -255,9 +262,11 @@ impl Backend for CpuBackend {
     fn add_assign(&self, x: &mut CpuAct, y: &CpuAct) {
         let _span = profile::span("add_assign");
         assert_eq!((x.rows, x.cols), (y.rows, y.cols));
-        for (a, b) in x.data.iter_mut().zip(&y.data) {
-            *a += b;
-        }
+        let work = 2 * x.data.len();
+        team::chunks_mut_sized(&mut x.data, ELEMENTWISE_CHUNK, work, |i, a| {
+            let b = &y.data[i * ELEMENTWISE_CHUNK..][..a.len()];
+            a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+        });
     }
 
     fn add_bias(&self, x: &mut CpuAct, bias: &Vec<f32>) {
@@ -359,16 +368,18 @@ impl Backend for CpuBackend {
     fn sigmoid_mul(&self, x: &mut CpuAct, gate: &CpuAct) {
         let _span = profile::span("sigmoid_mul");
         assert_eq!(x.rows, gate.rows);
+        let work = 2 * x.data.len();
         if gate.cols == 1 {
-            for (row, g) in x.data.chunks_mut(x.cols).zip(&gate.data) {
-                let s = sigmoid(*g);
+            team::chunks_mut_sized(&mut x.data, x.cols.max(1), work, |r, row| {
+                let s = sigmoid(gate.data[r]);
                 row.iter_mut().for_each(|a| *a *= s);
-            }
+            });
         } else {
             assert_eq!(x.cols, gate.cols);
-            for (a, g) in x.data.iter_mut().zip(&gate.data) {
-                *a *= sigmoid(*g);
-            }
+            team::chunks_mut_sized(&mut x.data, ELEMENTWISE_CHUNK, work, |i, a| {
+                let g = &gate.data[i * ELEMENTWISE_CHUNK..][..a.len()];
+                a.iter_mut().zip(g).for_each(|(a, g)| *a *= sigmoid(*g));
+            });
         }
     }
 
@@ -414,14 +425,22 @@ impl Backend for CpuBackend {
     fn split_chunks(&self, x: &CpuAct, chunk: usize, first: usize) -> (CpuAct, CpuAct) {
         let _span = profile::span("split_chunks");
         assert!(first <= chunk && x.cols.is_multiple_of(chunk));
-        let n = x.cols / chunk;
+        let (n, rest) = (x.cols / chunk, chunk - first);
         let mut a = CpuAct::zeros(x.rows, n * first);
-        let mut b = CpuAct::zeros(x.rows, n * (chunk - first));
-        for (i, c) in x.data.chunks(chunk).enumerate() {
-            a.data[i * first..(i + 1) * first].copy_from_slice(&c[..first]);
-            let rest = chunk - first;
-            b.data[i * rest..(i + 1) * rest].copy_from_slice(&c[first..]);
-        }
+        let mut b = CpuAct::zeros(x.rows, n * rest);
+        // Row by row on the team, each output written where it is first touched.
+        let work = 2 * x.data.len();
+        let split = |out: &mut CpuAct, from: usize, width: usize| {
+            let cols = out.cols;
+            team::chunks_mut_sized(&mut out.data, cols.max(1), work, |r, row| {
+                let src = x.row(r).chunks(chunk);
+                for (o, c) in row.chunks_mut(width.max(1)).zip(src) {
+                    o.copy_from_slice(&c[from..from + width]);
+                }
+            });
+        };
+        split(&mut a, 0, first);
+        split(&mut b, first, rest);
         (a, b)
     }
 
@@ -435,19 +454,27 @@ impl Backend for CpuBackend {
         let (c, k) = (state.dims.conv_channels(), state.dims.conv_kernel);
         assert_eq!(x.cols, c);
         assert_eq!(weight.len(), c * k);
-        // The window followed by the new inputs: [k - 1 + rows, c].
-        let mut input = std::mem::take(&mut state.conv);
-        input.extend_from_slice(&x.data);
+        // Row i of the window followed by the new inputs ([k - 1 + rows, c]), not copied
+        // together: a prompt's copy on one thread cost more than the convolution.
+        let window = &state.conv;
+        let input_row = |i: usize| match i.checked_sub(k - 1) {
+            None => &window[i * c..(i + 1) * c],
+            Some(t) => x.row(t),
+        };
         let mut out = CpuAct::zeros(x.rows, c);
         team::chunks_mut(&mut out.data, c, |t, row| {
+            let rows: Vec<&[f32]> = (0..k).map(|j| input_row(t + j)).collect();
             for (ch, o) in row.iter_mut().enumerate() {
                 let taps = &weight[ch * k..(ch + 1) * k];
-                let acc: f32 = (0..k).map(|j| taps[j] * input[(t + j) * c + ch]).sum();
+                let acc: f32 = (0..k).map(|j| taps[j] * rows[j][ch]).sum();
                 *o = acc * sigmoid(acc);
             }
         });
-        let keep = (k - 1) * c;
-        state.conv = input[input.len() - keep..].to_vec();
+        let total = k - 1 + x.rows;
+        state.conv = (total - (k - 1)..total)
+            .flat_map(input_row)
+            .copied()
+            .collect();
         out
     }
 
@@ -513,9 +540,11 @@ impl Backend for CpuBackend {
         let _span = profile::span("rms_norm_gated");
         assert_eq!((x.rows, x.cols), (z.rows, z.cols));
         let mut out = self.rms_norm(x, weight, eps);
-        for (o, g) in out.data.iter_mut().zip(&z.data) {
-            *o *= g * sigmoid(*g);
-        }
+        let work = 2 * out.data.len();
+        team::chunks_mut_sized(&mut out.data, ELEMENTWISE_CHUNK, work, |i, o| {
+            let z = &z.data[i * ELEMENTWISE_CHUNK..][..o.len()];
+            o.iter_mut().zip(z).for_each(|(o, g)| *o *= g * sigmoid(*g));
+        });
         out
     }
 
@@ -662,7 +691,13 @@ impl Backend for CpuBackend {
             .collect();
         let total: usize = sizes.iter().flatten().sum();
         let keep = total <= MOE_BUFFER_KEEP;
-        let mut buffer = if keep { MOE_BUFFER.take() } else { Vec::new() };
+        // A prompt's buffer (hundreds of MB) comes untouched from the allocator and is first
+        // written by the products on the team: zeroing it on this thread cost ~0.3 s a layer.
+        let mut buffer = if keep {
+            MOE_BUFFER.take()
+        } else {
+            vec![0.0; total]
+        };
         if buffer.len() < total {
             buffer.resize(total, 0.0);
         }
@@ -815,6 +850,9 @@ const PROMPT_ROWS: usize = 16;
 /// From this many positions on, decoding attends through `kv::attention` (keys and values read
 /// once per kv head; 2048 positions of a head of 256 are 2 MiB, past a core's L2).
 const LONG_DECODE: usize = 2048;
+
+/// Values per task of elementwise steps on the team.
+const ELEMENTWISE_CHUNK: usize = 1 << 14;
 
 /// From this many routed values (pairs x hidden size) on, an MoE call's gathers and sums run on
 /// the team.

@@ -11,6 +11,6 @@ mod team;
 
 pub use backend::{CpuAct, CpuBackend};
 pub use kernels::Kernels;
-pub use kv::CpuKvCache;
+pub use kv::{prompt_scratch_bytes, CpuKvCache};
 pub use profile::report as profile_report;
 pub use team::{set_thread_count, thread_count};

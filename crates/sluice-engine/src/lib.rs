@@ -239,7 +239,7 @@ impl<B: Backend + 'static> Engine<B> {
                     Some(streaming::StateReserve {
                         state: config.state.bytes(opts.kv_format, n),
                         tokens: n,
-                        pass: config.state.pass_bytes(pass_tokens),
+                        pass: config.state.pass_bytes(pass_tokens) + backend.pass_scratch_bytes(),
                         pass_tokens,
                     })
                 }

@@ -113,14 +113,14 @@ pub(crate) fn moe_values(k: usize, moe_inter: usize, hidden: usize, shared_inter
 }
 
 /// [`pass_values`]' mixer part of attention: queries (twice with an output gate), keys, values and
-/// the output.
+/// the output, twice (a prompt's is computed by blocks of rows, then gathered).
 pub(crate) fn attention_values(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
     gated: bool,
 ) -> usize {
-    heads * head_dim * (2 + usize::from(gated)) + 2 * kv_heads * head_dim
+    heads * head_dim * (3 + usize::from(gated)) + 2 * kv_heads * head_dim
 }
 
 /// The weights before and after the layers.

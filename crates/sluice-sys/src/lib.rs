@@ -4,7 +4,7 @@
 //! This is the ground floor for host facts: the engine sizes its expert cache from
 //! [`mem_available_bytes`], the tools that write checkpoints check [`free_disk_bytes`] first, the
 //! benchmarks read the RSS, and the command line parses its size flags as [`ByteSize`]. It knows
-//! nothing about models.
+//! nothing about models. It also holds the binary's global allocator, [`LargePages`].
 //!
 //! The memory figures come from `/proc` and exist on Linux only; elsewhere they are `None`.
 //!
@@ -17,16 +17,18 @@
 //! assert_eq!(format_bytes(17_200_000_000), "17.2 GB");
 //! ```
 
-// The `unsafe` calls (statvfs, signal, setrlimit) live in `disk`, `signals` and `limits`, which
-// allow them; nothing else may.
+// The `unsafe` calls (statvfs, signal, setrlimit, mmap) live in `disk`, `signals`, `limits` and
+// `alloc`, which allow them; nothing else may.
 #![deny(unsafe_code)]
 
+mod alloc;
 mod disk;
 mod limits;
 mod proc;
 mod signals;
 mod size;
 
+pub use alloc::LargePages;
 pub use disk::free_disk_bytes;
 pub use limits::limit_own_memory;
 pub use proc::{current_rss_bytes, mem_available_bytes, peak_rss_bytes, reset_peak_rss};
