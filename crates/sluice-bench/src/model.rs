@@ -8,7 +8,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use sluice_backend::Backend;
-use sluice_engine::Engine;
+use std::ops::ControlFlow;
+
+use sluice_engine::sampler::SamplingParams;
+use sluice_engine::speculate::SpeculationStats;
+use sluice_engine::{Engine, GenerateRequest, TokenEvent};
 use sluice_models::Segment;
 
 /// One benchmark test.
@@ -24,7 +28,17 @@ pub enum Test {
     /// `Batch(n, b)`: `b` requests generate `n` tokens each together, one token of each per
     /// forward pass ([`sluice_models::CausalLm::forward_batch`]), random inputs as `Generate`.
     Batch(usize, usize),
+    /// `Echo(n)`: generate N tokens greedily, through the engine's generation (speculative
+    /// decoding included, as [`Engine::speculation`] says), after a prompt whose answer repeats
+    /// it: S ([`ECHO_SEED`] random tokens), G (the model's own greedy continuation of S, N
+    /// tokens, made untimed), then S again. Prompt lookup then finds G, which a trained model
+    /// goes on to repeat; a random-weight one may not (its acceptance says how far it does).
+    /// Timed from the first generated token on (the prompt's pass excluded).
+    Echo(usize),
 }
+
+/// Random tokens that begin and end an [`Test::Echo`] prompt.
+pub const ECHO_SEED: usize = 64;
 
 impl Test {
     pub fn name(&self) -> String {
@@ -32,13 +46,14 @@ impl Test {
             Test::Prompt(n) => format!("pp{n}"),
             Test::Generate(n) => format!("tg{n}"),
             Test::Batch(n, b) => format!("tg{n}x{b}"),
+            Test::Echo(n) => format!("tg{n} echo"),
         }
     }
 
     /// Tokens a run produces (or reads, for a prompt).
     fn tokens(&self) -> usize {
         match *self {
-            Test::Prompt(n) | Test::Generate(n) => n,
+            Test::Prompt(n) | Test::Generate(n) | Test::Echo(n) => n,
             Test::Batch(n, b) => n * b,
         }
     }
@@ -95,6 +110,21 @@ pub struct RunResult {
     pub streaming: Option<StreamingRun>,
     /// The backend's own expert cache (a GPU's VRAM tier), when it keeps one.
     pub vram: Option<VramRun>,
+    /// What speculative decoding did over the timed repetitions (echo tests with it on).
+    pub speculation: Option<SpeculationRun>,
+}
+
+/// Speculative decoding over the timed repetitions of an echo test.
+#[derive(Debug, Clone, Serialize)]
+pub struct SpeculationRun {
+    /// `off`, or the drafter and its tokens per pass.
+    pub method: String,
+    pub drafted: usize,
+    pub accepted: usize,
+    /// The share of drafted tokens the model kept.
+    pub acceptance: f64,
+    /// Generated tokens per forward pass, plain decode steps included (1 without speculation).
+    pub tokens_per_pass: f64,
 }
 
 /// What the backend's expert cache did during the timed repetitions of one run.
@@ -193,6 +223,9 @@ pub fn run_model<B: Backend + 'static>(
                     if settings.warmup {
                         run_once(engine, test, settings.seed, settings.depth, &mut || {})?;
                     }
+                    if matches!(test, Test::Echo(_)) && settings.depth > 0 {
+                        bail!("echo tests (--speculate) start from an empty context: drop --depth");
+                    }
                     sluice_sys::reset_peak_rss();
                     let store_now = || engine.store.as_ref().map(|s| s.stats());
                     let vram_now = || engine.model.backend().expert_cache_stats();
@@ -200,15 +233,21 @@ pub fn run_model<B: Backend + 'static>(
                     let (mut store_marks, mut vram_marks) = (Vec::new(), Vec::new());
                     let mut samples = Vec::new();
                     let mut ttft = Vec::new();
+                    let mut speculated = SpeculationStats::default();
+                    let mut passes = 0;
                     for r in 0..settings.repetitions {
                         let mut start = None;
-                        let secs = run_once(
+                        let (secs, spec) = run_once(
                             engine,
                             test,
                             settings.seed + 1 + r as u64,
                             settings.depth,
                             &mut || start = Some((store_now(), vram_now())),
                         )?;
+                        if let Some((s, p)) = spec {
+                            speculated.add(&s);
+                            passes += p;
+                        }
                         let (store_start, vram_start) = start.unwrap_or((None, None));
                         store_marks.push((store_start, store_now()));
                         vram_marks.push((vram_start, vram_now()));
@@ -251,7 +290,22 @@ pub fn run_model<B: Backend + 'static>(
                             upload_gbps: d.upload_gbps(),
                             stats: d,
                         });
-                    let bytes_per_token = bytes_per_token(engine, test);
+                    // Tokens per forward pass, timed part: the checking passes and plain steps.
+                    let per_pass = (test.tokens() * settings.repetitions)
+                        .saturating_sub(settings.repetitions)
+                        as f64
+                        / passes.max(1) as f64;
+                    let speculation = matches!(test, Test::Echo(_)).then(|| SpeculationRun {
+                        method: engine.speculation.to_string(),
+                        drafted: speculated.drafted,
+                        accepted: speculated.accepted,
+                        acceptance: speculated.acceptance(),
+                        tokens_per_pass: per_pass,
+                    });
+                    let bytes_per_token = match &speculation {
+                        Some(s) => bytes_per_token_at(engine, s.tokens_per_pass),
+                        None => bytes_per_token(engine, test),
+                    };
                     Ok(RunResult {
                         model: dir.clone(),
                         variant: String::new(),
@@ -279,6 +333,7 @@ pub fn run_model<B: Backend + 'static>(
                         peak_rss_bytes: sluice_sys::peak_rss_bytes(),
                         streaming,
                         vram,
+                        speculation,
                     })
                 })?;
                 report(&result);
@@ -316,14 +371,15 @@ fn timed<T>(marks: &[(Option<T>, Option<T>)], since: impl Fn(&T, &T) -> T) -> Op
 }
 
 /// Seconds for one run of `test` from a fresh state (generation after `depth` tokens);
-/// `timed_start` is called as the timed part begins.
+/// `timed_start` is called as the timed part begins. An echo test also gives what speculation
+/// did and the forward passes its timed part took.
 fn run_once<B: Backend + 'static>(
     engine: &Engine<B>,
     test: Test,
     seed: u64,
     depth: usize,
     timed_start: &mut dyn FnMut(),
-) -> Result<f64> {
+) -> Result<(f64, Option<(SpeculationStats, usize)>)> {
     let info = engine.model.info();
     // Ordinary tokens only: below the first special token of Qwen vocabularies when known.
     let range = engine.tokenizer.vocab_size().min(info.vocab_size) as u64;
@@ -336,7 +392,7 @@ fn run_once<B: Backend + 'static>(
             let start = Instant::now();
             let logits = engine.prefill(&mut state, &tokens)?;
             std::hint::black_box(sluice_backend::reference::argmax(&logits));
-            Ok(start.elapsed().as_secs_f64())
+            Ok((start.elapsed().as_secs_f64(), None))
         }
         Test::Generate(n) => {
             if depth > 0 {
@@ -358,7 +414,7 @@ fn run_once<B: Backend + 'static>(
                 std::hint::black_box(backend.argmax_rows(&logits)?);
                 token = next_token();
             }
-            Ok(start.elapsed().as_secs_f64())
+            Ok((start.elapsed().as_secs_f64(), None))
         }
         Test::Batch(n, b) => {
             let mut states = (0..b)
@@ -378,9 +434,68 @@ fn run_once<B: Backend + 'static>(
                 std::hint::black_box(backend.argmax_rows(&logits)?);
                 tokens.iter_mut().for_each(|t| t[0] = next_token());
             }
-            Ok(start.elapsed().as_secs_f64())
+            Ok((start.elapsed().as_secs_f64(), None))
         }
+        Test::Echo(n) => echo_once(engine, n, &mut next_token, timed_start)
+            .map(|(secs, spec, passes)| (secs, Some((spec, passes)))),
     }
+}
+
+/// One [`Test::Echo`] run: seconds for its `n` tokens (the time of the n - 1 after the first,
+/// scaled), what speculation did and the forward passes after the first token.
+fn echo_once<B: Backend + 'static>(
+    engine: &Engine<B>,
+    n: usize,
+    next_token: &mut dyn FnMut() -> u32,
+    timed_start: &mut dyn FnMut(),
+) -> Result<(f64, SpeculationStats, usize)> {
+    let params = SamplingParams::default();
+    let request = |prompt| GenerateRequest {
+        prompt,
+        params: &params,
+        max_tokens: n,
+        cancel: None,
+        ignore_eos: true,
+        checkpoint: None,
+    };
+    let seed: Vec<u32> = (0..ECHO_SEED).map(|_| next_token()).collect();
+    let mut continuation = Vec::with_capacity(n);
+    engine.generate_cached(None, &request(&seed), |event| {
+        if let TokenEvent::Token { id, .. } = event {
+            continuation.push(id);
+        }
+        ControlFlow::Continue(())
+    })?;
+    let prompt: Vec<u32> = [&seed[..], &continuation, &seed].concat();
+    let mut first = true;
+    let stats = engine.generate_cached(None, &request(&prompt), |event| {
+        if first && matches!(event, TokenEvent::Token { .. }) {
+            first = false;
+            timed_start();
+        }
+        ControlFlow::Continue(())
+    })?;
+    let after_first = stats.generated_tokens.saturating_sub(1);
+    if after_first == 0 {
+        bail!("the echo run generated {} tokens", stats.generated_tokens);
+    }
+    let spec = stats.speculation;
+    // Plain decode steps make one token each; checking passes `produced` between them.
+    let passes = spec.passes + after_first.saturating_sub(spec.produced);
+    let secs = stats.decode_secs * n as f64 / after_first as f64;
+    Ok((secs, spec, passes))
+}
+
+/// Weight bytes read per generated token when each forward pass makes `tokens_per_pass` of
+/// them (speculative decoding): a pass reads the dense weights and its tokens' distinct experts.
+fn bytes_per_token_at<B: Backend>(engine: &Engine<B>, tokens_per_pass: f64) -> f64 {
+    let info = engine.model.info();
+    let per_expert = info.expert_bytes as f64 / info.experts.max(1) as f64;
+    let row = (info.hidden_size * 2) as f64;
+    let t = tokens_per_pass.max(1.0);
+    let k = info.experts_per_token as f64 / info.experts.max(1) as f64;
+    let experts_read = info.experts as f64 * (1.0 - (1.0 - k).powf(t));
+    (info.dense_bytes as f64 + per_expert * experts_read) / t + row
 }
 
 /// Weight bytes read per token (see [`RunResult::bytes_per_token`]).
@@ -389,7 +504,7 @@ pub fn bytes_per_token<B: Backend>(engine: &Engine<B>, test: Test) -> f64 {
     let per_expert = info.expert_bytes as f64 / info.experts.max(1) as f64;
     let row = (info.hidden_size * 2) as f64; // One embedding row, roughly.
     match test {
-        Test::Generate(_) => {
+        Test::Generate(_) | Test::Echo(_) => {
             info.dense_bytes as f64 + per_expert * info.experts_per_token as f64 + row
         }
         // Like a prompt of `b` tokens: each step reads the dense weights and the distinct
@@ -436,15 +551,29 @@ pub fn markdown_table(results: &[RunResult]) -> String {
         } else {
             format!("{name} ({})", r.variant)
         };
+        // An echo test names what speculation did.
+        let test = match &r.speculation {
+            Some(sp) if sp.drafted > 0 => format!(
+                "{} ({}: {:.0}% kept, {:.2} tokens/pass)",
+                r.test,
+                sp.method,
+                sp.acceptance * 100.0,
+                sp.tokens_per_pass
+            ),
+            Some(sp) => format!(
+                "{} ({}: {:.2} tokens/pass)",
+                r.test, sp.method, sp.tokens_per_pass
+            ),
+            None => r.test.clone(),
+        };
         let limit = match (r.limit, r.limit_gbps) {
             (l, Some(g)) => format!("{} {g:.1} GB/s", format!("{l:?}").to_lowercase()),
             (l, None) => format!("{} (not measured)", format!("{l:?}").to_lowercase()),
         };
         s.push_str(&format!(
-            "| {name} | {} | {} | {} | {:.2} ± {:.2} | {} | {} | {limit} | {} | {} | {} |\n",
+            "| {name} | {} | {} | {test} | {:.2} ± {:.2} | {} | {} | {limit} | {} | {} | {} |\n",
             r.experts_per_token,
             r.threads,
-            r.test,
             r.tok_s,
             r.tok_s_sd,
             r.ttft_s.map_or("-".into(), |t| if t < 1.0 {

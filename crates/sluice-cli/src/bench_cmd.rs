@@ -11,6 +11,7 @@ use sluice_backend::Backend;
 use sluice_backend::KvFormat;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_bench::model::{markdown_table, run_model, LimitRates, RunSettings, Test};
+use sluice_engine::speculate::Speculation;
 use sluice_engine::{Engine, LoadOptions};
 use sluice_sys::{format_bytes, format_bytes_binary, ByteSize};
 
@@ -105,6 +106,16 @@ pub struct BenchArgs {
     kv_cache: Vec<KvFormat>,
     #[command(flatten)]
     stream: crate::stream_args::StreamArgs,
+    /// Speculative decoding settings to run (comma-separated: `off`, `lookup`), each a run of
+    /// every test. With it, `-n N` runs "tgN echo": N tokens generated greedily through the
+    /// engine after a prompt whose answer repeats it (64 random tokens S, the model's own
+    /// continuation of S, then S again), timed after the first token; rows give the share of
+    /// drafted tokens kept and the tokens per forward pass. `--speculate off,lookup` compares.
+    #[arg(long, value_delimiter = ',', value_name = "off|lookup")]
+    speculate: Vec<String>,
+    /// Tokens drafted per pass (comma-separated: each a run; default 4).
+    #[arg(long, value_delimiter = ',', value_name = "K")]
+    draft_tokens: Vec<usize>,
     /// Print JSON instead of markdown.
     #[arg(long)]
     json: bool,
@@ -223,6 +234,27 @@ fn run_on<B: Backend + 'static>(
         rates.disk_gbps = Some(d.random_qdn.gbps);
         limits_json.insert("disk".into(), json!(d));
     }
+    // Each speculation setting with each drafted length; none: generation tests as llama-bench's.
+    let mut speculations = Vec::new();
+    for method in &a.speculate {
+        let ks: Vec<Option<usize>> = match (method.as_str(), a.draft_tokens.is_empty()) {
+            ("off", _) | (_, true) => vec![None],
+            _ => a.draft_tokens.iter().map(|&k| Some(k)).collect(),
+        };
+        for k in ks {
+            speculations.push(Speculation::from_args(method, k).map_err(|e| anyhow::anyhow!(e))?);
+        }
+    }
+    if !a.draft_tokens.is_empty() && speculations.is_empty() {
+        bail!("--draft-tokens needs --speculate lookup");
+    }
+    let echo = !speculations.is_empty();
+    if echo && a.batch.iter().any(|&b| b > 1) {
+        bail!("--speculate runs one request (echo tests): drop --batch");
+    }
+    if echo && a.depth > 0 {
+        bail!("--speculate's echo tests start from an empty context: drop --depth");
+    }
     let settings = RunSettings {
         tests: a
             .prompt
@@ -231,6 +263,7 @@ fn run_on<B: Backend + 'static>(
             .map(|&n| Test::Prompt(n))
             .chain(a.generate.iter().filter(|&&n| n > 0).flat_map(|&n| {
                 a.batch.iter().map(move |&b| match b {
+                    _ if echo => Test::Echo(n),
                     1 => Test::Generate(n),
                     b => Test::Batch(n, b),
                 })
@@ -248,8 +281,18 @@ fn run_on<B: Backend + 'static>(
         depth: a.depth,
     };
     let mut results = Vec::new();
-    let longest = a.prompt.iter().max().copied().unwrap_or(0).max(a.depth)
-        + a.generate.iter().max().copied().unwrap_or(0);
+    let most_generated = a.generate.iter().max().copied().unwrap_or(0);
+    let mut longest = a.prompt.iter().max().copied().unwrap_or(0).max(a.depth) + most_generated;
+    if echo {
+        // S, its continuation, S, then the answer.
+        longest = longest.max(2 * sluice_bench::model::ECHO_SEED + 2 * most_generated);
+    }
+    // One run of the tests per speculation setting (`None`: without --speculate).
+    let speculation_runs: Vec<Option<Speculation>> = if echo {
+        speculations.iter().map(|&s| Some(s)).collect()
+    } else {
+        vec![None]
+    };
     let caches: Vec<Option<ByteSize>> = if a.expert_cache.is_empty() {
         vec![None]
     } else {
@@ -298,60 +341,70 @@ fn run_on<B: Backend + 'static>(
                     s.io_description()
                 )),
             );
-            let first = results.len();
-            results.extend(run_model(&mut engine, &settings, &rates, &mut |r| {
-                eprintln!(
-                    "  {}{} K={} threads={}: {:.2} ± {:.2} tok/s{}",
-                    r.test,
-                    if variant.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" ({variant})")
-                    },
-                    r.experts_per_token,
-                    r.threads,
-                    r.tok_s,
-                    r.tok_s_sd,
-                    r.streaming.as_ref().map_or(String::new(), |st| format!(
-                        ", hit {:.0}%, read {:.2} GB/s ({:.2} in flight)",
-                        st.hit_rate * 100.0,
-                        st.read_gbps_wall,
-                        st.read_gbps
-                    ))
-                );
-                if let Some(v) = &r.vram {
-                    eprintln!(
-                        "    VRAM cache {} in {} slots: hit {:.1}%{}, uploaded {} per token at {:.2} GB/s while copying{}, {:.0}% of the run copying",
-                        format_bytes(v.cache_bytes),
-                        v.slots,
-                        v.stats.hit_rate() * 100.0,
-                        if v.stats.read_in_place > 0 || v.stats.host_computed > 0 {
-                            format!(
-                                ", read in place from host memory {} per token, computed by the CPU {} per token at {:.1} GB/s ({} pairs{})",
-                                format_bytes(v.read_in_place_bytes_per_token as u64),
-                                format_bytes(v.host_computed_bytes_per_token as u64),
-                                v.stats.host_gbps(),
-                                v.stats.host_computed,
-                                v.stats.host_share.map_or(String::new(), |s| format!(
-                                    ", last share {:.0}% of the misses",
-                                    s * 100.0
-                                )),
-                            )
-                        } else {
-                            String::new()
-                        },
-                        format_bytes(v.uploaded_bytes_per_token as u64),
-                        v.stats.upload_gbps(),
-                        rates.upload_gbps.map_or(String::new(), |l| format!(
-                            " ({:.0}% of the {l:.1} GB/s link)",
-                            v.stats.upload_gbps() / l * 100.0
-                        )),
-                        v.copy_share * 100.0,
-                    );
+            for speculation in &speculation_runs {
+                let variant = match speculation {
+                    Some(s) if variant.is_empty() => format!("speculate {s}"),
+                    Some(s) => format!("{variant}, speculate {s}"),
+                    None => variant.clone(),
+                };
+                if let Some(s) = speculation {
+                    engine.speculation = *s;
                 }
-            })?);
-            for r in &mut results[first..] {
-                r.variant = variant.clone();
+                let first = results.len();
+                results.extend(run_model(&mut engine, &settings, &rates, &mut |r| {
+                    eprintln!(
+                        "  {}{} K={} threads={}: {:.2} ± {:.2} tok/s{}",
+                        r.test,
+                        if variant.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({variant})")
+                        },
+                        r.experts_per_token,
+                        r.threads,
+                        r.tok_s,
+                        r.tok_s_sd,
+                        r.streaming.as_ref().map_or(String::new(), |st| format!(
+                            ", hit {:.0}%, read {:.2} GB/s ({:.2} in flight)",
+                            st.hit_rate * 100.0,
+                            st.read_gbps_wall,
+                            st.read_gbps
+                        ))
+                    );
+                    if let Some(v) = &r.vram {
+                        eprintln!(
+                            "    VRAM cache {} in {} slots: hit {:.1}%{}, uploaded {} per token at {:.2} GB/s while copying{}, {:.0}% of the run copying",
+                            format_bytes(v.cache_bytes),
+                            v.slots,
+                            v.stats.hit_rate() * 100.0,
+                            if v.stats.read_in_place > 0 || v.stats.host_computed > 0 {
+                                format!(
+                                    ", read in place from host memory {} per token, computed by the CPU {} per token at {:.1} GB/s ({} pairs{})",
+                                    format_bytes(v.read_in_place_bytes_per_token as u64),
+                                    format_bytes(v.host_computed_bytes_per_token as u64),
+                                    v.stats.host_gbps(),
+                                    v.stats.host_computed,
+                                    v.stats.host_share.map_or(String::new(), |s| format!(
+                                        ", last share {:.0}% of the misses",
+                                        s * 100.0
+                                    )),
+                                )
+                            } else {
+                                String::new()
+                            },
+                            format_bytes(v.uploaded_bytes_per_token as u64),
+                            v.stats.upload_gbps(),
+                            rates.upload_gbps.map_or(String::new(), |l| format!(
+                                " ({:.0}% of the {l:.1} GB/s link)",
+                                v.stats.upload_gbps() / l * 100.0
+                            )),
+                            v.copy_share * 100.0,
+                        );
+                    }
+                })?);
+                for r in &mut results[first..] {
+                    r.variant = variant.clone();
+                }
             }
         }
     }

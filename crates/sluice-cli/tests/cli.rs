@@ -1056,3 +1056,64 @@ fn info_describes_a_deltanet_gguf() {
         assert!(stdout.contains(line), "no {line:?} in:\n{stdout}");
     }
 }
+
+#[test]
+fn bench_speculate_runs_echo_tests_and_counts_what_was_kept() {
+    // The bundled demo model (trained): its answer after S, its continuation G and S again
+    // repeats G in part, so prompt lookup keeps some drafts.
+    let out = sluice(&[
+        "bench",
+        "-p",
+        "0",
+        "-n",
+        "32",
+        "-r",
+        "1",
+        "--speculate",
+        "off,lookup",
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "{v}");
+    let (off, lookup) = (&runs[0]["speculation"], &runs[1]["speculation"]);
+    assert!(runs.iter().all(|r| r["test"] == "tg32 echo"), "{v}");
+    assert_eq!(off["method"], "off");
+    assert_eq!(off["drafted"], 0);
+    assert_eq!(off["tokens_per_pass"].as_f64(), Some(1.0));
+    assert_eq!(lookup["method"], "lookup, 4 tokens");
+    let (drafted, accepted) = (
+        lookup["drafted"].as_u64().unwrap(),
+        lookup["accepted"].as_u64().unwrap(),
+    );
+    assert!(accepted > 0 && accepted <= drafted, "{lookup}");
+    assert!(
+        lookup["tokens_per_pass"].as_f64().unwrap() > 1.0,
+        "{lookup}"
+    );
+    // Fewer passes per token read fewer dense bytes per token.
+    assert!(
+        runs[1]["bytes_per_token"].as_f64() < runs[0]["bytes_per_token"].as_f64(),
+        "{v}"
+    );
+    assert!(runs[1]["variant"]
+        .as_str()
+        .unwrap()
+        .contains("speculate lookup"));
+
+    for (args, flag) in [
+        (&["--speculate", "lookup", "-b", "2"][..], "--batch"),
+        (&["--draft-tokens", "4"][..], "--speculate"),
+        (&["--speculate", "mtp"][..], "mtp"),
+        (&["--speculate", "lookup", "-d", "64"][..], "--depth"),
+    ] {
+        let all: Vec<&str> = ["bench", "-p", "0", "-n", "4", "-r", "1"]
+            .into_iter()
+            .chain(args.iter().copied())
+            .collect();
+        let err = bench_fails(&all);
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
