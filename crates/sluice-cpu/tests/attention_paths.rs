@@ -5,18 +5,8 @@
 use sluice_backend::{AttentionSpec, Backend, KvFormat};
 use sluice_cpu::CpuBackend;
 
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    // A small deterministic generator in [-2, 2).
-    let mut s = seed.wrapping_mul(2_654_435_761).max(1);
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            (s >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-        })
-        .collect()
-}
+mod common;
+use common::values;
 
 #[test]
 fn a_prompt_at_once_equals_its_rows_one_by_one() {
