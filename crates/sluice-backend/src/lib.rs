@@ -281,9 +281,10 @@ pub trait Backend: Send + Sync {
     fn has_device_memory(&self) -> bool {
         false
     }
-    /// Working memory a forward pass holds beside its activations whatever its length, in the
-    /// memory [`Backend::memory`] reports (the CPU's per-thread attention scores of a prompt).
-    fn pass_scratch_bytes(&self) -> u64 {
+    /// Working memory a forward pass holds beside its activations whatever its length, at
+    /// contexts up to `context` positions, in the memory [`Backend::memory`] reports (the CPU's
+    /// per-thread attention scores of a prompt).
+    fn pass_scratch_bytes(&self, _context: usize) -> u64 {
         0
     }
     /// Waits until queued work has finished and reports the first failure since the last call.

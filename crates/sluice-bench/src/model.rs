@@ -11,7 +11,7 @@ use sluice_backend::Backend;
 use std::ops::ControlFlow;
 
 use sluice_engine::sampler::SamplingParams;
-use sluice_engine::speculate::SpeculationStats;
+use sluice_engine::speculate::{Speculation, SpeculationStats};
 use sluice_engine::{Engine, GenerateRequest, TokenEvent};
 use sluice_models::Segment;
 
@@ -33,6 +33,7 @@ pub enum Test {
     /// it: S ([`ECHO_SEED`] random tokens), G (the model's own greedy continuation of S, N
     /// tokens, made untimed), then S again. Prompt lookup then finds G, which a trained model
     /// goes on to repeat; a random-weight one may not (its acceptance says how far it does).
+    /// [`Speculation::Replay`] drafts the answer itself, recorded by an untimed run first.
     /// Timed from the first generated token on (the prompt's pass excluded).
     Echo(usize),
 }
@@ -450,31 +451,47 @@ fn echo_once<B: Backend + 'static>(
     timed_start: &mut dyn FnMut(),
 ) -> Result<(f64, SpeculationStats, usize)> {
     let params = SamplingParams::default();
-    let request = |prompt| GenerateRequest {
-        prompt,
-        params: &params,
-        max_tokens: n,
-        cancel: None,
-        ignore_eos: true,
-        checkpoint: None,
+    fn request<'a>(prompt: &'a [u32], params: &'a SamplingParams, n: usize) -> GenerateRequest<'a> {
+        GenerateRequest {
+            prompt,
+            params,
+            max_tokens: n,
+            cancel: None,
+            ignore_eos: true,
+            checkpoint: None,
+        }
+    }
+    // Greedy tokens after `prompt`, without speculation.
+    let answer = |prompt: &[u32]| -> Result<Vec<u32>> {
+        let mut tokens = Vec::with_capacity(n);
+        engine.generate_speculating(Speculation::Off, &request(prompt, &params, n), |event| {
+            if let TokenEvent::Token { id, .. } = event {
+                tokens.push(id);
+            }
+            ControlFlow::Continue(())
+        })?;
+        Ok(tokens)
     };
     let seed: Vec<u32> = (0..ECHO_SEED).map(|_| next_token()).collect();
-    let mut continuation = Vec::with_capacity(n);
-    engine.generate_cached(None, &request(&seed), |event| {
-        if let TokenEvent::Token { id, .. } = event {
-            continuation.push(id);
-        }
-        ControlFlow::Continue(())
-    })?;
-    let prompt: Vec<u32> = [&seed[..], &continuation, &seed].concat();
+    let prompt: Vec<u32> = [&seed[..], &answer(&seed)?, &seed].concat();
+    let speculation = match &engine.speculation {
+        // Replay drafts this prompt's own answer, recorded first (untimed).
+        Speculation::Replay { draft_tokens, .. } => Speculation::Replay {
+            answer: answer(&prompt)?.into(),
+            after: prompt.len(),
+            draft_tokens: *draft_tokens,
+        },
+        s => s.clone(),
+    };
     let mut first = true;
-    let stats = engine.generate_cached(None, &request(&prompt), |event| {
-        if first && matches!(event, TokenEvent::Token { .. }) {
-            first = false;
-            timed_start();
-        }
-        ControlFlow::Continue(())
-    })?;
+    let stats =
+        engine.generate_speculating(speculation, &request(&prompt, &params, n), |event| {
+            if first && matches!(event, TokenEvent::Token { .. }) {
+                first = false;
+                timed_start();
+            }
+            ControlFlow::Continue(())
+        })?;
     let after_first = stats.generated_tokens.saturating_sub(1);
     if after_first == 0 {
         bail!("the echo run generated {} tokens", stats.generated_tokens);

@@ -106,12 +106,15 @@ pub struct BenchArgs {
     kv_cache: Vec<KvFormat>,
     #[command(flatten)]
     stream: crate::stream_args::StreamArgs,
-    /// Speculative decoding settings to run (comma-separated: `off`, `lookup`), each a run of
-    /// every test. With it, `-n N` runs "tgN echo": N tokens generated greedily through the
-    /// engine after a prompt whose answer repeats it (64 random tokens S, the model's own
-    /// continuation of S, then S again), timed after the first token; rows give the share of
-    /// drafted tokens kept and the tokens per forward pass. `--speculate off,lookup` compares.
-    #[arg(long, value_delimiter = ',', value_name = "off|lookup")]
+    /// Speculative decoding settings to run (comma-separated: `off`, `lookup`, `replay`), each
+    /// a run of every test. With it, `-n N` runs "tgN echo": N tokens generated greedily
+    /// through the engine after a prompt whose answer repeats it (64 random tokens S, the
+    /// model's own continuation of S, then S again), timed after the first token; rows give the
+    /// share of drafted tokens kept and the tokens per forward pass. `replay` drafts the answer
+    /// itself (recorded by an untimed run): every draft is kept, the most any drafter can give,
+    /// and what a random-weight model (which repeats nothing) can still measure.
+    /// `--speculate off,lookup,replay` compares.
+    #[arg(long, value_delimiter = ',', value_name = "off|lookup|replay")]
     speculate: Vec<String>,
     /// Tokens drafted per pass (comma-separated: each a run; default 4).
     #[arg(long, value_delimiter = ',', value_name = "K")]
@@ -242,7 +245,17 @@ fn run_on<B: Backend + 'static>(
             _ => a.draft_tokens.iter().map(|&k| Some(k)).collect(),
         };
         for k in ks {
-            speculations.push(Speculation::from_args(method, k).map_err(|e| anyhow::anyhow!(e))?);
+            speculations.push(match method.as_str() {
+                // The answer is recorded by each run (see `Test::Echo`).
+                "replay" => Speculation::Replay {
+                    answer: Vec::new().into(),
+                    after: 0,
+                    draft_tokens: Speculation::from_args("lookup", k)
+                        .map_err(|e| anyhow::anyhow!(e))?
+                        .draft_tokens(),
+                },
+                _ => Speculation::from_args(method, k).map_err(|e| anyhow::anyhow!(e))?,
+            });
         }
     }
     if !a.draft_tokens.is_empty() && speculations.is_empty() {
@@ -289,7 +302,7 @@ fn run_on<B: Backend + 'static>(
     }
     // One run of the tests per speculation setting (`None`: without --speculate).
     let speculation_runs: Vec<Option<Speculation>> = if echo {
-        speculations.iter().map(|&s| Some(s)).collect()
+        speculations.iter().cloned().map(Some).collect()
     } else {
         vec![None]
     };
@@ -348,7 +361,7 @@ fn run_on<B: Backend + 'static>(
                     None => variant.clone(),
                 };
                 if let Some(s) = speculation {
-                    engine.speculation = *s;
+                    engine.speculation = s.clone();
                 }
                 let first = results.len();
                 results.extend(run_model(&mut engine, &settings, &rates, &mut |r| {

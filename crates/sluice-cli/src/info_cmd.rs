@@ -128,7 +128,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
     // leaving room for a request's state at --context as a run would.
     let pass_tokens = |n: usize| a.ubatch.min(n).max(1);
     // A CPU run's threads hold their attention scores beside the pass's activations.
-    let scratch = sluice_cpu::prompt_scratch_bytes();
+    let scratch = sluice_cpu::prompt_scratch_bytes(a.context.unwrap_or(a.ubatch));
     let streaming = StreamingOptions {
         state_reserve: a.context.map(|n| StateReserve {
             state: (info.state_bytes_fixed + info.state_bytes_per_token * n) as u64,

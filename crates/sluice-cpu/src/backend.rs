@@ -80,8 +80,8 @@ impl Backend for CpuBackend {
         host_memory()
     }
 
-    fn pass_scratch_bytes(&self) -> u64 {
-        kv::prompt_scratch_bytes()
+    fn pass_scratch_bytes(&self, context: usize) -> u64 {
+        kv::prompt_scratch_bytes(context)
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {

@@ -333,10 +333,12 @@ const BLOCK_ROWS: usize = 16;
 /// Scores a prompt's task keeps at most (4 MiB): fewer rows per task at long contexts.
 const BLOCK_SCORES: usize = 1 << 20;
 
-/// Memory the prompt tasks of rayon's threads hold at once beside the pass's activations: each
-/// its scores and a tile expanded from a compact cache (heads of up to 512).
-pub fn prompt_scratch_bytes() -> u64 {
-    (rayon::current_num_threads() * 4 * (BLOCK_SCORES + (TILE + RUN) * 512)) as u64
+/// Memory the prompt tasks of rayon's threads hold at once beside the pass's activations, at
+/// contexts up to `context` positions: each its scores (for groups of up to 64 query heads per
+/// kv head) and a tile expanded from a compact cache (heads of up to 512).
+pub fn prompt_scratch_bytes(context: usize) -> u64 {
+    let scores = BLOCK_SCORES.min(BLOCK_ROWS * 64 * context);
+    (rayon::current_num_threads() * 4 * (scores + (TILE + RUN) * 512)) as u64
 }
 
 /// Causal grouped-query attention of a prompt's rows `q` (positions `first..`) over a `cache`

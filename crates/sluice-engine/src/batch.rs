@@ -86,7 +86,7 @@ pub struct Sequence<'a, B: Backend, S> {
     max_tokens: usize,
     ignore_eos: bool,
     /// How this sequence drafts tokens when it decodes alone.
-    speculation: Speculation,
+    pub(crate) speculation: Speculation,
     /// Tokens to decode one at a time before drafting again, and how many checking passes in a
     /// row kept no draft: each such pass doubles the wait (up to [`MAX_DRAFT_BACKOFF`]), so text
     /// that does not repeat costs few wasted passes.
@@ -275,7 +275,7 @@ impl<B: Backend + 'static> Engine<B> {
             stream: StreamDecoder::new(&self.tokenizer, true),
             max_tokens: max_tokens.min(ctx - prompt.len()),
             ignore_eos,
-            speculation: self.speculation,
+            speculation: self.speculation.clone(),
             draft_backoff: 0,
             draft_misses: 0,
             phase: Phase::Prompt,

@@ -239,7 +239,7 @@ impl<B: Backend + 'static> Engine<B> {
                     Some(streaming::StateReserve {
                         state: config.state.bytes(opts.kv_format, n),
                         tokens: n,
-                        pass: config.state.pass_bytes(pass_tokens) + backend.pass_scratch_bytes(),
+                        pass: config.state.pass_bytes(pass_tokens) + backend.pass_scratch_bytes(n),
                         pass_tokens,
                     })
                 }
@@ -434,6 +434,23 @@ impl<B: Backend + 'static> Engine<B> {
         };
         let sequence = self.sequence(cache.as_deref_mut(), request, sink)?;
         batch::run_alone(self, sequence, cache).0
+    }
+
+    /// [`Engine::generate_cached`] without a prompt cache, drafting as `speculation` says
+    /// instead of [`Engine::speculation`]: benchmarks comparing drafters on one engine.
+    pub fn generate_speculating(
+        &self,
+        speculation: speculate::Speculation,
+        request: &GenerateRequest<'_>,
+        on_event: impl FnMut(TokenEvent<'_>) -> ControlFlow<Halt>,
+    ) -> Result<GenerationStats, EngineError> {
+        let sink = batch::FnSink {
+            on_event,
+            cancel: request.cancel,
+        };
+        let mut sequence = self.sequence(None, request, sink)?;
+        sequence.speculation = speculation;
+        batch::run_alone(self, sequence, None).0
     }
 
     /// Logits `[tokens.len(), vocab]` (row-major) at every position of `tokens`.

@@ -11,9 +11,10 @@
 //! speculation (up to the order of summation of a multi-row pass).
 
 use std::fmt;
+use std::sync::Arc;
 
 /// How a generation drafts tokens for the model to check.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Speculation {
     /// One token per forward pass.
     #[default]
@@ -21,6 +22,14 @@ pub enum Speculation {
     /// Prompt lookup: where the last few tokens occurred before (in the prompt or the output so
     /// far), the tokens that followed them there, up to `draft_tokens`.
     Lookup { draft_tokens: usize },
+    /// For benchmarks: drafts `answer`, what the model generated after the first `after`
+    /// tokens of this very prompt on an earlier run. Greedy decoding keeps every draft: the most
+    /// any drafter can give at `draft_tokens` per pass. Not a setting of `generate` or `serve`.
+    Replay {
+        answer: Arc<[u32]>,
+        after: usize,
+        draft_tokens: usize,
+    },
 }
 
 /// Drafted tokens per pass when `--draft-tokens` is not given.
@@ -46,12 +55,32 @@ impl Speculation {
         }
     }
 
+    /// Tokens drafted per pass at most (0 when off).
+    pub fn draft_tokens(&self) -> usize {
+        match *self {
+            Speculation::Off => 0,
+            Speculation::Lookup { draft_tokens } | Speculation::Replay { draft_tokens, .. } => {
+                draft_tokens
+            }
+        }
+    }
+
     /// Up to `limit` drafted tokens to follow `history` (empty: decode one token).
     pub fn draft(&self, history: &[u32], limit: usize) -> Vec<u32> {
         match *self {
             Speculation::Off => Vec::new(),
             Speculation::Lookup { draft_tokens } => {
                 lookup_draft(history, draft_tokens.min(limit), LOOKUP_NGRAM)
+            }
+            Speculation::Replay {
+                ref answer,
+                after,
+                draft_tokens,
+            } => {
+                // `history` ends with the answer's tokens so far, the next one to run included.
+                let made = history.len().saturating_sub(after);
+                let rest = answer.get(made..).unwrap_or_default();
+                rest[..rest.len().min(draft_tokens.min(limit))].to_vec()
             }
         }
     }
@@ -62,6 +91,7 @@ impl fmt::Display for Speculation {
         match self {
             Speculation::Off => write!(f, "off"),
             Speculation::Lookup { draft_tokens } => write!(f, "lookup, {draft_tokens} tokens"),
+            Speculation::Replay { draft_tokens, .. } => write!(f, "replay, {draft_tokens} tokens"),
         }
     }
 }
@@ -123,6 +153,21 @@ impl SpeculationStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replay_drafts_the_answer_after_the_tokens_made() {
+        let replay = Speculation::Replay {
+            answer: vec![10, 11, 12, 13].into(),
+            after: 3,
+            draft_tokens: 2,
+        };
+        // Prompt of 3, then the answer's first token about to run: drafts follow it.
+        assert_eq!(replay.draft(&[1, 2, 3, 10], 8), vec![11, 12]);
+        assert_eq!(replay.draft(&[1, 2, 3, 10, 11, 12], 8), vec![13]);
+        assert_eq!(replay.draft(&[1, 2, 3, 10], 1), vec![11]);
+        // Past the recorded answer: nothing.
+        assert!(replay.draft(&[1, 2, 3, 10, 11, 12, 13, 14], 8).is_empty());
+    }
 
     #[test]
     fn lookup_takes_the_latest_longest_match() {

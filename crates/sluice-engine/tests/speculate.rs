@@ -86,7 +86,7 @@ fn greedy_speculation_gives_the_tokens_of_plain_decoding() {
         );
         for k in [1, 4, 7] {
             let lookup = Speculation::Lookup { draft_tokens: k };
-            let (got, spec) = generate(&mut engine, lookup, &prompt, &greedy, 40);
+            let (got, spec) = generate(&mut engine, lookup.clone(), &prompt, &greedy, 40);
             assert_eq!(
                 got, plain,
                 "{fixture}, {lookup}: tokens differ from plain decoding"
@@ -153,4 +153,30 @@ fn sampled_speculation_gives_the_tokens_of_plain_sampling_with_a_seed() {
         total.accepted > 0 && total.accepted < total.drafted,
         "{total:?}"
     );
+}
+
+#[test]
+fn replaying_the_answer_keeps_every_draft() {
+    let greedy = greedy();
+    for fixture in ["qwen3_5_moe-q4", "gpt_oss-q4", "../../models/demo"] {
+        let mut engine = load(fixture);
+        let prompt: Vec<u32> = (0..20).map(|i| 3 + 11 * i).collect();
+        let (plain, _) = generate(&mut engine, Speculation::Off, &prompt, &greedy, 30);
+        for k in [1, 4] {
+            let replay = Speculation::Replay {
+                answer: plain.clone().into(),
+                after: prompt.len(),
+                draft_tokens: k,
+            };
+            let (got, spec) = generate(&mut engine, replay, &prompt, &greedy, 30);
+            assert_eq!(got, plain, "{fixture}, k {k}: tokens differ");
+            assert!(spec.drafted > 0, "{fixture}, k {k}: nothing drafted");
+            assert_eq!(spec.accepted, spec.drafted, "{fixture}, k {k}: {spec:?}");
+            // Every pass makes its k drafts and its own token (the last ones fewer).
+            assert!(
+                spec.produced >= spec.passes * 2 - 1,
+                "{fixture}, k {k}: {spec:?}"
+            );
+        }
+    }
 }
