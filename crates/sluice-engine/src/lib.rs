@@ -424,16 +424,11 @@ impl<B: Backend + 'static> Engine<B> {
     /// stepped alone.
     pub fn generate_cached(
         &self,
-        mut cache: Option<&mut PromptCache<B>>,
+        cache: Option<&mut PromptCache<B>>,
         request: &GenerateRequest<'_>,
         on_event: impl FnMut(TokenEvent<'_>) -> ControlFlow<Halt>,
     ) -> Result<GenerationStats, EngineError> {
-        let sink = batch::FnSink {
-            on_event,
-            cancel: request.cancel,
-        };
-        let sequence = self.sequence(cache.as_deref_mut(), request, sink)?;
-        batch::run_alone(self, sequence, cache).0
+        self.generate_alone(cache, None, request, on_event)
     }
 
     /// [`Engine::generate_cached`] without a prompt cache, drafting as `speculation` says
@@ -444,13 +439,26 @@ impl<B: Backend + 'static> Engine<B> {
         request: &GenerateRequest<'_>,
         on_event: impl FnMut(TokenEvent<'_>) -> ControlFlow<Halt>,
     ) -> Result<GenerationStats, EngineError> {
+        self.generate_alone(None, Some(speculation), request, on_event)
+    }
+
+    /// One request stepped alone, with `cache` and `speculation` (`None`: the engine's).
+    fn generate_alone(
+        &self,
+        mut cache: Option<&mut PromptCache<B>>,
+        speculation: Option<speculate::Speculation>,
+        request: &GenerateRequest<'_>,
+        on_event: impl FnMut(TokenEvent<'_>) -> ControlFlow<Halt>,
+    ) -> Result<GenerationStats, EngineError> {
         let sink = batch::FnSink {
             on_event,
             cancel: request.cancel,
         };
-        let mut sequence = self.sequence(None, request, sink)?;
-        sequence.speculation = speculation;
-        batch::run_alone(self, sequence, None).0
+        let mut sequence = self.sequence(cache.as_deref_mut(), request, sink)?;
+        if let Some(speculation) = speculation {
+            sequence.speculation = speculation;
+        }
+        batch::run_alone(self, sequence, cache).0
     }
 
     /// Logits `[tokens.len(), vocab]` (row-major) at every position of `tokens`.
