@@ -2,14 +2,13 @@
 //! (`tgN`) tok/s over repetitions, time to first token, peak RSS, bytes moved per token and the
 //! fraction of the relevant machine limit that represents.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use sluice_backend::Backend;
-use std::ops::ControlFlow;
-
 use sluice_engine::sampler::SamplingParams;
 use sluice_engine::speculate::{Speculation, SpeculationStats};
 use sluice_engine::{Engine, GenerateRequest, TokenEvent};
@@ -221,11 +220,11 @@ pub fn run_model<B: Backend + 'static>(
             for &test in &settings.tests {
                 let engine = &*engine;
                 let result = pool.install(|| -> Result<RunResult> {
-                    if settings.warmup {
-                        run_once(engine, test, settings.seed, settings.depth, &mut || {})?;
-                    }
                     if matches!(test, Test::Echo(_)) && settings.depth > 0 {
                         bail!("echo tests (--speculate) start from an empty context: drop --depth");
+                    }
+                    if settings.warmup {
+                        run_once(engine, test, settings.seed, settings.depth, &mut || {})?;
                     }
                     sluice_sys::reset_peak_rss();
                     let store_now = || engine.store.as_ref().map(|s| s.stats());
@@ -450,7 +449,6 @@ fn echo_once<B: Backend + 'static>(
     next_token: &mut dyn FnMut() -> u32,
     timed_start: &mut dyn FnMut(),
 ) -> Result<(f64, SpeculationStats, usize)> {
-    let params = SamplingParams::default();
     fn request<'a>(prompt: &'a [u32], params: &'a SamplingParams, n: usize) -> GenerateRequest<'a> {
         GenerateRequest {
             prompt,
@@ -461,6 +459,7 @@ fn echo_once<B: Backend + 'static>(
             checkpoint: None,
         }
     }
+    let params = SamplingParams::default();
     // Greedy tokens after `prompt`, without speculation.
     let answer = |prompt: &[u32]| -> Result<Vec<u32>> {
         let mut tokens = Vec::with_capacity(n);

@@ -245,17 +245,11 @@ fn run_on<B: Backend + 'static>(
             _ => a.draft_tokens.iter().map(|&k| Some(k)).collect(),
         };
         for k in ks {
-            speculations.push(match method.as_str() {
-                // The answer is recorded by each run (see `Test::Echo`).
-                "replay" => Speculation::Replay {
-                    answer: Vec::new().into(),
-                    after: 0,
-                    draft_tokens: Speculation::from_args("lookup", k)
-                        .map_err(|e| anyhow::anyhow!(e))?
-                        .draft_tokens(),
-                },
-                _ => Speculation::from_args(method, k).map_err(|e| anyhow::anyhow!(e))?,
-            });
+            let speculation = match method.as_str() {
+                "replay" => Speculation::replay(k),
+                _ => Speculation::from_args(method, k),
+            };
+            speculations.push(speculation.map_err(|e| anyhow::anyhow!(e))?);
         }
     }
     if !a.draft_tokens.is_empty() && speculations.is_empty() {

@@ -42,10 +42,7 @@ const LOOKUP_NGRAM: std::ops::RangeInclusive<usize> = 2..=4;
 impl Speculation {
     /// Parses `--speculate` with `--draft-tokens` (`None`: the default).
     pub fn from_args(method: &str, draft_tokens: Option<usize>) -> Result<Self, String> {
-        let k = draft_tokens.unwrap_or(DEFAULT_DRAFT_TOKENS);
-        if k == 0 || k > 64 {
-            return Err(format!("--draft-tokens {k}: give 1 to 64"));
-        }
+        let k = draft_count(draft_tokens)?;
         match method {
             "off" => Ok(Speculation::Off),
             "lookup" => Ok(Speculation::Lookup { draft_tokens: k }),
@@ -55,14 +52,14 @@ impl Speculation {
         }
     }
 
-    /// Tokens drafted per pass at most (0 when off).
-    pub fn draft_tokens(&self) -> usize {
-        match *self {
-            Speculation::Off => 0,
-            Speculation::Lookup { draft_tokens } | Speculation::Replay { draft_tokens, .. } => {
-                draft_tokens
-            }
-        }
+    /// `--speculate replay` of `bench`: [`Speculation::Replay`] with no answer yet (each run
+    /// records its own).
+    pub fn replay(draft_tokens: Option<usize>) -> Result<Self, String> {
+        Ok(Speculation::Replay {
+            answer: Arc::from([]),
+            after: 0,
+            draft_tokens: draft_count(draft_tokens)?,
+        })
     }
 
     /// Up to `limit` drafted tokens to follow `history` (empty: decode one token).
@@ -83,6 +80,14 @@ impl Speculation {
                 rest[..rest.len().min(draft_tokens.min(limit))].to_vec()
             }
         }
+    }
+}
+
+/// `--draft-tokens`, checked (`None`: the default).
+fn draft_count(draft_tokens: Option<usize>) -> Result<usize, String> {
+    match draft_tokens.unwrap_or(DEFAULT_DRAFT_TOKENS) {
+        k @ 1..=64 => Ok(k),
+        k => Err(format!("--draft-tokens {k}: give 1 to 64")),
     }
 }
 
