@@ -162,6 +162,8 @@ pub struct StreamingRun {
     pub prefetch_accuracy: f64,
     /// Share of the run's time spent waiting for reads.
     pub io_wait_share: f64,
+    /// Share of the run's time spent comparing blocks with their checksums.
+    pub verify_share: f64,
     pub stats: sluice_store::StoreStats,
 }
 
@@ -273,6 +275,7 @@ pub fn run_model<B: Backend + 'static>(
                                 hit_rate: d.hit_rate(),
                                 prefetch_accuracy: d.prefetch_accuracy(),
                                 io_wait_share: d.io_wait_secs / total_secs,
+                                verify_share: d.verify_secs / total_secs,
                                 stats: d,
                             });
                     let vram = engine
@@ -602,7 +605,7 @@ pub fn markdown_table(results: &[RunResult]) -> String {
                 .map_or("-".into(), |f| format!("{:.0}%", f * 100.0)),
             r.peak_rss_bytes.map_or("-".into(), sluice_sys::format_bytes),
             r.streaming.as_ref().map_or("-".into(), |st| format!(
-                "cache {} ({}), hit {:.0}%, read {}/token at {:.2} GB/s ({:.2} in flight), io wait {:.0}%, prefetch {:.0}% useful",
+                "cache {} ({}), hit {:.0}%, read {}/token at {:.2} GB/s ({:.2} in flight), io wait {:.0}%, checksums {:.0}%, prefetch {:.0}% useful",
                 sluice_sys::format_bytes(st.cache_bytes),
                 st.io,
                 st.hit_rate * 100.0,
@@ -610,6 +613,7 @@ pub fn markdown_table(results: &[RunResult]) -> String {
                 st.read_gbps_wall,
                 st.read_gbps,
                 st.io_wait_share * 100.0,
+                st.verify_share * 100.0,
                 st.prefetch_accuracy * 100.0
             )),
         ));

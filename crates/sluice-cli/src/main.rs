@@ -525,7 +525,8 @@ fn generate_on<B: Backend + 'static>(mut engine: Engine<B>, a: &GenerateArgs) ->
         let total = stats.prompt_secs + stats.decode_secs;
         eprintln!(
             "experts: read {} in {} blocks, {:.2} GB/s while reading; hit rate {:.1}% ({} cached + {} read ahead, of {}), \
-             prefetch {:.0}% useful ({} of {} blocks, {} prefetched); io wait {:.2} s = {:.0}% of {:.2} s",
+             prefetch {:.0}% useful ({} of {} blocks, {} prefetched); io wait {:.2} s = {:.0}% of {:.2} s; \
+             checksums of {} blocks {:.2} s",
             format_bytes(d.bytes_read),
             d.blocks_read,
             d.read_gbps(),
@@ -540,6 +541,8 @@ fn generate_on<B: Backend + 'static>(mut engine: Engine<B>, a: &GenerateArgs) ->
             d.io_wait_secs,
             d.io_wait_secs / total.max(1e-9) * 100.0,
             total,
+            d.blocks_verified,
+            d.verify_secs,
         );
     }
     if let (Some(start), Some(now)) = (&vram_start, backend.expert_cache_stats()) {

@@ -3,7 +3,7 @@
 use anyhow::{anyhow, Result};
 use clap::{Args, ValueEnum};
 use sluice_engine::streaming::StreamingOptions;
-use sluice_store::{IoKind, Policy};
+use sluice_store::{IoKind, Policy, Verify};
 use sluice_sys::ByteSize;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -20,6 +20,17 @@ pub enum IoArg {
     Auto,
     Uring,
     Threads,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum VerifyArg {
+    /// The first time each block is read, and again after experts.bin changes (its size or
+    /// times): catches a damaged or rewritten file at a fraction of the cost.
+    Once,
+    /// Every read (a pass over every byte read, on the thread about to use it).
+    Always,
+    /// Never.
+    Off,
 }
 
 #[derive(Args, Clone)]
@@ -58,8 +69,11 @@ pub struct StreamArgs {
     /// Read through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
-    /// Skip checking each expert block's checksum after reading it.
-    #[arg(long)]
+    /// When an expert block read from a packed model is checked against its checksum.
+    #[arg(long, value_enum, default_value = "once", value_name = "WHEN")]
+    pub verify: VerifyArg,
+    /// Never check the blocks' checksums (`--verify off`).
+    #[arg(long, conflicts_with = "verify")]
     pub no_verify: bool,
 }
 
@@ -103,7 +117,11 @@ impl StreamArgs {
             },
             queue_depth: self.queue_depth,
             direct: !self.buffered,
-            verify: !self.no_verify,
+            verify: match (self.no_verify, self.verify) {
+                (true, _) | (_, VerifyArg::Off) => Verify::Off,
+                (_, VerifyArg::Once) => Verify::Once,
+                (_, VerifyArg::Always) => Verify::Always,
+            },
             // Asking for a cache streams unpacked checkpoints too (packed ones always stream).
             stream_unpacked: expert_cache.is_some() || self.memory_budget.is_some(),
             vram_budget: self.vram_budget.map(ByteSize::bytes),

@@ -432,8 +432,12 @@ impl<B: Backend + 'static> Engine<B> {
         };
         let backend = self.model.backend();
         let start = s.state.position;
-        // A recurrent state cannot drop positions: keep a copy to go back to.
-        let checkpoint = (!s.state.can_rewind()).then(|| s.state.checkpoint());
+        // A recurrent state cannot drop positions: keep a copy to go back to, and the inputs of
+        // its updates in this pass, to redo them for the rows kept.
+        let checkpoint = (!s.state.can_rewind()).then(|| {
+            s.state.begin_log();
+            s.state.checkpoint()
+        });
         let mut fed = Vec::with_capacity(drafts.len() + 1);
         fed.push(next);
         fed.extend_from_slice(drafts);
@@ -486,13 +490,10 @@ impl<B: Backend + 'static> Engine<B> {
             let kept = &fed[..round.produced];
             let back = match checkpoint {
                 None => s.state.rewind(backend, keep),
-                Some(checkpoint) => {
-                    s.state.restore(backend, checkpoint)
-                        && match self.model.forward(&mut s.state, kept, false) {
-                            Ok(_) => true,
-                            Err(e) => return s.fail(e.into()),
-                        }
-                }
+                Some(checkpoint) => match self.model.take_back(&mut s.state, checkpoint, kept) {
+                    Ok(back) => back,
+                    Err(e) => return s.fail(e.into()),
+                },
             };
             if !back {
                 s.fail(EngineError::Input(
@@ -500,6 +501,7 @@ impl<B: Backend + 'static> Engine<B> {
                 ));
             }
         }
+        s.state.log = None;
     }
 
     /// A token for row `row` of `out`: from the few values a top-k sampler needs when it can

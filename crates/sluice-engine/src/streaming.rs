@@ -25,8 +25,8 @@ pub struct StreamingOptions {
     pub queue_depth: usize,
     /// O_DIRECT reads (bypass the page cache).
     pub direct: bool,
-    /// Verify each block's checksum after reading it (packed directories only).
-    pub verify: bool,
+    /// When a block read is checked against its checksum (packed directories only).
+    pub verify: sluice_store::Verify,
     /// Stream the routed experts of an unpacked checkpoint too (buffered reads of each expert's
     /// slices) instead of keeping them all memory-mapped. Set when the user asks for a cache
     /// (`--expert-cache` or `--memory-budget`).
@@ -69,7 +69,7 @@ impl Default for StreamingOptions {
             io: IoKind::Auto,
             queue_depth: 16,
             direct: true,
-            verify: true,
+            verify: sluice_store::Verify::Once,
             stream_unpacked: false,
             vram_budget: None,
             pinner: None,
@@ -212,7 +212,7 @@ pub fn open_unpacked_store(
                 queue_depth: opts.queue_depth.max(1),
                 faults: opts.faults.clone(),
             },
-            verify: false,
+            verify: sluice_store::Verify::Off,
             min_slots: experts_per_token,
             pinner: opts.pinner.clone(),
         },

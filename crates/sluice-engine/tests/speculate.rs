@@ -1,6 +1,7 @@
 //! Speculative decoding keeps the output of plain decoding: greedy gives the same tokens on
-//! every architecture (attention caches rewound, recurrent states restored and re-run after a
-//! miss, sliding windows), and sampling with a seed gives the same tokens too.
+//! every architecture (attention caches rewound, recurrent states restored and their updates
+//! redone for the kept rows after a miss, sliding windows), and sampling with a seed gives the
+//! same tokens too.
 
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -177,6 +178,57 @@ fn replaying_the_answer_keeps_every_draft() {
                 spec.produced >= spec.passes * 2 - 1,
                 "{fixture}, k {k}: {spec:?}"
             );
+        }
+    }
+}
+
+/// Taking a pass back with the recurrent layers' logged inputs (their updates redone for the
+/// rows kept) leaves the state that running only those rows leaves: the next token's logits
+/// agree, for every number of rows kept, on the architectures with DeltaNet layers. Without a
+/// log the default (restore, run the kept rows again) is taken, and agrees too.
+#[test]
+fn a_pass_taken_back_by_its_log_leaves_the_state_of_the_rows_kept() {
+    use sluice_backend::Backend;
+    for fixture in ["qwen3_5_moe-q4", "qwen3_next-bf16"] {
+        let engine = load(fixture);
+        let (model, b) = (&engine.model, engine.model.backend());
+        let mut base = model.new_state().unwrap();
+        model
+            .forward(&mut base, &[3, 14, 15, 92, 65], false)
+            .unwrap();
+        let fed = [35, 89, 79, 32, 38];
+        for kept in 0..fed.len() {
+            // As plain decoding would have it: only the kept rows run.
+            let mut plain = base.clone();
+            if kept > 0 {
+                model.forward(&mut plain, &fed[..kept], false).unwrap();
+            }
+            let expected = b
+                .to_host(&model.forward(&mut plain, &[7], false).unwrap())
+                .unwrap();
+            for logged in [true, false] {
+                let mut state = base.clone();
+                if logged {
+                    state.begin_log();
+                }
+                let checkpoint = state.checkpoint();
+                model.forward(&mut state, &fed, true).unwrap();
+                assert_eq!(state.log.is_some(), logged);
+                assert!(model
+                    .take_back(&mut state, checkpoint, &fed[..kept])
+                    .unwrap());
+                assert!(state.log.is_none(), "the log ends");
+                assert_eq!(state.position, base.position + kept);
+                let got = b
+                    .to_host(&model.forward(&mut state, &[7], false).unwrap())
+                    .unwrap();
+                let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let diff = (expected.iter().zip(&got)).fold(0f32, |m, (e, g)| m.max((e - g).abs()));
+                assert!(
+                    diff <= 1e-4 * scale,
+                    "{fixture}, {kept} kept, logged {logged}: max |diff| {diff} of {scale}"
+                );
+            }
         }
     }
 }

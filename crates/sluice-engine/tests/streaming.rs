@@ -140,7 +140,7 @@ fn a_corrupt_block_fails_the_request_not_the_process() {
     let unverified = load(
         &dir,
         StreamingOptions {
-            verify: false,
+            verify: sluice_store::Verify::Off,
             ..stream_opts(1 << 20, Policy::Frequency, IoKind::Auto)
         },
     );

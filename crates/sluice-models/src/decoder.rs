@@ -7,7 +7,7 @@ use std::sync::Arc;
 use sluice_backend::{Backend, KvFormat};
 
 use crate::loader::Loader;
-use crate::{CausalLm, LayerState, ModelError, ModelInfo, Segment, State};
+use crate::{CausalLm, Checkpoint, LayerState, ModelError, ModelInfo, Segment, State};
 
 /// What an architecture file gives: its [`Decoder`] (the ends and the model's facts), its layers'
 /// forward pass and a new request's state. [`CausalLm`] follows from these.
@@ -19,6 +19,10 @@ pub(crate) trait Architecture<B: Backend>: Send + Sync {
     fn layers(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError>;
     /// The state of a new request (empty caches, position 0).
     fn new_state(&self) -> Result<State<B>, ModelError>;
+    /// Redoes recurrent layer `layer`'s update of `state` over `inputs`, the first rows of what
+    /// its forward pass logged ([`State::record`]). Only architectures with recurrent layers
+    /// that log their inputs implement it ([`CausalLm::take_back`] runs the rows again else).
+    fn replay_recurrent(&self, _layer: usize, _state: &mut B::LinearState, _inputs: &[B::Act]) {}
 }
 
 impl<B: Backend + 'static, M: Architecture<B>> CausalLm<B> for M {
@@ -55,6 +59,30 @@ impl<B: Backend + 'static, M: Architecture<B>> CausalLm<B> for M {
 
     fn backend(&self) -> &B {
         self.decoder().backend()
+    }
+
+    fn take_back(
+        &self,
+        state: &mut State<B>,
+        checkpoint: Checkpoint<B>,
+        kept: &[u32],
+    ) -> Result<bool, ModelError> {
+        let b = self.backend();
+        if state.log_covers(b, kept.len()) {
+            return Ok(
+                state.take_back_with(b, checkpoint, kept.len(), |i, s, inputs| {
+                    self.replay_recurrent(i, s, inputs)
+                }),
+            );
+        }
+        state.log = None;
+        if !state.restore(b, checkpoint) {
+            return Ok(false);
+        }
+        if !kept.is_empty() {
+            self.forward(state, kept, false)?;
+        }
+        Ok(true)
     }
 }
 
@@ -239,12 +267,10 @@ impl<B: Backend> Decoder<B> {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<State<B>, ModelError> {
-        Ok(State {
-            layers: (0..layers)
-                .map(|_| self.attention_state(kv_heads, head_dim))
-                .collect::<Result<_, _>>()?,
-            position: 0,
-        })
+        let layers = (0..layers)
+            .map(|_| self.attention_state(kv_heads, head_dim))
+            .collect::<Result<_, _>>()?;
+        Ok(State::new(layers, 0))
     }
 
     /// The embeddings of every segment's tokens, one after another, after rejecting empty input,

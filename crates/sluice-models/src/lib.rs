@@ -109,14 +109,43 @@ impl<B: Backend> Clone for LayerState<B> {
 pub struct State<B: Backend> {
     pub layers: Vec<LayerState<B>>,
     pub position: usize,
+    /// While a pass may be taken back ([`State::begin_log`]): the inputs each recurrent layer's
+    /// update got, per layer (empty for other layers), so that [`CausalLm::take_back`] can redo
+    /// those updates for the rows kept instead of running them again.
+    pub log: Option<Vec<Vec<B::Act>>>,
+}
+
+impl<B: Backend> State<B> {
+    /// A state of `layers` at `position`, with no log.
+    pub fn new(layers: Vec<LayerState<B>>, position: usize) -> State<B> {
+        State {
+            layers,
+            position,
+            log: None,
+        }
+    }
+
+    /// Starts keeping the inputs of the recurrent layers' updates (see [`State::log`]); the
+    /// next forward pass fills it.
+    pub fn begin_log(&mut self) {
+        self.log = Some((0..self.layers.len()).map(|_| Vec::new()).collect());
+    }
+
+    /// Records `inputs` as layer `layer`'s update inputs of this pass, if a log is kept.
+    pub fn record(&mut self, backend: &B, layer: usize, inputs: &[&B::Act]) {
+        if let Some(entry) = self.log.as_mut().and_then(|log| log.get_mut(layer)) {
+            *entry = inputs
+                .iter()
+                .map(|a| backend.slice_rows(a, 0, backend.shape(a).0))
+                .collect();
+        }
+    }
 }
 
 impl<B: Backend> Clone for State<B> {
+    /// A copy of the caches; the log stays with the original.
     fn clone(&self) -> Self {
-        State {
-            layers: self.layers.clone(),
-            position: self.position,
-        }
+        State::new(self.layers.clone(), self.position)
     }
 }
 
@@ -190,6 +219,64 @@ impl<B: Backend> State<B> {
         self.position = checkpoint.position;
         true
     }
+
+    /// Whether the log holds every recurrent layer's inputs for at least `rows` rows.
+    pub fn log_covers(&self, backend: &B, rows: usize) -> bool {
+        let Some(log) = &self.log else {
+            return false;
+        };
+        log.len() == self.layers.len()
+            && (self.layers.iter().zip(log)).all(|(l, inputs)| match l {
+                LayerState::Linear(_) => {
+                    !inputs.is_empty() && inputs.iter().all(|a| backend.shape(a).0 >= rows)
+                }
+                LayerState::Attention(_) => true,
+            })
+    }
+
+    /// Takes the state back to `checkpoint` plus `kept` of the positions run since, using the
+    /// log of that pass (ending it): attention caches drop the positions after those, and each
+    /// recurrent layer gets its copy back and `replay(layer, state, inputs)` redoes its update
+    /// over the first `kept` rows of its logged inputs. Returns false (and changes nothing but
+    /// the log) where [`State::restore`] would, or when the log does not cover the kept rows.
+    pub fn take_back_with(
+        &mut self,
+        backend: &B,
+        checkpoint: Checkpoint<B>,
+        kept: usize,
+        mut replay: impl FnMut(usize, &mut B::LinearState, &[B::Act]),
+    ) -> bool {
+        let target = checkpoint.position + kept;
+        let covered = self.log_covers(backend, kept);
+        let Some(log) = self.log.take() else {
+            return false;
+        };
+        let same_kinds = checkpoint.linear.len() == self.layers.len()
+            && (self.layers.iter().zip(&checkpoint.linear))
+                .all(|(l, s)| matches!(l, LayerState::Linear(_)) == s.is_some());
+        if target > self.position || !same_kinds || !covered {
+            return false;
+        }
+        let layers = self.layers.iter_mut().zip(checkpoint.linear).zip(log);
+        for (i, ((layer, saved), inputs)) in layers.enumerate() {
+            match (layer, saved) {
+                (LayerState::Attention(kv), _) => backend.kv_truncate(kv, target),
+                (LayerState::Linear(s), Some(saved)) => {
+                    *s = saved;
+                    if kept > 0 {
+                        let rows: Vec<B::Act> = inputs
+                            .iter()
+                            .map(|a| backend.slice_rows(a, 0, kept))
+                            .collect();
+                        replay(i, s, &rows);
+                    }
+                }
+                (LayerState::Linear(_), None) => {}
+            }
+        }
+        self.position = target;
+        true
+    }
 }
 
 /// One request's share of a batched forward call ([`CausalLm::forward_batch`]): its state and
@@ -224,6 +311,25 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     /// the backend's [`sluice_backend::Backend::kv_formats`]).
     fn set_kv_format(&mut self, format: sluice_backend::KvFormat) -> Result<(), ModelError>;
     fn backend(&self) -> &B;
+    /// Takes `state` back to `checkpoint` (taken before the last pass) plus `kept`, the first
+    /// tokens that pass ran. This default restores the checkpoint and runs `kept` again; a model
+    /// with recurrent layers that logs their inputs ([`State::begin_log`]) redoes only those
+    /// layers' updates. Either way the log ends. Returns false when the state cannot go back.
+    fn take_back(
+        &self,
+        state: &mut State<B>,
+        checkpoint: Checkpoint<B>,
+        kept: &[u32],
+    ) -> Result<bool, ModelError> {
+        state.log = None;
+        if !state.restore(self.backend(), checkpoint) {
+            return Ok(false);
+        }
+        if !kept.is_empty() {
+            self.forward(state, kept, false)?;
+        }
+        Ok(true)
+    }
 }
 
 /// The `model_type`s [`load`] reads, for error messages.

@@ -524,6 +524,7 @@ impl<B: Backend> Qwen35Moe<B> {
             [&qkv, &a, &beta_logits],
             segments,
             |[qkv, a, beta], s| {
+                s.record(b, i, &[qkv, a, beta]);
                 let LayerState::Linear(state) = &mut s.layers[i] else {
                     return Err(wrong_state());
                 };
@@ -604,17 +605,25 @@ impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
         let b = self.decoder.backend();
         let dims = self.cfg.delta_dims();
         let (kv_heads, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim());
-        Ok(State {
-            layers: self
-                .layers
-                .iter()
-                .map(|l| match l.mixer {
-                    Mixer::Linear(_) => Ok(LayerState::Linear(b.linear_state(&dims)?)),
-                    Mixer::Full(_) => self.decoder.attention_state(kv_heads, hd),
-                })
-                .collect::<Result<_, ModelError>>()?,
-            position: 0,
-        })
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l.mixer {
+                Mixer::Linear(_) => Ok(LayerState::Linear(b.linear_state(&dims)?)),
+                Mixer::Full(_) => self.decoder.attention_state(kv_heads, hd),
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(State::new(layers, 0))
+    }
+
+    /// The convolution window and the recurrence of DeltaNet layer `layer` over the logged
+    /// projections (`[qkv, a, beta]`, as `linear_attention` records them).
+    fn replay_recurrent(&self, layer: usize, state: &mut B::LinearState, inputs: &[B::Act]) {
+        let b = self.decoder.backend();
+        if let (Mixer::Linear(l), [qkv, a, beta]) = (&self.layers[layer].mixer, inputs) {
+            let qkv = b.causal_conv1d_silu(qkv, &l.conv1d, state);
+            b.gated_delta_rule(&qkv, a, beta, &l.a_log, &l.dt_bias, state);
+        }
     }
 }
 

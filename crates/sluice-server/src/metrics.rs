@@ -280,6 +280,12 @@ impl Metrics {
                 s.io_wait_secs,
             );
             metric(
+                "expert_verify_seconds_total",
+                "counter",
+                "Time spent comparing expert blocks read with their checksums (--verify).",
+                s.verify_secs,
+            );
+            metric(
                 "expert_read_errors_total",
                 "counter",
                 "Failed expert reads and checksum mismatches.",

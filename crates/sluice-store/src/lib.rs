@@ -9,7 +9,10 @@
 //! The modules, each with one job (→ lists the others it uses besides `error`; there is no
 //! cycle):
 //! - `store`: [`ExpertStore`], which block goes in which cache slot and when (fetch, prefetch,
-//!   eviction, completion) → `slots`, `source`, `stats`, `policy`, `io`, `manifest`, `unpacked`;
+//!   eviction, completion) → `slots`, `source`, `stats`, `policy`, `io`, `manifest`, `unpacked`,
+//!   `verify`;
+//! - `verify`: [`Verify`], when a block read is checked against its checksum, and the record of
+//!   the blocks checked since the file last changed → `manifest`;
 //! - `slots`: the slots' memory and the state of each slot (empty, loading, ready, failed) →
 //!   `manifest`;
 //! - `source`: where blocks come from, `experts.bin` or the shards: which reads fill a slot, and
@@ -38,6 +41,7 @@ mod source;
 mod stats;
 mod store;
 mod unpacked;
+mod verify;
 
 #[doc(hidden)]
 pub mod bench;
@@ -53,3 +57,4 @@ pub use policy::Policy;
 pub use stats::{ExpertEvent, ExpertMap, StoreStats};
 pub use store::{ExpertStore, FetchedExpert, Pinner, StoreOptions};
 pub use unpacked::UnpackedLayout;
+pub use verify::Verify;

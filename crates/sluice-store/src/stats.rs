@@ -22,8 +22,13 @@ pub struct StoreStats {
     pub bytes_read: u64,
     pub prefetch_bytes: u64,
     pub blocks_read: u64,
-    /// Seconds `fetch` spent waiting for reads.
+    /// Blocks read and checked against their checksums.
+    pub blocks_verified: u64,
+    /// Seconds `fetch` spent waiting for reads (not counting the checksums it compared
+    /// meanwhile).
     pub io_wait_secs: f64,
+    /// Seconds spent comparing blocks with their checksums.
+    pub verify_secs: f64,
     /// Seconds with at least one read in flight.
     pub io_busy_secs: f64,
     pub evictions: u64,
@@ -44,7 +49,9 @@ impl StoreStats {
             bytes_read: self.bytes_read - earlier.bytes_read,
             prefetch_bytes: self.prefetch_bytes - earlier.prefetch_bytes,
             blocks_read: self.blocks_read - earlier.blocks_read,
+            blocks_verified: self.blocks_verified - earlier.blocks_verified,
             io_wait_secs: self.io_wait_secs - earlier.io_wait_secs,
+            verify_secs: self.verify_secs - earlier.verify_secs,
             io_busy_secs: self.io_busy_secs - earlier.io_busy_secs,
             evictions: self.evictions - earlier.evictions,
             errors: self.errors - earlier.errors,

@@ -20,12 +20,18 @@ use sluice_backend::{HostBytes, HostMatrix, HostPinner};
 
 use crate::error::StoreError;
 use crate::io::{Completion, ReadRequest, ReaderOptions};
-use crate::manifest::{checksum, LayerExperts, Manifest, ManifestError, MANIFEST_FILE};
+use crate::manifest::{
+    checksum, LayerExperts, Manifest, ManifestError, EXPERTS_FILE, MANIFEST_FILE,
+};
 use crate::policy::{Frequencies, Policy};
 use crate::slots::{tag, untag, Failure, Slab, Slot, Status};
 use crate::source::Source;
 use crate::stats::{ExpertEvent, ExpertMap, StoreStats};
 use crate::unpacked::UnpackedLayout;
+use crate::verify::{Checked, Verify};
+
+/// Whether a block just read was compared with its checksum, and whether it is usable.
+type CheckOutcome = (bool, Result<(), String>);
 
 /// How the store is set up.
 #[derive(Debug, Clone)]
@@ -34,9 +40,9 @@ pub struct StoreOptions {
     pub cache_bytes: u64,
     pub policy: Policy,
     pub io: ReaderOptions,
-    /// Check every block read against its checksum (packed directories; unpacked checkpoints
-    /// have no checksums and ignore it).
-    pub verify: bool,
+    /// When a block read is checked against its checksum (packed directories; unpacked
+    /// checkpoints have no checksums and ignore it).
+    pub verify: Verify,
     /// Smallest number of slots accepted (the experts one token needs in one layer).
     pub min_slots: usize,
     /// Page-locks the cache's memory for a device's copies (a GPU backend's pinner).
@@ -83,7 +89,9 @@ struct Inner {
     slab: Slab,
     /// Whether the slab was page-locked, when asked to be.
     pinned: Option<Result<(), String>>,
-    verify: bool,
+    verify: Verify,
+    /// The blocks checked already, for [`Verify::Once`].
+    checked: Option<Checked>,
     policy: Policy,
     state: Mutex<State>,
     /// What happened to each expert last, readable without the lock.
@@ -177,13 +185,13 @@ impl ExpertStore {
         opts: &StoreOptions,
     ) -> Result<ExpertStore, StoreError> {
         let source = Source::unpacked(layout, &opts.io)?;
-        Self::build(dir, source, false, opts)
+        Self::build(dir, source, Verify::Off, opts)
     }
 
     fn build(
         dir: &Path,
         source: Source,
-        verify: bool,
+        verify: Verify,
         opts: &StoreOptions,
     ) -> Result<ExpertStore, StoreError> {
         let manifest = source.manifest();
@@ -213,6 +221,8 @@ impl ExpertStore {
             stats: StoreStats::default(),
             busy_since: None,
         };
+        let checked =
+            (verify == Verify::Once).then(|| Checked::new(dir.join(EXPERTS_FILE), manifest, slots));
         Ok(ExpertStore {
             inner: Arc::new(Inner {
                 dir: dir.to_path_buf(),
@@ -221,6 +231,7 @@ impl ExpertStore {
                 slab,
                 pinned,
                 verify,
+                checked,
                 policy: opts.policy,
                 state: Mutex::new(state),
                 expert_map,
@@ -326,6 +337,9 @@ impl ExpertStore {
     ) {
         let reads = self.inner.source.reads_for(key);
         let (evicted, generation) = st.slots[slot].assign(key, reads.len());
+        if let Some(checked) = &self.inner.checked {
+            checked.assigning(slot);
+        }
         if let Some(old) = evicted {
             let experts = &self.inner.expert_map;
             st.map.remove(&old);
@@ -439,8 +453,14 @@ impl ExpertStore {
         }
         // Verify and convert outside the lock: the slots are Loading, so nothing else touches
         // them. Blocks that convert (a GGUF's) take milliseconds each: several convert at once.
-        let check = |(slot, generation): (usize, u32)| (slot, generation, self.check_block(slot));
-        let checked: Vec<(usize, u32, Result<(), String>)> =
+        let epoch = match (&self.inner.checked, finished.is_empty()) {
+            (Some(checked), false) => checked.refresh(),
+            _ => 0,
+        };
+        let check =
+            |(slot, generation): (usize, u32)| (slot, generation, self.check_block(slot, epoch));
+        let started = Instant::now();
+        let checked: Vec<(usize, u32, CheckOutcome)> =
             if finished.len() > 1 && self.inner.source.converts_any() {
                 std::thread::scope(|s| {
                     let mut rest = finished.into_iter();
@@ -449,7 +469,7 @@ impl ExpertStore {
                     let joined = others.into_iter().map(|((slot, generation), h)| {
                         let r = h
                             .join()
-                            .unwrap_or_else(|_| Err("converting it panicked".into()));
+                            .unwrap_or_else(|_| (false, Err("converting it panicked".into())));
                         (slot, generation, r)
                     });
                     first.into_iter().map(check).chain(joined).collect()
@@ -457,8 +477,13 @@ impl ExpertStore {
             } else {
                 finished.into_iter().map(check).collect()
             };
+        let checking = started.elapsed().as_secs_f64();
         let mut st = self.inner.lock();
-        for (slot, generation, checked) in checked {
+        if checked.iter().any(|(_, _, (verified, _))| *verified) {
+            st.stats.verify_secs += checking;
+        }
+        for (slot, generation, (verified, checked)) in checked {
+            st.stats.blocks_verified += verified as u64;
             if st.slots[slot].finish(generation, checked) == Some(true) {
                 st.stats.errors += 1;
             }
@@ -470,9 +495,11 @@ impl ExpertStore {
         }
     }
 
-    /// Checks the block just read into `slot` against its checksum (when verifying), and
-    /// converts it where its source says so (a GGUF's blocks). Ok when a read already failed it.
-    fn check_block(&self, slot: usize) -> Result<(), String> {
+    /// Checks the block just read into `slot` against its checksum (when verifying: every read,
+    /// or in `epoch` a block not checked since the file last changed), and converts it where
+    /// its source says so (a GGUF's blocks). Ok when a read already failed it. Also says
+    /// whether the checksum was compared.
+    fn check_block(&self, slot: usize, epoch: u32) -> CheckOutcome {
         let key = {
             let st = self.inner.lock();
             let s = &st.slots[slot];
@@ -482,18 +509,26 @@ impl ExpertStore {
             }
         };
         let Some((li, e)) = key else {
-            return Ok(());
+            return (false, Ok(()));
         };
         let l = &self.manifest().layers[li];
         let source = &self.inner.source;
-        if self.inner.verify {
+        let verify = match (self.inner.verify, &self.inner.checked) {
+            (Verify::Off, _) => false,
+            (Verify::Once, Some(checked)) => !checked.skips(epoch, slot, (li, e)),
+            _ => true,
+        };
+        if verify {
             // SAFETY: the slot is Loading and its reads have completed: nothing writes it and
             // nothing else reads it.
             let bytes = unsafe {
                 std::slice::from_raw_parts(self.inner.slab.slot_ptr(slot), l.stride as usize)
             };
             if checksum(bytes) != l.checksums[e as usize] {
-                return Err("checksum mismatch".into());
+                return (true, Err("checksum mismatch".into()));
+            }
+            if let Some(checked) = &self.inner.checked {
+                checked.passed(epoch, slot, (li, e));
             }
         }
         if source.converts(li) {
@@ -501,9 +536,11 @@ impl ExpertStore {
             let block = unsafe {
                 std::slice::from_raw_parts_mut(self.inner.slab.slot_ptr(slot), l.stride as usize)
             };
-            source.convert((li, e), block)?;
+            if let Err(e) = source.convert((li, e), block) {
+                return (verify, Err(e));
+            }
         }
-        Ok(())
+        (verify, Ok(()))
     }
 
     /// Releases the prefetch holds of layer index `li`, counting which were used by `wanted`.
@@ -649,6 +686,7 @@ impl ExpertStore {
         slots: &[usize],
     ) -> MutexGuard<'a, State> {
         let wait_start = Instant::now();
+        let verifying_before = st.stats.verify_secs;
         let mut waited = false;
         while slots.iter().any(|&s| st.slots[s].is_loading()) {
             drop(st);
@@ -670,7 +708,8 @@ impl ExpertStore {
             }
         }
         if waited {
-            st.stats.io_wait_secs += wait_start.elapsed().as_secs_f64();
+            let verifying = st.stats.verify_secs - verifying_before;
+            st.stats.io_wait_secs += (wait_start.elapsed().as_secs_f64() - verifying).max(0.0);
         }
         st
     }

@@ -374,7 +374,7 @@ impl UnpackedLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ExpertStore, IoKind, Policy, ReaderOptions, StoreOptions};
+    use crate::{ExpertStore, IoKind, Policy, ReaderOptions, StoreOptions, Verify};
     use sluice_format::{write_safetensors, StDtype};
 
     const E: usize = 4;
@@ -428,7 +428,7 @@ mod tests {
                 queue_depth: 4,
                 faults: None,
             },
-            verify: true, // ignored: no checksums
+            verify: Verify::Off, // ignored: no checksums
             min_slots: 1,
             pinner: None,
         }

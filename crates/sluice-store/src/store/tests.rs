@@ -35,6 +35,16 @@ fn open(dir: &Path, slots: usize, policy: Policy) -> ExpertStore {
 }
 
 fn open_with(dir: &Path, slots: usize, policy: Policy, pinner: Option<Pinner>) -> ExpertStore {
+    open_verifying(dir, slots, policy, pinner, Verify::Once)
+}
+
+fn open_verifying(
+    dir: &Path,
+    slots: usize,
+    policy: Policy,
+    pinner: Option<Pinner>,
+    verify: Verify,
+) -> ExpertStore {
     let m = Manifest::open(dir).unwrap().unwrap();
     let opts = StoreOptions {
         cache_bytes: slots as u64 * m.max_stride(),
@@ -45,7 +55,7 @@ fn open_with(dir: &Path, slots: usize, policy: Policy, pinner: Option<Pinner>) -
             queue_depth: 4,
             faults: None,
         },
-        verify: true,
+        verify,
         min_slots: 1,
         pinner,
     };
@@ -283,4 +293,58 @@ fn the_expert_map_records_each_experts_last_event() {
     assert_eq!(m[1], code(ExpertEvent::Evicted) | NEW, "left the cache");
     assert_eq!(m[5], IN | code(ExpertEvent::ReadAhead) | NEW);
     assert_eq!(map.snapshot(true)[0][1], code(ExpertEvent::Evicted));
+}
+
+/// Reads experts 1, 2, 3, then 1 again (evicted by then: 2 slots), and returns the blocks read
+/// and the blocks checked.
+fn read_one_twice(store: &ExpertStore) -> (u64, u64) {
+    for e in [1, 2, 3, 1] {
+        drop(store.fetch(0, &[e]).unwrap());
+    }
+    let s = store.stats();
+    (s.blocks_read, s.blocks_verified)
+}
+
+/// Flips a byte of expert `e`'s block on disk and gives the file a new modification time (a
+/// rewrite within one tick of the kernel's coarse clock would keep the old one).
+fn corrupt(dir: &Path, m: &Manifest, e: usize, mtime: u64) {
+    let path = dir.join(EXPERTS_FILE);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[m.layers[0].block_offset(e) as usize + 100] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+    let when = std::time::UNIX_EPOCH + std::time::Duration::from_secs(mtime);
+    let file = std::fs::File::options().write(true).open(&path).unwrap();
+    file.set_modified(when).unwrap();
+}
+
+#[test]
+fn verify_once_checks_a_block_on_its_first_read_only() {
+    let (dir, _) = tiny_store(8);
+    let runs: Vec<_> = [Verify::Once, Verify::Always, Verify::Off]
+        .into_iter()
+        .map(|v| read_one_twice(&open_verifying(dir.path(), 2, Policy::Lru, None, v)))
+        .collect();
+    assert_eq!(runs, vec![(4, 3), (4, 4), (4, 0)]);
+}
+
+#[test]
+fn verify_once_checks_again_after_the_file_changes() {
+    let (dir, m) = tiny_store(8);
+    let store = open(dir.path(), 2, Policy::Lru);
+    assert_eq!(read_one_twice(&store), (4, 3));
+    // Expert 1 (checked, now cached) is damaged on disk: evicted and read again, it is checked
+    // again and refused.
+    corrupt(dir.path(), &m, 1, 1_000_000);
+    for e in [2, 3] {
+        drop(store.fetch(0, &[e]).unwrap());
+    }
+    let err = store.fetch(0, &[1]).err().expect("corrupt").to_string();
+    assert!(err.contains("checksum mismatch"), "{err}");
+    // Those reads after the change were all checked again: 2 and 3 pass, 1 does not.
+    let s = store.stats();
+    assert_eq!((s.blocks_read, s.blocks_verified, s.errors), (7, 6, 1));
+    // The file mended (another time): the good block reads, once checked.
+    corrupt(dir.path(), &m, 1, 2_000_000);
+    drop(store.fetch(0, &[1]).unwrap());
+    assert_eq!(store.stats().blocks_verified, 7);
 }
