@@ -287,6 +287,12 @@ pub trait Backend: Send + Sync {
     fn pass_scratch_bytes(&self, _context: usize) -> u64 {
         0
     }
+    /// The most rows a forward pass computes each with the arithmetic of a single decoded row
+    /// (more rows may switch to prompt kernels, which round differently). A speculative pass
+    /// checks at most this many tokens, so that it keeps exactly what decoding would.
+    fn decode_rows(&self) -> usize {
+        usize::MAX
+    }
     /// Waits until queued work has finished and reports the first failure since the last call.
     fn synchronize(&self) -> Result<(), BackendError>;
 

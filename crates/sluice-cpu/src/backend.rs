@@ -84,6 +84,10 @@ impl Backend for CpuBackend {
         kv::prompt_scratch_bytes(context)
     }
 
+    fn decode_rows(&self) -> usize {
+        kernels::max_decode_tokens()
+    }
+
     fn synchronize(&self) -> Result<(), BackendError> {
         Ok(())
     }

@@ -1850,6 +1850,12 @@ impl Backend for CudaBackend {
         true
     }
 
+    /// Up to 8 rows the products, the MoE and attention run their decode kernels; past that
+    /// the prompt kernels (tensor cores, and 8-bit activations with fast prefill).
+    fn decode_rows(&self) -> usize {
+        MOE_DECODE_ROWS
+    }
+
     fn synchronize(&self) -> Result<(), BackendError> {
         let synced = self.d.sync();
         self.release_uploads();

@@ -407,12 +407,16 @@ impl<B: Backend + 'static> Engine<B> {
         let Phase::Decode(next) = s.phase else {
             return Vec::new();
         };
-        let room = (s.max_tokens - s.stats.generated_tokens).min(
-            self.model
-                .info()
-                .max_context
-                .saturating_sub(s.state.position + 1),
-        );
+        // The pass runs the next token and the drafts: no more than the backend computes as it
+        // computes one decoded token (see `Backend::decode_rows`).
+        let room = (s.max_tokens - s.stats.generated_tokens)
+            .min(
+                self.model
+                    .info()
+                    .max_context
+                    .saturating_sub(s.state.position + 1),
+            )
+            .min(self.model.backend().decode_rows().saturating_sub(1));
         if room == 0 || s.speculation == Speculation::Off {
             return Vec::new();
         }

@@ -502,6 +502,15 @@ fn use_gemm(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> bool {
 /// 2.5 ms at 8 tokens, a tie at 12-16, 8.4 against 9.3 ms at 32).
 const IGEMM_MIN_TOKENS: usize = 16;
 
+/// The most tokens a product computes with the decode kernels (per token the same arithmetic
+/// as one token alone): below the integer prefill's threshold.
+pub fn max_decode_tokens() -> usize {
+    gemm_min_tokens_override()
+        .unwrap_or(IGEMM_MIN_TOKENS)
+        .saturating_sub(1)
+        .max(1)
+}
+
 /// Whether a product of `tokens` tokens runs through the integer prefill ([`igemm`]).
 fn use_igemm(level: Level, kernels: Kernels, kind: Kind, tokens: usize) -> bool {
     integer_q4(level, kernels, kind)
