@@ -75,14 +75,7 @@ impl<B: Backend + 'static, M: Architecture<B>> CausalLm<B> for M {
                 }),
             );
         }
-        state.log = None;
-        if !state.restore(b, checkpoint) {
-            return Ok(false);
-        }
-        if !kept.is_empty() {
-            self.forward(state, kept, false)?;
-        }
-        Ok(true)
+        crate::restore_and_run_again(self, state, checkpoint, kept)
     }
 }
 

@@ -321,15 +321,25 @@ pub trait CausalLm<B: Backend>: Send + Sync {
         checkpoint: Checkpoint<B>,
         kept: &[u32],
     ) -> Result<bool, ModelError> {
-        state.log = None;
-        if !state.restore(self.backend(), checkpoint) {
-            return Ok(false);
-        }
-        if !kept.is_empty() {
-            self.forward(state, kept, false)?;
-        }
-        Ok(true)
+        restore_and_run_again(self, state, checkpoint, kept)
     }
+}
+
+/// [`CausalLm::take_back`] without a log: ends it, restores `checkpoint`, runs `kept` again.
+pub fn restore_and_run_again<B: Backend, M: CausalLm<B> + ?Sized>(
+    model: &M,
+    state: &mut State<B>,
+    checkpoint: Checkpoint<B>,
+    kept: &[u32],
+) -> Result<bool, ModelError> {
+    state.log = None;
+    if !state.restore(model.backend(), checkpoint) {
+        return Ok(false);
+    }
+    if !kept.is_empty() {
+        model.forward(state, kept, false)?;
+    }
+    Ok(true)
 }
 
 /// The `model_type`s [`load`] reads, for error messages.
