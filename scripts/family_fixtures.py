@@ -211,7 +211,8 @@ def evaluate(fam: Family, spec, path: Path, tok: Tokenizer):
         tokens=tokens, prefill=pre, decode=dec, max_abs_logit=float(np.max(np.abs(pre))),
         logit_std=float(np.std(pre)),
         min_margin=float(min(mf.margins(pre).min(), mf.margins(dec).min())),
-        min_gap=float(min(gaps)),
+        # A dense model routes nothing: no gap to condition.
+        min_gap=float(min(gaps)) if gaps else None,
         usage={int(l): u.tolist() for l, u in sorted(usage.items())},
         dec_vs_pre=float(np.max(np.abs(dec - pre))), ratios=ratios, rms=[],
         argmax=[int(a) for a in pre.argmax(-1)],
@@ -278,7 +279,7 @@ def main(fam: Family, doc: str, argv=None) -> int:
         }, compact_lists=True)
         print(f"== {spec.name} (seed {seed}, head seed {head_seed}): {len(m['tokens'])} tokens, "
               f"max|logit| {m['max_abs_logit']:.3f}, min margin {m['min_margin']:.4f}, "
-              f"min routing gap {m['min_gap']:.4f}, decode-vs-prefill {m['dec_vs_pre']:.2e}, "
+              f"min routing gap {m['min_gap'] or 0:.4f}, decode-vs-prefill {m['dec_vs_pre']:.2e}, "
               f"numpy f64 vs mlx-lm {np_rel:.2e}, update ratios "
               + ", ".join(f"{r:.2f}" for r in m["ratios"]))
     return 0

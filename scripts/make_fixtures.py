@@ -815,7 +815,7 @@ def well_conditioned(m) -> tuple[list[str], list[str]]:
         head.append(f"max|logit|={mx_abs:.3f} outside [2, 12]")
     if m["min_margin"] <= 0.01 * mx_abs:
         head.append(f"argmax margin {m['min_margin']:.4g} <= 1% of max|logit|")
-    if m["min_gap"] <= 1e-3:
+    if m["min_gap"] is not None and m["min_gap"] <= 1e-3:
         body.append(f"routing gap {m['min_gap']:.3g} <= 1e-3")
     for l, u in m["usage"].items():
         if sum(1 for c in u if c > 0) < 5:

@@ -8,6 +8,9 @@ changing that script's outputs). Writes
     tests/fixtures/qwen3_5_moe-q4     same architecture, mlx_lm convert -q (4-bit g64)
     tests/fixtures/qwen3_5_moe-q8     8-bit g32, norm_topk_prob=false, tied embeddings
     tests/fixtures/qwen3_next-bf16    model_type qwen3_next (flat config), bf16
+    tests/fixtures/qwen3_5-q4         dense Qwen3.5 (model_type qwen3_5: every MLP a dense
+                                      SwiGLU, as the small Qwen3.5 models that draft for the MoE
+                                      ones), 4-bit g64
 
 Each is produced like the qwen3_moe fixtures: a random checkpoint in the official
 Hugging Face layout (zero-centred (1+w) norms, conv1d [C,1,K], fused/per-expert
@@ -63,7 +66,7 @@ MIN_TOKENS, MAX_TOKENS = 20, 32
 @dataclass
 class Spec:
     name: str
-    kind: str  # "qwen3_5_moe" | "qwen3_next"
+    kind: str  # "qwen3_5_moe" | "qwen3_next" | "qwen3_5" (dense)
     seed: int
     text: str
     num_hidden_layers: int = 4
@@ -74,6 +77,7 @@ class Spec:
     tie_word_embeddings: bool = False
     moe_intermediate_size: int = 64
     shared_expert_intermediate_size: int = 64
+    intermediate_size: int = 192  # dense MLPs (qwen3_5)
     quant_bits: int | None = None
     quant_group: int | None = None
     description: str = ""
@@ -115,7 +119,17 @@ SPECS = [
          description="qwen3_next (flat config), bf16, 4 layers (0-2 Gated DeltaNet with fused "
          "in_proj_qkvz / in_proj_ba, 3 full attention), head_dim 64, rotary dim 16, top-2 of 8 "
          "+ shared expert (moe_intermediate_size 32, shared_expert_intermediate_size 64), untied lm_head."),
+    Spec("qwen3_5-q4", "qwen3_5", 15000,
+         "The old lighthouse keeper counted 12 ships before dawn.",
+         head_dim=32, rope_theta=1e4, quant_bits=4, quant_group=64,
+         description="dense qwen3_5 (Qwen3_5ForConditionalGeneration, nested text_config, no "
+         "experts: every MLP a dense SwiGLU of width 192), mlx_lm convert -q (4-bit affine g64); "
+         "head_dim 32 (rotary dim 8), rope_theta 1e4, untied lm_head."),
 ]
+
+
+def dense(spec: Spec) -> bool:
+    return spec.kind == "qwen3_5"
 
 
 def is_linear(i: int) -> bool:
@@ -130,6 +144,16 @@ def is_linear(i: int) -> bool:
 def text_config(spec: Spec, eos: int) -> dict:
     c = COMMON
     L = spec.num_hidden_layers
+    if dense(spec):
+        t = text_config(Spec(spec.name, "qwen3_5_moe", spec.seed, spec.text,
+                             num_hidden_layers=L, head_dim=spec.head_dim,
+                             rope_theta=spec.rope_theta,
+                             tie_word_embeddings=spec.tie_word_embeddings), eos)
+        for k in ("moe_intermediate_size", "norm_topk_prob", "num_experts", "num_experts_per_tok",
+                  "router_aux_loss_coef", "shared_expert_intermediate_size", "output_router_logits"):
+            del t[k]
+        t.update(model_type="qwen3_5_text", intermediate_size=spec.intermediate_size)
+        return dict(sorted(t.items()))
     return {
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -176,10 +200,12 @@ def text_config(spec: Spec, eos: int) -> dict:
 
 
 def hf_config(spec: Spec, eos: int) -> dict:
-    if spec.kind == "qwen3_5_moe":
+    if spec.kind in ("qwen3_5_moe", "qwen3_5"):
+        family = spec.kind
+        arch = "Qwen3_5MoeForConditionalGeneration" if family == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
         return {
-            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-            "model_type": "qwen3_5_moe",
+            "architectures": [arch],
+            "model_type": family,
             "text_config": text_config(spec, eos),
             "tie_word_embeddings": spec.tie_word_embeddings,
             "transformers_version": "4.57.0.dev0",
@@ -191,7 +217,7 @@ def hf_config(spec: Spec, eos: int) -> dict:
                 "in_channels": 3,
                 "initializer_range": 0.02,
                 "intermediate_size": 32,
-                "model_type": "qwen3_5_moe",
+                "model_type": family,
                 "num_heads": 2,
                 "num_position_embeddings": 16,
                 "out_hidden_size": H,
@@ -322,6 +348,12 @@ def make_weights(spec: Spec, seed: int, head_seed: int) -> dict[str, np.ndarray]
             w[f"{s}.k_norm.weight"] = zc_norm((hd,), 0.8, 2.2)
         w[f"{p}.post_attention_layernorm.weight"] = zc_norm((H,), 0.6, 1.4)
         m = f"{p}.mlp"
+        if dense(spec):
+            Id = spec.intermediate_size
+            w[f"{m}.gate_proj.weight"] = normal((Id, H), H**-0.5)
+            w[f"{m}.up_proj.weight"] = normal((Id, H), H**-0.5)
+            w[f"{m}.down_proj.weight"] = normal((H, Id), MLP_OUT_GAIN * Id**-0.5 * 2)
+            continue
         w[f"{m}.gate.weight"] = normal((E, H), ROUTER_GAIN * H**-0.5)
         g_ = normal((E, I, H), H**-0.5)
         u_ = normal((E, I, H), H**-0.5)
@@ -551,12 +583,14 @@ def evaluate(spec: Spec, path: Path, tok: Tokenizer):
     log_dec, SW["router_log"] = SW["router_log"], None
     gap_pre, usage = mf.router_analysis(log_pre, spec.num_experts_per_tok)
     gap_dec, _ = mf.router_analysis(log_dec, spec.num_experts_per_tok)
+    if dense(spec):  # nothing routed: no gap to condition
+        gap_pre = gap_dec = None
     rms, ratios = residual_stats(model, tokens)
     return dict(
         tokens=tokens, prefill=pre, decode=dec,
         max_abs_logit=float(np.max(np.abs(pre))), logit_std=float(np.std(pre)),
         min_margin=float(min(mf.margins(pre).min(), mf.margins(dec).min())),
-        min_gap=float(min(gap_pre, gap_dec)),
+        min_gap=None if gap_pre is None else float(min(gap_pre, gap_dec)),
         usage={int(l): u.tolist() for l, u in sorted(usage.items())},
         dec_vs_pre=float(np.max(np.abs(dec - pre))), rms=rms, ratios=ratios,
         argmax=[int(a) for a in pre.argmax(-1)], gdn=gdn_stats(model, tokens),
@@ -704,7 +738,7 @@ def numpy_forward(path: Path, tokens) -> np.ndarray:
     nk, nv, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"],
                       c["linear_key_head_dim"], c["linear_value_head_dim"])
     kd, K = nk * dk, c["linear_conv_kernel_dim"]
-    k_top = c["num_experts_per_tok"]
+    k_top = c.get("num_experts_per_tok", 0)
     rd = int(hd * prf)
 
     def rms(x, g):
@@ -788,6 +822,9 @@ def numpy_forward(path: Path, tokens) -> np.ndarray:
             h = h + (att.reshape(T, -1) * sigmoid(gate)) @ w[f"{s}.o_proj.weight"].T
         x = rms(h, w[f"{p}.post_attention_layernorm.weight"])
         m = f"{p}.mlp"
+        if f"{m}.gate.weight" not in w:  # dense
+            h = h + mlp(x, m)
+            continue
         lg = x @ w[f"{m}.gate.weight"].T
         pr = np.exp(lg - lg.max(-1, keepdims=True))
         pr /= pr.sum(-1, keepdims=True)
@@ -889,7 +926,7 @@ def main(argv=None) -> int:
               f"{sum(f.stat().st_size for f in files)} bytes ==")
         print(f"  tokens ({len(m['tokens'])}): {m['tokens']}")
         print(f"  max|logit| {m['max_abs_logit']:.4f}  min margin {m['min_margin']:.4f}  "
-              f"min routing gap {m['min_gap']:.4f}  decode-vs-prefill {m['dec_vs_pre']:.3g}  "
+              f"min routing gap {m['min_gap'] or 0:.4f}  decode-vs-prefill {m['dec_vs_pre']:.3g}  "
               f"np64 rel {np_rel:.3g}")
         print("  residual RMS: " + ", ".join(f"{x:.4g}" for x in m["rms"])
               + "; update ratios: " + ", ".join(f"{x:.3f}" for x in m["ratios"]))
@@ -899,7 +936,7 @@ def main(argv=None) -> int:
             print(f"  layer {l} expert usage: {u}")
         if pack:
             print(f"  packing: {pack}")
-        if not args.no_sensitivity:
+        if not args.no_sensitivity and not dense(spec):
             print("  sensitivity (max|d logits| / max|ref|, must be >> 1e-3):")
             for label, r in sensitivity(spec, dst, m["tokens"], m["prefill"], m["decode"]):
                 flag = "" if r > 1e-2 else "   (< 10x the 1e-3 tolerance)"

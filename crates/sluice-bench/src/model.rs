@@ -306,7 +306,14 @@ pub fn run_model<B: Backend + 'static>(
                         tokens_per_pass: per_pass,
                     });
                     let bytes_per_token = match &speculation {
-                        Some(s) => bytes_per_token_at(engine, s.tokens_per_pass),
+                        Some(s) => {
+                            let generated = (test.tokens() * settings.repetitions)
+                                .saturating_sub(settings.repetitions)
+                                .max(1);
+                            bytes_per_token_at(engine, s.tokens_per_pass)
+                                + draft_bytes_per_token(engine) * s.drafted as f64
+                                    / generated as f64
+                        }
                         None => bytes_per_token(engine, test),
                     };
                     Ok(RunResult {
@@ -515,6 +522,20 @@ fn bytes_per_token_at<B: Backend>(engine: &Engine<B>, tokens_per_pass: f64) -> f
     let k = info.experts_per_token as f64 / info.experts.max(1) as f64;
     let experts_read = info.experts as f64 * (1.0 - (1.0 - k).powf(t));
     (info.dense_bytes as f64 + per_expert * experts_read) / t + row
+}
+
+/// Weight bytes the draft model reads per token it drafts (0 without one drafting).
+fn draft_bytes_per_token<B: Backend>(engine: &Engine<B>) -> f64 {
+    match (&engine.speculation, &engine.draft) {
+        (Speculation::Draft { .. }, Some(draft)) => {
+            let info = draft.model.info();
+            let per_expert = info.expert_bytes as f64 / info.experts.max(1) as f64;
+            info.dense_bytes as f64
+                + per_expert * info.experts_per_token as f64
+                + (info.hidden_size * 2) as f64
+        }
+        _ => 0.0,
+    }
 }
 
 /// Weight bytes read per token (see [`RunResult::bytes_per_token`]).

@@ -113,9 +113,12 @@ pub struct BenchArgs {
     /// share of drafted tokens kept and the tokens per forward pass. `replay` drafts the answer
     /// itself (recorded by an untimed run): every draft is kept, the most any drafter can give,
     /// and what a random-weight model (which repeats nothing) can still measure.
-    /// `--speculate off,lookup,replay` compares.
-    #[arg(long, value_delimiter = ',', value_name = "off|lookup|replay")]
+    /// `draft` drafts with --draft-model. `--speculate off,lookup,replay` compares.
+    #[arg(long, value_delimiter = ',', value_name = "off|lookup|draft|replay")]
     speculate: Vec<String>,
+    /// The draft model of `--speculate draft` (same tokenizer, loaded on the same device).
+    #[arg(long, value_name = "DIR|FILE.gguf")]
+    draft_model: Option<PathBuf>,
     /// Tokens drafted per pass (comma-separated: each a run; default 4).
     #[arg(long, value_delimiter = ',', value_name = "K")]
     draft_tokens: Vec<usize>,
@@ -253,7 +256,15 @@ fn run_on<B: Backend + 'static>(
         }
     }
     if !a.draft_tokens.is_empty() && speculations.is_empty() {
-        bail!("--draft-tokens needs --speculate lookup");
+        bail!("--draft-tokens needs --speculate lookup, draft or replay");
+    }
+    let drafting = speculations
+        .iter()
+        .any(|s| matches!(s, Speculation::Draft { .. }));
+    match (drafting, &a.draft_model) {
+        (true, None) => bail!("--speculate draft needs --draft-model DIR"),
+        (false, Some(_)) => bail!("--draft-model is used by --speculate draft"),
+        _ => {}
     }
     let echo = !speculations.is_empty();
     if echo && a.batch.iter().any(|&b| b > 1) {
@@ -331,6 +342,13 @@ fn run_on<B: Backend + 'static>(
             };
             let mut engine = Engine::load(dir, backend.clone(), &opts)
                 .with_context(|| format!("loading {}", dir.display()))?;
+            if let Some(draft) = &a.draft_model {
+                let opts = LoadOptions {
+                    kv_format: kv,
+                    ..LoadOptions::default()
+                };
+                engine.load_draft(draft, &opts)?;
+            }
             let info = engine.model.info();
             eprintln!(
                 "{}: {} layers, {} experts ({} per token), {}; dense {} + experts {}{}",

@@ -98,31 +98,46 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let dense_per_token = info.dense_bytes as f64;
 
     println!("{} ({})", a.model.display(), info.model_type);
-    println!(
-        "  {} layers, {} experts per MoE layer, {k} per token; {}",
-        info.layers, info.experts, info.weight_format
-    );
-    println!(
-        "  resident: {} (dense weights read every token: {}; embeddings: the rest)",
-        format_bytes(resident),
-        format_bytes(info.dense_bytes as u64)
-    );
-    println!(
-        "  routed experts: {} in all, {} per expert across the layers{}",
-        format_bytes(experts_total),
-        format_bytes(per_expert as u64),
-        if packed {
-            format!(", {moe_layers} streamed layers (packed)")
-        } else {
-            " (not packed: memory-mapped; run `sluice pack` to stream them)".into()
-        }
-    );
-    println!(
-        "  bytes per token at K={k}: dense {} + experts {k} x {} = {}",
-        format_bytes(dense_per_token as u64),
-        format_bytes(per_expert as u64),
-        format_bytes((dense_per_token + experts_per_token) as u64)
-    );
+    if info.experts == 0 {
+        // A dense model (a draft model, say): no experts to stream or cache.
+        println!(
+            "  {} layers, dense (no routed experts); {}",
+            info.layers, info.weight_format
+        );
+        println!(
+            "  weights: {} (read every token: {}; embeddings: the rest)",
+            format_bytes(resident),
+            format_bytes(info.dense_bytes as u64)
+        );
+    } else {
+        println!(
+            "  {} layers, {} experts per MoE layer, {k} per token; {}",
+            info.layers, info.experts, info.weight_format
+        );
+        println!(
+            "  resident: {} (dense weights read every token: {}; embeddings: the rest)",
+            format_bytes(resident),
+            format_bytes(info.dense_bytes as u64)
+        );
+    }
+    if info.experts > 0 {
+        println!(
+            "  routed experts: {} in all, {} per expert across the layers{}",
+            format_bytes(experts_total),
+            format_bytes(per_expert as u64),
+            if packed {
+                format!(", {moe_layers} streamed layers (packed)")
+            } else {
+                " (not packed: memory-mapped; run `sluice pack` to stream them)".into()
+            }
+        );
+        println!(
+            "  bytes per token at K={k}: dense {} + experts {k} x {} = {}",
+            format_bytes(dense_per_token as u64),
+            format_bytes(per_expert as u64),
+            format_bytes((dense_per_token + experts_per_token) as u64)
+        );
+    }
 
     // Packed or not, the cache that fits (for an unpacked model: what packing it would give),
     // leaving room for a request's state at --context as a run would.
@@ -140,12 +155,14 @@ pub fn run(a: InfoArgs) -> Result<()> {
     };
     let plan = plan_cache_for(resident, experts_total, &streaming);
     let share = plan.cache_bytes as f64 / experts_total.max(1) as f64;
-    println!(
-        "  expert cache: {} = {:.0}% of the experts ({})",
-        format_bytes(plan.cache_bytes),
-        share * 100.0,
-        plan.reason
-    );
+    if info.experts > 0 {
+        println!(
+            "  expert cache: {} = {:.0}% of the experts ({})",
+            format_bytes(plan.cache_bytes),
+            share * 100.0,
+            plan.reason
+        );
+    }
     let state = (
         info.state_bytes_per_token,
         info.state_bytes_fixed,

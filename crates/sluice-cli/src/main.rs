@@ -173,18 +173,47 @@ struct GenerateArgs {
 pub(crate) struct SpeculateArgs {
     /// Draft tokens and check them several per forward pass: `lookup` (the tokens that followed
     /// the last few tokens' latest earlier occurrence in the prompt or output: helps when the
-    /// answer repeats its input, as code edits and quotes do) or `off`. The output is what
-    /// decoding without it gives (greedy: the same tokens; sampled: the same distribution).
-    #[arg(long, default_value = "off", value_name = "lookup|off")]
+    /// answer repeats its input, as code edits and quotes do), `draft` (a smaller model's
+    /// greedy guesses: --draft-model) or `off`. The output is what decoding without it gives
+    /// (greedy: the same tokens; sampled: the same distribution).
+    #[arg(long, default_value = "off", value_name = "lookup|draft|off")]
     speculate: String,
-    /// Tokens drafted per pass (at most 64).
+    /// Tokens drafted per pass (at most 64; a pass checks at most what the backend decodes as
+    /// one token: 14 drafts on the CPU, 7 on a GPU).
     #[arg(long, value_name = "K")]
     draft_tokens: Option<usize>,
+    /// The draft model for `--speculate draft` (implied by this flag): a model directory or
+    /// GGUF file with the same tokenizer, much smaller (e.g. Qwen3-0.6B for Qwen3-30B-A3B).
+    /// It runs on the same device; its weights and state are not in --memory-budget.
+    #[arg(long, value_name = "DIR|FILE.gguf")]
+    draft_model: Option<PathBuf>,
 }
 
 impl SpeculateArgs {
-    pub(crate) fn speculation(&self) -> Result<Speculation> {
-        Speculation::from_args(&self.speculate, self.draft_tokens).map_err(|e| anyhow::anyhow!(e))
+    /// Sets `engine`'s speculation, loading the draft model if one is given.
+    pub(crate) fn apply<B: Backend + 'static>(&self, engine: &mut Engine<B>) -> Result<()> {
+        let method = match (self.speculate.as_str(), &self.draft_model) {
+            ("off", Some(_)) => "draft",
+            (m, _) => m,
+        };
+        engine.speculation =
+            Speculation::from_args(method, self.draft_tokens).map_err(|e| anyhow::anyhow!(e))?;
+        match (&engine.speculation, &self.draft_model) {
+            (Speculation::Draft { .. }, Some(dir)) => {
+                let opts = LoadOptions {
+                    kv_format: engine.model.info().kv_format,
+                    ..LoadOptions::default()
+                };
+                engine.load_draft(dir, &opts)?;
+                eprintln!("sluice: drafting with {}", dir.display());
+            }
+            (Speculation::Draft { .. }, None) => {
+                bail!("--speculate draft needs --draft-model DIR")
+            }
+            (other, Some(_)) => bail!("--draft-model drafts for --speculate draft, not {other}"),
+            _ => {}
+        }
+        Ok(())
     }
 }
 
@@ -431,7 +460,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
 
 fn generate_on<B: Backend + 'static>(mut engine: Engine<B>, a: &GenerateArgs) -> Result<()> {
     let params = a.sampling.params(&engine.defaults)?;
-    engine.speculation = a.speculate.speculation()?;
+    a.speculate.apply(&mut engine)?;
     let chat = a.chat || a.system.is_some();
     let text = if chat {
         let mut messages = Vec::new();

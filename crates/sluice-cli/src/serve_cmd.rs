@@ -129,7 +129,7 @@ fn serve_on<B: Backend + 'static>(
     max_body: u64,
 ) -> Result<()> {
     // A request decoding alone checks drafted tokens; several together take one token each.
-    engine.speculation = a.speculate.speculation()?;
+    a.speculate.apply(&mut engine)?;
     crate::print_banner(&engine);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let path = engine

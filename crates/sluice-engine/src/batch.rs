@@ -92,6 +92,8 @@ pub struct Sequence<'a, B: Backend, S> {
     /// that does not repeat costs few wasted passes.
     draft_backoff: usize,
     draft_misses: u32,
+    /// The draft model's state for this sequence ([`Speculation::Draft`]), made on first use.
+    drafting: Option<crate::draft::Drafting<B>>,
     phase: Phase,
     error: Option<EngineError>,
     stats: GenerationStats,
@@ -240,6 +242,11 @@ impl<B: Backend + 'static> Engine<B> {
             cancel: _,
         } = *request;
         params.validate().map_err(EngineError::Input)?;
+        if matches!(self.speculation, Speculation::Draft { .. }) && self.draft.is_none() {
+            return Err(EngineError::Input(
+                "--speculate draft needs a draft model (--draft-model DIR)".into(),
+            ));
+        }
         if prompt.is_empty() {
             return Err(EngineError::Input("the prompt is empty".into()));
         }
@@ -278,6 +285,7 @@ impl<B: Backend + 'static> Engine<B> {
             speculation: self.speculation.clone(),
             draft_backoff: 0,
             draft_misses: 0,
+            drafting: None,
             phase: Phase::Prompt,
             error: None,
             stats: GenerationStats {
@@ -326,13 +334,13 @@ impl<B: Backend + 'static> Engine<B> {
                 0 => self.drafts(s),
                 _ => {
                     s.draft_backoff -= 1;
-                    Vec::new()
+                    Ok(Vec::new())
                 }
             };
-            if !drafts.is_empty() {
-                self.speculative_pass(s, &drafts);
-            } else {
-                self.decode_pass(batch, &decoding);
+            match drafts {
+                Ok(drafts) if !drafts.is_empty() => self.speculative_pass(s, &drafts),
+                Ok(_) => self.decode_pass(batch, &decoding),
+                Err(e) => s.fail(e),
             }
         } else if !decoding.is_empty() {
             self.decode_pass(batch, &decoding);
@@ -403,9 +411,9 @@ impl<B: Backend + 'static> Engine<B> {
 
     /// The tokens `s`'s drafter proposes after its next token, as many as its length limit
     /// and the model's context leave room for.
-    fn drafts<S: Sink>(&self, s: &Sequence<'_, B, S>) -> Vec<u32> {
+    fn drafts<S: Sink>(&self, s: &mut Sequence<'_, B, S>) -> Result<Vec<u32>, EngineError> {
         let Phase::Decode(next) = s.phase else {
-            return Vec::new();
+            return Ok(Vec::new());
         };
         // The pass runs the next token and the drafts: no more than the backend computes as it
         // computes one decoded token (see `Backend::decode_rows`).
@@ -418,12 +426,21 @@ impl<B: Backend + 'static> Engine<B> {
             )
             .min(self.model.backend().decode_rows().saturating_sub(1));
         if room == 0 || s.speculation == Speculation::Off {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let mut history = Vec::with_capacity(s.consumed.len() + 1);
         history.extend_from_slice(&s.consumed);
         history.push(next);
-        s.speculation.draft(&history, room)
+        match (&s.speculation, &self.draft) {
+            (Speculation::Draft { draft_tokens }, Some(draft)) => draft.draft(
+                &mut s.drafting,
+                &history,
+                room.min(*draft_tokens),
+                self.model.info().vocab_size,
+                &self.eos_ids,
+            ),
+            _ => Ok(s.speculation.draft(&history, room)),
+        }
     }
 
     /// Runs `s`'s next token and `drafts` in one pass and keeps the drafts the model agrees

@@ -14,6 +14,7 @@ use sluice_models::{CausalLm, ModelError, State};
 
 pub mod batch;
 pub mod chat;
+pub mod draft;
 pub mod npy;
 pub mod output;
 pub mod prompt_cache;
@@ -203,6 +204,9 @@ pub struct Engine<B: Backend> {
     /// How a sequence decoding alone drafts tokens to check several per pass (off by default;
     /// sequences decoding together take one token each).
     pub speculation: speculate::Speculation,
+    /// The model [`speculate::Speculation::Draft`] drafts with ([`Engine::load_draft`]).
+    pub draft: Option<draft::DraftModel<B>>,
+    backend: Arc<B>,
 }
 
 impl<B: Backend + 'static> Engine<B> {
@@ -264,6 +268,7 @@ impl<B: Backend + 'static> Engine<B> {
         };
         let source = store.clone().map(|s| Arc::new(s) as Arc<dyn ExpertSource>);
         let mut model = sluice_models::load_with_experts(&dir, backend.clone(), source)?;
+        let engine_backend = backend.clone();
         // The backend's own expert cache (VRAM) gets what the resident weights leave.
         let device_cache_plan = match &store {
             Some(store) => {
@@ -327,7 +332,18 @@ impl<B: Backend + 'static> Engine<B> {
             device_cache_plan,
             prefill_chunk: opts.prefill_chunk.unwrap_or(PREFILL_CHUNK).max(1),
             speculation: speculate::Speculation::Off,
+            draft: None,
+            backend: engine_backend,
         })
+    }
+
+    /// Loads the model at `path` on this engine's backend as its draft model
+    /// ([`speculate::Speculation::Draft`]); it must share the tokenizer. Its weights and its
+    /// state per request come on top of the memory this engine planned for.
+    pub fn load_draft(&mut self, path: &Path, opts: &LoadOptions) -> Result<(), EngineError> {
+        let draft = draft::DraftModel::load(path, self.backend.clone(), opts, self)?;
+        self.draft = Some(draft);
+        Ok(())
     }
 
     pub fn new_state(&self) -> Result<State<B>, EngineError> {

@@ -22,6 +22,9 @@ pub enum Speculation {
     /// Prompt lookup: where the last few tokens occurred before (in the prompt or the output so
     /// far), the tokens that followed them there, up to `draft_tokens`.
     Lookup { draft_tokens: usize },
+    /// The engine's draft model ([`crate::Engine::load_draft`]), a smaller model with the same
+    /// tokenizer, drafts `draft_tokens` greedily.
+    Draft { draft_tokens: usize },
     /// For benchmarks: drafts `answer`, what the model generated after the first `after`
     /// tokens of this very prompt on an earlier run. Greedy decoding keeps every draft: the most
     /// any drafter can give at `draft_tokens` per pass. Not a setting of `generate` or `serve`.
@@ -46,8 +49,9 @@ impl Speculation {
         match method {
             "off" => Ok(Speculation::Off),
             "lookup" => Ok(Speculation::Lookup { draft_tokens: k }),
+            "draft" => Ok(Speculation::Draft { draft_tokens: k }),
             other => Err(format!(
-                "--speculate {other}: expected lookup or off (mtp and draft models are not built yet)"
+                "--speculate {other}: expected lookup, draft or off (mtp is not built yet)"
             )),
         }
     }
@@ -62,10 +66,21 @@ impl Speculation {
         })
     }
 
-    /// Up to `limit` drafted tokens to follow `history` (empty: decode one token).
+    /// Tokens drafted per pass (0: off).
+    pub fn draft_tokens(&self) -> usize {
+        match *self {
+            Speculation::Off => 0,
+            Speculation::Lookup { draft_tokens }
+            | Speculation::Draft { draft_tokens }
+            | Speculation::Replay { draft_tokens, .. } => draft_tokens,
+        }
+    }
+
+    /// Up to `limit` drafted tokens to follow `history` (empty: decode one token). A draft
+    /// model's tokens come from the engine instead (empty here).
     pub fn draft(&self, history: &[u32], limit: usize) -> Vec<u32> {
         match *self {
-            Speculation::Off => Vec::new(),
+            Speculation::Off | Speculation::Draft { .. } => Vec::new(),
             Speculation::Lookup { draft_tokens } => {
                 lookup_draft(history, draft_tokens.min(limit), LOOKUP_NGRAM)
             }
@@ -96,6 +111,7 @@ impl fmt::Display for Speculation {
         match self {
             Speculation::Off => write!(f, "off"),
             Speculation::Lookup { draft_tokens } => write!(f, "lookup, {draft_tokens} tokens"),
+            Speculation::Draft { draft_tokens } => write!(f, "draft model, {draft_tokens} tokens"),
             Speculation::Replay { draft_tokens, .. } => write!(f, "replay, {draft_tokens} tokens"),
         }
     }
@@ -211,6 +227,10 @@ mod tests {
         assert!(Speculation::from_args("mtp", None)
             .unwrap_err()
             .contains("not built yet"));
+        assert_eq!(
+            Speculation::from_args("draft", Some(5)),
+            Ok(Speculation::Draft { draft_tokens: 5 })
+        );
         assert_eq!(
             Speculation::Lookup { draft_tokens: 4 }.draft(&[1, 2, 3, 1, 2], 1),
             vec![3]

@@ -239,3 +239,78 @@ fn a_pass_taken_back_by_its_log_leaves_the_state_of_the_rows_kept() {
         }
     }
 }
+
+/// A draft model (another model with the same tokenizer) drafting greedily leaves the output of
+/// plain decoding as it is, greedy and sampled, whichever of the two is recurrent; a model
+/// drafting for itself has nearly every draft kept.
+#[test]
+fn a_draft_model_gives_the_tokens_of_plain_decoding() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let mut total = SpeculationStats::default();
+    for (main, draft) in [
+        // The pairs users run: a dense model of the family drafting for the MoE one.
+        ("qwen3_moe-q4", "qwen3-q4"),
+        ("qwen3_5_moe-q4", "qwen3_5-q4"),
+        ("qwen3_moe-q8", "qwen3_5_moe-q4"),
+        ("qwen3_5_moe-q4", "qwen3_moe-q8"),
+        ("qwen3_next-bf16", "qwen3_5_moe-q8"),
+        ("../../models/demo", "../../models/demo"),
+    ] {
+        let mut engine = load(main);
+        let opts = LoadOptions::default();
+        engine.load_draft(&fixtures.join(draft), &opts).unwrap();
+        let prompt: Vec<u32> = match main.ends_with("demo") {
+            true => engine.tokenizer.encode("Once upon a time", true).unwrap(),
+            false => (0..16).map(|i| 2 + 13 * i).collect(),
+        };
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            top_k: 20,
+            seed: Some(7),
+            ..SamplingParams::default()
+        };
+        for params in [greedy(), sampled] {
+            let (plain, _) = generate(&mut engine, Speculation::Off, &prompt, &params, 40);
+            for k in [1, 3, 8] {
+                let spec = Speculation::Draft { draft_tokens: k };
+                let (got, stats) = generate(&mut engine, spec, &prompt, &params, 40);
+                assert_eq!(
+                    got, plain,
+                    "{main} drafted by {draft}, k {k}: tokens differ"
+                );
+                assert!(stats.drafted > 0, "{main}, k {k}: nothing drafted");
+                if main == draft && params.temperature == 0.0 {
+                    assert!(
+                        stats.accepted * 10 >= stats.drafted * 9,
+                        "{main} drafting for itself: {stats:?}"
+                    );
+                }
+                total.add(&stats);
+            }
+        }
+    }
+    eprintln!("drafted: {total:?}");
+    assert!(
+        total.accepted > 0 && total.accepted < total.drafted,
+        "{total:?}"
+    );
+}
+
+#[test]
+fn drafting_without_a_draft_model_is_refused() {
+    let mut engine = load("qwen3_moe-q4");
+    engine.speculation = Speculation::Draft { draft_tokens: 2 };
+    let request = GenerateRequest {
+        prompt: &[1, 2, 3],
+        params: &greedy(),
+        max_tokens: 4,
+        cancel: None,
+        ignore_eos: true,
+        checkpoint: None,
+    };
+    let err = engine
+        .generate_cached(None, &request, |_| ControlFlow::Continue(()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--draft-model"), "{err}");
+}

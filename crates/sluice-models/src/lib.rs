@@ -181,6 +181,20 @@ pub struct Checkpoint<B: Backend> {
     linear: Vec<Option<B::LinearState>>,
 }
 
+impl<B: Backend> Checkpoint<B> {
+    /// Whether this checkpoint was taken of a state with `state`'s layer kinds.
+    fn fits(&self, state: &State<B>) -> bool {
+        self.linear.len() == state.layers.len()
+            && (state.layers.iter().zip(&self.linear))
+                .all(|(l, s)| matches!(l, LayerState::Linear(_)) == s.is_some())
+    }
+
+    /// The position the state was at.
+    pub fn position(&self) -> usize {
+        self.position
+    }
+}
+
 impl<B: Backend> State<B> {
     /// A checkpoint of the state as it is now (see [`State::restore`]).
     pub fn checkpoint(&self) -> Checkpoint<B> {
@@ -203,10 +217,7 @@ impl<B: Backend> State<B> {
     /// layers get their copies back. Returns false (and changes nothing) if the state is
     /// behind the checkpoint or has other layers.
     pub fn restore(&mut self, backend: &B, checkpoint: Checkpoint<B>) -> bool {
-        let same_kinds = checkpoint.linear.len() == self.layers.len()
-            && (self.layers.iter().zip(&checkpoint.linear))
-                .all(|(l, s)| matches!(l, LayerState::Linear(_)) == s.is_some());
-        if checkpoint.position > self.position || !same_kinds {
+        if checkpoint.position > self.position || !checkpoint.fits(self) {
             return false;
         }
         for (layer, saved) in self.layers.iter_mut().zip(checkpoint.linear) {
@@ -251,10 +262,7 @@ impl<B: Backend> State<B> {
         let Some(log) = self.log.take() else {
             return false;
         };
-        let same_kinds = checkpoint.linear.len() == self.layers.len()
-            && (self.layers.iter().zip(&checkpoint.linear))
-                .all(|(l, s)| matches!(l, LayerState::Linear(_)) == s.is_some());
-        if target > self.position || !same_kinds || !covered {
+        if target > self.position || !checkpoint.fits(self) || !covered {
             return false;
         }
         let layers = self.layers.iter_mut().zip(checkpoint.linear).zip(log);
@@ -344,7 +352,7 @@ pub fn restore_and_run_again<B: Backend, M: CausalLm<B> + ?Sized>(
 
 /// The `model_type`s [`load`] reads, for error messages.
 const SUPPORTED: &str =
-    "qwen3_moe, qwen3_5_moe, qwen3_next, mixtral, glm4_moe, deepseek_v3, kimi_k2, gpt_oss";
+    "qwen3_moe, qwen3 (dense), qwen3_5_moe, qwen3_5 (dense), qwen3_next, mixtral, glm4_moe, deepseek_v3, kimi_k2, gpt_oss";
 
 /// What a model directory's config says about its experts, read and checked as the architecture
 /// reads it, before any weight (e.g. to size an expert cache first).
@@ -363,7 +371,7 @@ pub struct ConfigPlan {
 pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
     let model_type = dir.model_type()?.to_string();
     let (experts, experts_per_token, state) = match model_type.as_str() {
-        "qwen3_moe" => {
+        "qwen3_moe" | "qwen3" => {
             let c: qwen3_moe::Qwen3MoeConfig = dir.parse_config()?;
             c.check(dir)?;
             (
@@ -372,7 +380,7 @@ pub fn config_plan(dir: &ModelDir) -> Result<ConfigPlan, ModelError> {
                 qwen3_moe::state_dims(&c),
             )
         }
-        "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => {
+        "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" | "qwen3_5" | "qwen3_5_text" => {
             let c: qwen3_5_moe::Qwen35MoeConfig = dir.parse_config()?;
             c.check(dir)?;
             (
@@ -448,10 +456,10 @@ pub fn load_with_experts<B: Backend + 'static>(
     experts: Option<Arc<dyn ExpertSource>>,
 ) -> Result<Box<dyn CausalLm<B>>, ModelError> {
     match dir.model_type()? {
-        "qwen3_moe" => Ok(Box::new(qwen3_moe::Qwen3Moe::load(dir, backend, experts)?)),
-        "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => Ok(Box::new(
-            qwen3_5_moe::Qwen35Moe::load(dir, backend, experts)?,
-        )),
+        "qwen3_moe" | "qwen3" => Ok(Box::new(qwen3_moe::Qwen3Moe::load(dir, backend, experts)?)),
+        "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" | "qwen3_5" | "qwen3_5_text" => Ok(
+            Box::new(qwen3_5_moe::Qwen35Moe::load(dir, backend, experts)?),
+        ),
         "mixtral" => Ok(Box::new(mixtral::Mixtral::load(dir, backend, experts)?)),
         "glm4_moe" => Ok(Box::new(glm4_moe::Glm4Moe::load(dir, backend, experts)?)),
         "deepseek_v3" | "kimi_k2" => Ok(Box::new(deepseek_v3::DeepseekV3::load(

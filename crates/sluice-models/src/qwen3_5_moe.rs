@@ -1,6 +1,7 @@
 //! Qwen3.5-MoE (`model_type: qwen3_5_moe`): Qwen3.5-35B-A3B, Qwen3.5-122B-A10B and their kin; and
 //! its forerunner Qwen3-Next (`qwen3_next`), the same network with a flat config and fused input
-//! projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key head).
+//! projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key head); and the dense Qwen3.5
+//! (`qwen3_5`: every MLP a dense SwiGLU; the small ones draft for the MoE models).
 //!
 //! Qwen3-Next's fused projections are de-interleaved into Qwen3.5's separate ones at load, so
 //! both run the same forward pass.

@@ -1,4 +1,6 @@
-//! Qwen3-MoE (`model_type: qwen3_moe`): Qwen3-30B-A3B, Qwen3-235B-A22B and their kin.
+//! Qwen3-MoE (`model_type: qwen3_moe`): Qwen3-30B-A3B, Qwen3-235B-A22B and their kin; and the
+//! dense Qwen3 (`model_type: qwen3`: Qwen3-0.6B to 32B, the draft models of the MoE ones), the
+//! same layers with every MLP dense.
 //!
 //! Pre-norm decoder. Each layer: grouped-query attention with per-head RMSNorm on q and k and
 //! rotary embeddings, then a sparse MoE block (softmax router, top-k experts, optional
@@ -43,10 +45,12 @@ pub struct Qwen3MoeConfig {
     pub rope_scaling: Option<serde_json::Value>,
     #[serde(default = "default_max_positions")]
     pub max_position_embeddings: usize,
-    /// transformers >= 5 writes `num_local_experts`.
-    #[serde(alias = "num_local_experts")]
+    /// transformers >= 5 writes `num_local_experts`. None (dense Qwen3): every MLP is dense.
+    #[serde(alias = "num_local_experts", default)]
     pub num_experts: usize,
+    #[serde(default)]
     pub num_experts_per_tok: usize,
+    #[serde(default)]
     pub moe_intermediate_size: usize,
     #[serde(default)]
     pub norm_topk_prob: bool,
@@ -109,7 +113,9 @@ impl Qwen3MoeConfig {
                 self.head_dim()
             ));
         }
-        if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
+        if self.num_experts > 0
+            && (self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts)
+        {
             return err(format!(
                 "num_experts_per_tok ({}) must be between 1 and num_experts ({})",
                 self.num_experts_per_tok, self.num_experts
@@ -175,7 +181,7 @@ impl<B: Backend> Qwen3Moe<B> {
             },
         };
         let dims = Dims {
-            model_type: "qwen3_moe".into(),
+            model_type: dir.model_type()?.into(),
             vocab_size: cfg.vocab_size,
             hidden_size: hidden,
             layers: cfg.num_hidden_layers,

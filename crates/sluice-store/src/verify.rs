@@ -14,7 +14,8 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::AtomicU32;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::Mutex;
 
 use crate::manifest::Manifest;
@@ -64,8 +65,10 @@ pub(crate) struct Checked {
     first: Vec<usize>,
     done: Box<[AtomicU32]>,
     assigned: Box<[AtomicU32]>,
-    /// The last stamp seen and the current epoch.
-    seen: Mutex<(Option<Stamp>, u32)>,
+    /// The last stamp seen; the current epoch beside it, read without the lock on the path of
+    /// every read and changed only under it.
+    seen: Mutex<Option<Stamp>>,
+    epoch: AtomicU32,
 }
 
 impl Checked {
@@ -76,18 +79,19 @@ impl Checked {
             first.push(total);
             total += l.experts;
         }
-        let seen = (stamp(&path), 0);
+        let seen = stamp(&path);
         Checked {
             path,
             first,
             done: (0..total).map(|_| AtomicU32::new(0)).collect(),
             assigned: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             seen: Mutex::new(seen),
+            epoch: AtomicU32::new(0),
         }
     }
 
     fn epoch(&self) -> u32 {
-        self.seen.lock().unwrap_or_else(|e| e.into_inner()).1
+        self.epoch.load(SeqCst)
     }
 
     /// Notes that `slot`'s reads are being assigned now.
@@ -100,11 +104,11 @@ impl Checked {
     pub(crate) fn refresh(&self) -> u32 {
         let now = stamp(&self.path);
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if now.is_none() || now != seen.0 {
-            seen.0 = now;
-            seen.1 = seen.1.wrapping_add(1);
+        if now.is_none() || now != *seen {
+            *seen = now;
+            self.epoch.fetch_add(1, SeqCst);
         }
-        seen.1
+        self.epoch()
     }
 
     /// Whether the block `(li, e)` just read into `slot` needs no check in `epoch`.
