@@ -4,63 +4,25 @@
 //! same tokens too.
 
 use std::ops::ControlFlow;
-use std::path::Path;
 use std::sync::Arc;
 
 use sluice_cpu::CpuBackend;
 use sluice_engine::sampler::SamplingParams;
 use sluice_engine::speculate::{Speculation, SpeculationStats};
-use sluice_engine::{Engine, GenerateRequest, LoadOptions, TokenEvent};
+use sluice_engine::{Engine, GenerateRequest, LoadOptions};
 
-fn load(fixture: &str) -> Engine<CpuBackend> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(fixture);
-    Engine::load(&dir, Arc::new(CpuBackend::new()), &LoadOptions::default()).unwrap()
-}
+#[path = "common/speculate.rs"]
+mod common;
 
-/// A prompt that prompt lookup finds drafts in: a start, the model's own greedy continuation of
-/// it, and the start again (the model tends to continue it the same way).
-fn repetitive_prompt(engine: &mut Engine<CpuBackend>) -> Vec<u32> {
-    let start: Vec<u32> = (0..12).map(|i| 5 + 7 * i).collect();
-    let (own, _) = generate(engine, Speculation::Off, &start, &greedy(), 24);
-    [&start[..], &own, &start].concat()
-}
+use common::{fixture, generate, greedy, repetitive_prompt};
 
-fn greedy() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        ..SamplingParams::default()
-    }
-}
-
-fn generate(
-    engine: &mut Engine<CpuBackend>,
-    speculation: Speculation,
-    prompt: &[u32],
-    params: &SamplingParams,
-    max_tokens: usize,
-) -> (Vec<u32>, SpeculationStats) {
-    engine.speculation = speculation;
-    let request = GenerateRequest {
-        prompt,
-        params,
-        max_tokens,
-        cancel: None,
-        ignore_eos: true,
-        checkpoint: None,
-    };
-    let mut tokens = Vec::new();
-    let stats = engine
-        .generate_cached(None, &request, |event| {
-            if let TokenEvent::Token { id, .. } = event {
-                tokens.push(id);
-            }
-            ControlFlow::Continue(())
-        })
-        .unwrap();
-    assert_eq!(stats.generated_tokens, tokens.len());
-    (tokens, stats.speculation)
+fn load(name: &str) -> Engine<CpuBackend> {
+    Engine::load(
+        &fixture(name),
+        Arc::new(CpuBackend::new()),
+        &LoadOptions::default(),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -245,7 +207,6 @@ fn a_pass_taken_back_by_its_log_leaves_the_state_of_the_rows_kept() {
 /// drafting for itself has nearly every draft kept.
 #[test]
 fn a_draft_model_gives_the_tokens_of_plain_decoding() {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
     let mut total = SpeculationStats::default();
     for (main, draft) in [
         // The pairs users run: a dense model of the family drafting for the MoE one.
@@ -258,7 +219,7 @@ fn a_draft_model_gives_the_tokens_of_plain_decoding() {
     ] {
         let mut engine = load(main);
         let opts = LoadOptions::default();
-        engine.load_draft(&fixtures.join(draft), &opts).unwrap();
+        engine.load_draft(&fixture(draft), &opts).unwrap();
         let prompt: Vec<u32> = match main.ends_with("demo") {
             true => engine.tokenizer.encode("Once upon a time", true).unwrap(),
             false => (0..16).map(|i| 2 + 13 * i).collect(),
