@@ -31,17 +31,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ = 512
 
 
-def make_config(tok_cfg, gen_cfg, interval=4):
+# `--size draft`: the demo's draft model (models/demo-draft, `--speculate draft`): the same
+# architecture and tokenizer, 2 layers instead of 8 and 8 small experts instead of 32.
+SIZES = {
+    "demo": dict(layers=8, experts=32, top_k=4, shared=256),
+    "draft": dict(layers=2, experts=8, top_k=2, shared=128),
+}
+
+
+def make_config(tok_cfg, gen_cfg, interval=4, size="demo"):
     from transformers import Qwen3_5MoeTextConfig
     eot, im_end = gen_cfg["eos_token_id"][1], gen_cfg["eos_token_id"][0]
+    z = SIZES[size]
+    interval = min(interval, z["layers"])
     return Qwen3_5MoeTextConfig(
-        vocab_size=8192, hidden_size=256, num_hidden_layers=8,
-        layer_types=(["linear_attention"] * (interval - 1) + ["full_attention"]) * (8 // interval),
+        vocab_size=8192, hidden_size=256, num_hidden_layers=z["layers"],
+        layer_types=(["linear_attention"] * (interval - 1) + ["full_attention"])
+        * (z["layers"] // interval),
         num_attention_heads=8, num_key_value_heads=2, head_dim=64,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
         linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128,
-        shared_expert_intermediate_size=256, norm_topk_prob=True,
+        num_experts=z["experts"], num_experts_per_tok=z["top_k"], moe_intermediate_size=128,
+        shared_expert_intermediate_size=z["shared"], norm_topk_prob=True,
         rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "partial_rotary_factor": 0.25},
@@ -232,6 +243,8 @@ def main():
     ap.add_argument("--tool-prompts", type=int, default=10,
                     help="held-out weather prompts to try here (evaluate.py runs all of them)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--size", default="demo", choices=sorted(SIZES),
+                    help="demo: models/demo; draft: its draft model (models/demo-draft)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.smoke:
@@ -246,7 +259,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
     gen_cfg = json.load(open(os.path.join(a.tokenizer, "generation_config.json")))
     tok_cfg = json.load(open(os.path.join(a.tokenizer, "tokenizer_config.json")))
-    config = make_config(tok_cfg, gen_cfg, a.full_attention_interval)
+    config = make_config(tok_cfg, gen_cfg, a.full_attention_interval, a.size)
     kw = {"experts_implementation": a.experts_impl} if a.experts_impl else {}
     try:
         model = AutoModelForCausalLM.from_config(config, **kw)
