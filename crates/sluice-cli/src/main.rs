@@ -210,7 +210,10 @@ impl SpeculateArgs {
             (Speculation::Draft { .. }, None) => {
                 bail!("--speculate draft needs --draft-model DIR")
             }
-            (other, Some(_)) => bail!("--draft-model drafts for --speculate draft, not {other}"),
+            (_, Some(_)) => bail!(
+                "--draft-model drafts for --speculate draft, not --speculate {}",
+                self.speculate
+            ),
             _ => {}
         }
         Ok(())

@@ -1058,6 +1058,54 @@ fn info_describes_a_deltanet_gguf() {
 }
 
 #[test]
+fn generate_drafts_with_a_draft_model_of_the_same_tokenizer() {
+    let draft = fixture("../../models/demo-draft");
+    let out = sluice(&[
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "-n",
+        "24",
+        "--temperature",
+        "0",
+        "--draft-model",
+        draft.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // The same text as without speculation.
+    let plain = sluice(&[
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "-n",
+        "24",
+        "--temperature",
+        "0",
+    ]);
+    assert_eq!(out.stdout, plain.stdout, "{stderr}");
+    assert!(
+        stderr.contains("speculation (draft model, 4 tokens)"),
+        "{stderr}"
+    );
+    // Another tokenizer is refused at load, naming both sizes.
+    let other = fixture("qwen3-q4");
+    let out = sluice(&[
+        "generate",
+        "--prompt",
+        "hi",
+        "--draft-model",
+        other.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("500 tokens") && stderr.contains("8192"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn bench_speculate_runs_echo_tests_and_counts_what_was_kept() {
     // The bundled demo model (trained): its answer after S, its continuation G and S again
     // repeats G in part, so prompt lookup keeps some drafts.
@@ -1108,6 +1156,11 @@ fn bench_speculate_runs_echo_tests_and_counts_what_was_kept() {
         (&["--draft-tokens", "4"][..], "--speculate"),
         (&["--speculate", "mtp"][..], "mtp"),
         (&["--speculate", "lookup", "-d", "64"][..], "--depth"),
+        (&["--speculate", "draft"][..], "--draft-model"),
+        (
+            &["--draft-model", "models/demo-draft"][..],
+            "--speculate draft",
+        ),
     ] {
         let all: Vec<&str> = ["bench", "-p", "0", "-n", "4", "-r", "1"]
             .into_iter()

@@ -47,7 +47,10 @@ fn speculation_on_the_gpu_gives_the_tokens_of_plain_decoding() {
                 replay,
             ] {
                 let (got, stats) = generate(&mut engine, spec.clone(), &prompt, &greedy(), 40);
-                assert_eq!(got, plain, "{main}, {spec}: tokens differ from plain decoding");
+                assert_eq!(
+                    got, plain,
+                    "{main}, {spec}: tokens differ from plain decoding"
+                );
                 assert!(
                     stats.produced <= stats.passes * decode_rows.min(k + 1),
                     "{main}, {spec}: {stats:?}"
@@ -60,5 +63,8 @@ fn speculation_on_the_gpu_gives_the_tokens_of_plain_decoding() {
             }
         }
     }
-    assert!(total.accepted > 0 && total.accepted < total.drafted, "{total:?}");
+    assert!(
+        total.accepted > 0 && total.accepted < total.drafted,
+        "{total:?}"
+    );
 }

@@ -203,8 +203,8 @@ fn a_pass_taken_back_by_its_log_leaves_the_state_of_the_rows_kept() {
 }
 
 /// A draft model (another model with the same tokenizer) drafting greedily leaves the output of
-/// plain decoding as it is, greedy and sampled, whichever of the two is recurrent; a model
-/// drafting for itself has nearly every draft kept.
+/// plain decoding as it is, greedy and sampled, whichever of the two is recurrent; the demo's
+/// trained draft model has most of its drafts kept, and a model drafting for itself nearly all.
 #[test]
 fn a_draft_model_gives_the_tokens_of_plain_decoding() {
     let mut total = SpeculationStats::default();
@@ -215,6 +215,7 @@ fn a_draft_model_gives_the_tokens_of_plain_decoding() {
         ("qwen3_moe-q8", "qwen3_5_moe-q4"),
         ("qwen3_5_moe-q4", "qwen3_moe-q8"),
         ("qwen3_next-bf16", "qwen3_5_moe-q8"),
+        ("../../models/demo", "../../models/demo-draft"),
         ("../../models/demo", "../../models/demo"),
     ] {
         let mut engine = load(main);
@@ -240,10 +241,17 @@ fn a_draft_model_gives_the_tokens_of_plain_decoding() {
                     "{main} drafted by {draft}, k {k}: tokens differ"
                 );
                 assert!(stats.drafted > 0, "{main}, k {k}: nothing drafted");
-                if main == draft && params.temperature == 0.0 {
+                // The trained pair agrees on prose most of the time, a model with itself
+                // nearly always.
+                let least = match (main == draft, draft.ends_with("demo-draft")) {
+                    (true, _) => 0.9,
+                    (_, true) => 0.6,
+                    _ => 0.0,
+                };
+                if params.temperature == 0.0 {
                     assert!(
-                        stats.accepted * 10 >= stats.drafted * 9,
-                        "{main} drafting for itself: {stats:?}"
+                        stats.acceptance() >= least,
+                        "{main} drafted by {draft}: {stats:?}"
                     );
                 }
                 total.add(&stats);
