@@ -30,6 +30,10 @@ conv1d as `[C, 1, K]`. It writes `qwen3_5_moe-gguf-<variant>/`. `--family qwen3n
 Qwen3-Next of the same shape (llama.cpp keeps its value heads grouped, splits `in_proj_qkvz` into
 q/k/v and z and keeps `in_proj_ba` fused; undone likewise), written as `qwen3_next-gguf-<variant>/`.
 
+With `--family qwen3` the model is a tiny dense Qwen3 (the draft models' family: Qwen3-0.6B for
+Qwen3-30B-A3B, the usual `-md` of llama.cpp), written as `qwen3-gguf-<variant>/` (Q8_0, the
+usual type of a draft model, and Q4_K_M); there is no routing to condition.
+
 Writes `qwen3_moe-gguf-<variant>/` with `model.gguf`, `logits_prefill.npy`, `logits_decode.npy`,
 `reference.json` (text, tokens, tensor types, margins, versions).
 """
@@ -39,7 +43,8 @@ from collections import Counter
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -66,6 +71,7 @@ VARIANTS = [
 
 
 VARIANTS_QWEN35 = [("q4_k_m", "Q4_K_M", [])]
+VARIANTS_QWEN3 = [("q8_0", "Q8_0", []), ("q4_k_m", "Q4_K_M", [])]
 
 
 def config_qwen35():
@@ -236,6 +242,16 @@ def config():
     )
 
 
+def config_qwen3():
+    """Tiny dense Qwen3, every matrix 256 columns wide (K-quant blocks)."""
+    return Qwen3Config(
+        vocab_size=500, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=False,
+        attention_bias=False, eos_token_id=[495, 493],
+    )
+
+
 def gguf_to_hf_name(name):
     """GGUF tensor name (llama.cpp's qwen3moe) -> Hugging Face name(s), `{e}` for experts."""
     fixed = {"token_embd.weight": "model.embed_tokens.weight",
@@ -256,6 +272,10 @@ def gguf_to_hf_name(name):
         "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
         "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
         "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+        # dense Qwen3
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
     }
     return p + per_layer[rest]
 
@@ -312,10 +332,12 @@ def main():
     ap.add_argument("--quantize", help="llama-quantize binary (default LLAMA_CPP/build/bin/llama-quantize)")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures"))
     ap.add_argument("--only", action="append", help="variant(s) to write")
-    ap.add_argument("--family", choices=["qwen3moe", "qwen35moe", "qwen3next"], default="qwen3moe")
+    ap.add_argument("--family", choices=["qwen3moe", "qwen3", "qwen35moe", "qwen3next"],
+                    default="qwen3moe")
     a = ap.parse_args()
     # Both DeltaNet families: converted with --no-mtp, one Q4_K_M variant.
     qwen35 = a.family in ("qwen35moe", "qwen3next")
+    dense = a.family == "qwen3"
     finish = None
     if a.family == "qwen35moe":
         cfg35 = config_qwen35()
@@ -326,6 +348,8 @@ def main():
         to_hf = lambda name, v: qwen3next_to_hf(name, v, cfg35)  # noqa: E731
         finish = lambda t: qwen3next_finish(t, cfg35)  # noqa: E731
         variants, prefix = VARIANTS_QWEN35, "qwen3_next-gguf"
+    elif dense:
+        to_hf, variants, prefix = None, VARIANTS_QWEN3, "qwen3-gguf"
     else:
         to_hf, variants, prefix = None, VARIANTS, "qwen3_moe-gguf"
     quantize = a.quantize or os.path.join(a.llama_cpp, "build", "bin", "llama-quantize")
@@ -343,9 +367,10 @@ def main():
     for seed in range(400):
         torch.manual_seed(seed)
         model = (AutoModelForCausalLM.from_config(cfg35) if qwen35
+                 else Qwen3ForCausalLM(config_qwen3()) if dense
                  else Qwen3MoeForCausalLM(config())).float().eval()
         init_(model, seed)
-        gap = routing_gap(model, ids)
+        gap = 1.0 if dense else routing_gap(model, ids)
         if gap > 4e-3:
             break
     else:
@@ -403,7 +428,7 @@ def main():
         dq = os.path.join(work, f"{suffix}-dequantised")
         counts, per_tensor = dequantized_checkpoint(path, hf, dq, to_hf, finish)
         ref, prefill, decode = logits(dq, tokens)
-        gap = routing_gap(ref, ids)
+        gap = None if dense else routing_gap(ref, ids)
         top2 = np.sort(prefill, -1)[:, -2:]
         margin = float((top2[:, 1] - top2[:, 0]).min())
         np.save(os.path.join(out, "logits_prefill.npy"), prefill)
@@ -422,9 +447,9 @@ def main():
                          f"llama-quantize {ftype}; logits: gguf-py's dequantisation of model.gguf "
                          "as a float32 checkpoint, transformers on the CPU",
             }, f, indent=1)
-        print(f"{name}: {os.path.getsize(path)} bytes, types {counts}, routing gap {gap:.4f}, "
+        print(f"{name}: {os.path.getsize(path)} bytes, types {counts}, routing gap {gap or 0:.4f}, "
               f"margin {margin:.4f}, decode vs prefill {np.abs(decode - prefill).max():.2e}")
-        if gap < 1e-3 or margin < 1e-3:
+        if (gap is not None and gap < 1e-3) or margin < 1e-3:
             print(f"warning: {name} is not decisive enough for argmax checks", file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
 

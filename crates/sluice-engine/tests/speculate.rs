@@ -212,6 +212,8 @@ fn a_draft_model_gives_the_tokens_of_plain_decoding() {
         // The pairs users run: a dense model of the family drafting for the MoE one.
         ("qwen3_moe-q4", "qwen3-q4"),
         ("qwen3_5_moe-q4", "qwen3_5-q4"),
+        // llama.cpp's usual draft: a dense Qwen3 GGUF at Q8_0.
+        ("qwen3_moe-q4", "qwen3-gguf-q8_0/model.gguf"),
         ("qwen3_moe-q8", "qwen3_5_moe-q4"),
         ("qwen3_5_moe-q4", "qwen3_moe-q8"),
         ("qwen3_next-bf16", "qwen3_5_moe-q8"),

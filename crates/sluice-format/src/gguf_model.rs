@@ -1,4 +1,4 @@
-//! A GGUF file opened as a model ([`ModelDir`]) for llama.cpp's `qwen3moe`, `qwen35moe`,
+//! A GGUF file opened as a model ([`ModelDir`]) for llama.cpp's `qwen3moe`, `qwen3` (dense), `qwen35moe`,
 //! `qwen3next`, `llama` (Mixtral), `gpt-oss`, `glm4moe` and `deepseek2` architectures (the last
 //! four in [`crate::gguf_families`]): the Hugging Face config its metadata describes, its tensors under
 //! Hugging Face names (llama.cpp's changes to them undone where the model needs it, see
@@ -41,8 +41,9 @@ pub(crate) fn is_gguf(path: &Path) -> bool {
 }
 
 /// The architectures whose GGUF files sluice runs, by `general.architecture`.
-pub const GGUF_ARCHITECTURES: [&str; 7] = [
+pub const GGUF_ARCHITECTURES: [&str; 8] = [
     "qwen3moe",
+    "qwen3",
     "qwen35moe",
     "qwen3next",
     "llama",
@@ -70,6 +71,7 @@ pub(crate) fn open(path: &Path, experts: GgufExperts) -> Result<ModelDir, Format
     };
     let config = match arch.as_str() {
         "qwen3moe" => qwen3moe_config(&meta)?,
+        "qwen3" => qwen3_config(&meta)?,
         "qwen35moe" => qwen35moe_config(&meta)?,
         "qwen3next" => qwen3next_config(&meta)?,
         "llama" => gguf_families::mixtral_config(&meta)?,
@@ -350,6 +352,23 @@ fn qwen3moe_config(m: &Meta) -> Result<Value, FormatError> {
     Ok(Value::Object(c))
 }
 
+/// The Hugging Face `qwen3` config a llama.cpp `qwen3` GGUF describes: the dense Qwen3 models
+/// (Qwen3-0.6B ... 32B), llama.cpp's usual draft models of the MoE ones.
+fn qwen3_config(m: &Meta) -> Result<Value, FormatError> {
+    let layers = m.uint("block_count")?;
+    let (mut c, heads) = base_config(m, "qwen3", "Qwen3ForCausalLM", layers)?;
+    let head_dim = head_dim(m, &c, heads)?;
+    c.insert("head_dim".into(), json!(head_dim));
+    c.insert(
+        "intermediate_size".into(),
+        json!(m.uint("feed_forward_length")?),
+    );
+    if let Some(scaling) = rope_scaling(m)? {
+        c.insert("rope_scaling".into(), scaling);
+    }
+    Ok(Value::Object(c))
+}
+
 /// The Hugging Face `qwen3_5_moe` text config a llama.cpp `qwen35moe` GGUF describes (Qwen3.5
 /// MoE: Gated DeltaNet layers and gated full attention). Layers are typed by their tensors (a
 /// linear-attention layer has `ssm_a`); the multi-token-prediction layers past
@@ -544,7 +563,7 @@ fn hf_target(
         return target(module(m), true, Transform::None);
     }
     match (arch, rest) {
-        ("qwen3moe", "ffn_norm.weight") => {
+        ("qwen3moe" | "qwen3", "ffn_norm.weight") => {
             target(module("post_attention_layernorm"), true, Transform::None)
         }
         ("qwen35moe" | "qwen3next", _) => {

@@ -146,6 +146,8 @@ macro_rules! reference_suite {
             qwen3_5_q4: "qwen3_5-q4",
             qwen3_next_bf16: "qwen3_next-bf16",
             qwen3_moe_gguf_q4_k_m: "qwen3_moe-gguf-q4_k_m",
+            qwen3_gguf_q8_0: "qwen3-gguf-q8_0",
+            qwen3_gguf_q4_k_m: "qwen3-gguf-q4_k_m",
             qwen3_moe_gguf_q3_k_m: "qwen3_moe-gguf-q3_k_m",
             qwen3_moe_gguf_q2_k: "qwen3_moe-gguf-q2_k",
             qwen3_moe_gguf_legacy: "qwen3_moe-gguf-legacy",
