@@ -1060,7 +1060,7 @@ fn info_describes_a_deltanet_gguf() {
 #[test]
 fn generate_drafts_with_a_draft_model_of_the_same_tokenizer() {
     let draft = fixture("../../models/demo-draft");
-    let out = sluice(&[
+    let plain_args = [
         "generate",
         "--prompt",
         "Once upon a time",
@@ -1068,21 +1068,12 @@ fn generate_drafts_with_a_draft_model_of_the_same_tokenizer() {
         "24",
         "--temperature",
         "0",
-        "--draft-model",
-        draft.to_str().unwrap(),
-    ]);
+    ];
+    let out = sluice(&[&plain_args[..], &["--draft-model", draft.to_str().unwrap()]].concat());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     // The same text as without speculation.
-    let plain = sluice(&[
-        "generate",
-        "--prompt",
-        "Once upon a time",
-        "-n",
-        "24",
-        "--temperature",
-        "0",
-    ]);
+    let plain = sluice(&plain_args);
     assert_eq!(out.stdout, plain.stdout, "{stderr}");
     assert!(
         stderr.contains("speculation (draft model, 4 tokens)"),

@@ -334,13 +334,13 @@ impl<B: Backend + 'static> Engine<B> {
                 0 => self.drafts(s),
                 _ => {
                     s.draft_backoff -= 1;
-                    Ok(Vec::new())
+                    Vec::new()
                 }
             };
-            match drafts {
-                Ok(drafts) if !drafts.is_empty() => self.speculative_pass(s, &drafts),
-                Ok(_) => self.decode_pass(batch, &decoding),
-                Err(e) => s.fail(e),
+            if !drafts.is_empty() {
+                self.speculative_pass(s, &drafts);
+            } else {
+                self.decode_pass(batch, &decoding);
             }
         } else if !decoding.is_empty() {
             self.decode_pass(batch, &decoding);
@@ -411,9 +411,9 @@ impl<B: Backend + 'static> Engine<B> {
 
     /// The tokens `s`'s drafter proposes after its next token, as many as its length limit
     /// and the model's context leave room for.
-    fn drafts<S: Sink>(&self, s: &mut Sequence<'_, B, S>) -> Result<Vec<u32>, EngineError> {
+    fn drafts<S: Sink>(&self, s: &mut Sequence<'_, B, S>) -> Vec<u32> {
         let Phase::Decode(next) = s.phase else {
-            return Ok(Vec::new());
+            return Vec::new();
         };
         // The pass runs the next token and the drafts: no more than the backend computes as it
         // computes one decoded token (see `Backend::decode_rows`).
@@ -426,20 +426,32 @@ impl<B: Backend + 'static> Engine<B> {
             )
             .min(self.model.backend().decode_rows().saturating_sub(1));
         if room == 0 || s.speculation == Speculation::Off {
-            return Ok(Vec::new());
+            return Vec::new();
         }
         let mut history = Vec::with_capacity(s.consumed.len() + 1);
         history.extend_from_slice(&s.consumed);
         history.push(next);
         match (&s.speculation, &self.draft) {
-            (Speculation::Draft { draft_tokens }, Some(draft)) => draft.draft(
-                &mut s.drafting,
-                &history,
-                room.min(*draft_tokens),
-                self.model.info().vocab_size,
-                &self.eos_ids,
-            ),
-            _ => Ok(s.speculation.draft(&history, room)),
+            (Speculation::Draft { draft_tokens }, Some(draft)) => {
+                let drafted = draft.draft(
+                    &mut s.drafting,
+                    &history,
+                    room.min(*draft_tokens),
+                    self.model.info().vocab_size,
+                    &self.eos_ids,
+                );
+                // A failing draft model (out of memory, say) costs the request its drafts, not
+                // its answer: it goes on decoding one token per pass.
+                drafted.unwrap_or_else(|e| {
+                    eprintln!(
+                        "sluice: the draft model failed ({e}): this request goes on without it"
+                    );
+                    s.speculation = Speculation::Off;
+                    s.drafting = None;
+                    Vec::new()
+                })
+            }
+            _ => s.speculation.draft(&history, room),
         }
     }
 

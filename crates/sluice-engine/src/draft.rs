@@ -72,6 +72,8 @@ impl<B: Backend + 'static> DraftModel<B> {
         vocab: usize,
         stop: &[u32],
     ) -> Result<Vec<u32>, EngineError> {
+        // Past the draft model's context there is nothing to draft with: plain decoding goes on.
+        let k = k.min(self.model.info().max_context.saturating_sub(history.len()));
         if history.is_empty() || k == 0 {
             return Ok(Vec::new());
         }

@@ -285,3 +285,37 @@ fn drafting_without_a_draft_model_is_refused() {
         .to_string();
     assert!(err.contains("--draft-model"), "{err}");
 }
+
+/// A draft model with a shorter context than the request stops drafting there; the request goes
+/// on decoding to the same tokens.
+#[test]
+fn drafting_stops_at_the_draft_models_context() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("qwen3-q4");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let path = tmp.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["max_position_embeddings"] = 24.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+
+    let mut engine = load("qwen3_moe-q4");
+    engine
+        .load_draft(tmp.path(), &LoadOptions::default())
+        .unwrap();
+    let prompt: Vec<u32> = (0..16).map(|i| 2 + 13 * i).collect();
+    let (plain, _) = generate(&mut engine, Speculation::Off, &prompt, &greedy(), 30);
+    let draft = Speculation::Draft { draft_tokens: 4 };
+    let (got, short) = generate(&mut engine, draft.clone(), &prompt, &greedy(), 30);
+    assert_eq!(got, plain);
+    // Drafts only while the history and the drafts fit 24 positions (histories of 17 to 23
+    // tokens: at most 4 + 4 + 4 + 4 + 3 + 2 + 1), fewer than the same model with its context.
+    assert!(short.drafted > 0 && short.drafted <= 22, "{short:?}");
+    engine.load_draft(&src, &LoadOptions::default()).unwrap();
+    let (got, full) = generate(&mut engine, draft, &prompt, &greedy(), 30);
+    assert_eq!(got, plain);
+    assert!(short.drafted < full.drafted, "{short:?} {full:?}");
+}
