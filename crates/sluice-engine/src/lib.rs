@@ -268,7 +268,6 @@ impl<B: Backend + 'static> Engine<B> {
         };
         let source = store.clone().map(|s| Arc::new(s) as Arc<dyn ExpertSource>);
         let mut model = sluice_models::load_with_experts(&dir, backend.clone(), source)?;
-        let engine_backend = backend.clone();
         // The backend's own expert cache (VRAM) gets what the resident weights leave.
         let device_cache_plan = match &store {
             Some(store) => {
@@ -333,7 +332,7 @@ impl<B: Backend + 'static> Engine<B> {
             prefill_chunk: opts.prefill_chunk.unwrap_or(PREFILL_CHUNK).max(1),
             speculation: speculate::Speculation::Off,
             draft: None,
-            backend: engine_backend,
+            backend,
         })
     }
 
