@@ -40,6 +40,8 @@ pub struct ChatArgs {
     no_think: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    speculate: crate::SpeculateArgs,
 }
 
 const HELP: &str = "commands: /system TEXT, /reset, /quit (Ctrl-D); Ctrl-C stops an answer";
@@ -48,8 +50,9 @@ pub fn run(a: ChatArgs) -> Result<()> {
     with_engine!(&a.model, |engine| chat_on(engine, &a))
 }
 
-fn chat_on<B: Backend + 'static>(engine: Engine<B>, a: &ChatArgs) -> Result<()> {
+fn chat_on<B: Backend + 'static>(mut engine: Engine<B>, a: &ChatArgs) -> Result<()> {
     let params = a.sampling.params(&engine.defaults)?;
+    a.speculate.apply(&mut engine)?;
     crate::print_banner(&engine);
     let interrupted = Arc::new(AtomicBool::new(false));
     {
@@ -222,8 +225,17 @@ fn answer<B: Backend + 'static>(
         FinishReason::Length => ", stopped at --max-tokens",
         FinishReason::Cancelled => ", interrupted",
     };
+    let spec = &stats.speculation;
+    let drafts = match spec.drafted {
+        0 => String::new(),
+        _ => format!(
+            "; {:.0}% of drafts kept, {:.2} tokens per pass",
+            spec.acceptance() * 100.0,
+            spec.tokens_per_pass()
+        ),
+    };
     eprintln!(
-        "{dim}[{} tokens, {:.1} tok/s; prompt {} tokens, {} reused{why}]{reset}",
+        "{dim}[{} tokens, {:.1} tok/s; prompt {} tokens, {} reused{drafts}{why}]{reset}",
         stats.generated_tokens,
         stats.decode_tok_per_sec(),
         stats.prompt_tokens,

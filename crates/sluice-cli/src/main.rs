@@ -168,7 +168,7 @@ struct GenerateArgs {
     speculate: SpeculateArgs,
 }
 
-/// Speculative decoding flags (`generate`, `serve`).
+/// Speculative decoding flags (`generate`, `chat`, `serve`).
 #[derive(Args, Clone)]
 pub(crate) struct SpeculateArgs {
     /// Draft tokens and check them several per forward pass: `lookup` (the tokens that followed

@@ -879,10 +879,16 @@ fn info_shows_the_plan_with_its_arithmetic() {
 
 /// `sluice chat` with the given stdin (not a terminal: plain line reading).
 fn chat(model: &Path, input: &str) -> (String, String) {
+    chat_with(model, &["-n", "5"], input)
+}
+
+/// [`chat`] with other flags.
+fn chat_with(model: &Path, flags: &[&str], input: &str) -> (String, String) {
     use std::io::Write;
     use std::process::Stdio;
     let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["chat", "--model", model.to_str().unwrap(), "-n", "5"])
+        .args(["chat", "--model", model.to_str().unwrap()])
+        .args(flags)
         .env("RAYON_NUM_THREADS", "2")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -926,6 +932,19 @@ fn chat_keeps_history_and_reuses_the_prompt() {
     assert!(turns[1].0 > turns[0].0 + 5, "{turns:?}");
     assert_eq!(turns[0].1, 0, "{turns:?}");
     assert!(turns[1].1 >= turns[0].0, "{turns:?}");
+}
+
+#[test]
+fn chat_drafts_with_a_draft_model_and_answers_the_same() {
+    let demo = fixture("../../models/demo");
+    let draft = fixture("../../models/demo-draft");
+    let input = "Tell me a story about a fox.\n/quit\n";
+    let greedy = ["-n", "24", "--temperature", "0"];
+    let (plain, _) = chat_with(&demo, &greedy, input);
+    let flags = [&greedy[..], &["--draft-model", draft.to_str().unwrap()]].concat();
+    let (drafted, stderr) = chat_with(&demo, &flags, input);
+    assert_eq!(drafted, plain, "{stderr}");
+    assert!(stderr.contains("of drafts kept"), "{stderr}");
 }
 
 #[test]
