@@ -527,15 +527,17 @@ fn bytes_per_token_at<B: Backend>(engine: &Engine<B>, tokens_per_pass: f64) -> f
 /// Weight bytes the draft model reads per token it drafts (0 without one drafting).
 fn draft_bytes_per_token<B: Backend>(engine: &Engine<B>) -> f64 {
     match (&engine.speculation, &engine.draft) {
-        (Speculation::Draft { .. }, Some(draft)) => {
-            let info = draft.model.info();
-            let per_expert = info.expert_bytes as f64 / info.experts.max(1) as f64;
-            info.dense_bytes as f64
-                + per_expert * info.experts_per_token as f64
-                + (info.hidden_size * 2) as f64
-        }
+        (Speculation::Draft { .. }, Some(draft)) => decode_bytes(draft.model.info()),
         _ => 0.0,
     }
+}
+
+/// Weight bytes one decoded token reads: the dense weights, its experts, one embedding row.
+fn decode_bytes(info: &sluice_models::ModelInfo) -> f64 {
+    let per_expert = info.expert_bytes as f64 / info.experts.max(1) as f64;
+    info.dense_bytes as f64
+        + per_expert * info.experts_per_token as f64
+        + (info.hidden_size * 2) as f64
 }
 
 /// Weight bytes read per token (see [`RunResult::bytes_per_token`]).
@@ -544,9 +546,7 @@ pub fn bytes_per_token<B: Backend>(engine: &Engine<B>, test: Test) -> f64 {
     let per_expert = info.expert_bytes as f64 / info.experts.max(1) as f64;
     let row = (info.hidden_size * 2) as f64; // One embedding row, roughly.
     match test {
-        Test::Generate(_) | Test::Echo(_) => {
-            info.dense_bytes as f64 + per_expert * info.experts_per_token as f64 + row
-        }
+        Test::Generate(_) | Test::Echo(_) => decode_bytes(info),
         // Like a prompt of `b` tokens: each step reads the dense weights and the distinct
         // experts of its `b` rows once.
         Test::Batch(_, b) => bytes_per_token(engine, Test::Prompt(b)),
