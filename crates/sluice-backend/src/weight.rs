@@ -291,6 +291,49 @@ impl HostMatrix {
         }
     }
 
+    /// Columns `range` as a matrix of their own, copied: a projection over a concatenated input
+    /// split into one per part (so no concatenation runs per token). `None` when the range does
+    /// not start and end on a quantisation group.
+    pub fn columns(&self, range: Range<usize>) -> Option<HostMatrix> {
+        assert!(range.start <= range.end && range.end <= self.cols);
+        let group = match self.format {
+            WeightFormat::Dense(_) => 1,
+            WeightFormat::Affine { group_size, .. } => group_size,
+            WeightFormat::Mxfp4 => MXFP4_GROUP,
+        };
+        if !range.start.is_multiple_of(group) || !range.end.is_multiple_of(group) {
+            return None;
+        }
+        let f = self.format;
+        // Bytes of the first `cols` columns of a row in each part: every format stores a row's
+        // groups in column order, so a group-aligned prefix is a byte prefix.
+        let widths: [fn(&WeightFormat, usize) -> usize; 3] = [
+            WeightFormat::row_bytes,
+            WeightFormat::scale_row_bytes,
+            WeightFormat::bias_row_bytes,
+        ];
+        let parts = [&self.data, &self.scales, &self.biases];
+        let mut out = parts.iter().zip(widths).map(|(bytes, width)| {
+            let (row, from, to) = (
+                width(&f, self.cols),
+                width(&f, range.start),
+                width(&f, range.end),
+            );
+            if row == 0 {
+                return HostBytes::empty();
+            }
+            let src = bytes.as_slice();
+            HostBytes::from_vec(
+                (0..self.rows)
+                    .flat_map(|r| &src[r * row + from..r * row + to])
+                    .copied()
+                    .collect(),
+            )
+        });
+        let (data, scales, biases) = (out.next()?, out.next()?, out.next()?);
+        HostMatrix::new(f, self.rows, range.len(), data, scales, biases).ok()
+    }
+
     /// The transpose `[cols, rows]`, copied; `None` for a quantised matrix (its groups run
     /// along rows).
     pub fn transposed(&self) -> Option<HostMatrix> {
@@ -411,6 +454,63 @@ impl<'a> MatRef<'a> {
             data: &self.data[range.start * rb..range.end * rb],
             scales: part(self.scales, sb),
             biases: part(self.biases, bb),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::dequantize_row;
+
+    fn bytes(n: usize, seed: u8) -> HostBytes {
+        HostBytes::from_vec((0..n).map(|i| (i as u8).wrapping_mul(37) ^ seed).collect())
+    }
+
+    /// Every format's column split dequantises to the same columns of the whole matrix.
+    #[test]
+    fn columns_are_the_same_columns_of_the_whole() {
+        let (rows, cols) = (3, 256);
+        let formats = [
+            WeightFormat::Dense(Dtype::Bf16),
+            WeightFormat::Affine {
+                bits: 4,
+                group_size: 64,
+                scale_dtype: Dtype::F16,
+            },
+            WeightFormat::Affine {
+                bits: 8,
+                group_size: 32,
+                scale_dtype: Dtype::Bf16,
+            },
+            WeightFormat::Mxfp4,
+        ];
+        for f in formats {
+            let m = HostMatrix::new(
+                f,
+                rows,
+                cols,
+                bytes(rows * f.row_bytes(cols), 1),
+                bytes(rows * f.scale_row_bytes(cols), 2),
+                bytes(rows * f.bias_row_bytes(cols), 3),
+            )
+            .unwrap();
+            for range in [0..128, 128..256, 64..192] {
+                let part = m.columns(range.clone()).unwrap();
+                assert_eq!((part.rows, part.cols), (rows, range.len()));
+                for r in 0..rows {
+                    let whole = dequantize_row(&m.as_ref(), r);
+                    let got = dequantize_row(&part.as_ref(), r);
+                    let want = &whole[range.clone()];
+                    // NaN patterns from the arbitrary bytes compare by their bits.
+                    let same = got
+                        .iter()
+                        .zip(want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{f}, columns {range:?}, row {r}");
+                }
+            }
+            assert!(m.columns(0..100).is_none() || f == WeightFormat::Dense(Dtype::Bf16));
         }
     }
 }

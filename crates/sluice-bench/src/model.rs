@@ -524,10 +524,15 @@ fn bytes_per_token_at<B: Backend>(engine: &Engine<B>, tokens_per_pass: f64) -> f
     (info.dense_bytes as f64 + per_expert * experts_read) / t + row
 }
 
-/// Weight bytes the draft model reads per token it drafts (0 without one drafting).
+/// Weight bytes the drafter reads per token it drafts (0 without a draft model or MTP layer
+/// drafting).
 fn draft_bytes_per_token<B: Backend>(engine: &Engine<B>) -> f64 {
     match (&engine.speculation, &engine.draft) {
         (Speculation::Draft { .. }, Some(draft)) => decode_bytes(draft.model.info()),
+        (Speculation::Mtp { .. }, _) => {
+            let mtp = engine.model.mtp();
+            mtp.map_or(0.0, |m| (m.weight_bytes() + m.hidden_size() * 2) as f64)
+        }
         _ => 0.0,
     }
 }

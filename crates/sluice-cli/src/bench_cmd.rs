@@ -113,8 +113,13 @@ pub struct BenchArgs {
     /// share of drafted tokens kept and the tokens per forward pass. `replay` drafts the answer
     /// itself (recorded by an untimed run): every draft is kept, the most any drafter can give,
     /// and what a random-weight model (which repeats nothing) can still measure.
-    /// `draft` drafts with --draft-model. `--speculate off,lookup,replay` compares.
-    #[arg(long, value_delimiter = ',', value_name = "off|lookup|draft|replay")]
+    /// `draft` drafts with --draft-model, `mtp` with the model's multi-token-prediction layer.
+    /// `--speculate off,lookup,replay` compares.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "off|mtp|lookup|draft|replay"
+    )]
     speculate: Vec<String>,
     /// The draft model of `--speculate draft` (same tokenizer, loaded on the same device).
     #[arg(long, value_name = "DIR|FILE.gguf")]
@@ -256,7 +261,7 @@ fn run_on<B: Backend + 'static>(
         }
     }
     if !a.draft_tokens.is_empty() && speculations.is_empty() {
-        bail!("--draft-tokens needs --speculate lookup, draft or replay");
+        bail!("--draft-tokens needs --speculate mtp, lookup, draft or replay");
     }
     let drafting = speculations
         .iter()

@@ -120,6 +120,12 @@ pub fn run(a: InfoArgs) -> Result<()> {
             format_bytes(info.dense_bytes as u64)
         );
     }
+    if let Some(mtp) = engine.model.mtp() {
+        println!(
+            "  multi-token prediction: one layer, {} read per drafted token (--speculate mtp)",
+            format_bytes(mtp.weight_bytes() as u64)
+        );
+    }
     if info.experts > 0 {
         println!(
             "  routed experts: {} in all, {} per expert across the layers{}",

@@ -171,12 +171,13 @@ struct GenerateArgs {
 /// Speculative decoding flags (`generate`, `chat`, `serve`).
 #[derive(Args, Clone)]
 pub(crate) struct SpeculateArgs {
-    /// Draft tokens and check them several per forward pass: `lookup` (the tokens that followed
-    /// the last few tokens' latest earlier occurrence in the prompt or output: helps when the
-    /// answer repeats its input, as code edits and quotes do), `draft` (a smaller model's
-    /// greedy guesses: --draft-model) or `off`. The output is what decoding without it gives
-    /// (greedy: the same tokens; sampled: the same distribution).
-    #[arg(long, default_value = "off", value_name = "lookup|draft|off")]
+    /// Draft tokens and check them several per forward pass: `mtp` (the model's own
+    /// multi-token-prediction layer, chained: official Qwen3.5 and Qwen3-Next checkpoints),
+    /// `lookup` (the tokens that followed the last few tokens' latest earlier occurrence in the
+    /// prompt or output: helps when the answer repeats its input, as code edits and quotes do),
+    /// `draft` (a smaller model's greedy guesses: --draft-model) or `off`. The output is what
+    /// decoding without it gives (greedy: the same tokens; sampled: the same distribution).
+    #[arg(long, default_value = "off", value_name = "mtp|lookup|draft|off")]
     speculate: String,
     /// Tokens drafted per pass (at most 64; a pass checks at most what the backend decodes as
     /// one token: 14 drafts on the CPU, 7 on a GPU).

@@ -94,6 +94,8 @@ pub struct Sequence<'a, B: Backend, S> {
     draft_misses: u32,
     /// The draft model's state for this sequence ([`Speculation::Draft`]), made on first use.
     drafting: Option<crate::draft::Drafting<B>>,
+    /// The MTP layer's state for this sequence ([`Speculation::Mtp`]), made on first use.
+    mtp: Option<crate::mtp::MtpDrafting<B>>,
     phase: Phase,
     error: Option<EngineError>,
     stats: GenerationStats,
@@ -233,6 +235,17 @@ impl<B: Backend + 'static> Engine<B> {
         request: &GenerateRequest<'_>,
         sink: S,
     ) -> Result<Sequence<'_, B, S>, EngineError> {
+        self.sequence_speculating(cache, request, sink, self.speculation.clone())
+    }
+
+    /// [`Engine::sequence`], drafting as `speculation` says.
+    pub(crate) fn sequence_speculating<S: Sink>(
+        &self,
+        cache: Option<&mut PromptCache<B>>,
+        request: &GenerateRequest<'_>,
+        sink: S,
+        speculation: Speculation,
+    ) -> Result<Sequence<'_, B, S>, EngineError> {
         let GenerateRequest {
             prompt,
             params,
@@ -242,10 +255,19 @@ impl<B: Backend + 'static> Engine<B> {
             cancel: _,
         } = *request;
         params.validate().map_err(EngineError::Input)?;
-        if matches!(self.speculation, Speculation::Draft { .. }) && self.draft.is_none() {
+        if matches!(speculation, Speculation::Draft { .. }) && self.draft.is_none() {
             return Err(EngineError::Input(
                 "--speculate draft needs a draft model (--draft-model DIR)".into(),
             ));
+        }
+        if matches!(speculation, Speculation::Mtp { .. }) && self.model.mtp().is_none() {
+            return Err(EngineError::Input(format!(
+                "--speculate mtp: this {} checkpoint has no multi-token-prediction layer \
+                 (`mtp.*` tensors: the official Qwen3.5 and Qwen3-Next checkpoints have one, \
+                 mlx-community conversions and packed directories drop it); use --speculate \
+                 lookup or --draft-model DIR",
+                self.model.info().model_type
+            )));
         }
         if prompt.is_empty() {
             return Err(EngineError::Input("the prompt is empty".into()));
@@ -262,10 +284,14 @@ impl<B: Backend + 'static> Engine<B> {
         let start = Instant::now();
         let snapshots_wanted = cache.is_some();
         let resumed = cache.and_then(|c| c.take(self.model.backend(), prompt));
-        let (state, cached_tokens, saved_logits) = match resumed {
+        let (mut state, cached_tokens, saved_logits) = match resumed {
             Some(r) => (r.state, r.cached_tokens, r.logits),
             None => (self.new_state()?, 0, None),
         };
+        // The MTP layer drafts from the model's hidden states.
+        if matches!(speculation, Speculation::Mtp { .. }) {
+            state.keep_hidden();
+        }
         // A recurrent state cannot be rewound, so the prompt cache keeps copies of it at the
         // points a later prompt is likely to share: the checkpoint and the end of this prompt.
         let snapshots = snapshots_wanted && !state.can_rewind();
@@ -282,10 +308,11 @@ impl<B: Backend + 'static> Engine<B> {
             stream: StreamDecoder::new(&self.tokenizer, true),
             max_tokens: max_tokens.min(ctx - prompt.len()),
             ignore_eos,
-            speculation: self.speculation.clone(),
+            speculation,
             draft_backoff: 0,
             draft_misses: 0,
             drafting: None,
+            mtp: None,
             phase: Phase::Prompt,
             error: None,
             stats: GenerationStats {
@@ -448,6 +475,26 @@ impl<B: Backend + 'static> Engine<B> {
                     );
                     s.speculation = Speculation::Off;
                     s.drafting = None;
+                    Vec::new()
+                })
+            }
+            (Speculation::Mtp { draft_tokens }, _) => {
+                let drafted = crate::mtp::draft(
+                    self.model.as_ref(),
+                    &mut s.mtp,
+                    &mut s.state,
+                    &history,
+                    room.min(*draft_tokens),
+                    &self.eos_ids,
+                    self.prefill_chunk,
+                );
+                drafted.unwrap_or_else(|e| {
+                    eprintln!(
+                        "sluice: the MTP layer failed ({e}): this request goes on without it"
+                    );
+                    s.speculation = Speculation::Off;
+                    s.mtp = None;
+                    s.state.hidden = None;
                     Vec::new()
                 })
             }

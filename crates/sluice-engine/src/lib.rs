@@ -15,6 +15,7 @@ use sluice_models::{CausalLm, ModelError, State};
 pub mod batch;
 pub mod chat;
 pub mod draft;
+mod mtp;
 pub mod npy;
 pub mod output;
 pub mod prompt_cache;
@@ -469,10 +470,9 @@ impl<B: Backend + 'static> Engine<B> {
             on_event,
             cancel: request.cancel,
         };
-        let mut sequence = self.sequence(cache.as_deref_mut(), request, sink)?;
-        if let Some(speculation) = speculation {
-            sequence.speculation = speculation;
-        }
+        let speculation = speculation.unwrap_or_else(|| self.speculation.clone());
+        let sequence =
+            self.sequence_speculating(cache.as_deref_mut(), request, sink, speculation)?;
         batch::run_alone(self, sequence, cache).0
     }
 

@@ -25,6 +25,9 @@ pub enum Speculation {
     /// The engine's draft model ([`crate::Engine::load_draft`]), a smaller model with the same
     /// tokenizer, drafts `draft_tokens` greedily.
     Draft { draft_tokens: usize },
+    /// The model's own multi-token-prediction layer (Qwen3.5's and Qwen3-Next's `mtp.*`),
+    /// chained to draft `draft_tokens` greedily from the model's last hidden state.
+    Mtp { draft_tokens: usize },
     /// For benchmarks: drafts `answer`, what the model generated after the first `after`
     /// tokens of this very prompt on an earlier run. Greedy decoding keeps every draft: the most
     /// any drafter can give at `draft_tokens` per pass. Not a setting of `generate` or `serve`.
@@ -50,8 +53,9 @@ impl Speculation {
             "off" => Ok(Speculation::Off),
             "lookup" => Ok(Speculation::Lookup { draft_tokens: k }),
             "draft" => Ok(Speculation::Draft { draft_tokens: k }),
+            "mtp" => Ok(Speculation::Mtp { draft_tokens: k }),
             other => Err(format!(
-                "--speculate {other}: expected lookup, draft or off (mtp is not built yet)"
+                "--speculate {other}: expected mtp, lookup, draft or off"
             )),
         }
     }
@@ -72,15 +76,16 @@ impl Speculation {
             Speculation::Off => 0,
             Speculation::Lookup { draft_tokens }
             | Speculation::Draft { draft_tokens }
+            | Speculation::Mtp { draft_tokens }
             | Speculation::Replay { draft_tokens, .. } => draft_tokens,
         }
     }
 
     /// Up to `limit` drafted tokens to follow `history` (empty: decode one token). A draft
-    /// model's tokens come from the engine instead (empty here).
+    /// model's and the MTP layer's tokens come from the engine instead (empty here).
     pub fn draft(&self, history: &[u32], limit: usize) -> Vec<u32> {
         match *self {
-            Speculation::Off | Speculation::Draft { .. } => Vec::new(),
+            Speculation::Off | Speculation::Draft { .. } | Speculation::Mtp { .. } => Vec::new(),
             Speculation::Lookup { draft_tokens } => {
                 lookup_draft(history, draft_tokens.min(limit), LOOKUP_NGRAM)
             }
@@ -112,6 +117,7 @@ impl fmt::Display for Speculation {
             Speculation::Off => write!(f, "off"),
             Speculation::Lookup { draft_tokens } => write!(f, "lookup, {draft_tokens} tokens"),
             Speculation::Draft { draft_tokens } => write!(f, "draft model, {draft_tokens} tokens"),
+            Speculation::Mtp { draft_tokens } => write!(f, "mtp, {draft_tokens} tokens"),
             Speculation::Replay { draft_tokens, .. } => write!(f, "replay, {draft_tokens} tokens"),
         }
     }
@@ -224,9 +230,13 @@ mod tests {
         );
         assert_eq!(Speculation::from_args("off", None), Ok(Speculation::Off));
         assert!(Speculation::from_args("lookup", Some(0)).is_err());
-        assert!(Speculation::from_args("mtp", None)
+        assert_eq!(
+            Speculation::from_args("mtp", Some(2)),
+            Ok(Speculation::Mtp { draft_tokens: 2 })
+        );
+        assert!(Speculation::from_args("medusa", None)
             .unwrap_err()
-            .contains("not built yet"));
+            .contains("expected mtp, lookup, draft or off"));
         assert_eq!(
             Speculation::from_args("draft", Some(5)),
             Ok(Speculation::Draft { draft_tokens: 5 })

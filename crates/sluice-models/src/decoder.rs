@@ -7,7 +7,9 @@ use std::sync::Arc;
 use sluice_backend::{Backend, KvFormat};
 
 use crate::loader::Loader;
-use crate::{CausalLm, Checkpoint, LayerState, ModelError, ModelInfo, Segment, State};
+use crate::{
+    CausalLm, Checkpoint, LayerState, ModelError, ModelInfo, MultiTokenPredictor, Segment, State,
+};
 
 /// What an architecture file gives: its [`Decoder`] (the ends and the model's facts), its layers'
 /// forward pass and a new request's state. [`CausalLm`] follows from these.
@@ -23,6 +25,10 @@ pub(crate) trait Architecture<B: Backend>: Send + Sync {
     /// its forward pass logged ([`State::record`]). Only architectures with recurrent layers
     /// that log their inputs implement it ([`CausalLm::take_back`] runs the rows again else).
     fn replay_recurrent(&self, _layer: usize, _state: &mut B::LinearState, _inputs: &[B::Act]) {}
+    /// The checkpoint's multi-token-prediction layer, if it has one.
+    fn mtp(&self) -> Option<&dyn MultiTokenPredictor<B>> {
+        None
+    }
 }
 
 impl<B: Backend + 'static, M: Architecture<B>> CausalLm<B> for M {
@@ -33,12 +39,40 @@ impl<B: Backend + 'static, M: Architecture<B>> CausalLm<B> for M {
         all_logits: bool,
     ) -> Result<B::Act, ModelError> {
         let h = self.layers(&mut [Segment { state, tokens }])?;
-        Ok(self.decoder().logits(h, all_logits))
+        let d = self.decoder();
+        if state.hidden.is_none() {
+            return Ok(d.logits(h, all_logits));
+        }
+        let normed = d.final_norm(&h);
+        let rows = d.backend().slice_rows(&normed, 0, tokens.len());
+        state.record_hidden(d.backend(), state.position - tokens.len(), rows);
+        Ok(d.head(normed, all_logits))
     }
 
     fn forward_batch(&self, segments: &mut [Segment<'_, B>]) -> Result<B::Act, ModelError> {
         let h = self.layers(segments)?;
-        Ok(self.decoder().last_logits(h, segments))
+        let d = self.decoder();
+        if segments.iter().all(|s| s.state.hidden.is_none()) {
+            return Ok(d.last_logits(h, segments));
+        }
+        let (b, normed) = (d.backend(), d.final_norm(&h));
+        let mut row = 0;
+        let mut last = Vec::with_capacity(segments.len());
+        for s in segments.iter_mut() {
+            let n = s.tokens.len();
+            if s.state.hidden.is_some() {
+                let first = s.state.position - n;
+                s.state
+                    .record_hidden(b, first, b.slice_rows(&normed, row, n));
+            }
+            last.push(b.slice_rows(&normed, row + n - 1, 1));
+            row += n;
+        }
+        Ok(d.head(b.concat_rows(&last.iter().collect::<Vec<_>>()), true))
+    }
+
+    fn mtp(&self) -> Option<&dyn MultiTokenPredictor<B>> {
+        Architecture::mtp(self)
     }
 
     fn new_state(&self) -> Result<State<B>, ModelError> {
@@ -353,6 +387,22 @@ impl<B: Backend> Decoder<B> {
         } else {
             h
         };
+        self.head(self.final_norm(&h), true)
+    }
+
+    /// The final norm of every row of `h`: the model's final hidden states.
+    pub fn final_norm(&self, h: &B::Act) -> B::Act {
+        self.backend.rms_norm(h, &self.ends.norm, self.eps)
+    }
+
+    /// The output head over final hidden states `normed`: on the last row only unless `all_rows`.
+    pub fn head(&self, normed: B::Act, all_rows: bool) -> B::Act {
+        let b = self.backend.as_ref();
+        let (rows, _) = b.shape(&normed);
+        let normed = match !all_rows && rows > 1 {
+            true => b.slice_rows(&normed, rows - 1, 1),
+            false => normed,
+        };
         // Tied models use the embeddings even if a stray `lm_head` is stored, as mlx-lm and
         // transformers do (the loaders only keep a head when untied).
         let head = self
@@ -360,7 +410,18 @@ impl<B: Backend> Decoder<B> {
             .lm_head
             .as_ref()
             .unwrap_or(&self.ends.embed_tokens);
-        b.matmul(&b.rms_norm(&h, &self.ends.norm, self.eps), head)
+        b.matmul(&normed, head)
+    }
+
+    /// The embeddings of `tokens`, after rejecting ids outside the vocabulary.
+    pub fn embed_tokens(&self, tokens: &[u32]) -> Result<B::Act, ModelError> {
+        let vocab = self.info.vocab_size;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::Input(format!(
+                "token id {t} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        Ok(self.backend.embed(&self.ends.embed_tokens, tokens))
     }
 }
 

@@ -113,6 +113,79 @@ pub struct State<B: Backend> {
     /// update got, per layer (empty for other layers), so that [`CausalLm::take_back`] can redo
     /// those updates for the rows kept instead of running them again.
     pub log: Option<Vec<Vec<B::Act>>>,
+    /// While kept ([`State::keep_hidden`]): the final hidden states of the positions run, what
+    /// a multi-token predictor drafts from ([`CausalLm::mtp`]).
+    pub hidden: Option<HiddenLog<B>>,
+}
+
+/// The final hidden states (after the final norm: what the output head reads) of a run of
+/// positions, one `[rows, hidden]` block per forward pass.
+pub struct HiddenLog<B: Backend> {
+    /// `(first position, rows)`, contiguous and in order.
+    blocks: Vec<(usize, B::Act)>,
+}
+
+impl<B: Backend> HiddenLog<B> {
+    /// The positions held.
+    pub fn covered(&self, backend: &B) -> std::ops::Range<usize> {
+        match (self.blocks.first(), self.blocks.last()) {
+            (Some((first, _)), Some((last, rows))) => *first..last + backend.shape(rows).0,
+            _ => 0..0,
+        }
+    }
+
+    /// Keeps `rows`, the hidden states of positions `first..`: positions at or after `first`
+    /// held before (a pass since taken back) are dropped, and a gap before `first` drops all.
+    fn record(&mut self, backend: &B, first: usize, rows: B::Act) {
+        self.truncate(backend, first);
+        if self.covered(backend).end != first {
+            self.blocks.clear();
+        }
+        self.blocks.push((first, rows));
+    }
+
+    /// Drops the positions at or after `end`.
+    fn truncate(&mut self, backend: &B, end: usize) {
+        self.blocks.retain(|(first, _)| *first < end);
+        if let Some((first, rows)) = self.blocks.last_mut() {
+            let n = backend.shape(rows).0;
+            if *first + n > end {
+                *rows = backend.slice_rows(rows, 0, end - *first);
+            }
+        }
+    }
+
+    /// The rows of positions `range`, if all are held.
+    pub fn rows(&self, backend: &B, range: std::ops::Range<usize>) -> Option<B::Act> {
+        let covered = self.covered(backend);
+        if range.is_empty() || range.start < covered.start || range.end > covered.end {
+            return None;
+        }
+        let parts: Vec<B::Act> = (self.blocks.iter())
+            .filter_map(|(first, rows)| {
+                let end = first + backend.shape(rows).0;
+                let (from, to) = (range.start.max(*first), range.end.min(end));
+                (from < to).then(|| backend.slice_rows(rows, from - first, to - from))
+            })
+            .collect();
+        Some(match parts.len() {
+            1 => parts.into_iter().next().expect("one part"),
+            _ => backend.concat_rows(&parts.iter().collect::<Vec<_>>()),
+        })
+    }
+
+    /// Forgets the positions before `position` (read by the predictor already).
+    pub fn forget_before(&mut self, backend: &B, position: usize) {
+        self.blocks
+            .retain(|(first, rows)| first + backend.shape(rows).0 > position);
+        if let Some((first, rows)) = self.blocks.first_mut() {
+            if *first < position {
+                let skip = position - *first;
+                *rows = backend.slice_rows(rows, skip, backend.shape(rows).0 - skip);
+                *first = position;
+            }
+        }
+    }
 }
 
 impl<B: Backend> State<B> {
@@ -122,6 +195,20 @@ impl<B: Backend> State<B> {
             layers,
             position,
             log: None,
+            hidden: None,
+        }
+    }
+
+    /// Starts keeping the final hidden state of every position run from now on
+    /// ([`State::hidden`]).
+    pub fn keep_hidden(&mut self) {
+        self.hidden = Some(HiddenLog { blocks: Vec::new() });
+    }
+
+    /// Records `rows` as the hidden states of positions `first..`, if they are kept.
+    pub fn record_hidden(&mut self, backend: &B, first: usize, rows: B::Act) {
+        if let Some(log) = &mut self.hidden {
+            log.record(backend, first, rows);
         }
     }
 
@@ -143,7 +230,7 @@ impl<B: Backend> State<B> {
 }
 
 impl<B: Backend> Clone for State<B> {
-    /// A copy of the caches; the log stays with the original.
+    /// A copy of the caches; the logs stay with the original.
     fn clone(&self) -> Self {
         State::new(self.layers.clone(), self.position)
     }
@@ -319,6 +406,10 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     /// the backend's [`sluice_backend::Backend::kv_formats`]).
     fn set_kv_format(&mut self, format: sluice_backend::KvFormat) -> Result<(), ModelError>;
     fn backend(&self) -> &B;
+    /// The model's multi-token-prediction layer, if its checkpoint has one.
+    fn mtp(&self) -> Option<&dyn MultiTokenPredictor<B>> {
+        None
+    }
     /// Takes `state` back to `checkpoint` (taken before the last pass) plus `kept`, the first
     /// tokens that pass ran. This default restores the checkpoint and runs `kept` again; a model
     /// with recurrent layers that logs their inputs ([`State::begin_log`]) redoes only those
@@ -331,6 +422,29 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     ) -> Result<bool, ModelError> {
         restore_and_run_again(self, state, checkpoint, kept)
     }
+}
+
+/// A multi-token-prediction layer (Qwen3.5's and Qwen3-Next's `mtp.*`): from the model's final
+/// hidden state at position `p` ([`State::keep_hidden`]) and the token at `p + 1`, the logits of
+/// the token at `p + 2`. It has its own attention cache, over positions aligned with the
+/// model's. Chained on its own output hidden state and the token it chose, it drafts several
+/// tokens.
+pub trait MultiTokenPredictor<B: Backend>: Send + Sync {
+    /// Its state for a new request: an empty cache at position 0.
+    fn new_state(&self) -> Result<State<B>, ModelError>;
+    /// Runs rows at positions `state.position..`: row `i` pairs `hidden` row `i` (the model's,
+    /// or this layer's own output to chain) with `tokens[i]`. Returns every row's logits
+    /// `[rows, vocab]` and output hidden states `[rows, hidden]`.
+    fn forward(
+        &self,
+        state: &mut State<B>,
+        hidden: &B::Act,
+        tokens: &[u32],
+    ) -> Result<(B::Act, B::Act), ModelError>;
+    /// The size of a hidden state.
+    fn hidden_size(&self) -> usize;
+    /// Bytes of weights a drafted token reads (its routed experts' share only).
+    fn weight_bytes(&self) -> usize;
 }
 
 /// [`CausalLm::take_back`] without a log: ends it, restores `checkpoint`, runs `kept` again.

@@ -32,7 +32,7 @@ use crate::decoder::{
 };
 use crate::loader::Loader;
 use crate::moe::{Mlp, MoeDims, Routing, SharedDims};
-use crate::{config_error, LayerState, ModelError, Segment, State};
+use crate::{config_error, LayerState, ModelError, MultiTokenPredictor, Segment, State};
 
 /// The fields of the text config this architecture reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -270,6 +270,87 @@ pub struct Qwen35Moe<B: Backend> {
     rotary_dim: usize,
     decoder: Decoder<B>,
     layers: Vec<Layer<B>>,
+    mtp: Option<Mtp<B>>,
+}
+
+/// The multi-token-prediction layer of the official checkpoints (`mtp.*`; mlx-community
+/// conversions drop it): the token's embedding and the model's final hidden state, each
+/// normed, concatenated and projected by `fc`, then one full-attention decoder layer and a
+/// final norm, read by the model's own output head.
+struct Mtp<B: Backend> {
+    pre_fc_norm_embedding: B::Vector,
+    pre_fc_norm_hidden: B::Vector,
+    /// `fc` (`[hidden, 2 * hidden]`) split by input columns: the embedding's half and the hidden
+    /// state's half, so that nothing is concatenated per row.
+    fc_embedding: B::Weight,
+    fc_hidden: B::Weight,
+    layer: Layer<B>,
+    norm: B::Vector,
+    /// Bytes of its weights but the routed experts, and of those.
+    dense_bytes: usize,
+    expert_bytes: usize,
+}
+
+/// Where checkpoints keep the multi-token-prediction layer: the official layout at the root.
+const MTP_PREFIXES: [&str; 2] = ["mtp", "language_model.mtp"];
+
+impl<B: Backend> Mtp<B> {
+    /// The layer, if the checkpoint has one. Its experts are always resident (a packed
+    /// directory's expert store holds the model's layers only), and its bytes are not the
+    /// model's: a token reads them only when drafting.
+    fn load(
+        dir: &ModelDir,
+        backend: &B,
+        cfg: &Qwen35MoeConfig,
+        layout: &Layout,
+    ) -> Result<Option<Self>, ModelError> {
+        let Some(p) = MTP_PREFIXES
+            .into_iter()
+            .find(|p| dir.tensors.contains(&format!("{p}.fc.weight")))
+        else {
+            return Ok(None);
+        };
+        let mut ld = Loader::new(dir, backend, None);
+        let hidden = cfg.hidden_size;
+        let shift = layout.norm_shift;
+        let fc = ld.host_matrix(&format!("{p}.fc"), hidden, 2 * hidden)?;
+        let split = |range| {
+            fc.columns(range).ok_or_else(|| {
+                ModelError::Unsupported(format!(
+                    "tensor `{p}.fc`: its halves do not start on a quantisation group ({})",
+                    fc.format
+                ))
+            })
+        };
+        let (embedding_half, hidden_half) = (split(0..hidden)?, split(hidden..2 * hidden)?);
+        let fc_embedding = ld.upload(&format!("{p}.fc"), embedding_half)?;
+        let fc_hidden = ld.upload(&format!("{p}.fc"), hidden_half)?;
+        let layer = Layer::load_at(
+            &mut ld,
+            cfg,
+            layout,
+            &format!("{p}.layers.0"),
+            cfg.num_hidden_layers,
+            LayerType::FullAttention,
+            cfg.num_experts > 0,
+        )?;
+        let norm = |ld: &mut Loader<B>, name: &str| {
+            ld.vector_plus(&format!("{p}.{name}.weight"), hidden, shift)
+        };
+        let pre_fc_norm_embedding = norm(&mut ld, "pre_fc_norm_embedding")?;
+        let pre_fc_norm_hidden = norm(&mut ld, "pre_fc_norm_hidden")?;
+        let final_norm = norm(&mut ld, "norm")?;
+        Ok(Some(Mtp {
+            pre_fc_norm_embedding,
+            pre_fc_norm_hidden,
+            fc_embedding,
+            fc_hidden,
+            layer,
+            norm: final_norm,
+            dense_bytes: ld.counted().0,
+            expert_bytes: ld.counted().1,
+        }))
+    }
 }
 
 /// Where the text model's tensors live in each layout.
@@ -355,27 +436,44 @@ impl<B: Backend> Qwen35Moe<B> {
             lm_head,
         };
         let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
+        let mtp = Mtp::load(dir, backend.as_ref(), &cfg, &layout)?;
         Ok(Qwen35Moe {
             cfg,
             rope_theta: rope_theta as f32,
             rotary_dim,
             decoder,
             layers,
+            mtp,
         })
     }
 }
 
 impl<B: Backend> Layer<B> {
+    /// Decoder layer `i` of the model.
     fn load(
         ld: &mut Loader<B>,
         cfg: &Qwen35MoeConfig,
         layout: &Layout,
         i: usize,
     ) -> Result<Self, ModelError> {
-        let hidden = cfg.hidden_size;
         let p = format!("{}.layers.{i}", layout.root);
+        Self::load_at(ld, cfg, layout, &p, i, cfg.layer_type(i), cfg.is_sparse(i))
+    }
+
+    /// The layer under `p`, of type `kind`, with the MoE block if `sparse` (its experts those of
+    /// expert-source layer `i`).
+    fn load_at(
+        ld: &mut Loader<B>,
+        cfg: &Qwen35MoeConfig,
+        layout: &Layout,
+        p: &str,
+        i: usize,
+        kind: LayerType,
+        sparse: bool,
+    ) -> Result<Self, ModelError> {
+        let hidden = cfg.hidden_size;
         let shift = layout.norm_shift;
-        let mixer = match cfg.layer_type(i) {
+        let mixer = match kind {
             LayerType::LinearAttention => {
                 Mixer::Linear(LinearAttention::load(ld, cfg, &format!("{p}.linear_attn"))?)
             }
@@ -399,7 +497,7 @@ impl<B: Backend> Layer<B> {
                 hidden,
                 shift,
             )?,
-            mlp: if cfg.is_sparse(i) {
+            mlp: if sparse {
                 let dims = MoeDims {
                     experts: cfg.num_experts,
                     hidden,
@@ -617,6 +715,12 @@ impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
         Ok(State::new(layers, 0))
     }
 
+    fn mtp(&self) -> Option<&dyn MultiTokenPredictor<B>> {
+        self.mtp
+            .as_ref()
+            .map(|_| self as &dyn MultiTokenPredictor<B>)
+    }
+
     /// The convolution window and the recurrence of DeltaNet layer `layer` over the logged
     /// projections (`[qkv, a, beta]`, as `linear_attention` records them).
     fn replay_recurrent(&self, layer: usize, state: &mut B::LinearState, inputs: &[B::Act]) {
@@ -625,6 +729,76 @@ impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
             let qkv = b.causal_conv1d_silu(qkv, &l.conv1d, state);
             b.gated_delta_rule(&qkv, a, beta, &l.a_log, &l.dt_bias, state);
         }
+    }
+}
+
+impl<B: Backend> MultiTokenPredictor<B> for Qwen35Moe<B> {
+    fn new_state(&self) -> Result<State<B>, ModelError> {
+        let (kv_heads, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim());
+        self.decoder.attention_only_state(1, kv_heads, hd)
+    }
+
+    fn forward(
+        &self,
+        state: &mut State<B>,
+        hidden: &B::Act,
+        tokens: &[u32],
+    ) -> Result<(B::Act, B::Act), ModelError> {
+        let Some(mtp) = &self.mtp else {
+            return Err(ModelError::Unsupported(
+                "this checkpoint has no multi-token-prediction layer".into(),
+            ));
+        };
+        let b = self.decoder.backend();
+        let (eps, k) = (self.decoder.eps(), self.decoder.experts_per_token());
+        let n = tokens.len();
+        let max = self.decoder.info().max_context;
+        if n == 0 || b.shape(hidden) != (n, self.cfg.hidden_size) {
+            return Err(ModelError::Input(format!(
+                "the MTP layer takes one hidden state of {} values per token: got {:?} for {n} \
+                 tokens",
+                self.cfg.hidden_size,
+                b.shape(hidden)
+            )));
+        }
+        if state.layers.len() != 1 || !state.can_rewind() {
+            return Err(wrong_state());
+        }
+        if state.position + n > max {
+            return Err(ModelError::Input(format!(
+                "{} positions exceed the model's context of {max}",
+                state.position + n
+            )));
+        }
+        let embedded = self.decoder.embed_tokens(tokens)?;
+        let e = b.rms_norm(&embedded, &mtp.pre_fc_norm_embedding, eps);
+        let g = b.rms_norm(hidden, &mtp.pre_fc_norm_hidden, eps);
+        let mut h = b.matmul(&e, &mtp.fc_embedding);
+        b.add_assign(&mut h, &b.matmul(&g, &mtp.fc_hidden));
+        let l = &mtp.layer;
+        let Mixer::Full(attention) = &l.mixer else {
+            unreachable!("the MTP layer is loaded as full attention");
+        };
+        let x = b.rms_norm(&h, &l.input_layernorm, eps);
+        let mixed = self.full_attention(attention, &x, 0, &mut [Segment { state, tokens }])?;
+        let x = b.add_rms_norm(&mut h, &mixed, &l.post_attention_layernorm, eps);
+        let mlp = l.mlp.forward(b, &x, k, None)?;
+        b.add_assign(&mut h, &mlp);
+        state.position += n;
+        let out = b.rms_norm(&h, &mtp.norm, eps);
+        let logits = self.decoder.head(b.slice_rows(&out, 0, n), true);
+        Ok((logits, out))
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.cfg.hidden_size
+    }
+
+    fn weight_bytes(&self) -> usize {
+        let k = self.decoder.experts_per_token();
+        self.mtp.as_ref().map_or(0, |m| {
+            m.dense_bytes + m.expert_bytes * k / self.cfg.num_experts.max(1)
+        })
     }
 }
 
