@@ -264,8 +264,8 @@ impl<B: Backend + 'static> Engine<B> {
             return Err(EngineError::Input(format!(
                 "--speculate mtp: this {} checkpoint has no multi-token-prediction layer \
                  (`mtp.*` tensors: the official Qwen3.5 and Qwen3-Next checkpoints have one, \
-                 mlx-community conversions and packed directories drop it); use --speculate \
-                 lookup or --draft-model DIR",
+                 and `sluice pack` keeps it; mlx-community conversions drop it); use \
+                 --speculate lookup or --draft-model DIR",
                 self.model.info().model_type
             )));
         }
