@@ -21,7 +21,7 @@ Writes `qwen3_5_moe-mtp/`:
   p = (main_hidden[p], tokens[p+1]) at position p, one causal pass; row p predicts token p+2),
   `mtp_chained_logits.npy` [1, V] (row (mtp_hidden[n-2], argmax mtp_logits[n-2]) at position n-1),
   `mtp.json`.
-See /tmp/mtp/spec.md (copied into mtp.json's note) for the definition of the MTP forward pass.
+mtp.json's note defines the MTP forward pass (as vLLM's qwen3_5_mtp.py runs it).
 """
 import argparse, copy, json, os, shutil, sys, tempfile
 import numpy as np
