@@ -26,5 +26,5 @@ fn the_mtp_layer_on_the_gpu_matches_transformers() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored"]
 fn mtp_drafts_on_the_gpu_give_the_tokens_of_plain_decoding() {
-    mtp::mtp_speculation_is_exact(gpu(), 0.5);
+    mtp::mtp_speculation_is_exact(gpu(), 0.3);
 }

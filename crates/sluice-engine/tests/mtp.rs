@@ -20,7 +20,7 @@ fn the_mtp_layer_matches_transformers() {
 
 #[test]
 fn mtp_drafts_give_the_tokens_of_plain_decoding() {
-    mtp::mtp_speculation_is_exact(Arc::new(CpuBackend::new()), 0.5);
+    mtp::mtp_speculation_is_exact(Arc::new(CpuBackend::new()), 0.3);
 }
 
 /// A checkpoint without `mtp.*` (an mlx-community conversion) refuses `--speculate mtp` with
