@@ -179,8 +179,8 @@ pub(crate) struct SpeculateArgs {
     /// decoding without it gives (greedy: the same tokens; sampled: the same distribution).
     #[arg(long, default_value = "off", value_name = "mtp|lookup|draft|off")]
     speculate: String,
-    /// Tokens drafted per pass (at most 64; a pass checks at most what the backend decodes as
-    /// one token: 14 drafts on the CPU, 7 on a GPU).
+    /// Tokens drafted per pass (default 4, 3 for mtp; at most 64; a pass checks at most what
+    /// the backend decodes as one token: 14 drafts on the CPU, 7 on a GPU).
     #[arg(long, value_name = "K")]
     draft_tokens: Option<usize>,
     /// The draft model for `--speculate draft` (implied by this flag): a model directory or

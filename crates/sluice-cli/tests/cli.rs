@@ -1116,6 +1116,42 @@ fn generate_drafts_with_a_draft_model_of_the_same_tokenizer() {
 }
 
 #[test]
+fn generate_drafts_with_the_demo_models_mtp_layer() {
+    let plain_args = [
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "-n",
+        "24",
+        "--temperature",
+        "0",
+    ];
+    let out = sluice(&[&plain_args[..], &["--speculate", "mtp"]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let plain = sluice(&plain_args);
+    assert_eq!(out.stdout, plain.stdout, "{stderr}");
+    assert!(stderr.contains("speculation (mtp, 3 tokens)"), "{stderr}");
+    // A checkpoint without the layer says so, and what to use instead.
+    let q4 = fixture("qwen3_5_moe-q4");
+    let out = sluice(&[
+        "generate",
+        "--model",
+        q4.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--speculate",
+        "mtp",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("no multi-token-prediction layer") && stderr.contains("--speculate lookup"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn bench_speculate_runs_echo_tests_and_counts_what_was_kept() {
     // The bundled demo model (trained): its answer after S, its continuation G and S again
     // repeats G in part, so prompt lookup keeps some drafts.
@@ -1164,7 +1200,7 @@ fn bench_speculate_runs_echo_tests_and_counts_what_was_kept() {
     for (args, flag) in [
         (&["--speculate", "lookup", "-b", "2"][..], "--batch"),
         (&["--draft-tokens", "4"][..], "--speculate"),
-        (&["--speculate", "mtp"][..], "mtp"),
+        (&["--speculate", "medusa"][..], "medusa"),
         (&["--speculate", "lookup", "-d", "64"][..], "--depth"),
         (&["--speculate", "draft"][..], "--draft-model"),
         (
