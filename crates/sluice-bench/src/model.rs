@@ -530,7 +530,7 @@ fn draft_bytes_per_token<B: Backend>(engine: &Engine<B>) -> f64 {
     match (&engine.speculation, &engine.draft) {
         (Speculation::Draft { .. }, Some(draft)) => decode_bytes(draft.model.info()),
         (Speculation::Mtp { .. }, _) => {
-            let mtp = engine.model.mtp();
+            let mtp = engine.model.mtp().ok().flatten();
             mtp.map_or(0.0, |m| (m.weight_bytes() + m.hidden_size() * 2) as f64)
         }
         _ => 0.0,

@@ -120,7 +120,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
             format_bytes(info.dense_bytes as u64)
         );
     }
-    if let Some(mtp) = engine.model.mtp() {
+    if let Some(mtp) = engine.model.mtp()? {
         println!(
             "  multi-token prediction: one layer, {} read per drafted token (--speculate mtp)",
             format_bytes(mtp.weight_bytes() as u64)

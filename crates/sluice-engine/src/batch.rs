@@ -260,7 +260,7 @@ impl<B: Backend + 'static> Engine<B> {
                 "--speculate draft needs a draft model (--draft-model DIR)".into(),
             ));
         }
-        if matches!(speculation, Speculation::Mtp { .. }) && self.model.mtp().is_none() {
+        if matches!(speculation, Speculation::Mtp { .. }) && self.model.mtp()?.is_none() {
             return Err(EngineError::Input(format!(
                 "--speculate mtp: this {} checkpoint has no multi-token-prediction layer \
                  (`mtp.*` tensors: the official Qwen3.5 and Qwen3-Next checkpoints have one, \

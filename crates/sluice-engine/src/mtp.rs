@@ -39,7 +39,7 @@ pub(crate) fn draft<B: Backend>(
     chunk: usize,
 ) -> Result<Vec<u32>, EngineError> {
     let (backend, position) = (model.backend(), main.position);
-    let Some(mtp) = model.mtp() else {
+    let Some(mtp) = model.mtp()? else {
         return Ok(Vec::new());
     };
     let Some(hidden) = &main.hidden else {

@@ -30,7 +30,7 @@ fn mtp_without_an_mtp_layer_is_refused() {
     let dir = speculate::fixture("qwen3_5_moe-q4");
     let mut engine =
         Engine::load(&dir, Arc::new(CpuBackend::new()), &LoadOptions::default()).unwrap();
-    assert!(engine.model.mtp().is_none());
+    assert!(engine.model.mtp().unwrap().is_none());
     engine.speculation = Speculation::Mtp { draft_tokens: 4 };
     let params = speculate::greedy();
     let request = GenerateRequest {

@@ -25,9 +25,9 @@ pub(crate) trait Architecture<B: Backend>: Send + Sync {
     /// its forward pass logged ([`State::record`]). Only architectures with recurrent layers
     /// that log their inputs implement it ([`CausalLm::take_back`] runs the rows again else).
     fn replay_recurrent(&self, _layer: usize, _state: &mut B::LinearState, _inputs: &[B::Act]) {}
-    /// The checkpoint's multi-token-prediction layer, if it has one.
-    fn mtp(&self) -> Option<&dyn MultiTokenPredictor<B>> {
-        None
+    /// The checkpoint's multi-token-prediction layer, if it has one ([`CausalLm::mtp`]).
+    fn mtp(&self) -> Result<Option<&dyn MultiTokenPredictor<B>>, ModelError> {
+        Ok(None)
     }
 }
 
@@ -71,7 +71,7 @@ impl<B: Backend + 'static, M: Architecture<B>> CausalLm<B> for M {
         Ok(d.head(b.concat_rows(&last.iter().collect::<Vec<_>>()), true))
     }
 
-    fn mtp(&self) -> Option<&dyn MultiTokenPredictor<B>> {
+    fn mtp(&self) -> Result<Option<&dyn MultiTokenPredictor<B>>, ModelError> {
         Architecture::mtp(self)
     }
 

@@ -406,9 +406,10 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     /// the backend's [`sluice_backend::Backend::kv_formats`]).
     fn set_kv_format(&mut self, format: sluice_backend::KvFormat) -> Result<(), ModelError>;
     fn backend(&self) -> &B;
-    /// The model's multi-token-prediction layer, if its checkpoint has one.
-    fn mtp(&self) -> Option<&dyn MultiTokenPredictor<B>> {
-        None
+    /// The model's multi-token-prediction layer, if its checkpoint has one: loaded on first
+    /// use (it costs memory only when drafting with it); `Err` if that load failed.
+    fn mtp(&self) -> Result<Option<&dyn MultiTokenPredictor<B>>, ModelError> {
+        Ok(None)
     }
     /// Takes `state` back to `checkpoint` (taken before the last pass) plus `kept`, the first
     /// tokens that pass ran. This default restores the checkpoint and runs `kept` again; a model

@@ -20,7 +20,7 @@
 //! zero-centred norms applied as `1 + w`).
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use serde::Deserialize;
 use sluice_backend::{AttentionSpec, Backend, DeltaNetDims, ExpertSource, Rope, ValueHeadOrder};
@@ -270,7 +270,10 @@ pub struct Qwen35Moe<B: Backend> {
     rotary_dim: usize,
     decoder: Decoder<B>,
     layers: Vec<Layer<B>>,
-    mtp: Option<Mtp<B>>,
+    /// Where the multi-token-prediction layer is, when the checkpoint has one: loaded on first
+    /// use into `mtp` (an error kept as its message).
+    mtp_source: Option<(ModelDir, Layout)>,
+    mtp: OnceLock<Result<Mtp<B>, String>>,
 }
 
 /// The multi-token-prediction layer of the official checkpoints (`mtp.*`; mlx-community
@@ -294,22 +297,24 @@ struct Mtp<B: Backend> {
 /// Where checkpoints keep the multi-token-prediction layer: the official layout at the root.
 const MTP_PREFIXES: [&str; 2] = ["mtp", "language_model.mtp"];
 
+/// Where `dir` keeps a multi-token-prediction layer, if it has one.
+fn mtp_prefix(dir: &ModelDir) -> Option<&'static str> {
+    MTP_PREFIXES
+        .into_iter()
+        .find(|p| dir.tensors.contains(&format!("{p}.fc.weight")))
+}
+
 impl<B: Backend> Mtp<B> {
-    /// The layer, if the checkpoint has one. Its experts are always resident (a packed
-    /// directory's expert store holds the model's layers only), and its bytes are not the
-    /// model's: a token reads them only when drafting.
+    /// The layer under `p`. Its experts are always resident (a packed directory's expert store
+    /// holds the model's layers only), and its bytes are not the model's: a token reads them
+    /// only when drafting.
     fn load(
         dir: &ModelDir,
+        p: &str,
         backend: &B,
         cfg: &Qwen35MoeConfig,
         layout: &Layout,
-    ) -> Result<Option<Self>, ModelError> {
-        let Some(p) = MTP_PREFIXES
-            .into_iter()
-            .find(|p| dir.tensors.contains(&format!("{p}.fc.weight")))
-        else {
-            return Ok(None);
-        };
+    ) -> Result<Self, ModelError> {
         let mut ld = Loader::new(dir, backend, None);
         let hidden = cfg.hidden_size;
         let shift = layout.norm_shift;
@@ -340,7 +345,7 @@ impl<B: Backend> Mtp<B> {
         let pre_fc_norm_embedding = norm(&mut ld, "pre_fc_norm_embedding")?;
         let pre_fc_norm_hidden = norm(&mut ld, "pre_fc_norm_hidden")?;
         let final_norm = norm(&mut ld, "norm")?;
-        Ok(Some(Mtp {
+        Ok(Mtp {
             pre_fc_norm_embedding,
             pre_fc_norm_hidden,
             fc_embedding,
@@ -349,7 +354,7 @@ impl<B: Backend> Mtp<B> {
             norm: final_norm,
             dense_bytes: ld.counted().0,
             expert_bytes: ld.counted().1,
-        }))
+        })
     }
 }
 
@@ -357,6 +362,7 @@ impl<B: Backend> Mtp<B> {
 const TEXT_PREFIXES: [&str; 3] = ["language_model.model", "model.language_model", "model"];
 
 /// How the checkpoint stores what differs between layouts.
+#[derive(Clone, Copy)]
 struct Layout {
     /// Prefix of the text model's tensors.
     root: &'static str,
@@ -436,14 +442,14 @@ impl<B: Backend> Qwen35Moe<B> {
             lm_head,
         };
         let decoder = Decoder::new(&ld, backend.clone(), dims, ends);
-        let mtp = Mtp::load(dir, backend.as_ref(), &cfg, &layout)?;
         Ok(Qwen35Moe {
             cfg,
             rope_theta: rope_theta as f32,
             rotary_dim,
             decoder,
             layers,
-            mtp,
+            mtp_source: mtp_prefix(dir).map(|_| (dir.clone(), layout)),
+            mtp: OnceLock::new(),
         })
     }
 }
@@ -715,10 +721,12 @@ impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
         Ok(State::new(layers, 0))
     }
 
-    fn mtp(&self) -> Option<&dyn MultiTokenPredictor<B>> {
-        self.mtp
-            .as_ref()
-            .map(|_| self as &dyn MultiTokenPredictor<B>)
+    fn mtp(&self) -> Result<Option<&dyn MultiTokenPredictor<B>>, ModelError> {
+        match self.mtp_layer() {
+            None => Ok(None),
+            Some(Ok(_)) => Ok(Some(self as &dyn MultiTokenPredictor<B>)),
+            Some(Err(e)) => Err(ModelError::Unsupported(e.clone())),
+        }
     }
 
     /// The convolution window and the recurrence of DeltaNet layer `layer` over the logged
@@ -729,6 +737,22 @@ impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
             let qkv = b.causal_conv1d_silu(qkv, &l.conv1d, state);
             b.gated_delta_rule(&qkv, a, beta, &l.a_log, &l.dt_bias, state);
         }
+    }
+}
+
+impl<B: Backend> Qwen35Moe<B> {
+    /// The multi-token-prediction layer, loaded on first use; `None` without one.
+    fn mtp_layer(&self) -> Option<&Result<Mtp<B>, String>> {
+        let (dir, layout) = self.mtp_source.as_ref()?;
+        Some(self.mtp.get_or_init(|| {
+            let p = mtp_prefix(dir).expect("checked at load");
+            Mtp::load(dir, p, self.decoder.backend(), &self.cfg, layout).map_err(|e| {
+                format!(
+                    "{}: the multi-token-prediction layer: {e}",
+                    dir.path.display()
+                )
+            })
+        }))
     }
 }
 
@@ -744,7 +768,7 @@ impl<B: Backend> MultiTokenPredictor<B> for Qwen35Moe<B> {
         hidden: &B::Act,
         tokens: &[u32],
     ) -> Result<(B::Act, B::Act), ModelError> {
-        let Some(mtp) = &self.mtp else {
+        let Some(Ok(mtp)) = self.mtp_layer() else {
             return Err(ModelError::Unsupported(
                 "this checkpoint has no multi-token-prediction layer".into(),
             ));
@@ -796,9 +820,11 @@ impl<B: Backend> MultiTokenPredictor<B> for Qwen35Moe<B> {
 
     fn weight_bytes(&self) -> usize {
         let k = self.decoder.experts_per_token();
-        self.mtp.as_ref().map_or(0, |m| {
-            m.dense_bytes + m.expert_bytes * k / self.cfg.num_experts.max(1)
-        })
+        self.mtp_layer()
+            .and_then(|m| m.as_ref().ok())
+            .map_or(0, |m| {
+                m.dense_bytes + m.expert_bytes * k / self.cfg.num_experts.max(1)
+            })
     }
 }
 

@@ -56,7 +56,7 @@ pub fn mtp_matches_the_reference<B: Backend + 'static>(backend: Arc<B>) {
     let chained_token = meta["chained_token"].as_u64().unwrap() as u32;
     let engine = Engine::load(&dir, backend, &LoadOptions::default()).unwrap();
     let (model, b) = (&engine.model, engine.model.backend());
-    let mtp = model.mtp().expect("the fixture has an MTP layer");
+    let mtp = model.mtp().unwrap().expect("the fixture has an MTP layer");
     let n = tokens.len();
 
     let mut state = model.new_state().unwrap();
