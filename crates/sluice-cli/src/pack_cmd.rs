@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_store::{pack, PackOptions};
+use sluice_store::{pack_with_mtp, PackOptions};
 
 #[derive(Args)]
 #[command(
@@ -30,6 +30,11 @@ pub struct PackArgs {
     /// Replace OUT_DIR if it exists (never the source directory).
     #[arg(long)]
     force: bool,
+    /// Add the multi-token-prediction layer (`mtp.*`, for `--speculate mtp`) of this official
+    /// Qwen3.5 / Qwen3-Next checkpoint directory (bf16 or f32 safetensors), converted to the
+    /// model's layout and MLX quantisation: mlx-community conversions drop it.
+    #[arg(long, value_name = "OFFICIAL_DIR")]
+    mtp_from: Option<PathBuf>,
 }
 
 pub fn run(a: PackArgs) -> Result<()> {
@@ -41,10 +46,11 @@ pub fn run(a: PackArgs) -> Result<()> {
     );
     let start = Instant::now();
     let started = Once::new();
-    let summary = pack(
+    let summary = pack_with_mtp(
         &a.model,
         &a.out,
         &PackOptions { force: a.force },
+        a.mtp_from.as_deref(),
         &|done, total| {
             // Called once the checks have passed: errors before it stay one line.
             started.call_once(|| {
@@ -74,5 +80,12 @@ pub fn run(a: PackArgs) -> Result<()> {
         secs,
         total / secs.max(1e-9)
     );
+    if s.mtp_tensors > 0 {
+        eprintln!(
+            "added the multi-token-prediction layer of {} ({} tensors; use --speculate mtp)",
+            a.mtp_from.as_deref().unwrap_or(a.model.as_path()).display(),
+            s.mtp_tensors
+        );
+    }
     Ok(())
 }

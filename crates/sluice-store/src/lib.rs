@@ -20,7 +20,9 @@
 //! - `unpacked`: the block layout and reads of an unpacked checkpoint, from
 //!   [`sluice_format::experts`] → `manifest`;
 //! - `pack`: `sluice pack`, writing `experts.bin`/`experts.json` from the same scan →
-//!   `manifest`;
+//!   `manifest`, `mtp`;
+//! - `mtp`: `sluice pack --mtp-from`, an official checkpoint's multi-token-prediction layer
+//!   converted to the packed model's layout and MLX affine quantisation;
 //! - `manifest`: the `experts.json` format and the block layout;
 //! - `io`: the reader (io_uring or a pread pool) into caller-provided memory; crate-private
 //!   but for its options, since its `submit` is `unsafe` (`bench` is a safe way in for
@@ -34,6 +36,7 @@ mod error;
 mod expert_source;
 mod io;
 mod manifest;
+mod mtp;
 mod pack;
 mod policy;
 mod slots;
@@ -52,7 +55,8 @@ pub use manifest::{
     checksum, FormatSpec, LayerExperts, Manifest, ManifestError, Part, Projection, BLOCK_ALIGN,
     EXPERTS_FILE, MANIFEST_FILE,
 };
-pub use pack::{pack, PackError, PackOptions, PackSummary};
+pub use mtp::{affine_dequantize, affine_quantize, AffineQuantized};
+pub use pack::{pack, pack_with_mtp, PackError, PackOptions, PackSummary};
 pub use policy::Policy;
 pub use stats::{ExpertEvent, ExpertMap, StoreStats};
 pub use store::{ExpertStore, FetchedExpert, Pinner, StoreOptions};

@@ -49,6 +49,8 @@ pub struct PackSummary {
     pub experts_per_layer: usize,
     /// Blocks written (layers x experts).
     pub blocks: usize,
+    /// Multi-token-prediction tensors added from `--mtp-from` (0 without it).
+    pub mtp_tensors: usize,
 }
 
 /// Errors of [`pack`]: one line each, naming the file or tensor and what to do.
@@ -73,6 +75,9 @@ pub enum PackError {
         free: u64,
         replacing: bool,
     },
+    /// `--mtp-from` refused: the file or directory at fault, and why (with what to do).
+    #[error("{}: {msg}", path.display())]
+    Mtp { path: PathBuf, msg: String },
     /// The planned layout is inconsistent (an internal error).
     #[error("tensor `{tensor}`: {msg}")]
     Layout { tensor: String, msg: String },
@@ -190,10 +195,29 @@ pub fn pack(
     opts: &PackOptions,
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<PackSummary, PackError> {
+    pack_with_mtp(model_dir, out, opts, None, progress)
+}
+
+/// [`pack`], adding the multi-token-prediction layer (`mtp.*`) of the official checkpoint
+/// `mtp_from` to the resident weights, converted to `model_dir`'s layout and quantisation
+/// (`sluice pack --mtp-from`; see `mtp.rs`), with its per-module quantisation entries added to
+/// config.json.
+pub fn pack_with_mtp(
+    model_dir: &Path,
+    out: &Path,
+    opts: &PackOptions,
+    mtp_from: Option<&Path>,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<PackSummary, PackError> {
     if model_dir.join(MANIFEST_FILE).exists() {
         return Err(PackError::AlreadyPacked(model_dir.to_path_buf()));
     }
     let dir = ModelDir::open_with(model_dir, GgufExperts::Stream)?;
+    // Converted before anything is written: a refusal leaves no output.
+    let graft = match mtp_from {
+        Some(official) => Some(crate::mtp::graft(&dir, official)?),
+        None => None,
+    };
 
     // Where we write and what we may remove must never touch the source.
     let src = model_dir.canonicalize().map_err(io_at(model_dir))?;
@@ -244,10 +268,16 @@ pub fn pack(
 
     // Plan model.safetensors.
     let resident: Vec<_> = t.iter().filter(|x| !used.contains(&x.name)).collect();
-    let entries: Vec<_> = resident
+    let mut entries: Vec<_> = resident
         .iter()
         .map(|x| (x.name.clone(), x.dtype, x.shape.clone()))
         .collect();
+    let grafted = graft.as_ref().map_or(&[][..], |g| &g.tensors[..]);
+    entries.extend(
+        grafted
+            .iter()
+            .map(|(n, d, s, _)| (n.clone(), *d, s.clone())),
+    );
     // A GGUF has no safetensors metadata to carry over; its config and tokenizer files are
     // made from its metadata (the source files of a directory are copied).
     let gguf = dir.is_gguf();
@@ -262,8 +292,9 @@ pub fn pack(
             path: out.join(resident_path),
             source: e,
         })?;
-    let resident_bytes =
-        header.len() as u64 + resident.iter().map(|x| x.bytes.len() as u64).sum::<u64>();
+    let resident_bytes = header.len() as u64
+        + resident.iter().map(|x| x.bytes.len() as u64).sum::<u64>()
+        + grafted.iter().map(|t| t.3.len() as u64).sum::<u64>();
     let (others, generated) = if gguf {
         (Vec::new(), dir.generated_files())
     } else {
@@ -307,10 +338,14 @@ pub fn pack(
         f.write_all(&header).map_err(io_at(&path))?;
         done += header.len() as u64;
         let mut pending = 0u64;
-        for x in &resident {
-            f.write_all(x.bytes.as_slice()).map_err(io_at(&path))?;
-            done += x.bytes.len() as u64;
-            pending += x.bytes.len() as u64;
+        let bytes = resident
+            .iter()
+            .map(|x| x.bytes.as_slice())
+            .chain(grafted.iter().map(|t| &t.3[..]));
+        for b in bytes {
+            f.write_all(b).map_err(io_at(&path))?;
+            done += b.len() as u64;
+            pending += b.len() as u64;
             if pending >= BATCH_BYTES {
                 progress(done, total);
                 pending = 0;
@@ -375,8 +410,14 @@ pub fn pack(
 
         // The other files.
         for (from, _) in &others {
-            let to = partial.join(from.file_name().expect("read_dir entries have names"));
-            let bytes = fs::read(from).map_err(io_at(from))?;
+            let name = from.file_name().expect("read_dir entries have names");
+            let to = partial.join(name);
+            let mut bytes = fs::read(from).map_err(io_at(from))?;
+            if let Some(g) = graft.as_ref().filter(|g| !g.overrides.is_empty()) {
+                if name == "config.json" {
+                    bytes = crate::mtp::config_with_overrides(from, &bytes, &g.overrides)?;
+                }
+            }
             write_synced(&to, &bytes)?;
         }
         for (name, text) in &generated {
@@ -409,6 +450,7 @@ pub fn pack(
         layers: layer_count,
         experts_per_layer,
         blocks,
+        mtp_tensors: grafted.len(),
     })
 }
 
