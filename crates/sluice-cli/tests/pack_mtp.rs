@@ -5,25 +5,24 @@
 //! be compared with the official bf16 layer's on the same rows.
 
 use std::collections::BTreeMap;
-use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
 use sluice_backend::Backend;
 use sluice_cpu::CpuBackend;
-use sluice_engine::sampler::SamplingParams;
-use sluice_engine::speculate::{Speculation, SpeculationStats};
-use sluice_engine::{Engine, GenerateRequest, LoadOptions, TokenEvent};
+use sluice_engine::speculate::Speculation;
+use sluice_engine::{Engine, LoadOptions};
 use sluice_format::safetensors_writer::write_safetensors;
 use sluice_format::{StDtype, Tensors};
 use sluice_store::{affine_quantize, pack_with_mtp, PackError, PackOptions};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
+#[path = "../../sluice-engine/tests/common/speculate.rs"]
+mod speculate;
+
+use speculate::{generate, greedy, repetitive_prompt};
+
+use speculate::fixture;
 
 fn bf16(v: &[f32]) -> Vec<u8> {
     v.iter()
@@ -193,41 +192,6 @@ fn make_mlx_src(dir: &Path, bits: u32) {
     }
 }
 
-fn greedy() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        ..SamplingParams::default()
-    }
-}
-
-fn generate(
-    engine: &mut Engine<CpuBackend>,
-    speculation: Speculation,
-    prompt: &[u32],
-    n: usize,
-) -> (Vec<u32>, SpeculationStats) {
-    engine.speculation = speculation;
-    let params = greedy();
-    let request = GenerateRequest {
-        prompt,
-        params: &params,
-        max_tokens: n,
-        cancel: None,
-        ignore_eos: true,
-        checkpoint: None,
-    };
-    let mut tokens = Vec::new();
-    let stats = engine
-        .generate_cached(None, &request, |event| {
-            if let TokenEvent::Token { id, .. } = event {
-                tokens.push(id);
-            }
-            ControlFlow::Continue(())
-        })
-        .unwrap();
-    (tokens, stats.speculation)
-}
-
 fn packed_with_mtp(tmp: &Path, bits: u32) -> PathBuf {
     let src = tmp.join(format!("mlx-q{bits}"));
     make_mlx_src(&src, bits);
@@ -274,17 +238,11 @@ fn grafted_mtp_loads_and_drafts_exactly() {
     let backend = Arc::new(CpuBackend::new());
     let mut engine = Engine::load(&out, backend.clone(), &LoadOptions::default()).unwrap();
     assert!(engine.model.mtp().unwrap().is_some());
-    let start: Vec<u32> = (0..12).map(|i| 5 + 7 * i).collect();
-    let (own, _) = generate(&mut engine, Speculation::Off, &start, 24);
-    let prompt = [&start[..], &own, &start].concat();
-    let (plain, _) = generate(&mut engine, Speculation::Off, &prompt, 24);
+    let prompt = repetitive_prompt(&mut engine);
+    let (plain, _) = generate(&mut engine, Speculation::Off, &prompt, &greedy(), 24);
     for k in [1, 3] {
-        let (drafted, stats) = generate(
-            &mut engine,
-            Speculation::Mtp { draft_tokens: k },
-            &prompt,
-            24,
-        );
+        let spec = Speculation::Mtp { draft_tokens: k };
+        let (drafted, stats) = generate(&mut engine, spec, &prompt, &greedy(), 24);
         assert_eq!(drafted, plain, "k = {k}");
         assert!(stats.drafted > 0, "k = {k}: {stats:?}");
         eprintln!("k = {k}: {stats:?}");
