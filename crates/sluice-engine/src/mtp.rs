@@ -48,10 +48,10 @@ pub(crate) fn draft<B: Backend>(
     if k == 0 || position == 0 || history.len() != position + 1 {
         return Ok(Vec::new());
     }
-    let covered = hidden.covered(backend);
     let width = mtp.hidden_size();
-    // The latest hidden state must be the model's own; older gaps are filled with zeros.
-    if covered.end != position {
+    // The latest hidden state must be the model's own (older gaps are filled with zeros); rows
+    // past `position` are of drafts the model refused, dropped by its next pass.
+    if hidden.covered(backend).end < position {
         return Ok(Vec::new());
     }
     let d = match drafting {
