@@ -41,8 +41,9 @@ pub enum Speculation {
 /// Drafted tokens per pass when `--draft-tokens` is not given.
 pub const DEFAULT_DRAFT_TOKENS: usize = 4;
 
-/// The same for the MTP layer: its drafts grow less likely with every chained step (on the demo,
-/// one H200: 92%, 89%, 77% and 64% kept at 2, 3, 4 and 6 drafts), and 3 was the fastest there.
+/// The same for the MTP layer: its chained drafts grow less likely past a few steps (on the demo,
+/// prose, one H200: 90%, 94%, 89% and 73% kept at 2, 3, 4 and 6 drafts), and 3 was the fastest
+/// there, with 4 within the run-to-run spread.
 pub const DEFAULT_MTP_DRAFT_TOKENS: usize = 3;
 
 /// The longest and shortest run of trailing tokens prompt lookup matches (longest first: a
