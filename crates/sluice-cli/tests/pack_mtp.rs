@@ -297,7 +297,7 @@ fn grafted_layer_tracks_the_official_one() {
         let logits = |e: &Engine<CpuBackend>| {
             let mtp = e.model.mtp().unwrap().unwrap();
             let mut state = mtp.new_state().unwrap();
-            let (l, _) = mtp.forward(&mut state, &rows, &tokens[1..n]).unwrap();
+            let (l, _) = mtp.forward(&mut state, &rows, &tokens[1..n], true).unwrap();
             backend.to_host(&l).unwrap()
         };
         let (want, got) = (logits(&official), logits(&engine));

@@ -73,7 +73,7 @@ pub(crate) fn draft<B: Backend>(
     while at < position {
         let end = (at + chunk.max(1)).min(position);
         let rows = hidden_rows(backend, main, at..end, width);
-        last = Some(mtp.forward(&mut d.state, &rows, &history[at + 1..end + 1])?);
+        last = Some(mtp.forward(&mut d.state, &rows, &history[at + 1..end + 1], false)?);
         at = end;
     }
     d.exact = position;
@@ -83,8 +83,7 @@ pub(crate) fn draft<B: Backend>(
     let (mut logits, mut out) = last.expect("at least the last position runs");
     let mut drafts = Vec::with_capacity(k);
     loop {
-        let rows = backend.shape(&logits).0;
-        let token = backend.argmax_rows(&backend.slice_rows(&logits, rows - 1, 1))?[0];
+        let token = backend.argmax_rows(&logits)?[0];
         if stop.contains(&token) {
             break;
         }
@@ -93,7 +92,7 @@ pub(crate) fn draft<B: Backend>(
             break;
         }
         let g = backend.slice_rows(&out, backend.shape(&out).0 - 1, 1);
-        (logits, out) = mtp.forward(&mut d.state, &g, &[token])?;
+        (logits, out) = mtp.forward(&mut d.state, &g, &[token], false)?;
     }
     Ok(drafts)
 }

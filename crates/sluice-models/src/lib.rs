@@ -434,13 +434,15 @@ pub trait MultiTokenPredictor<B: Backend>: Send + Sync {
     /// Its state for a new request: an empty cache at position 0.
     fn new_state(&self) -> Result<State<B>, ModelError>;
     /// Runs rows at positions `state.position..`: row `i` pairs `hidden` row `i` (the model's,
-    /// or this layer's own output to chain) with `tokens[i]`. Returns every row's logits
-    /// `[rows, vocab]` and output hidden states `[rows, hidden]`.
+    /// or this layer's own output to chain) with `tokens[i]`. Returns the logits `[rows, vocab]`
+    /// if `all_logits`, else `[1, vocab]` of the last row only (a prompt's catch-up needs no
+    /// more), and every row's output hidden states `[rows, hidden]`.
     fn forward(
         &self,
         state: &mut State<B>,
         hidden: &B::Act,
         tokens: &[u32],
+        all_logits: bool,
     ) -> Result<(B::Act, B::Act), ModelError>;
     /// The size of a hidden state.
     fn hidden_size(&self) -> usize;

@@ -767,6 +767,7 @@ impl<B: Backend> MultiTokenPredictor<B> for Qwen35Moe<B> {
         state: &mut State<B>,
         hidden: &B::Act,
         tokens: &[u32],
+        all_logits: bool,
     ) -> Result<(B::Act, B::Act), ModelError> {
         let Some(Ok(mtp)) = self.mtp_layer() else {
             return Err(ModelError::Unsupported(
@@ -810,7 +811,11 @@ impl<B: Backend> MultiTokenPredictor<B> for Qwen35Moe<B> {
         b.add_assign(&mut h, &mlp);
         state.position += n;
         let out = b.rms_norm(&h, &mtp.norm, eps);
-        let logits = self.decoder.head(b.slice_rows(&out, 0, n), true);
+        let last = match all_logits {
+            true => b.slice_rows(&out, 0, n),
+            false => b.slice_rows(&out, n - 1, 1),
+        };
+        let logits = self.decoder.head(last, true);
         Ok((logits, out))
     }
 

@@ -74,7 +74,9 @@ pub fn mtp_matches_the_reference<B: Backend + 'static>(backend: Arc<B>) {
     // Rows (hidden at p, token at p + 1), p = 0..n - 1, in one pass.
     let rows = b.slice_rows(&hidden, 0, n - 1);
     let mut one_pass = mtp.new_state().unwrap();
-    let (logits, out) = mtp.forward(&mut one_pass, &rows, &tokens[1..]).unwrap();
+    let (logits, out) = mtp
+        .forward(&mut one_pass, &rows, &tokens[1..], true)
+        .unwrap();
     let want = read(&dir, "mtp_logits.npy");
     close("MTP logits, one pass", &b.to_host(&logits).unwrap(), &want);
     close(
@@ -92,6 +94,7 @@ pub fn mtp_matches_the_reference<B: Backend + 'static>(backend: Arc<B>) {
                 &mut stepped,
                 &b.slice_rows(&hidden, p, 1),
                 &tokens[p + 1..p + 2],
+                false,
             )
             .unwrap();
         got.extend(b.to_host(&l).unwrap());
@@ -102,7 +105,9 @@ pub fn mtp_matches_the_reference<B: Backend + 'static>(backend: Arc<B>) {
     let vocab = want.len() / (n - 1);
     assert_eq!(argmax(&want[want.len() - vocab..]), chained_token);
     let last = b.slice_rows(&out, n - 2, 1);
-    let (chained, _) = mtp.forward(&mut one_pass, &last, &[chained_token]).unwrap();
+    let (chained, _) = mtp
+        .forward(&mut one_pass, &last, &[chained_token], false)
+        .unwrap();
     close(
         "MTP logits, chained",
         &b.to_host(&chained).unwrap(),
@@ -111,9 +116,9 @@ pub fn mtp_matches_the_reference<B: Backend + 'static>(backend: Arc<B>) {
 
     // Bad input is an error, not a panic.
     let mut fresh = mtp.new_state().unwrap();
-    assert!(mtp.forward(&mut fresh, &rows, &tokens[..2]).is_err());
+    assert!(mtp.forward(&mut fresh, &rows, &tokens[..2], true).is_err());
     assert!(mtp
-        .forward(&mut fresh, &b.slice_rows(&hidden, 0, 1), &[u32::MAX])
+        .forward(&mut fresh, &b.slice_rows(&hidden, 0, 1), &[u32::MAX], true)
         .is_err());
 }
 
