@@ -23,14 +23,27 @@ struct Job<'a> {
     n: usize,
 }
 
+/// An atomic on cache lines of its own (two: the adjacent-line prefetcher fetches pairs), so
+/// that threads hammering one (`next`, during a step) do not slow those watching another
+/// (`generation`, while idle).
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 struct Shared {
     /// Bumped for each job (workers watch it).
-    generation: AtomicUsize,
+    generation: Padded<AtomicUsize>,
     /// The current job while one runs, else null.
-    job: AtomicPtr<Job<'static>>,
-    next: AtomicUsize,
+    job: Padded<AtomicPtr<Job<'static>>>,
+    next: Padded<AtomicUsize>,
     /// Workers done with the current job.
-    finished: AtomicUsize,
+    finished: Padded<AtomicUsize>,
     panicked: AtomicBool,
     stop: AtomicBool,
     /// With profiling on: when the job was published, and the latest start of a worker on it
@@ -51,10 +64,10 @@ struct Team {
 impl Team {
     fn new(threads: usize) -> Team {
         let shared = Arc::new(Shared {
-            generation: AtomicUsize::new(0),
-            job: AtomicPtr::new(std::ptr::null_mut()),
-            next: AtomicUsize::new(0),
-            finished: AtomicUsize::new(0),
+            generation: Padded(AtomicUsize::new(0)),
+            job: Padded(AtomicPtr::new(std::ptr::null_mut())),
+            next: Padded(AtomicUsize::new(0)),
+            finished: Padded(AtomicUsize::new(0)),
             panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             published: AtomicU64::new(0),
