@@ -188,8 +188,20 @@ pub fn run(a: InfoArgs) -> Result<()> {
         Some(g) => g,
         None => limits::memory_read(0, 512 << 20).gbps,
     };
+    let hit = share.min(1.0);
+    let disk_bytes = (1.0 - hit) * experts_per_token;
+    let mem_bytes = dense_per_token + hit * experts_per_token;
+    let t_mem = mem_bytes / (mem * 1e9);
+    let from_memory = format!(
+        "{} from memory at {mem:.1} GB/s = {:.1} ms",
+        format_bytes(mem_bytes as u64),
+        t_mem * 1e3
+    );
+    // The disk is measured only when some expert bytes must come from it, and only on a file
+    // large enough to measure (a tiny model's largest file is not).
     let disk = match a.disk_gbps {
-        Some(g) => g,
+        _ if disk_bytes <= 0.0 => None,
+        Some(g) => Some(g),
         None => {
             let blocks = a.model.join("experts.bin");
             let file = if blocks.is_file() {
@@ -197,31 +209,48 @@ pub fn run(a: InfoArgs) -> Result<()> {
             } else {
                 limits::default_disk_file(&a.model)?
             };
-            let d = limits::disk(&DiskOptions {
-                seconds: 1.0,
-                ..DiskOptions::new(file)
-            })?;
-            d.sequential.gbps.max(d.random_qdn.gbps)
+            let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+            if size < limits::MIN_DISK_FILE {
+                println!(
+                    "  per token: {from_memory}; {} from disk, not estimated: {} is {}, too small to \
+                     measure the disk on (pass --disk-gbps)",
+                    format_bytes(disk_bytes as u64),
+                    file.display(),
+                    sluice_sys::format_bytes_binary(size)
+                );
+                None
+            } else {
+                let d = limits::disk(&DiskOptions {
+                    seconds: 1.0,
+                    ..DiskOptions::new(file)
+                })?;
+                Some(d.sequential.gbps.max(d.random_qdn.gbps))
+            }
         }
     };
-    let hit = share.min(1.0);
-    let disk_bytes = (1.0 - hit) * experts_per_token;
-    let mem_bytes = dense_per_token + hit * experts_per_token;
-    let t_mem = mem_bytes / (mem * 1e9);
-    let t_disk = disk_bytes / (disk * 1e9);
-    println!(
-        "  per token: {} from memory at {mem:.1} GB/s = {:.1} ms; {} from disk at {disk:.2} GB/s = {:.1} ms (hit rate {:.0}% if routing were uniform)",
-        format_bytes(mem_bytes as u64),
-        t_mem * 1e3,
-        format_bytes(disk_bytes as u64),
-        t_disk * 1e3,
-        hit * 100.0
-    );
-    println!(
-        "  estimate: {:.2} tok/s with reads after compute, {:.2} tok/s with reads hidden behind compute",
-        1.0 / (t_mem + t_disk),
-        1.0 / t_mem.max(t_disk)
-    );
+    match disk {
+        Some(disk) => {
+            let t_disk = disk_bytes / (disk * 1e9);
+            println!(
+                "  per token: {from_memory}; {} from disk at {disk:.2} GB/s = {:.1} ms (hit rate {:.0}% if routing were uniform)",
+                format_bytes(disk_bytes as u64),
+                t_disk * 1e3,
+                hit * 100.0
+            );
+            println!(
+                "  estimate: {:.2} tok/s with reads after compute, {:.2} tok/s with reads hidden behind compute",
+                1.0 / (t_mem + t_disk),
+                1.0 / t_mem.max(t_disk)
+            );
+        }
+        None if disk_bytes <= 0.0 => {
+            println!(
+                "  per token: {from_memory}; nothing from disk (the cache holds every expert)"
+            );
+            println!("  estimate: {:.2} tok/s", 1.0 / t_mem);
+        }
+        None => {}
+    }
     if let Some(budget) = a.vram_budget {
         vram_plan(
             budget.bytes(),

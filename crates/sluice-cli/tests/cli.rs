@@ -664,6 +664,48 @@ fn generate_streams_an_unpacked_model_when_given_a_cache() {
     assert!(!stderr.contains("streaming experts from"), "{stderr}");
 }
 
+/// `sluice info` on the bundled demo model (18 MiB, every expert fits the default cache) needs no
+/// disk measurement and ends well; with a cache too small for its experts it says the disk part
+/// is not estimated on a file that small, instead of failing (it used to end with "too small to
+/// measure" and exit 1).
+#[test]
+fn info_on_a_tiny_model_skips_the_disk_measurement() {
+    let m = fixture("../../models/demo");
+    let m = m.to_str().unwrap();
+    for (extra, expect) in [
+        (&[][..], "nothing from disk (the cache holds every expert)"),
+        (
+            &["--expert-cache", "4MiB"][..],
+            "from disk, not estimated: ",
+        ),
+    ] {
+        let mut args = vec!["info", "-m", m, "--memory-gbps", "20"];
+        args.extend_from_slice(extra);
+        let out = sluice(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {stdout}{stderr}");
+        assert!(stdout.contains(expect), "{extra:?}: {stdout}");
+    }
+    // Given a bandwidth, the estimate is made.
+    let out = sluice(&[
+        "info",
+        "-m",
+        m,
+        "--memory-gbps",
+        "20",
+        "--disk-gbps",
+        "1",
+        "--expert-cache",
+        "4MiB",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("from disk at 1.00 GB/s"),
+        "{stdout}"
+    );
+}
+
 /// `sluice info --context N`: a request's state at N tokens (KV per token times N plus the
 /// DeltaNet's fixed state, from the model's own sizes), and whether it fits the budget with the
 /// weights and the expert cache; a context past the model's is an error.
