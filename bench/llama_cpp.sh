@@ -112,9 +112,21 @@ run_bench() {  # scenario, llama-bench args...
         cmd=("$HERE/memcap" --available "$AVAIL" -- "${cmd[@]}")
     fi
     echo "llama_cpp.sh: [$scenario] ${cmd[*]}" >&2
-    if ! "${cmd[@]}" >"$out"; then
+    local rc=0
+    "${cmd[@]}" >"$out" || rc=$?
+    if (( rc != 0 )); then
         rm -f "$out"
-        echo "llama_cpp.sh: llama-bench failed in scenario $scenario (killed for memory? see above)" >&2
+        if (( rc == 132 )) && grep -qw amx_tile /proc/cpuinfo; then
+            # Seen on a 2-core KVM guest with AMX (2026-11-28): the native build's decode runs, its
+            # prompt processing dies on an illegal instruction.
+            echo "llama_cpp.sh: llama-bench died on an illegal instruction in scenario $scenario; this CPU" \
+                "reports AMX, which the native build compiles in (a build without it ran on such a machine)." \
+                "Build llama.cpp with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 in CMAKE_C_FLAGS and" \
+                "CMAKE_CXX_FLAGS (for this script: CMAKE_ARGS, shlex-quoted, and another SLUICE_BENCH_HOME)" \
+                "(decode then ran slower there: 6.4 against 7.9 tok/s), or pass -p 0" >&2
+        else
+            echo "llama_cpp.sh: llama-bench failed (exit $rc) in scenario $scenario (killed for memory? see above)" >&2
+        fi
         return 1
     fi
     "$PY" - "$out" "$scenario" "$AVAIL" <<'EOF'
