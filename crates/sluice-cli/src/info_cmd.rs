@@ -209,7 +209,8 @@ pub fn run(a: InfoArgs) -> Result<()> {
             } else {
                 limits::default_disk_file(&a.model)?
             };
-            let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+            // A file that cannot be read is left to `limits::disk`, whose error names it.
+            let size = std::fs::metadata(&file).map_or(u64::MAX, |m| m.len());
             if size < limits::MIN_DISK_FILE {
                 println!(
                     "  per token: {from_memory}; {} from disk, not estimated: {} is {}, too small to \
