@@ -506,11 +506,11 @@ pub(super) fn bias_part<const NT: usize>(
     acc
 }
 
-/// Bytes ahead of the current position that the 4-bit decode kernels prefetch (the weights are
-/// one contiguous stream; 0 disables). A core must keep about latency x its share of the DRAM
-/// bandwidth in flight: on the Sapphire Rapids-class Xeons measured (Qwen3-30B-A3B shape, tg64),
-/// 4096 decoded 5-6% faster than 2048 at 8 and 16 threads and ~9% on 2; 1024 and none were
-/// slower (-6%, -20%), 6144 and more no better.
+/// Bytes ahead of the current position that the x86 decode kernels (4-bit and 8-bit) prefetch
+/// their weights (one contiguous stream; 0 disables). A core must keep about latency x its share
+/// of the DRAM bandwidth in flight: on the AVX-512 Xeons measured (a 2-core VM and a 16-core host;
+/// Qwen3-30B-A3B shape, 4-bit), 4096 decoded 5-6% faster than 2048 at 8 and 16 threads and ~10%
+/// on 2; 1024 and none were slower (-6%, -20%), 6144 and more no better.
 pub(super) const PREFETCH: usize = 4096;
 
 /// Rows converted per batch of scales and biases in the affine decode kernels.
