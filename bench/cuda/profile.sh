@@ -59,11 +59,17 @@ python3 - "$csv" <<'EOF'
 import csv, sys
 from collections import defaultdict
 
-rows = [l for l in open(sys.argv[1], newline="") if l.startswith('"')]
-table = list(csv.reader(rows))
+# ncu's CSV shares stdout with the generated text: the table starts at the header of names and
+# keeps the lines with as many fields.
+lines = open(sys.argv[1], newline="", errors="replace").read().splitlines()
+start = next((i for i, l in enumerate(lines) if l.startswith('"ID","')), None)
+if start is None:
+    sys.exit("ncu profiled no kernel (is --skip past the end of the run, or --kernels too narrow?)")
+head = next(csv.reader([lines[start]]))
+table = [head] + [r for r in csv.reader(l for l in lines[start + 1:] if l.startswith('"'))
+                  if len(r) == len(head)]
 if len(table) < 3:
     sys.exit("ncu profiled no kernel (is --skip past the end of the run, or --kernels too narrow?)")
-head = table[0]
 col = {name: i for i, name in enumerate(head)}
 # The row after the names gives units (its ID column is empty); older ncu versions leave it out.
 if table[1][col["ID"]] == "":
