@@ -71,11 +71,10 @@ table = [head] + [r for r in csv.reader(l for l in lines[start + 1:] if l.starts
 if len(table) < 3:
     sys.exit("ncu profiled no kernel (is --skip past the end of the run, or --kernels too narrow?)")
 col = {name: i for i, name in enumerate(head)}
-# The row after the names gives units (its ID column is empty); older ncu versions leave it out.
-if table[1][col["ID"]] == "":
-    units, data = table[1], table[2:]
-else:
-    units, data = [""] * len(head), table[1:]
+# The row after the names gives their units (its ID column is empty).
+if table[1][col["ID"]] != "":
+    sys.exit("ncu's CSV has no row of units after its header (this script reads ncu 2025's)")
+units, data = table[1], table[2:]
 
 def num(r, name):
     v = r[col[name]].replace(",", "")
@@ -84,19 +83,19 @@ def num(r, name):
     except ValueError:
         return 0.0
 
-def scale(name, to):
+def scale(name):
+    """The factor to microseconds or bytes of a metric's unit (base units: --print-units base)."""
     u = units[col[name]]
-    f = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
-         "second": 1e6, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
+    f = {"ns": 1e-3, "byte": 1.0}
     if u not in f:
-        sys.exit(f"unexpected unit {u!r} for {name} (ask ncu for --print-units base)")
-    return f[u] / to
+        sys.exit(f"unexpected unit {u!r} for {name}")
+    return f[u]
 
 per = defaultdict(list)
 for r in data:
     per[(r[col["Kernel Name"]], r[col["launch__grid_size"]], r[col["launch__block_size"]])].append(r)
-us = scale("gpu__time_duration.sum", 1.0)
-rd, wr = scale("dram__bytes_read.sum", 1.0), scale("dram__bytes_write.sum", 1.0)
+us = scale("gpu__time_duration.sum")
+rd, wr = scale("dram__bytes_read.sum"), scale("dram__bytes_write.sum")
 out = []
 for (name, grid, block), rs in per.items():
     m = lambda k, s=1.0: sum(num(r, k) for r in rs) / len(rs) * s
