@@ -1235,3 +1235,50 @@ fn ffn_batch_raises_a_panicking_activation() {
     }));
     assert!(result.is_err(), "the panic must reach the caller");
 }
+
+#[test]
+fn fast_decode_rows_do_not_depend_on_their_neighbours() {
+    // The integer 4-bit decode walks a task's rows as several streams at once: a row's result
+    // must be the bits it has alone, whatever rows share its task (threads cut tasks freely).
+    let mut rng = Rng(23);
+    let one_thread = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    for (gs, cols) in [(32, 1056), (64, 2048), (128, 384)] {
+        let format = WeightFormat::Affine {
+            bits: 4,
+            group_size: gs,
+            scale_dtype: Dtype::Bf16,
+        };
+        for rows in [1, 2, 3, 17, 37, 67] {
+            let m = TestMat::new(format, rows, cols, 0, &mut rng);
+            let w = m.view();
+            let (rb, sb) = (format.row_bytes(cols), format.scale_row_bytes(cols));
+            for level in available_levels() {
+                for tokens in [1, 3] {
+                    let x = rng.vec(tokens * cols, -1.0, 1.0);
+                    let all = one_thread.install(|| run(level, Kernels::Fast, &w, &x, tokens));
+                    for r in 0..rows {
+                        let row = MatRef {
+                            rows: 1,
+                            data: &w.data[r * rb..(r + 1) * rb],
+                            scales: &w.scales[r * sb..(r + 1) * sb],
+                            biases: &w.biases[r * sb..(r + 1) * sb],
+                            ..w
+                        };
+                        let alone = run(level, Kernels::Fast, &row, &x, tokens);
+                        for t in 0..tokens {
+                            assert_eq!(
+                                all[t * rows + r].to_bits(),
+                                alone[t].to_bits(),
+                                "group {gs}, {rows} x {cols}, row {r}, token {t}, level {}",
+                                level.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
