@@ -379,53 +379,113 @@ unsafe fn q8_rows<const NT: usize, const GS: usize, const BITS: usize>(
     assert!(c.tokens == NT && r1 <= w.rows && rb * 8 == cols * BITS && cols.is_multiple_of(GS));
     assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
     let x = c.x.as_ptr();
-    let sfb = grow(&mut s.a, ROW_CHUNK * groups);
-    let bfb = grow(&mut s.b, ROW_CHUNK * groups);
-    let mut ch = r0;
-    while ch < r1 {
-        let nc = ROW_CHUNK.min(r1 - ch);
-        chunk_scales(w, sdt, ch, nc, 0, sfb, bfb);
-        for i in 0..nc {
-            let r = ch + i;
-            let row = row_codes::<BITS>(w, r, &mut s.codes);
-            let mut y = bias_part::<NT>(&bfb[i * groups..(i + 1) * groups], xsum, groups);
-            let rp = row.as_ptr();
-            for (g, &sc) in sfb[i * groups..(i + 1) * groups].iter().enumerate() {
-                if BITS == 8 {
-                    // (Unpacked codes are in cache: `unpack_codes` prefetched their row.)
-                    _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(g * GS + PREFETCH) as *const i8);
-                }
-                let mut a0 = [_mm512_setzero_ps(); NT];
-                let mut a1 = [_mm512_setzero_ps(); NT];
-                let mut j = g * GS;
-                // SAFETY: columns `j..j + 32` stay inside group `g` (a multiple of 32
-                // columns), so inside the row (`cols` bytes) and each token's `cols` floats.
-                unsafe {
-                    while j < (g + 1) * GS {
-                        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            rp.add(j) as *const __m128i,
-                        )));
-                        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            rp.add(j + 16) as *const __m128i,
-                        )));
-                        for t in 0..NT {
-                            let xt = x.add(t * cols + j);
-                            a0[t] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xt), a0[t]);
-                            a1[t] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xt.add(16)), a1[t]);
-                        }
-                        j += 32;
-                    }
-                }
-                let sv = _mm512_set1_ps(sc);
-                for t in 0..NT {
-                    y[t] = _mm512_fmadd_ps(_mm512_add_ps(a0[t], a1[t]), sv, y[t]);
-                }
-            }
-            for t in 0..NT {
-                res[t * n + r - r0] = _mm512_reduce_add_ps(y[t]);
+    // Stream k takes rows r0 + k na .. r0 + (k + 1) na (the last may have fewer). Unpacked codes
+    // (BITS < 8) share one buffer: one stream.
+    let ns = if BITS == 8 {
+        avx2::decode_streams()
+            .min(avx2::Q8_MAX_STREAMS)
+            .min(n.max(1))
+    } else {
+        1
+    };
+    let na = n.div_ceil(ns);
+    let sfs = grow(&mut s.a, avx2::Q8_MAX_STREAMS * ROW_CHUNK * groups);
+    let bfs = grow(&mut s.b, avx2::Q8_MAX_STREAMS * ROW_CHUNK * groups);
+    let per = ROW_CHUNK * groups;
+    let mut i0 = 0;
+    while i0 < na {
+        let nca = ROW_CHUNK.min(na - i0);
+        let ncs: [usize; avx2::Q8_MAX_STREAMS] =
+            std::array::from_fn(|k| nca.min(n.saturating_sub(k * na).saturating_sub(i0)));
+        for k in 0..ns {
+            if ncs[k] > 0 {
+                let (sf, bf) = (&mut sfs[k * per..], &mut bfs[k * per..]);
+                chunk_scales(w, sdt, r0 + k * na + i0, ncs[k], 0, sf, bf);
             }
         }
-        ch += nc;
+        for i in 0..nca {
+            let m = ncs.iter().take(ns).filter(|&&c| c > i).count();
+            let r = |k: usize| r0 + k * na + i0 + i;
+            let y0 =
+                |k: usize| bias_part::<NT>(&bfs[k * per + i * groups..][..groups], xsum, groups);
+            let sf = |k: usize| &sfs[k * per + i * groups..][..groups];
+            if m == 2 {
+                let mut y = [y0(0), y0(1)];
+                let rp = [w.data[r(0) * rb..].as_ptr(), w.data[r(1) * rb..].as_ptr()];
+                // SAFETY: both rows are whole rows of `w` (8-bit: `cols` bytes each); `x` has
+                // `cols` floats per token (asserted above).
+                unsafe { q8_groups::<NT, GS, 2>(rp, [sf(0), sf(1)], &mut y, x, cols, false) };
+                for (k, y) in y.iter().enumerate() {
+                    for t in 0..NT {
+                        res[t * n + r(k) - r0] = _mm512_reduce_add_ps(y[t]);
+                    }
+                }
+            } else {
+                let row = row_codes::<BITS>(w, r(0), &mut s.codes);
+                let mut y = [y0(0)];
+                // SAFETY: `row` has `cols` codes (a row of `w`, or its codes unpacked to bytes),
+                // `x` `cols` floats per token (asserted above).
+                unsafe {
+                    q8_groups::<NT, GS, 1>([row.as_ptr()], [sf(0)], &mut y, x, cols, BITS < 8)
+                };
+                for t in 0..NT {
+                    res[t * n + r(0) - r0] = _mm512_reduce_add_ps(y[0][t]);
+                }
+            }
+        }
+        i0 += nca;
+    }
+}
+
+/// `NS` rows of 8-bit codes at once (row `k` at `rp[k]`, its group scales `sf[k]`), each
+/// accumulated onto `y[k]`, group by group; `unpacked`: the codes are in cache already (no
+/// prefetch).
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; every `rp[k]` has `cols` bytes, `x` `cols` floats
+/// per token for `NT` tokens, and `sf[k]` one scale per group of `GS`.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+// `g` walks the groups of several rows (and their scales) at once.
+#[allow(clippy::needless_range_loop)]
+unsafe fn q8_groups<const NT: usize, const GS: usize, const NS: usize>(
+    rp: [*const u8; NS],
+    sf: [&[f32]; NS],
+    y: &mut [[__m512; NT]; NS],
+    x: *const f32,
+    cols: usize,
+    unpacked: bool,
+) {
+    for g in 0..cols / GS {
+        for k in 0..NS {
+            if !unpacked {
+                _mm_prefetch::<_MM_HINT_T0>(rp[k].wrapping_add(g * GS + PREFETCH) as *const i8);
+            }
+            let mut a0 = [_mm512_setzero_ps(); NT];
+            let mut a1 = [_mm512_setzero_ps(); NT];
+            let mut j = g * GS;
+            // SAFETY: columns `j..j + 32` stay inside group `g` (a multiple of 32 columns), so
+            // inside the row and each token's `cols` floats (the caller's contract).
+            unsafe {
+                while j < (g + 1) * GS {
+                    let q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        rp[k].add(j) as *const __m128i,
+                    )));
+                    let q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        rp[k].add(j + 16) as *const __m128i,
+                    )));
+                    for t in 0..NT {
+                        let xt = x.add(t * cols + j);
+                        a0[t] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xt), a0[t]);
+                        a1[t] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xt.add(16)), a1[t]);
+                    }
+                    j += 32;
+                }
+            }
+            let sv = _mm512_set1_ps(sf[k][g]);
+            for t in 0..NT {
+                y[k][t] = _mm512_fmadd_ps(_mm512_add_ps(a0[t], a1[t]), sv, y[k][t]);
+            }
+        }
     }
 }
 

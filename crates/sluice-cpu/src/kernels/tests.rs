@@ -1238,16 +1238,24 @@ fn ffn_batch_raises_a_panicking_activation() {
 
 #[test]
 fn fast_decode_rows_do_not_depend_on_their_neighbours() {
-    // The integer 4-bit decode walks a task's rows as several streams at once: a row's result
-    // must be the bits it has alone, whatever rows share its task (threads cut tasks freely).
+    // The 4- and 8-bit decode kernels walk a task's rows as several streams at once: a row's
+    // result must be the bits it has alone, whatever rows share its task (threads cut tasks
+    // freely).
     let mut rng = Rng(23);
     let one_thread = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
         .expect("pool");
-    for (gs, cols) in [(32, 1056), (64, 2048), (128, 384)] {
+    let shapes = [
+        (4, 32, 1056),
+        (4, 64, 2048),
+        (4, 128, 384),
+        (8, 32, 96),
+        (8, 64, 2048),
+    ];
+    for (bits, gs, cols) in shapes {
         let format = WeightFormat::Affine {
-            bits: 4,
+            bits,
             group_size: gs,
             scale_dtype: Dtype::Bf16,
         };
@@ -1272,7 +1280,7 @@ fn fast_decode_rows_do_not_depend_on_their_neighbours() {
                             assert_eq!(
                                 all[t * rows + r].to_bits(),
                                 alone[t].to_bits(),
-                                "group {gs}, {rows} x {cols}, row {r}, token {t}, level {}",
+                                "{bits} bits, group {gs}, {rows} x {cols}, row {r}, token {t}, level {}",
                                 level.name()
                             );
                         }
