@@ -812,9 +812,9 @@ const MAX_STREAMS: usize = 4;
 
 /// Streams the 4- and 8-bit decode kernels walk a task's rows as (the 8-bit ones at most 2): 2,
 /// or `SLUICE_DECODE_STREAMS` (1-4, read once; for tuning). Two streams keep twice the bytes in
-/// flight per core. Qwen3-30B-A3B shape, tg: 4-bit +13-16% on a 2-core Xeon VM (3 and 4 streams no
-/// better than 2), +1.5% at 8 and +3% at 16 threads on the lent 16-core Xeon (within its noise);
-/// 8-bit on that Xeon +13% at 2 threads, +3% at 8, +1.5% at 16.
+/// flight per core. Qwen3-30B-A3B shape, tg: 4-bit +13-16% on a 2-core Xeon VM (3 and 4 streams
+/// no better than 2); on the lent 16-core Xeon +23% at 2 threads, +16% at 4, +1.5% at 8 and +3%
+/// at 16 (within its noise); 8-bit there +13% at 2 threads, +3% at 8, +1.5% at 16.
 pub(super) fn decode_streams() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| {
@@ -831,9 +831,9 @@ pub(super) fn decode_streams() -> usize {
 /// word, scaled per lane), so one macro writes both: `$dot(lo, hi, xe, xo)` takes the low and
 /// high nibbles as bytes and the even and odd activations.
 ///
-/// A task's rows are walked as [`decode_streams`] streams, a contiguous part each, a row of each at a
-/// time: more bytes in flight per core for the same work; each row is summed in the same order
-/// as alone, so the results are the same bits.
+/// A task's rows are walked as [`decode_streams`] streams, a contiguous part each, a row of
+/// each at a time: more bytes in flight per core for the same work; each row is summed in the
+/// same order as alone, so the results are the same bits.
 macro_rules! q4i_rows {
     ($name:ident, $rows_at:ident, $features:literal, $dot:ident) => {
         /// `NS` rows at once (row `k` at `rp[k]`, its scales at `sp[k]`), each accumulated onto

@@ -1280,7 +1280,8 @@ fn fast_decode_rows_do_not_depend_on_their_neighbours() {
                             assert_eq!(
                                 all[t * rows + r].to_bits(),
                                 alone[t].to_bits(),
-                                "{bits} bits, group {gs}, {rows} x {cols}, row {r}, token {t}, level {}",
+                                "{bits} bits, group {gs}, {rows} x {cols}, row {r}, token {t}, \
+                                 level {}",
                                 level.name()
                             );
                         }
