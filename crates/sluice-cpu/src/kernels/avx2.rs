@@ -826,6 +826,80 @@ pub(super) fn decode_streams() -> usize {
     })
 }
 
+/// A task's rows `r0..r0 + n` cut into up to [`MAX_STREAMS`] contiguous streams of `na` rows
+/// each (the last may have fewer), walked [`ROW_CHUNK`] rows of every stream at a time: the
+/// bookkeeping the multi-stream decode kernels share.
+#[derive(Clone, Copy)]
+pub(super) struct Streams {
+    r0: usize,
+    n: usize,
+    ns: usize,
+    na: usize,
+}
+
+impl Streams {
+    /// Rows `r0..r1` as `ns` streams (at least 1, at most [`MAX_STREAMS`] and one per row).
+    pub(super) fn new(r0: usize, r1: usize, ns: usize) -> Self {
+        let n = r1 - r0;
+        let ns = ns.clamp(1, MAX_STREAMS).min(n.max(1));
+        Self {
+            r0,
+            n,
+            ns,
+            na: n.div_ceil(ns),
+        }
+    }
+
+    /// How many streams.
+    pub(super) fn count(&self) -> usize {
+        self.ns
+    }
+
+    /// The chunks in order; each holds `ROW_CHUNK` rows of every stream (fewer at the end).
+    pub(super) fn chunks(self) -> impl Iterator<Item = Chunk> {
+        (0..self.na).step_by(ROW_CHUNK).map(move |i0| {
+            let nca = ROW_CHUNK.min(self.na - i0);
+            let rows = std::array::from_fn(|k| {
+                if k < self.ns {
+                    nca.min(self.n.saturating_sub(k * self.na).saturating_sub(i0))
+                } else {
+                    0
+                }
+            });
+            Chunk { s: self, i0, rows }
+        })
+    }
+}
+
+/// One chunk of [`Streams`]: `rows(k)` rows of stream `k` from row `first(k)`.
+pub(super) struct Chunk {
+    s: Streams,
+    i0: usize,
+    rows: [usize; MAX_STREAMS],
+}
+
+impl Chunk {
+    /// Rows of stream `k` in this chunk (non-increasing in `k`; 0 past the last stream).
+    pub(super) fn rows(&self, k: usize) -> usize {
+        self.rows[k]
+    }
+
+    /// The first row (of the matrix) of stream `k` in this chunk.
+    pub(super) fn first(&self, k: usize) -> usize {
+        self.s.r0 + k * self.s.na + self.i0
+    }
+
+    /// The most rows a stream has in this chunk (stream 0's).
+    pub(super) fn len(&self) -> usize {
+        self.rows[0]
+    }
+
+    /// How many streams have an `i`-th row in this chunk (the first that many).
+    pub(super) fn live(&self, i: usize) -> usize {
+        self.rows.iter().filter(|&&c| c > i).count()
+    }
+}
+
 /// The integer 4-bit decode (`Kernels::Fast`) in blocks of 32 weight bytes, in two flavours
 /// that differ only in how a block's 64 nibble x byte products become 8 lane sums (one lane per
 /// word, scaled per lane), so one macro writes both: `$dot(lo, hi, xe, xo)` takes the low and
@@ -924,32 +998,24 @@ macro_rules! q4i_rows {
             assert!(c.xd.len() >= NT * ldxd && xsum.len() >= NT * groups && res.len() >= NT * n);
             // Only group size 32 can leave half a block (32 columns) over.
             assert!(!tail || GS == 32);
-            // Stream k takes rows r0 + k na .. r0 + (k + 1) na (the last may have fewer).
-            let ns = decode_streams().min(n.max(1));
-            let na = n.div_ceil(ns);
+            let streams = Streams::new(r0, r1, decode_streams());
             let per = ROW_CHUNK * groups + 8;
             let sfs = grow(&mut s.a, MAX_STREAMS * per);
             let bfs = grow(&mut s.b, MAX_STREAMS * ROW_CHUNK * groups);
             let (xq, xd) = (c.xq.as_ptr() as *const i8, c.xd.as_ptr());
             let row = |r: usize| w.data[r * rb..(r + 1) * rb].as_ptr();
-            let mut i0 = 0;
-            while i0 < na {
-                let nca = ROW_CHUNK.min(na - i0);
-                // Rows of this chunk in each stream (non-increasing in k).
-                let ncs: [usize; MAX_STREAMS] =
-                    std::array::from_fn(|k| nca.min((n.saturating_sub(k * na)).saturating_sub(i0)));
-                for k in 0..ns {
-                    let ch = r0 + k * na + i0;
-                    if ncs[k] > 0 {
+            for chunk in streams.chunks() {
+                for k in 0..streams.count() {
+                    let (ch, nc) = (chunk.first(k), chunk.rows(k));
+                    if nc > 0 {
                         let (sf, bf) = (&mut sfs[k * per..], &mut bfs[k * ROW_CHUNK * groups..]);
-                        chunk_scales(w, sdt, ch, ncs[k], 8, sf, bf);
-                        prefetch_bytes(w.scales, (ch + ncs[k]) * srb, ROW_CHUNK * srb);
-                        prefetch_bytes(w.biases, (ch + ncs[k]) * srb, ROW_CHUNK * srb);
+                        chunk_scales(w, sdt, ch, nc, 8, sf, bf);
+                        prefetch_bytes(w.scales, (ch + nc) * srb, ROW_CHUNK * srb);
+                        prefetch_bytes(w.biases, (ch + nc) * srb, ROW_CHUNK * srb);
                     }
                 }
-                for i in 0..nca {
-                    let m = ncs.iter().take(ns).filter(|&&c| c > i).count();
-                    let r = |k: usize| r0 + k * na + i0 + i;
+                for i in 0..chunk.len() {
+                    let r = |k: usize| chunk.first(k) + i;
                     let y0 = |k: usize| {
                         let bf = &bfs[k * ROW_CHUNK * groups + i * groups..][..groups];
                         bias_part::<NT>(bf, xsum, groups)
@@ -982,14 +1048,13 @@ macro_rules! q4i_rows {
                             }
                         }};
                     }
-                    match m {
+                    match chunk.live(i) {
                         1 => rows!(1),
                         2 => rows!(2),
                         3 => rows!(3),
                         _ => rows!(4),
                     }
                 }
-                i0 += nca;
             }
         }
     };
@@ -1170,83 +1235,89 @@ unsafe fn qbits_rows<const BITS: usize>(
     }
 }
 
-/// 8-bit rows (group size `GS`) against `NT` tokens in natural order.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `c` must be a validated 8-bit job with group size
-/// `GS` and `NT` tokens, prepared with per-group sums.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_rows<const NT: usize, const GS: usize, const BITS: usize>(
-    c: &Ctx,
-    sdt: Dtype,
-    r0: usize,
-    r1: usize,
-    res: &mut [f32],
-    s: &mut Scratch,
-) {
-    let w = &c.w;
-    let (cols, n) = (w.cols, r1 - r0);
-    let groups = cols / GS;
-    let rb = w.row_bytes();
-    let xsum = c.xsum;
-    assert!(c.tokens == NT && r1 <= w.rows && rb * 8 == cols * BITS && cols.is_multiple_of(GS));
-    assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
-    let x = c.x.as_ptr();
-    // Stream k takes rows r0 + k na .. r0 + (k + 1) na (the last may have fewer). Unpacked codes
-    // (BITS < 8) share one buffer: one stream.
-    let ns = if BITS == 8 {
-        decode_streams().min(Q8_MAX_STREAMS).min(n.max(1))
-    } else {
-        1
-    };
-    let na = n.div_ceil(ns);
-    let per = ROW_CHUNK * groups;
-    let sfs = grow(&mut s.a, Q8_MAX_STREAMS * per);
-    let bfs = grow(&mut s.b, Q8_MAX_STREAMS * per);
-    let mut i0 = 0;
-    while i0 < na {
-        let nca = ROW_CHUNK.min(na - i0);
-        let ncs: [usize; Q8_MAX_STREAMS] =
-            std::array::from_fn(|k| nca.min(n.saturating_sub(k * na).saturating_sub(i0)));
-        for k in 0..ns {
-            if ncs[k] > 0 {
-                let (sf, bf) = (&mut sfs[k * per..], &mut bfs[k * per..]);
-                chunk_scales(w, sdt, r0 + k * na + i0, ncs[k], 0, sf, bf);
-            }
-        }
-        for i in 0..nca {
-            let m = ncs.iter().take(ns).filter(|&&c| c > i).count();
-            let r = |k: usize| r0 + k * na + i0 + i;
-            let y0 =
-                |k: usize| bias_part::<NT>(&bfs[k * per + i * groups..][..groups], xsum, groups);
-            let sf = |k: usize| &sfs[k * per + i * groups..][..groups];
-            if m == 2 {
-                let mut y = [y0(0), y0(1)];
-                let rp = [w.data[r(0) * rb..].as_ptr(), w.data[r(1) * rb..].as_ptr()];
-                // SAFETY: both rows are whole rows of `w` (8-bit: `cols` bytes each); `x` has
-                // `cols` floats per token (asserted above).
-                unsafe { q8_groups::<NT, GS, 2>(rp, [sf(0), sf(1)], &mut y, x, cols, false) };
-                for (k, y) in y.iter().enumerate() {
-                    for t in 0..NT {
-                        res[t * n + r(k) - r0] = hsum(y[t]);
+/// The 8-bit decode driver (group sizes 32-128) for one vector width: `$groups` is that
+/// width's `q8_groups`, `$bias` its `bias_part`, `$reduce` its horizontal sum; the rows are
+/// walked as up to [`Q8_MAX_STREAMS`] streams (see [`Streams`]).
+macro_rules! q8_rows_driver {
+    ($features:literal, $groups:ident, $bias:ident, $reduce:ident) => {
+        /// 8-bit rows (group size `GS`) against `NT` tokens in natural order.
+        ///
+        /// # Safety
+        /// The CPU must support the features enabled here; `c` must be a validated 8-bit job
+        /// with group size `GS` and `NT` tokens, prepared with per-group sums.
+        #[target_feature(enable = $features)]
+        unsafe fn q8_rows<const NT: usize, const GS: usize, const BITS: usize>(
+            c: &Ctx,
+            sdt: Dtype,
+            r0: usize,
+            r1: usize,
+            res: &mut [f32],
+            s: &mut Scratch,
+        ) {
+            let w = &c.w;
+            let (cols, n) = (w.cols, r1 - r0);
+            let groups = cols / GS;
+            let rb = w.row_bytes();
+            let xsum = c.xsum;
+            assert!(
+                c.tokens == NT && r1 <= w.rows && rb * 8 == cols * BITS && cols.is_multiple_of(GS)
+            );
+            assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
+            let x = c.x.as_ptr();
+            // Unpacked codes (BITS < 8) share one buffer: one stream.
+            let ns = if BITS == 8 {
+                super::avx2::decode_streams().min(super::avx2::Q8_MAX_STREAMS)
+            } else {
+                1
+            };
+            let streams = super::avx2::Streams::new(r0, r1, ns);
+            let per = ROW_CHUNK * groups;
+            let sfs = grow(&mut s.a, super::avx2::Q8_MAX_STREAMS * per);
+            let bfs = grow(&mut s.b, super::avx2::Q8_MAX_STREAMS * per);
+            for chunk in streams.chunks() {
+                for k in 0..streams.count() {
+                    if chunk.rows(k) > 0 {
+                        let (sf, bf) = (&mut sfs[k * per..], &mut bfs[k * per..]);
+                        chunk_scales(w, sdt, chunk.first(k), chunk.rows(k), 0, sf, bf);
                     }
                 }
-            } else {
-                let row = row_codes::<BITS>(w, r(0), &mut s.codes);
-                let mut y = [y0(0)];
-                // SAFETY: `row` has `cols` codes (a row of `w`, or its codes unpacked to bytes),
-                // `x` `cols` floats per token (asserted above).
-                unsafe {
-                    q8_groups::<NT, GS, 1>([row.as_ptr()], [sf(0)], &mut y, x, cols, BITS < 8)
-                };
-                for t in 0..NT {
-                    res[t * n + r(0) - r0] = hsum(y[0][t]);
+                for i in 0..chunk.len() {
+                    let r = |k: usize| chunk.first(k) + i;
+                    let y0 = |k: usize| {
+                        $bias::<NT>(&bfs[k * per + i * groups..][..groups], xsum, groups)
+                    };
+                    let sf = |k: usize| &sfs[k * per + i * groups..][..groups];
+                    if chunk.live(i) == 2 {
+                        let mut y = [y0(0), y0(1)];
+                        let rp = [w.data[r(0) * rb..].as_ptr(), w.data[r(1) * rb..].as_ptr()];
+                        // SAFETY: both rows are whole rows of `w` (8-bit: `cols` bytes each);
+                        // `x` has `cols` floats per token (asserted above).
+                        unsafe { $groups::<NT, GS, 2>(rp, [sf(0), sf(1)], &mut y, x, cols, false) };
+                        for (k, y) in y.iter().enumerate() {
+                            for t in 0..NT {
+                                res[t * n + r(k) - r0] = $reduce(y[t]);
+                            }
+                        }
+                    } else {
+                        let row = row_codes::<BITS>(w, r(0), &mut s.codes);
+                        let mut y = [y0(0)];
+                        // SAFETY: `row` has `cols` codes (a row of `w`, or its codes unpacked to
+                        // bytes), `x` `cols` floats per token (asserted above).
+                        unsafe {
+                            $groups::<NT, GS, 1>([row.as_ptr()], [sf(0)], &mut y, x, cols, BITS < 8)
+                        };
+                        for t in 0..NT {
+                            res[t * n + r(0) - r0] = $reduce(y[0][t]);
+                        }
+                    }
                 }
             }
         }
-        i0 += nca;
-    }
+    };
 }
+pub(super) use q8_rows_driver;
+
+q8_rows_driver!("avx2,fma,f16c", q8_groups, bias_part, hsum);
 
 /// The most streams the 8-bit decode walks a task's rows as ([`decode_streams`]).
 pub(super) const Q8_MAX_STREAMS: usize = 2;

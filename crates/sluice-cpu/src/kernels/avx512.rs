@@ -357,85 +357,12 @@ unsafe fn qbits_rows<const BITS: usize>(
     }
 }
 
-/// 8-bit rows (group size `GS`) against `NT` tokens in natural order.
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX2, FMA and F16C; `c` must be a validated 8-bit job with
-/// group size `GS` and `NT` tokens, prepared with per-group sums.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn q8_rows<const NT: usize, const GS: usize, const BITS: usize>(
-    c: &Ctx,
-    sdt: Dtype,
-    r0: usize,
-    r1: usize,
-    res: &mut [f32],
-    s: &mut Scratch,
-) {
-    let w = &c.w;
-    let (cols, n) = (w.cols, r1 - r0);
-    let groups = cols / GS;
-    let rb = w.row_bytes();
-    let xsum = c.xsum;
-    assert!(c.tokens == NT && r1 <= w.rows && rb * 8 == cols * BITS && cols.is_multiple_of(GS));
-    assert!(c.x.len() >= NT * cols && xsum.len() >= NT * groups && res.len() >= NT * n);
-    let x = c.x.as_ptr();
-    // Stream k takes rows r0 + k na .. r0 + (k + 1) na (the last may have fewer). Unpacked codes
-    // (BITS < 8) share one buffer: one stream.
-    let ns = if BITS == 8 {
-        avx2::decode_streams()
-            .min(avx2::Q8_MAX_STREAMS)
-            .min(n.max(1))
-    } else {
-        1
-    };
-    let na = n.div_ceil(ns);
-    let sfs = grow(&mut s.a, avx2::Q8_MAX_STREAMS * ROW_CHUNK * groups);
-    let bfs = grow(&mut s.b, avx2::Q8_MAX_STREAMS * ROW_CHUNK * groups);
-    let per = ROW_CHUNK * groups;
-    let mut i0 = 0;
-    while i0 < na {
-        let nca = ROW_CHUNK.min(na - i0);
-        let ncs: [usize; avx2::Q8_MAX_STREAMS] =
-            std::array::from_fn(|k| nca.min(n.saturating_sub(k * na).saturating_sub(i0)));
-        for k in 0..ns {
-            if ncs[k] > 0 {
-                let (sf, bf) = (&mut sfs[k * per..], &mut bfs[k * per..]);
-                chunk_scales(w, sdt, r0 + k * na + i0, ncs[k], 0, sf, bf);
-            }
-        }
-        for i in 0..nca {
-            let m = ncs.iter().take(ns).filter(|&&c| c > i).count();
-            let r = |k: usize| r0 + k * na + i0 + i;
-            let y0 =
-                |k: usize| bias_part::<NT>(&bfs[k * per + i * groups..][..groups], xsum, groups);
-            let sf = |k: usize| &sfs[k * per + i * groups..][..groups];
-            if m == 2 {
-                let mut y = [y0(0), y0(1)];
-                let rp = [w.data[r(0) * rb..].as_ptr(), w.data[r(1) * rb..].as_ptr()];
-                // SAFETY: both rows are whole rows of `w` (8-bit: `cols` bytes each); `x` has
-                // `cols` floats per token (asserted above).
-                unsafe { q8_groups::<NT, GS, 2>(rp, [sf(0), sf(1)], &mut y, x, cols, false) };
-                for (k, y) in y.iter().enumerate() {
-                    for t in 0..NT {
-                        res[t * n + r(k) - r0] = _mm512_reduce_add_ps(y[t]);
-                    }
-                }
-            } else {
-                let row = row_codes::<BITS>(w, r(0), &mut s.codes);
-                let mut y = [y0(0)];
-                // SAFETY: `row` has `cols` codes (a row of `w`, or its codes unpacked to bytes),
-                // `x` `cols` floats per token (asserted above).
-                unsafe {
-                    q8_groups::<NT, GS, 1>([row.as_ptr()], [sf(0)], &mut y, x, cols, BITS < 8)
-                };
-                for t in 0..NT {
-                    res[t * n + r(0) - r0] = _mm512_reduce_add_ps(y[0][t]);
-                }
-            }
-        }
-        i0 += nca;
-    }
-}
+avx2::q8_rows_driver!(
+    "avx512f,avx2,fma,f16c",
+    q8_groups,
+    bias_part,
+    _mm512_reduce_add_ps
+);
 
 /// `NS` rows of 8-bit codes at once (row `k` at `rp[k]`, its group scales `sf[k]`), each
 /// accumulated onto `y[k]`, group by group; `unpacked`: the codes are in cache already (no
