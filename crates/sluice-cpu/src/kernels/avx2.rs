@@ -855,6 +855,23 @@ impl Streams {
         self.ns
     }
 
+    /// Asks for the start of every stream of `w` (rows of `w.row_bytes()`): its first
+    /// [`PREFETCH`] bytes, which the kernels' own prefetches (that far ahead of their reads)
+    /// never cover, and its first chunk's scales and biases (`srb` bytes a row). Tasks are
+    /// short at many threads (down to 16 KiB), so a task's start is a good part of its reads.
+    /// Lent 16-core Xeon, Qwen3-30B-A3B shape at 4 bits, tg, on against off in one call: faster
+    /// in all 6 pairs, 16 threads +5% / +2%, 8 threads +5% and more, 4 +3%, 2 +6%.
+    pub(super) fn warm(&self, w: &MatRef, srb: usize) {
+        let rb = w.row_bytes();
+        for k in 0..self.ns {
+            let first = self.r0 + k * self.na;
+            let rows = self.na.min(self.n.saturating_sub(k * self.na));
+            prefetch_bytes(w.data, first * rb, PREFETCH.min(rows * rb));
+            prefetch_bytes(w.scales, first * srb, ROW_CHUNK.min(rows) * srb);
+            prefetch_bytes(w.biases, first * srb, ROW_CHUNK.min(rows) * srb);
+        }
+    }
+
     /// The chunks in order; each holds `ROW_CHUNK` rows of every stream (fewer at the end).
     pub(super) fn chunks(self) -> impl Iterator<Item = Chunk> {
         (0..self.na).step_by(ROW_CHUNK).map(move |i0| {
@@ -999,6 +1016,7 @@ macro_rules! q4i_rows {
             // Only group size 32 can leave half a block (32 columns) over.
             assert!(!tail || GS == 32);
             let streams = Streams::new(r0, r1, decode_streams());
+            streams.warm(w, srb);
             let per = ROW_CHUNK * groups + 8;
             let sfs = grow(&mut s.a, MAX_STREAMS * per);
             let bfs = grow(&mut s.b, MAX_STREAMS * ROW_CHUNK * groups);
@@ -1271,6 +1289,9 @@ macro_rules! q8_rows_driver {
                 1
             };
             let streams = super::avx2::Streams::new(r0, r1, ns);
+            if BITS == 8 {
+                streams.warm(w, w.format.scale_row_bytes(cols));
+            }
             let per = ROW_CHUNK * groups;
             let sfs = grow(&mut s.a, super::avx2::Q8_MAX_STREAMS * per);
             let bfs = grow(&mut s.b, super::avx2::Q8_MAX_STREAMS * per);
