@@ -860,7 +860,8 @@ impl Streams {
     /// never cover, and its first chunk's scales and biases (`srb` bytes a row). Tasks are
     /// short at many threads (down to 16 KiB), so a task's start is a good part of its reads.
     /// Lent 16-core Xeon, Qwen3-30B-A3B shape at 4 bits, tg, on against off in one call: faster
-    /// in all 6 pairs, 16 threads +5% / +2%, 8 threads +5% and more, 4 +3%, 2 +6%.
+    /// in all 6 pairs, 16 threads +5% / +2%, 8 threads +5% and more, 4 +3%, 2 +6%; on the 2-core
+    /// VM within its noise (won 6 of 11 pairs, 30B shape and its first 8 layers).
     pub(super) fn warm(&self, w: &MatRef, srb: usize) {
         let rb = w.row_bytes();
         for k in 0..self.ns {
