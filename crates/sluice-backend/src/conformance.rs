@@ -1732,17 +1732,30 @@ pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
             up: b.weight(e.up.clone()).expect("weight"),
             down: b.weight(e.down.clone()).expect("weight"),
         };
-        let x = rng.vec(4 * h, -1.0, 1.0);
-        let hid = reference::swiglu(
-            &reference::matmul(&x, 4, &e.gate.as_ref()),
-            &reference::matmul(&x, 4, &e.up.as_ref()),
-        );
-        assert_close(
-            &format!("ffn {format}"),
-            &host(b, &b.ffn(&b.act_from_host(&x, 4, h), &ffn)),
-            &reference::matmul(&hid, 4, &e.down.as_ref()),
-            tol.matmul,
-        );
+        // Decode-sized and prompt-sized calls: against the reference, and bit for bit the
+        // backend's own calls one by one (a fused version keeps them).
+        for rows in [1, 2, 4, 9, 33] {
+            let x = rng.vec(rows * h, -1.0, 1.0);
+            let xa = b.act_from_host(&x, rows, h);
+            let got = host(b, &b.ffn(&xa, &ffn));
+            let [g, u] = b.matmuls(&xa, [&ffn.gate, &ffn.up]);
+            let own = b.matmul(&b.swiglu(&g, &u), &ffn.down);
+            assert_eq!(
+                got,
+                host(b, &own),
+                "ffn {format}, {rows} rows: the same bits as its parts"
+            );
+            let hid = reference::swiglu(
+                &reference::matmul(&x, rows, &e.gate.as_ref()),
+                &reference::matmul(&x, rows, &e.up.as_ref()),
+            );
+            assert_close(
+                &format!("ffn {format}, {rows} rows"),
+                &got,
+                &reference::matmul(&hid, rows, &e.down.as_ref()),
+                tol.matmul,
+            );
+        }
     }
 }
 

@@ -241,6 +241,36 @@ impl Backend for CpuBackend {
         outs
     }
 
+    fn ffn(&self, x: &CpuAct, w: &FfnWeights<HostMatrix>) -> CpuAct {
+        let _span = profile::span("ffn");
+        if x.rows > kernels::max_decode_tokens() {
+            // A prompt: products as separate steps, each input prepared up front.
+            let [gate, up] = self.matmuls(x, [&w.gate, &w.up]);
+            return self.matmul(&self.swiglu(&gate, &up), &w.down);
+        }
+        // Decoding (a shared expert, a dense layer): gate/up, SwiGLU and down in one parallel
+        // step, as the routed experts run; the same bits as the three calls above.
+        assert_eq!(
+            x.cols, w.gate.cols,
+            "ffn: input width does not match weight"
+        );
+        let (inter, rows) = (w.gate.rows, x.rows);
+        let (mut h, mut u) = (vec![0.0; rows * inter], vec![0.0; rows * inter]);
+        let mut out = CpuAct::zeros(rows, w.down.rows);
+        let mut jobs = [kernels::FfnJob {
+            gate: w.gate.as_ref(),
+            up: w.up.as_ref(),
+            down: w.down.as_ref(),
+            x: &x.data,
+            tokens: rows,
+            h: &mut h,
+            u: &mut u,
+            out: &mut out.data,
+        }];
+        kernels::ffn_batch(self.kernels, &mut jobs, &|_, h, u| kernels::silu_mul(h, u));
+        out
+    }
+
     fn rms_norm(&self, x: &CpuAct, weight: &Vec<f32>, eps: f32) -> CpuAct {
         let _span = profile::span("rms_norm");
         let n = weight.len();
@@ -458,6 +488,11 @@ impl Backend for CpuBackend {
         let (c, k) = (state.dims.conv_channels(), state.dims.conv_kernel);
         assert_eq!(x.cols, c);
         assert_eq!(weight.len(), c * k);
+        assert_eq!(
+            state.conv.len(),
+            (k - 1) * c,
+            "causal_conv1d_silu: window size"
+        );
         // Row i of the window followed by the new inputs ([k - 1 + rows, c]), not copied
         // together: a prompt's copy on one thread cost more than the convolution.
         let window = &state.conv;
@@ -468,17 +503,25 @@ impl Backend for CpuBackend {
         let mut out = CpuAct::zeros(x.rows, c);
         team::chunks_mut(&mut out.data, c, |t, row| {
             let rows: Vec<&[f32]> = (0..k).map(|j| input_row(t + j)).collect();
-            for (ch, o) in row.iter_mut().enumerate() {
-                let taps = &weight[ch * k..(ch + 1) * k];
-                let acc: f32 = (0..k).map(|j| taps[j] * rows[j][ch]).sum();
-                *o = acc * sigmoid(acc);
+            for ((ch, o), taps) in row.iter_mut().enumerate().zip(weight.chunks_exact(k)) {
+                let mut acc = 0.0;
+                for (tap, input) in taps.iter().zip(&rows) {
+                    acc += tap * input[ch];
+                }
+                *o = acc;
             }
+            // SiLU over the row at once, vectorised: a scalar `exp` per channel cost ~45 us of
+            // a Qwen3.5 decode step's 8192 channels on 2 cores.
+            kernels::silu(row);
         });
-        let total = k - 1 + x.rows;
-        state.conv = (total - (k - 1)..total)
-            .flat_map(input_row)
-            .copied()
-            .collect();
+        // The window becomes the last k - 1 inputs, in place: collecting a new ~100 KB vector
+        // per layer and token, and freeing the old one (glibc consolidates its heap on frees
+        // that large), cost ~100 us of the ~170 us a decode step took here on 2 cores.
+        let from_x = x.rows.min(k - 1);
+        let conv = &mut state.conv;
+        conv.copy_within(from_x * c.., 0);
+        let kept = conv.len() - from_x * c;
+        conv[kept..].copy_from_slice(&x.data[(x.rows - from_x) * c..]);
         out
     }
 
@@ -513,20 +556,7 @@ impl Backend for CpuBackend {
                     let g = (-a_log[h].exp() * softplus(a.row(t)[h] + dt_bias[h])).exp();
                     let beta = sigmoid(b.row(t)[h]);
                     let yt = &mut y[t * dv..(t + 1) * dv];
-                    for (i, s_row) in s.chunks_mut(dk).enumerate() {
-                        let mut kv = 0.0;
-                        for (sv, kv_) in s_row.iter_mut().zip(&k) {
-                            *sv *= g;
-                            kv += *sv * kv_;
-                        }
-                        let delta = (v[i] - kv) * beta;
-                        let mut acc = 0.0;
-                        for ((sv, kv_), qv) in s_row.iter_mut().zip(&k).zip(&q) {
-                            *sv += delta * kv_;
-                            acc += *sv * qv;
-                        }
-                        yt[i] = acc;
-                    }
+                    kernels::delta_rule_step(s, &k, &q, v, (g, beta), yt);
                 }
                 y
             };

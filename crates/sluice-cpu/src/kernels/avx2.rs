@@ -327,6 +327,112 @@ pub(super) fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `x = silu(x)` elementwise, through [`exp8`].
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn silu(x: &mut [f32]) {
+    let n = x.len();
+    let one = _mm256_set1_ps(1.0);
+    let mut i = 0;
+    // SAFETY: every access covers elements `i..i + 8` with `i + 8 <= n`.
+    unsafe {
+        while i + 8 <= n {
+            let p = x.as_mut_ptr().add(i);
+            let v = _mm256_loadu_ps(p);
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+            _mm256_storeu_ps(p, _mm256_div_ps(v, _mm256_add_ps(one, e)));
+            i += 8;
+        }
+    }
+    for v in &mut x[i..] {
+        *v = *v / (1.0 + (-*v).exp());
+    }
+}
+
+/// [`super::delta_rule_step`]: each row's two dot products in four vector accumulators.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn delta_rule_step(
+    s: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    v: &[f32],
+    (g, beta): (f32, f32),
+    y: &mut [f32],
+) {
+    let dk = k.len();
+    assert!(q.len() == dk && s.len() == v.len() * dk && y.len() == v.len());
+    let whole = dk / 8 * 8;
+    let gv = _mm256_set1_ps(g);
+    for ((row, &vi), yi) in s.chunks_exact_mut(dk).zip(v).zip(y.iter_mut()) {
+        let (ps, pk, pq) = (row.as_mut_ptr(), k.as_ptr(), q.as_ptr());
+        // Decay, and the row's projection on k.
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut j = 0;
+        // SAFETY: every access covers elements `j..j + 8` with `j + 8 <= dk`, and `row`, `k`
+        // and `q` all have `dk` elements.
+        unsafe {
+            while j + 32 <= dk {
+                for (u, a) in acc.iter_mut().enumerate() {
+                    let sv = _mm256_mul_ps(_mm256_loadu_ps(ps.add(j + 8 * u)), gv);
+                    _mm256_storeu_ps(ps.add(j + 8 * u), sv);
+                    *a = _mm256_fmadd_ps(sv, _mm256_loadu_ps(pk.add(j + 8 * u)), *a);
+                }
+                j += 32;
+            }
+            while j + 8 <= dk {
+                let sv = _mm256_mul_ps(_mm256_loadu_ps(ps.add(j)), gv);
+                _mm256_storeu_ps(ps.add(j), sv);
+                acc[0] = _mm256_fmadd_ps(sv, _mm256_loadu_ps(pk.add(j)), acc[0]);
+                j += 8;
+            }
+        }
+        let mut kv = hsum(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ));
+        for (sv, &kj) in row[whole..].iter_mut().zip(&k[whole..]) {
+            *sv *= g;
+            kv += *sv * kj;
+        }
+        // The step toward v along k, and the row's read-out by q.
+        let delta = (vi - kv) * beta;
+        let dv = _mm256_set1_ps(delta);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut j = 0;
+        // SAFETY: as above.
+        unsafe {
+            while j + 32 <= dk {
+                for (u, a) in acc.iter_mut().enumerate() {
+                    let at = j + 8 * u;
+                    let sv = _mm256_fmadd_ps(
+                        dv,
+                        _mm256_loadu_ps(pk.add(at)),
+                        _mm256_loadu_ps(ps.add(at)),
+                    );
+                    _mm256_storeu_ps(ps.add(at), sv);
+                    *a = _mm256_fmadd_ps(sv, _mm256_loadu_ps(pq.add(at)), *a);
+                }
+                j += 32;
+            }
+            while j + 8 <= dk {
+                let sv =
+                    _mm256_fmadd_ps(dv, _mm256_loadu_ps(pk.add(j)), _mm256_loadu_ps(ps.add(j)));
+                _mm256_storeu_ps(ps.add(j), sv);
+                acc[0] = _mm256_fmadd_ps(sv, _mm256_loadu_ps(pq.add(j)), acc[0]);
+                j += 8;
+            }
+        }
+        let mut out = hsum(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ));
+        for ((sv, &kj), &qj) in row[whole..].iter_mut().zip(&k[whole..]).zip(&q[whole..]) {
+            *sv += delta * kj;
+            out += *sv * qj;
+        }
+        *yi = out;
+    }
+}
+
 /// [`super::quantize_q4i`] for whole words (`x.len()` a multiple of 8), with the same
 /// results: the scale and its inverse are divided as there, and `vcvtps2dq` rounds to nearest
 /// even as the scalar code does. A word with a non-finite value takes the scalar code.

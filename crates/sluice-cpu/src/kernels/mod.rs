@@ -220,6 +220,82 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `x = silu(x) = x / (1 + e^-x)` elementwise, `exp` as in [`silu_mul`].
+pub fn silu(x: &mut [f32]) {
+    match level() {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 | Level::Avx512 => {
+            // SAFETY: `level()` returns these levels only when the CPU has AVX2 and FMA.
+            unsafe { avx2::silu(x) }
+        }
+        _ => {
+            for v in x {
+                *v = *v / (1.0 + (-*v).exp());
+            }
+        }
+    }
+}
+
+/// One token of the gated delta rule for one value head. `s` is the head's state, `v.len()`
+/// rows of `k.len()` (key dimension): each row `s_i` decays by `g`, moves toward `v[i]` along
+/// `k` (`s_i += beta * (v[i] - s_i . k) * k`), and is read out as `y[i] = s_i . q`. The dot
+/// products are SIMD sums on x86 (their rounding differs from a sum in order by a few ulp).
+pub fn delta_rule_step(
+    s: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    v: &[f32],
+    (g, beta): (f32, f32),
+    y: &mut [f32],
+) {
+    delta_rule_step_at(level(), s, k, q, v, (g, beta), y);
+}
+
+/// [`delta_rule_step`] at a given SIMD level (tests cover every level).
+pub(crate) fn delta_rule_step_at(
+    level: Level,
+    s: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    v: &[f32],
+    (g, beta): (f32, f32),
+    y: &mut [f32],
+) {
+    let dk = k.len();
+    assert!(
+        dk > 0 && q.len() == dk && s.len() == v.len() * dk && y.len() == v.len(),
+        "delta_rule_step: shapes differ"
+    );
+    assert!(
+        supported(level),
+        "SIMD level {} not supported",
+        level.name()
+    );
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 | Level::Avx512 => {
+            // SAFETY: `level()` returns these levels only when the CPU has AVX2 and FMA.
+            unsafe { avx2::delta_rule_step(s, k, q, v, (g, beta), y) }
+        }
+        _ => {
+            for ((row, &vi), yi) in s.chunks_exact_mut(dk).zip(v).zip(y.iter_mut()) {
+                let mut kv = 0.0;
+                for (sv, &kj) in row.iter_mut().zip(k) {
+                    *sv *= g;
+                    kv += *sv * kj;
+                }
+                let delta = (vi - kv) * beta;
+                let mut out = 0.0;
+                for ((sv, &kj), &qj) in row.iter_mut().zip(k).zip(q) {
+                    *sv += delta * kj;
+                    out += *sv * qj;
+                }
+                *yi = out;
+            }
+        }
+    }
+}
+
 /// `out = sum_p w[p] * rows[p * stride..][..out.len()]` (attention's weighted values), with
 /// the same roundings as [`axpy`] applied for each `p` in turn from zero, the sums kept in
 /// registers.

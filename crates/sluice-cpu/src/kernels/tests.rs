@@ -1053,6 +1053,82 @@ fn silu_mul_is_within_a_few_ulp_of_f64() {
     assert_eq!(nf[1], f32::INFINITY);
 }
 
+#[test]
+fn silu_is_within_a_few_ulp_of_f64() {
+    let mut rng = Rng(37);
+    let mut x = rng.vec(1029, -30.0, 30.0);
+    x.extend([
+        0.0, -0.0, 1e-30, -1e-30, 87.0, -87.0, 88.5, -88.5, -1e4, 1e4,
+    ]);
+    let mut got = x.clone();
+    silu(&mut got);
+    for (i, (&v, &r)) in x.iter().zip(&got).enumerate() {
+        let want = v as f64 / (1.0 + (-v as f64).exp());
+        let tol = 4.0 * f32::EPSILON as f64 * want.abs() + 1e-37;
+        assert!(
+            (r as f64 - want).abs() <= tol,
+            "index {i}: silu({v}) = {r}, want {want}"
+        );
+    }
+}
+
+/// Three tokens of the gated delta rule on one head, at every SIMD level, against the same
+/// steps in f64; key dimensions with and without scalar tails.
+#[test]
+fn delta_rule_step_every_level_matches_f64() {
+    let mut rng = Rng(41);
+    for dk in [128, 40, 13, 8, 1] {
+        let dv = 5;
+        let s0 = rng.vec(dv * dk, -1.0, 1.0);
+        let steps: Vec<_> = (0..3)
+            .map(|_| {
+                let (k, q, v) = (
+                    rng.vec(dk, -1.0, 1.0),
+                    rng.vec(dk, -1.0, 1.0),
+                    rng.vec(dv, -2.0, 2.0),
+                );
+                (k, q, v, rng.f32(0.5, 1.0), rng.f32(0.0, 1.0))
+            })
+            .collect();
+        let mut want: Vec<f64> = s0.iter().map(|&x| x as f64).collect();
+        let mut want_y = Vec::new();
+        for (k, q, v, g, beta) in &steps {
+            for (i, row) in want.chunks_exact_mut(dk).enumerate() {
+                row.iter_mut().for_each(|x| *x *= *g as f64);
+                let kv: f64 = row.iter().zip(k).map(|(a, &b)| a * b as f64).sum();
+                let delta = (v[i] as f64 - kv) * *beta as f64;
+                row.iter_mut()
+                    .zip(k)
+                    .for_each(|(a, &b)| *a += delta * b as f64);
+                want_y.push(row.iter().zip(q).map(|(a, &b)| a * b as f64).sum::<f64>());
+            }
+        }
+        for level in available_levels() {
+            let (mut s, mut ys) = (s0.clone(), Vec::new());
+            for (k, q, v, g, beta) in &steps {
+                let mut y = vec![0.0; dv];
+                delta_rule_step_at(level, &mut s, k, q, v, (*g, *beta), &mut y);
+                ys.extend(y);
+            }
+            let close = |a: f32, b: f64| (a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs());
+            for (i, (&a, &b)) in s.iter().zip(&want).enumerate() {
+                assert!(
+                    close(a, b),
+                    "{}, dk {dk}: state {i}: {a} vs {b}",
+                    level.name()
+                );
+            }
+            for (i, (&a, &b)) in ys.iter().zip(&want_y).enumerate() {
+                assert!(
+                    close(a, b),
+                    "{}, dk {dk}: output {i}: {a} vs {b}",
+                    level.name()
+                );
+            }
+        }
+    }
+}
+
 /// SwiGLU through the same kernel the backend uses (so both sides round alike).
 fn test_activation(_: usize, h: &mut [f32], u: &[f32]) {
     silu_mul(h, u);
