@@ -577,7 +577,7 @@ impl Backend for CpuBackend {
         let work = 2 * out.data.len();
         team::chunks_mut_sized(&mut out.data, ELEMENTWISE_CHUNK, work, |i, o| {
             let z = &z.data[i * ELEMENTWISE_CHUNK..][..o.len()];
-            o.iter_mut().zip(z).for_each(|(o, g)| *o *= g * sigmoid(*g));
+            kernels::mul_silu(o, z);
         });
         out
     }

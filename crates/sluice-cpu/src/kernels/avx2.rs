@@ -304,48 +304,32 @@ fn exp8(x: __m256) -> __m256 {
     _mm256_mul_ps(p, _mm256_castsi256_ps(e))
 }
 
-/// `gate = silu(gate) * up` elementwise (SwiGLU), through [`exp8`].
+/// [`super::silu_apply`] through [`exp8`].
 #[target_feature(enable = "avx2,fma")]
-pub(super) fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    assert_eq!(gate.len(), up.len());
-    let n = gate.len();
+pub(super) fn silu_apply(x: &mut [f32], other: &[f32], mode: super::Silu) {
+    use super::Silu;
+    let n = x.len();
+    assert!(mode == Silu::Alone || other.len() == n);
     let one = _mm256_set1_ps(1.0);
     let mut i = 0;
-    // SAFETY: every access covers elements `i..i + 8` with `i + 8 <= n` of both slices.
+    // SAFETY: every access covers elements `i..i + 8` with `i + 8 <= n` of `x`, and of `other`
+    // (asserted as long) when the mode reads it.
     unsafe {
         while i + 8 <= n {
-            let pg = gate.as_mut_ptr().add(i);
-            let g = _mm256_loadu_ps(pg);
+            let px = x.as_mut_ptr().add(i);
+            let xv = _mm256_loadu_ps(px);
+            let (g, m) = match mode {
+                Silu::Alone => (xv, None),
+                Silu::TimesOther => (xv, Some(_mm256_loadu_ps(other.as_ptr().add(i)))),
+                Silu::OfOther => (_mm256_loadu_ps(other.as_ptr().add(i)), Some(xv)),
+            };
             let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
             let silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(pg, _mm256_mul_ps(silu, _mm256_loadu_ps(up.as_ptr().add(i))));
+            _mm256_storeu_ps(px, m.map_or(silu, |m| _mm256_mul_ps(silu, m)));
             i += 8;
         }
     }
-    for (g, &u) in gate[i..].iter_mut().zip(&up[i..]) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-
-/// `x = silu(x)` elementwise, through [`exp8`].
-#[target_feature(enable = "avx2,fma")]
-pub(super) fn silu(x: &mut [f32]) {
-    let n = x.len();
-    let one = _mm256_set1_ps(1.0);
-    let mut i = 0;
-    // SAFETY: every access covers elements `i..i + 8` with `i + 8 <= n`.
-    unsafe {
-        while i + 8 <= n {
-            let p = x.as_mut_ptr().add(i);
-            let v = _mm256_loadu_ps(p);
-            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
-            _mm256_storeu_ps(p, _mm256_div_ps(v, _mm256_add_ps(one, e)));
-            i += 8;
-        }
-    }
-    for v in &mut x[i..] {
-        *v = *v / (1.0 + (-*v).exp());
-    }
+    super::silu_apply_scalar(&mut x[i..], other.get(i..).unwrap_or(&[]), mode);
 }
 
 /// [`super::delta_rule_step`]: each row's two dot products in four vector accumulators.

@@ -206,33 +206,52 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// (within 2 ulp of `f32::exp`).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "silu_mul: lengths differ");
-    match level() {
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 | Level::Avx512 => {
-            // SAFETY: `level()` returns these levels only when the CPU has AVX2 and FMA.
-            unsafe { avx2::silu_mul(gate, up) }
-        }
-        _ => {
-            for (g, &u) in gate.iter_mut().zip(up) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
-        }
-    }
+    silu_apply(gate, up, Silu::TimesOther);
 }
 
 /// `x = silu(x) = x / (1 + e^-x)` elementwise, `exp` as in [`silu_mul`].
 pub fn silu(x: &mut [f32]) {
+    silu_apply(x, &[], Silu::Alone);
+}
+
+/// `x = silu(gate) * x` elementwise (a gated norm's output), `exp` as in [`silu_mul`].
+pub fn mul_silu(x: &mut [f32], gate: &[f32]) {
+    assert_eq!(x.len(), gate.len(), "mul_silu: lengths differ");
+    silu_apply(x, gate, Silu::OfOther);
+}
+
+/// Which SiLU [`silu_apply`] writes into `x`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Silu {
+    /// `silu(x)`.
+    Alone,
+    /// `silu(x) * other`.
+    TimesOther,
+    /// `silu(other) * x`.
+    OfOther,
+}
+
+fn silu_apply(x: &mut [f32], other: &[f32], mode: Silu) {
     match level() {
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 | Level::Avx512 => {
             // SAFETY: `level()` returns these levels only when the CPU has AVX2 and FMA.
-            unsafe { avx2::silu(x) }
+            unsafe { avx2::silu_apply(x, other, mode) }
         }
-        _ => {
-            for v in x {
-                *v = *v / (1.0 + (-*v).exp());
-            }
-        }
+        _ => silu_apply_scalar(x, other, mode),
+    }
+}
+
+/// [`silu_apply`] one value at a time (the SIMD kernels' tails too).
+pub(crate) fn silu_apply_scalar(x: &mut [f32], other: &[f32], mode: Silu) {
+    let silu = |g: f32| g / (1.0 + (-g).exp());
+    match mode {
+        Silu::Alone => x.iter_mut().for_each(|v| *v = silu(*v)),
+        Silu::TimesOther => x
+            .iter_mut()
+            .zip(other)
+            .for_each(|(v, &o)| *v = silu(*v) * o),
+        Silu::OfOther => x.iter_mut().zip(other).for_each(|(v, &o)| *v *= silu(o)),
     }
 }
 

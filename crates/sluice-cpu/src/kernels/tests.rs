@@ -1070,6 +1070,18 @@ fn silu_is_within_a_few_ulp_of_f64() {
             "index {i}: silu({v}) = {r}, want {want}"
         );
     }
+    // The gated norm's form: y = silu(gate) * y.
+    let y0 = rng.vec(x.len(), -2.0, 2.0);
+    let mut y = y0.clone();
+    mul_silu(&mut y, &x);
+    for (i, ((&g, &v), &r)) in x.iter().zip(&y0).zip(&y).enumerate() {
+        let want = g as f64 / (1.0 + (-g as f64).exp()) * v as f64;
+        let tol = 4.0 * f32::EPSILON as f64 * want.abs() + 1e-37;
+        assert!(
+            (r as f64 - want).abs() <= tol,
+            "index {i}: silu({g}) * {v} = {r}, want {want}"
+        );
+    }
 }
 
 /// Three tokens of the gated delta rule on one head, at every SIMD level, against the same
