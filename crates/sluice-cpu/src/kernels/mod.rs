@@ -293,7 +293,8 @@ pub(crate) fn delta_rule_step_at(
     match level {
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 | Level::Avx512 => {
-            // SAFETY: `level()` returns these levels only when the CPU has AVX2 and FMA.
+            // SAFETY: `supported(level)` (asserted above) holds for these levels only when the
+            // CPU has AVX2 and FMA.
             unsafe { avx2::delta_rule_step(s, k, q, v, (g, beta), y) }
         }
         _ => {
