@@ -20,6 +20,7 @@ use cudarc::driver::{CudaFunction, DriverError};
 use crate::device::Arg;
 
 /// One recorded kernel launch.
+#[derive(Clone)]
 pub(crate) struct Launch {
     pub f: CudaFunction,
     pub grid: (u32, u32, u32),
