@@ -144,9 +144,9 @@ pub(crate) struct Device {
     graphs: Option<Mutex<Graphs>>,
     /// `SLUICE_CUDA_GRAPHS=stats`: how flushes ran, with host and GPU time.
     graph_stats: Option<Mutex<GraphStats>>,
-    /// `SLUICE_CUDA_TWICE=NAME,...`: kernels whose name starts with one of these are launched
-    /// twice (for timing: a step's time grows by such a kernel's share of the chain; results are
-    /// wrong where the kernel accumulates).
+    /// `SLUICE_CUDA_TWICE=NAME,...`: kernels whose name starts with one of these are recorded
+    /// twice into the replayed graphs (for timing: a step's time grows by such a kernel's share of
+    /// the chain; results are wrong where the kernel accumulates). No effect without graphs.
     twice: Vec<String>,
     /// Completed synchronisations of the stream: work issued before the `n`-th has finished
     /// once this exceeds `n - 1` (host memory lent to an asynchronous copy may then go back).
