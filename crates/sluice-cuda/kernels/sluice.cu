@@ -1838,8 +1838,8 @@ __device__ void route_row_v(const float* row, int E, int k, int normalize, uint3
 
 // route_row_v with the fewest registers that hold E <= 1024 logits (one copy in the PTX, called by
 // the routing kernels).
-__device__ __noinline__ void route_row(const float* row, int E, int k, int normalize, uint32_t* ids,
-                          float* weights) {
+__device__ __noinline__ void route_row(const float* row, int E, int k, int normalize,
+                                       uint32_t* ids, float* weights) {
     if (E <= 32) route_row_v<1>(row, E, k, normalize, ids, weights);
     else if (E <= 64) route_row_v<2>(row, E, k, normalize, ids, weights);
     else if (E <= 128) route_row_v<4>(row, E, k, normalize, ids, weights);
