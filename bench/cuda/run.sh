@@ -7,6 +7,7 @@
 #   pdl_chain         a decode-like chain of kernels with plain vs programmatic edges
 #   scattered_reads   8 expert-sized reads spread over allocations of 0.25-48 GB (TLB reach)
 #   route_chain       the router (route_gemv and variants) in a graph with programmatic launches
+#   attention_chain   decode attention (attention_decode) the same way, with parts left out
 # usage: bench/cuda/run.sh [NAME...]   (default: all; sm_90, or ARCH=80 ...)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -15,7 +16,7 @@ out="${TMPDIR:-/tmp}/sluice-cuda-bench"
 mkdir -p "$out"
 # sluice.cu with its programmatic-launch comments made instructions (as kernels.rs does at load).
 sed 's|// sluice-pdl: ||' "$here/../../crates/sluice-cuda/kernels/sluice.cu" > "$out/sluice_pdl.cu"
-for name in "${@:-decode_kernels gemv_layouts pdl_chain scattered_reads route_chain}"; do
+for name in "${@:-decode_kernels gemv_layouts pdl_chain scattered_reads route_chain attention_chain}"; do
     for n in $name; do
         echo "== $n"
         nvcc -O3 -arch="sm_$arch" -w -I "$here/../../crates/sluice-cuda/kernels" -I "$out" -o "$out/$n" "$here/$n.cu"
