@@ -4,8 +4,8 @@
 // the last block picks the top k in registers), the same with the previous top k (probabilities
 // in shared memory), one block for the whole router, and that block with the residual add and
 // RMS norm before it fused in. H100, 2026-12-07: 4.48 / 6.75 / 13.77 / 14.97 us (add_rms_norm
-// alone 1.85 us): one block reads the router too slowly. The PDL comments of sluice.cu are made instructions (as the loader
-// does); run.sh builds it.
+// alone 1.85 us): one block reads the router too slowly. The PDL comments of sluice.cu are made
+// instructions (as the loader does); run.sh builds it.
 #include "sluice_pdl.cu"
 #include <cstdio>
 #include <vector>
