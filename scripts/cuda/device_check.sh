@@ -27,7 +27,7 @@ suite() { # name: the test binary; prints cargo's summary line
 }
 suite conformance
 suite reference_logits
-suite fast_kernels
+suite fast_prefill
 same() { # label, generate arguments...
     local label=$1; shift
     local cpu cuda
@@ -35,7 +35,7 @@ same() { # label, generate arguments...
     # text may part from the exact computation after a few tokens.
     cpu=$("$bin/sluice" generate --device cpu --kernels exact "$@" 2>/dev/null)
     # The GPU's exact kernels too: its default fast prefill quantizes activations (tested
-    # against the exact path by the fast_kernels suite).
+    # against the exact path by the fast_prefill suite).
     cuda=$("$bin/sluice" generate --device cuda --kernels exact "$@" 2>/dev/null)
     if [ -n "$cpu" ] && [ "$cpu" = "$cuda" ]; then
         echo "demo greedy, $label: cpu == cuda"

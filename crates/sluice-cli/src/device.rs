@@ -57,7 +57,7 @@ pub fn pick(device: Device, kernels: Kernels, cpu_experts: HostCompute) -> Resul
     let cpu = || Picked::Cpu(Arc::new(CpuBackend::with_kernels(kernels)));
     let gpu = |b: CudaBackend| {
         Picked::Cuda(Arc::new(
-            b.with_fast_kernels(kernels == Kernels::Fast)
+            b.with_fast_prefill(kernels == Kernels::Fast)
                 .with_host_compute(cpu_experts, kernels),
         ))
     };

@@ -2288,43 +2288,6 @@ __device__ __forceinline__ float q4_dot(const uint32_t w[NW], const float* x) {
     return d;
 }
 
-// The fast one-token products (`--kernels fast`): the 8 NW values at x quantised to 8 bits against
-// one scale (max |x| / 127, rounded to nearest) and packed in the order of 4-bit words' nibbles:
-// lo[k] holds values 8k, 8k + 2, 8k + 4, 8k + 6 (the low nibbles of word k's bytes), hi[k] the
-// odd ones. Returns the scale. Then a word's 8 products are two dp4a instead of 8 conversions and
-// fmas: the products' instructions, not their bytes, bound the decode kernels on an H100.
-template <int NW>
-__device__ __forceinline__ float quantize_x8(const float* x, uint32_t lo[NW], uint32_t hi[NW]) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8 * NW; j++) amax = fmaxf(amax, fabsf(x[j]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-#pragma unroll
-    for (int k = 0; k < NW; k++) {
-        int q[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) q[j] = __float2int_rn(x[8 * k + j] * inv);
-        // __byte_perm(a, b, 0x0040): a's low byte, then b's; 0x5410 joins two such pairs.
-        lo[k] = __byte_perm(__byte_perm(q[0], q[2], 0x0040), __byte_perm(q[4], q[6], 0x0040), 0x5410);
-        hi[k] = __byte_perm(__byte_perm(q[1], q[3], 0x0040), __byte_perm(q[5], q[7], 0x0040), 0x5410);
-    }
-    return amax / 127.0f;
-}
-
-// sum over the 8 NW codes q_j of q_j x_j, x quantised by quantize_x8 (codes 0..15 are
-// non-negative signed bytes: a signed dp4a takes them as they are).
-template <int NW>
-__device__ __forceinline__ int q4_dot_x8(const uint32_t w[NW], const uint32_t lo[NW],
-                                         const uint32_t hi[NW]) {
-    int d = 0;
-#pragma unroll
-    for (int k = 0; k < NW; k++) {
-        d = __dp4a((int)(w[k] & 0x0F0F0F0Fu), (int)lo[k], d);
-        d = __dp4a((int)((w[k] >> 4) & 0x0F0F0F0Fu), (int)hi[k], d);
-    }
-    return d;
-}
-
 // acc + sum over the 8 NW codes of (s q_j + b) x_j, each weight dequantised as load8k does.
 template <int NW>
 __device__ __forceinline__ float q4_dequant_dot(const uint32_t w[NW], float s, float b,
@@ -2339,9 +2302,7 @@ __device__ __forceinline__ float q4_dequant_dot(const uint32_t w[NW], float s, f
 
 // moe_gate_up for 4-bit weights with cols % 16 == 0 and group >= 16: each warp computes two rows
 // of gate and up for one pair, 16 columns per lane per step, each step's group as
-// s * sum(q x) + b * sum(x) (with X8, sum(q x) in integers against x quantised per 16 columns).
-// Grid (inter / (2 warps), T * K).
-template <bool X8>
+// s * sum(q x) + b * sum(x). Grid (inter / (2 warps), T * K).
 __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* present, int n_present,
                                 const uint32_t* ids, int K, const float* x, float* h, Ffn f) {
     constexpr int CW = 16, NW = CW / 8, R = 2;
@@ -2376,16 +2337,6 @@ __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* prese
         float xs = 0.0f;
 #pragma unroll
         for (int j = 0; j < CW; j++) xs += xv[j];
-        if constexpr (X8) {
-            uint32_t lo[NW], hi[NW];
-            const float dx = quantize_x8<NW>(xv, lo, hi);
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                ag[i] = fmaf(sg[i] * dx, (float)q4_dot_x8<NW>(wg[i], lo, hi), fmaf(bg[i], xs, ag[i]));
-                au[i] = fmaf(su[i] * dx, (float)q4_dot_x8<NW>(wu[i], lo, hi), fmaf(bu[i], xs, au[i]));
-            }
-            continue;
-        }
 #pragma unroll
         for (int i = 0; i < R; i++) {
             ag[i] = fmaf(sg[i], q4_dot<NW>(wg[i], xv), fmaf(bg[i], xs, ag[i]));
@@ -2404,14 +2355,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
     const float* x, float* h, Ffn f) {
     PDL_START();
-    moe_gate_up_q4w<false>(experts, present, n_present, ids, K, x, h, f);
-}
-
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_x8(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
-    const float* x, float* h, Ffn f) {
-    PDL_START();
-    moe_gate_up_q4w<true>(experts, present, n_present, ids, K, x, h, f);
+    moe_gate_up_q4w(experts, present, n_present, ids, K, x, h, f);
 }
 
 // Rows per block of moe_down_q4_w.
@@ -3392,9 +3336,8 @@ GEMV_MULTI_ALL(K_BF16, bf16) GEMV_MULTI_ALL(K_MXFP4, mxfp4)
 #define SPREAD_ROWS 4
 
 // This thread's share of rows r0 .. r0 + R (clamped to the matrix) over columns [c, c + 16):
-// acc[i] = s_i sum(q x) + b_i sum(x), where x is x[c..] or, with SWIGLU, swiglu(x, up)[c..]; with
-// X8, sum(q x) in integers against x quantised to 8 bits (quantize_x8).
-template <int R, bool SWIGLU, bool X8 = false>
+// acc[i] = s_i sum(q x) + b_i sum(x), where x is x[c..] or, with SWIGLU, swiglu(x, up)[c..].
+template <int R, bool SWIGLU>
 __device__ __forceinline__ void spread_dots(const Mat& m, long r0, int c, const float* x,
                                             const float* up, float acc[R]) {
     uint32_t w[R][2];
@@ -3422,13 +3365,6 @@ __device__ __forceinline__ void spread_dots(const Mat& m, long r0, int c, const 
     float xs = 0.0f;
 #pragma unroll
     for (int j = 0; j < SPREAD_CODES; j++) xs += xv[j];
-    if constexpr (X8) {
-        uint32_t lo[2], hi[2];
-        const float dx = quantize_x8<2>(xv, lo, hi);
-#pragma unroll
-        for (int i = 0; i < R; i++) acc[i] = fmaf(s[i] * dx, (float)q4_dot_x8<2>(w[i], lo, hi), b[i] * xs);
-        return;
-    }
 #pragma unroll
     for (int i = 0; i < R; i++) acc[i] = fmaf(s[i], q4_dot<2>(w[i], xv), b[i] * xs);
 }
@@ -3460,7 +3396,7 @@ __device__ __forceinline__ float spread_sum(const float v[N], int G, float* part
 // y = x W^T for one token, the rows of this matrix's `block`-th block: blockDim / G row groups of
 // SPREAD_ROWS rows per block. With SWIGLU, y += sigmoid(gate[0]) * (W . swiglu(x, up)) (the
 // arithmetic of gemv_gated_add).
-template <bool SWIGLU, bool X8>
+template <bool SWIGLU>
 __device__ void spread_gemv(const Mat& m, long block, const float* x, float* y,
                             const float* up = nullptr, const float* gate = nullptr) {
     constexpr int R = SPREAD_ROWS;
@@ -3468,8 +3404,7 @@ __device__ void spread_gemv(const Mat& m, long block, const float* x, float* y,
     const int G = m.cols / SPREAD_CODES, groups = blockDim.x / G;
     const long r0 = (block * groups + threadIdx.x / G) * R;
     float acc[R];
-    spread_dots<R, SWIGLU, X8>(m, min(r0, (long)m.rows - 1), (threadIdx.x % G) * SPREAD_CODES, x, up,
-                               acc);
+    spread_dots<R, SWIGLU>(m, min(r0, (long)m.rows - 1), (threadIdx.x % G) * SPREAD_CODES, x, up, acc);
     const float total = spread_sum<R>(acc, G, part);
     const long r = block * groups * R + threadIdx.x;
     if (threadIdx.x < groups * R && r < m.rows) {
@@ -3478,34 +3413,31 @@ __device__ void spread_gemv(const Mat& m, long block, const float* x, float* y,
     }
 }
 
-// Each with an `_x8` twin: 8-bit activations (spread_dots with X8), for `--kernels fast`.
-#define SPREAD_GEMVS(X8, SUFFIX) \
-    extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s##SUFFIX(Mat w, const float* x, \
-                                                                          float* y) { \
-        PDL_LAUNCH_DEPENDENTS(); \
-        spread_gemv<false, X8>(w, blockIdx.x, x, y); \
-    } \
-    extern "C" __global__ void __launch_bounds__(256) gemv_gated_q4_t1_s##SUFFIX( \
-        Mat w, const float* g, const float* u, const float* gate, float* y) { \
-        PDL_LAUNCH_DEPENDENTS(); \
-        spread_gemv<true, X8>(w, blockIdx.x, g, y, u, gate); \
-    } \
-    /* gemv_q4_t1_s over a MatSet whose `first` counts blocks: one launch for q, k and v. */ \
-    extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s##SUFFIX(MatSet set, \
-                                                                                const float* x) { \
-        PDL_LAUNCH_DEPENDENTS(); \
-        int i = 0; \
-        while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++; \
-        spread_gemv<false, X8>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]); \
-    }
-SPREAD_GEMVS(false, ) SPREAD_GEMVS(true, _x8)
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s(Mat w, const float* x, float* y) {
+    PDL_LAUNCH_DEPENDENTS();
+    spread_gemv<false>(w, blockIdx.x, x, y);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemv_gated_q4_t1_s(Mat w, const float* g,
+                                                                     const float* u,
+                                                                     const float* gate, float* y) {
+    PDL_LAUNCH_DEPENDENTS();
+    spread_gemv<true>(w, blockIdx.x, g, y, u, gate);
+}
+
+// gemv_q4_t1_s over a MatSet whose `first` counts blocks: one launch for q, k and v.
+extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set, const float* x) {
+    PDL_LAUNCH_DEPENDENTS();
+    int i = 0;
+    while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++;
+    spread_gemv<false>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]);
+}
 
 // The MoE's down projections of token blockIdx.y, SPREAD_ROWS output rows per block: the threads
 // j * G .. (j + 1) * G take the token's j-th routed expert (blockDim = K G), each SPREAD_ROWS rows
 // of 16 columns; the dots (with their down biases, `f`) are added weighted in ascending expert id,
 // onto `out` when `accumulate`, else from zero (moe_down_q4_w's order: bit-identical however the
 // experts are split over calls).
-template <bool X8>
 __device__ __forceinline__ void moe_down_q4s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate,
@@ -3541,8 +3473,8 @@ __device__ __forceinline__ void moe_down_q4s(
     float acc[R] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (here[j]) {
         const Mat& d = down[j];
-        spread_dots<R, false, X8>(d, min(r0, (long)hidden - 1), (threadIdx.x % G) * SPREAD_CODES,
-                                  h + (t * K + j) * (long)d.cols, nullptr, acc);
+        spread_dots<R, false>(d, min(r0, (long)hidden - 1), (threadIdx.x % G) * SPREAD_CODES,
+                              h + (t * K + j) * (long)d.cols, nullptr, acc);
     }
     // Thread j' * R + i: expert j' 's total of row i (one "row group" per expert).
     const float total = spread_sum<R>(acc, G, part);
@@ -3560,27 +3492,22 @@ __device__ __forceinline__ void moe_down_q4s(
     }
 }
 
-// moe_down_q4_s384: for blocks of at most 384 threads, four to a multiprocessor (registers capped
-// to fit): Qwen3-30B-A3B's 2048 / 4 blocks of 8 x 48 threads then run in one wave of 132 x 4
-// instead of a wave of 132 x 3 and a partial second one. `_x8`: 8-bit activations.
-#define MOE_DOWN_Q4S(X8, SUFFIX) \
-    extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s##SUFFIX( \
-        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
-        const float* weights, int K, const float* h, float* out, int hidden, int accumulate, \
-        Ffn f) { \
-        PDL_START(); \
-        moe_down_q4s<X8>(experts, present, n_present, ids, weights, K, h, out, hidden, \
-                         accumulate, f); \
-    } \
-    extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384##SUFFIX( \
-        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
-        const float* weights, int K, const float* h, float* out, int hidden, int accumulate, \
-        Ffn f) { \
-        PDL_START(); \
-        moe_down_q4s<X8>(experts, present, n_present, ids, weights, K, h, out, hidden, \
-                         accumulate, f); \
-    }
-MOE_DOWN_Q4S(false, ) MOE_DOWN_Q4S(true, _x8)
+extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
+    PDL_START();
+    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f);
+}
+
+// moe_down_q4_s for blocks of at most 384 threads, four to a multiprocessor (registers capped to
+// fit): Qwen3-30B-A3B's 2048 / 4 blocks of 8 x 48 threads then run in one wave of 132 x 4 instead
+// of a wave of 132 x 3 and a partial second one.
+extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
+    PDL_START();
+    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f);
+}
 
 
 // ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ use crate::host_compute::{
     HostCompute, HostExperts, HostFfn, HostSplit, HostTally, JOIN_TIMEOUT_NS, MAX_PAIRS,
 };
 use crate::in_place::{InPlace, InPlaceLayer};
-use crate::kernels::{Q4Decode, DECODE_HEAD_DIMS, INT8_KINDS, KINDS};
+use crate::kernels::{DECODE_HEAD_DIMS, INT8_KINDS, KINDS};
 use crate::mat::{
     describe, ExpertMats, Ffn, KvRows, Mat, MatSet, Spread, KV_ROWS_MAX, MAT_SET_MAX, SPREAD_ROWS,
 };
@@ -218,10 +218,9 @@ pub struct CudaBackend {
     pinned: PinnedRanges,
     /// Layers whose experts the kernels read in host memory, and their VRAM tier.
     in_place: Mutex<InPlace>,
-    /// Products with activations quantized to 8 bits and multiplied in integers, llama.cpp's
-    /// arithmetic: of many tokens with 4- and 8-bit weights (`gemm_iq`, `moe_*_iq`) instead of
-    /// exactly (`*_tq`), and of one token with 4-bit weights (the `_x8` decode kernels).
-    fast: bool,
+    /// Many-token products of 4- and 8-bit weights with activations quantized to 8 bits
+    /// (`gemm_iq`, `moe_*_iq`: llama.cpp's arithmetic) instead of exactly (`*_tq`).
+    fast_prefill: bool,
     /// Whether the host computes experts kept in host memory beside the device
     /// (`host_compute`), with this CPU backend; its mailbox and worker once a call needs them.
     host_mode: HostCompute,
@@ -277,20 +276,6 @@ fn long_decode_splits(positions: usize) -> usize {
         .div_ceil(LONG_DECODE_POSITIONS)
         .next_power_of_two()
         .clamp(DECODE_SPLITS, 32)
-}
-
-/// EXPERIMENT: `SLUICE_CUDA_ATTN_BLOCK_POSITIONS=P` splits the one-token fused attention into
-/// next_pow2(positions / P) blocks a head (1 to 32) instead of [`long_decode_splits`].
-fn token_decode_splits(positions: usize) -> usize {
-    static P: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    match *P.get_or_init(|| {
-        std::env::var("SLUICE_CUDA_ATTN_BLOCK_POSITIONS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    }) {
-        Some(p) => positions.div_ceil(p).next_power_of_two().clamp(1, 32),
-        None => long_decode_splits(positions),
-    }
 }
 
 /// Threads of a block of `attention_decode` (`ATTN_WARPS` warps in the source).
@@ -438,7 +423,7 @@ impl CudaBackend {
             vram: Mutex::new(None),
             pinned: PinnedRanges::default(),
             in_place: Mutex::new(InPlace::default()),
-            fast: false,
+            fast_prefill: false,
             host_mode: HostCompute::Off,
             host_cpu: CpuBackend::new(),
             host: Mutex::new(None),
@@ -454,24 +439,18 @@ impl CudaBackend {
         self
     }
 
-    /// With `fast`, products quantize the activations to 8 bits and multiply in integers (as
-    /// llama.cpp does; the CPU's `fast` kernels do the same): those of many tokens with 4- and
-    /// 8-bit weights per 32 columns, those of one token with 4-bit weights per 16 (in registers,
-    /// no extra launch); without, they are exact to f32 rounding (the default).
-    pub fn with_fast_kernels(mut self, fast: bool) -> Self {
-        self.fast = fast;
+    /// With `fast`, products of many tokens with 4- and 8-bit weights quantize the activations
+    /// to 8 bits per 32 columns and multiply in integers (as llama.cpp does; the CPU's `fast`
+    /// kernels do the same for decode); without, they are exact to f32 rounding (the default).
+    pub fn with_fast_prefill(mut self, fast: bool) -> Self {
+        self.fast_prefill = fast;
         self
     }
 
     /// The `INT8_KINDS` index of the 8-bit-activation kernels for weights of this exact kind,
-    /// when the fast kernels are on.
+    /// when the fast prefill is on.
     fn int8_kind(&self, exact: usize) -> Option<usize> {
-        (self.fast && exact < INT8_KINDS.len()).then_some(exact)
-    }
-
-    /// One token's 4-bit product kernels in the arithmetic `with_fast_kernels` chose.
-    fn q4_decode(&self) -> &Q4Decode {
-        &self.d.k.q4_decode[usize::from(self.fast)]
+        (self.fast_prefill && exact < INT8_KINDS.len()).then_some(exact)
     }
 
     /// Quantizes `rows` rows of `cols` values at `x` (with `glu`, the MoE's pairs: rows of
@@ -613,7 +592,7 @@ impl CudaBackend {
             );
         } else if let Some(s) = Self::spread(w, tokens) {
             self.d.launch(
-                &self.q4_decode().gemv_s,
+                &k.gemv_q4_t1_s,
                 (grid(w.rows as usize, s.rows_per_block()), 1, 1),
                 (s.block_threads(), 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
@@ -799,7 +778,7 @@ impl CudaBackend {
         if q4_gate_up {
             // 4 warps of 2 rows each.
             self.d.launch(
-                &self.q4_decode().moe_gate_up_w,
+                &k.moe_gate_up_q4_w,
                 (grid(inter, 8), pairs as u32, 1),
                 (128, 1, 1),
                 &gate_up_args,
@@ -843,9 +822,9 @@ impl CudaBackend {
             let small = block <= MOE_DOWN_S384;
             self.d.launch(
                 if small {
-                    &self.q4_decode().moe_down_s384
+                    &k.moe_down_q4_s384
                 } else {
-                    &self.q4_decode().moe_down_s
+                    &k.moe_down_q4_s
                 },
                 (grid(x.cols, SPREAD_ROWS), routing.rows as u32, 1),
                 (block as u32, 1, 1),
@@ -1613,7 +1592,7 @@ impl CudaBackend {
         Self::attend_plan(1, heads, kvh, hd).filter(|&s| s > 1)?;
         let kernel = self.decode_kernel(hd, KvFormat::F32)?;
         let first = cache.len;
-        let splits = token_decode_splits(first + 1);
+        let splits = long_decode_splits(first + 1);
         if !self.ensure_capacity(cache, first + 1) {
             return Some(false);
         }
@@ -2344,7 +2323,7 @@ impl Backend for CudaBackend {
         let args = [Arg::MatSet(Box::new(set)), Arg::Ptr(xp)];
         match spread {
             Some(s) => self.d.launch(
-                &self.q4_decode().gemv_multi_s,
+                &self.d.k.gemv_multi_q4_t1_s,
                 (blocks, 1, 1),
                 (s.block_threads(), 1, 1),
                 &args,
@@ -2396,7 +2375,7 @@ impl Backend for CudaBackend {
                 // The kernel `matmul_into` would run the down projection with, fused.
                 match Self::spread(down, tokens) {
                     Some(s) => self.d.launch(
-                        &self.q4_decode().gemv_gated_s,
+                        &self.d.k.gemv_gated_q4_t1_s,
                         (grid(down.rows as usize, s.rows_per_block()), 1, 1),
                         (s.block_threads(), 1, 1),
                         &args,
@@ -3423,7 +3402,7 @@ mod tests {
         let source = include_str!("../kernels/sluice.cu");
         assert!(
             source.contains(&format!(
-                "__launch_bounds__({MOE_DOWN_S384}, 4) moe_down_q4_s384##SUFFIX("
+                "__launch_bounds__({MOE_DOWN_S384}, 4) moe_down_q4_s384("
             )),
             "moe_down_q4_s384's launch bounds differ from MOE_DOWN_S384"
         );

@@ -24,38 +24,6 @@ pub(crate) const EXACT_KINDS: [&str; 4] = ["q4", "q8", "bf16", "mxfp4"];
 /// affine ones of [`EXACT_KINDS`], at the same indices.
 pub(crate) const INT8_KINDS: [&str; 2] = ["q4", "q8"];
 
-/// One token's products of 4-bit weights: the MoE's gate/up (a warp per two rows, more loads in
-/// flight) and its down projections, and products spread over the columns with several rows per
-/// thread (`*_s` in the source; `Mat::spread` and `Mat::spread_threads` say which shapes they
-/// take), all in one of two arithmetics.
-pub(crate) struct Q4Decode {
-    pub moe_gate_up_w: CudaFunction,
-    pub gemv_s: CudaFunction,
-    pub gemv_gated_s: CudaFunction,
-    pub gemv_multi_s: CudaFunction,
-    pub moe_down_s: CudaFunction,
-    /// `moe_down_s` for blocks of at most [`crate::backend::MOE_DOWN_S384`] threads, four to a
-    /// multiprocessor.
-    pub moe_down_s384: CudaFunction,
-}
-
-impl Q4Decode {
-    /// The set whose names end in `suffix` (`""`: exact; `"_x8"`: 8-bit activations).
-    fn load(
-        f: &impl Fn(&str) -> Result<CudaFunction, DriverError>,
-        suffix: &str,
-    ) -> Result<Q4Decode, DriverError> {
-        Ok(Q4Decode {
-            moe_gate_up_w: f(&format!("moe_gate_up_q4_w{suffix}"))?,
-            gemv_s: f(&format!("gemv_q4_t1_s{suffix}"))?,
-            gemv_gated_s: f(&format!("gemv_gated_q4_t1_s{suffix}"))?,
-            gemv_multi_s: f(&format!("gemv_multi_q4_t1_s{suffix}"))?,
-            moe_down_s: f(&format!("moe_down_q4_s{suffix}"))?,
-            moe_down_s384: f(&format!("moe_down_q4_s384{suffix}"))?,
-        })
-    }
-}
-
 /// Every kernel the backend launches.
 pub(crate) struct Kernels {
     /// Kernel names by function handle (`{:?}` of it), for the profile.
@@ -121,15 +89,23 @@ pub(crate) struct Kernels {
     pub moe_gate_up: Vec<CudaFunction>,
     /// The down projections with a block per output row (few tokens).
     pub moe_down_b: Vec<CudaFunction>,
-    /// 4-bit decode MoE's down projections with more loads in flight (`moe_down_q4_w`).
+    /// 4-bit decode MoE with more loads in flight (`moe_gate_up_q4_w`, `moe_down_q4_w`).
+    pub moe_gate_up_q4_w: CudaFunction,
     pub argmax_parts: CudaFunction,
     pub qkv_norm_rope_append: CudaFunction,
     pub argmax_finish: CudaFunction,
     /// The best few columns of a row, sorted, and the values at named columns (one block).
     pub top_logits: CudaFunction,
     pub moe_down_q4_w: CudaFunction,
-    /// One token's 4-bit products: [exact, 8-bit activations (`_x8` in the source)].
-    pub q4_decode: [Q4Decode; 2],
+    /// One token's 4-bit products spread over the columns, several rows per thread (`*_s` in the
+    /// source; `Mat::spread` and `Mat::spread_threads` say which shapes they take).
+    pub gemv_q4_t1_s: CudaFunction,
+    pub gemv_gated_q4_t1_s: CudaFunction,
+    pub gemv_multi_q4_t1_s: CudaFunction,
+    pub moe_down_q4_s: CudaFunction,
+    /// `moe_down_q4_s` for blocks of at most [`crate::backend::MOE_DOWN_S384`] threads, four to a
+    /// multiprocessor.
+    pub moe_down_q4_s384: CudaFunction,
     /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
     /// and the weighted sum per token.
     pub moe_group: CudaFunction,
@@ -295,12 +271,17 @@ impl Kernels {
                 .iter()
                 .map(|k| f(&format!("moe_down_{k}_b")))
                 .collect::<Result<_, _>>()?,
+            moe_gate_up_q4_w: f("moe_gate_up_q4_w")?,
             argmax_parts: f("argmax_parts")?,
             qkv_norm_rope_append: f("qkv_norm_rope_append")?,
             argmax_finish: f("argmax_finish")?,
             top_logits: f("top_logits")?,
             moe_down_q4_w: f("moe_down_q4_w")?,
-            q4_decode: [Q4Decode::load(&f, "")?, Q4Decode::load(&f, "_x8")?],
+            gemv_q4_t1_s: f("gemv_q4_t1_s")?,
+            gemv_gated_q4_t1_s: f("gemv_gated_q4_t1_s")?,
+            gemv_multi_q4_t1_s: f("gemv_multi_q4_t1_s")?,
+            moe_down_q4_s: f("moe_down_q4_s")?,
+            moe_down_q4_s384: f("moe_down_q4_s384")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,
             delta_prep: f("delta_prep")?,

@@ -1,5 +1,5 @@
 //! Comparisons of two models' logits ([positions, vocab] row-major), shared by the fast-kernel
-//! tests of the CPU (`fast_kernels.rs`) and the GPU (`sluice-cuda/tests/fast_kernels.rs`); they
+//! tests of the CPU (`fast_kernels.rs`) and the GPU (`sluice-cuda/tests/fast_prefill.rs`); they
 //! include `reference.rs` beside it as `reference`.
 
 use crate::reference::argmax;

@@ -1,8 +1,6 @@
-//! The GPU's fast kernels (`CudaBackend::with_fast_kernels`: activations quantized to 8 bits and
-//! multiplied in integers; products of many tokens with 4- and 8-bit weights per 32 columns on
-//! integer tensor cores, products of one token with 4-bit weights per 16 columns with `dp4a`)
-//! against the exact kernels on CUDA device 0, prefill (all tokens in one call) and decode (one
-//! token a call, through the caches):
+//! The GPU's fast prefill (`CudaBackend::with_fast_prefill`: products of many tokens with 4- and
+//! 8-bit weights against activations quantized to 8 bits per 32 columns, on integer tensor
+//! cores) against the exact kernels on CUDA device 0, prefill (all tokens in one call):
 //!
 //! - Every quantized reference fixture and the demo model: mean KL divergence of the fast
 //!   distribution from the exact one, argmax agreement, and max|diff| against the reference.
@@ -10,7 +8,7 @@
 //!
 //! The exact path is the one held to the reference implementations (`reference_logits.rs`).
 //! It needs an NVIDIA GPU: without one these tests are reported as ignored, not passed. On a GPU
-//! machine: `cargo test -p sluice-cuda --test fast_kernels -- --ignored`.
+//! machine: `cargo test -p sluice-cuda --test fast_prefill -- --ignored`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,7 +19,7 @@ use sluice_engine::{npy, Engine, LoadOptions, LogitsMode};
 fn load(dir: &Path, fast: bool) -> Engine<CudaBackend> {
     let backend = sluice_cuda::open(0)
         .unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
-        .with_fast_kernels(fast);
+        .with_fast_prefill(fast);
     Engine::load(dir, Arc::new(backend), &LoadOptions::default())
         .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
@@ -47,16 +45,6 @@ const FIXTURES: [&str; 5] = [
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored"]
 fn prefill_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
-    logits_stay_close_to_the_exact_kernels(LogitsMode::Prefill);
-}
-
-#[test]
-#[ignore = "needs an NVIDIA GPU: run with --ignored"]
-fn decode_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
-    logits_stay_close_to_the_exact_kernels(LogitsMode::Decode);
-}
-
-fn logits_stay_close_to_the_exact_kernels(mode: LogitsMode) {
     let root = repo();
     let mut cases: Vec<(String, PathBuf, PathBuf)> = FIXTURES
         .iter()
@@ -70,13 +58,7 @@ fn logits_stay_close_to_the_exact_kernels(mode: LogitsMode) {
         root.join("models/demo"),
         root.join("tests/fixtures/demo-reference"),
     ));
-    let (what, reference) = match mode {
-        LogitsMode::Prefill => ("prefill", "logits_prefill.npy"),
-        LogitsMode::Decode => ("decode", "logits_decode.npy"),
-    };
-    eprintln!(
-        "| model ({what}) | mean KL(exact || fast) | argmax agreement | fast max|diff| / max|ref| |"
-    );
+    eprintln!("| model | mean KL(exact || fast) | argmax agreement | fast max|diff| / max|ref| |");
     eprintln!("|---|---|---|---|");
     for (name, model, refs) in cases {
         let tokens = reference_tokens(&refs);
@@ -86,10 +68,12 @@ fn logits_stay_close_to_the_exact_kernels(mode: LogitsMode) {
         );
         let exact_engine = load(&model, false);
         let vocab = exact_engine.model.info().vocab_size;
-        let exact = exact_engine.logits(&tokens, mode).unwrap();
+        let exact = exact_engine.logits(&tokens, LogitsMode::Prefill).unwrap();
         drop(exact_engine);
-        let fast = load(&model, true).logits(&tokens, mode).unwrap();
-        let (want, _) = npy::read_f32(&refs.join(reference)).unwrap();
+        let fast = load(&model, true)
+            .logits(&tokens, LogitsMode::Prefill)
+            .unwrap();
+        let (want, _) = npy::read_f32(&refs.join("logits_prefill.npy")).unwrap();
         let diff = max_diff_over_max_ref(&fast, &want);
         let (kl, agree) = kl_and_agreement(&exact, &fast, vocab);
         eprintln!(
@@ -97,15 +81,7 @@ fn logits_stay_close_to_the_exact_kernels(mode: LogitsMode) {
             agree * 100.0,
             diff
         );
-        // One token's 8-bit products have no fast form: those models decode exactly.
-        if matches!(mode, LogitsMode::Decode) && name.ends_with("q8") {
-            assert_eq!(
-                exact, fast,
-                "{name}: 8-bit weights decode exactly either way"
-            );
-        } else {
-            assert_ne!(exact, fast, "{name}: the fast kernels did not run");
-        }
+        assert_ne!(exact, fast, "{name}: the fast kernels did not run");
         assert_fast_within_bounds(name == "demo", &name, kl, agree);
     }
 }
@@ -113,16 +89,6 @@ fn logits_stay_close_to_the_exact_kernels(mode: LogitsMode) {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored"]
 fn demo_model_prefill_perplexity_within_half_a_percent_of_the_exact_kernels() {
-    demo_perplexity_within_half_a_percent(LogitsMode::Prefill);
-}
-
-#[test]
-#[ignore = "needs an NVIDIA GPU: run with --ignored"]
-fn demo_model_decode_perplexity_within_half_a_percent_of_the_exact_kernels() {
-    demo_perplexity_within_half_a_percent(LogitsMode::Decode);
-}
-
-fn demo_perplexity_within_half_a_percent(mode: LogitsMode) {
     let dir = repo().join("models/demo");
     let exact = load(&dir, false);
     let fast = load(&dir, true);
@@ -137,8 +103,8 @@ fn demo_perplexity_within_half_a_percent(mode: LogitsMode) {
             .unwrap();
         tokens.truncate(192);
         let n = (tokens.len() - 1) as f64;
-        let e = exact.logits(&tokens, mode).unwrap();
-        let f = fast.logits(&tokens, mode).unwrap();
+        let e = exact.logits(&tokens, LogitsMode::Prefill).unwrap();
+        let f = fast.logits(&tokens, LogitsMode::Prefill).unwrap();
         nll_exact += mean_nll(&e, &tokens, vocab) * n;
         nll_fast += mean_nll(&f, &tokens, vocab) * n;
         count += tokens.len() - 1;
@@ -149,13 +115,13 @@ fn demo_perplexity_within_half_a_percent(mode: LogitsMode) {
     );
     let change = ppl_fast / ppl_exact - 1.0;
     eprintln!(
-        "held-out perplexity over {count} tokens ({mode:?} on the GPU): exact {ppl_exact:.4}, \
+        "held-out perplexity over {count} tokens (prefill on the GPU): exact {ppl_exact:.4}, \
          fast {ppl_fast:.4} ({:+.3}%)",
         change * 100.0
     );
     assert!(
         change.abs() < 0.005,
-        "fast {mode:?} perplexity {ppl_fast:.4} vs exact {ppl_exact:.4}: {:+.3}%",
+        "fast prefill perplexity {ppl_fast:.4} vs exact {ppl_exact:.4}: {:+.3}%",
         change * 100.0
     );
 }
