@@ -8,6 +8,7 @@
 #   scattered_reads   8 expert-sized reads spread over allocations of 0.25-48 GB (TLB reach)
 #   route_chain       the router (route_gemv and variants) in a graph with programmatic launches
 #   attention_chain   decode attention (attention_decode) the same way, with parts left out
+#   launch_floor      what a kernel boundary alone costs in such a graph (tiny kernels)
 # usage: bench/cuda/run.sh [NAME...]   (default: all; sm_90, or ARCH=80 ...)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -16,7 +17,7 @@ out="${TMPDIR:-/tmp}/sluice-cuda-bench"
 mkdir -p "$out"
 # sluice.cu with its programmatic-launch comments made instructions (as kernels.rs does at load).
 sed 's|// sluice-pdl: ||' "$here/../../crates/sluice-cuda/kernels/sluice.cu" > "$out/sluice_pdl.cu"
-for name in "${@:-decode_kernels gemv_layouts pdl_chain scattered_reads route_chain attention_chain}"; do
+for name in "${@:-decode_kernels gemv_layouts pdl_chain scattered_reads route_chain attention_chain launch_floor}"; do
     for n in $name; do
         echo "== $n"
         nvcc -O3 -arch="sm_$arch" -w -I "$here/../../crates/sluice-cuda/kernels" -I "$out" -o "$out/$n" "$here/$n.cu"
