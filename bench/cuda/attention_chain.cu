@@ -14,10 +14,9 @@
 // contexts: the kernel's own chain (q, keys and values, the warps' and splits' combine) is the
 // time.
 #include "sluice_pdl.cu"
-#include <cstdio>
+#include "chain.h"
 #include <vector>
 #include <random>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 
 // Puts every layer's device length back to n (the start of a replay).
 __global__ void reset_lengths(int* lens, int layers, int n) {
@@ -26,12 +25,6 @@ __global__ void reset_lengths(int* lens, int layers, int n) {
     if (threadIdx.x < layers) lens[threadIdx.x] = n;
 }
 
-template <class K, class... A> static void launch(cudaStream_t st, K k, dim3 g, dim3 b, A... a) {
-  cudaLaunchConfig_t cfg = {}; cfg.gridDim = g; cfg.blockDim = b; cfg.stream = st;
-  cudaLaunchAttribute at[1]; at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at; cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, k, a...));
-}
 static float* dev_floats(size_t n, std::mt19937_64& rng, float scale) {
   std::vector<float> h(n); for (auto& v : h) v = ((rng() % 2001) / 1000.f - 1.f) * scale;
   float* p; CK(cudaMalloc(&p, n * 4)); CK(cudaMemcpy(p, h.data(), n * 4, cudaMemcpyHostToDevice)); return p;
@@ -64,23 +57,11 @@ int main() {
     auto bare = [&](int i) {
       launch(st, attention_decode_128, dim3(H, 1, SPLITS), dim3(ATTN_WARPS * 32), (const float*)q, (const float*)nullptr, (const float*)nullptr, (const float*)nullptr, (const float*)nullptr, (const float*)nullptr, 0.f, 0, keys[i], values[i], out, H, KVH, n, 1, scale, partial, done, (int*)nullptr, all_done, 0, (const float*)nullptr);
     };
-    auto time_graph = [&](auto body) {
-      cudaGraph_t g; cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal)); for (int i = 0; i < L; i++) body(i); CK(cudaStreamEndCapture(st, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
-      for (int w = 0; w < 3; w++) CK(cudaGraphLaunch(ge, st));
-      cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-      double best = 1e30;
-      for (int rep = 0; rep < 5; rep++) {
-        cudaEventRecord(e0, st); for (int w = 0; w < 20; w++) CK(cudaGraphLaunch(ge, st)); cudaEventRecord(e1, st);
-        CK(cudaEventSynchronize(e1)); float ms; cudaEventElapsedTime(&ms, e0, e1); best = fmin(best, ms * 1000 / 20 / L);
-      }
-      cudaGraphExecDestroy(ge); cudaGraphDestroy(g); return best;
-    };
     for (int rep = 0; rep < 2; rep++)
-      printf("%4d positions: engine %6.2f us   no device length %6.2f us   no prelude either %6.2f us\n", n, time_graph(engine), time_graph(no_len), time_graph(bare));
+      printf("%4d positions: engine %6.2f us   no device length %6.2f us   no prelude either %6.2f us\n", n, time_graph(st, L, engine), time_graph(st, L, no_len), time_graph(st, L, bare));
     for (int s : {1, 2, 4, 8}) {
       splits = s;
-      printf("%4d positions, %d splits: engine %6.2f us\n", n, s, time_graph(engine));
+      printf("%4d positions, %d splits: engine %6.2f us\n", n, s, time_graph(st, L, engine));
     }
   }
 }

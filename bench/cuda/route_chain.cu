@@ -7,10 +7,9 @@
 // alone 1.85 us): one block reads the router too slowly. The PDL comments of sluice.cu are made
 // instructions (as the loader does); run.sh builds it.
 #include "sluice_pdl.cu"
-#include <cstdio>
+#include "chain.h"
 #include <vector>
 #include <random>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 
 // The previous route_row (before 2026-12-07): probabilities in shared memory, each pick a loop
 // over them and five shuffle steps of (value, index).
@@ -107,24 +106,6 @@ static std::mt19937_64 rng(7);
 static void* dev_random(size_t bytes) { std::vector<unsigned char> h(bytes); for (auto& b : h) b = rng(); void* p; CK(cudaMalloc(&p, bytes)); CK(cudaMemcpy(p, h.data(), bytes, cudaMemcpyHostToDevice)); return p; }
 static void* dev_scales(size_t n) { std::vector<__nv_bfloat16> h(n); for (auto& v : h) v = __float2bfloat16((rng() % 1000) / 1000.f * 0.02f - 0.01f); void* p; CK(cudaMalloc(&p, n * 2)); CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice)); return p; }
 static Mat q8mat(int rows, int cols) { Mat m{}; m.data = (const uint8_t*)dev_random((size_t)rows * cols); m.scales = (const uint8_t*)dev_scales((size_t)rows * cols / 64); m.biases = (const uint8_t*)dev_scales((size_t)rows * cols / 64); m.rows = rows; m.cols = cols; m.fmt = FMT_AFFINE; m.bits = 8; m.group = 64; m.sdt = SDT_BF16; m.gshift = 6; return m; }
-template <class K, class... A> static void launch(cudaStream_t st, K k, dim3 g, dim3 b, A... a) {
-  cudaLaunchConfig_t cfg = {}; cfg.gridDim = g; cfg.blockDim = b; cfg.stream = st;
-  cudaLaunchAttribute at[1]; at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at; cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, k, a...));
-}
-template <class F> static double time_graph(cudaStream_t st, int n, F body) {
-  cudaGraph_t g; cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal)); for (int i = 0; i < n; i++) body(i); CK(cudaStreamEndCapture(st, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
-  for (int w = 0; w < 3; w++) CK(cudaGraphLaunch(ge, st));
-  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-  double best = 1e30;
-  for (int rep = 0; rep < 5; rep++) {
-    cudaEventRecord(e0, st); const int reps = 20; for (int w = 0; w < reps; w++) CK(cudaGraphLaunch(ge, st)); cudaEventRecord(e1, st);
-    CK(cudaEventSynchronize(e1)); float ms; cudaEventElapsedTime(&ms, e0, e1); best = fmin(best, ms * 1000 / reps / n);
-  }
-  cudaGraphExecDestroy(ge); cudaGraphDestroy(g); return best;
-}
 int main() {
   const int L = 48, E = 128, K = 8, H = 2048;
   cudaStream_t st; CK(cudaStreamCreate(&st));
