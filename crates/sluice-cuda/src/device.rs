@@ -146,7 +146,8 @@ pub(crate) struct Device {
     graph_stats: Option<Mutex<GraphStats>>,
     /// `SLUICE_CUDA_TWICE=NAME,...`: kernels whose name starts with one of these are recorded
     /// twice into the replayed graphs (for timing: a step's time grows by such a kernel's share of
-    /// the chain; results are wrong where the kernel accumulates). No effect without graphs.
+    /// the chain; results are wrong where the kernel accumulates or rescales in place). No effect
+    /// without graphs.
     twice: Vec<String>,
     /// Completed synchronisations of the stream: work issued before the `n`-th has finished
     /// once this exceeds `n - 1` (host memory lent to an asynchronous copy may then go back).
