@@ -11,9 +11,9 @@
 
 use crate::reference::{self, HostLinearState};
 use crate::{
-    Activation, AttentionSpec, Backend, DeltaNetDims, Dtype, ExpertFfn, ExpertKey, FfnWeights,
-    HostBytes, HostMatrix, HostRouting, KvFormat, MatRef, Rope, SigmoidRouting, ValueHeadOrder,
-    WeightFormat,
+    Activation, AttentionSpec, Backend, DeltaNetDims, DeltaNetWeights, Dtype, ExpertFfn, ExpertKey,
+    FfnWeights, HostBytes, HostMatrix, HostRouting, KvFormat, MatRef, Rope, SigmoidRouting,
+    ValueHeadOrder, WeightFormat,
 };
 
 /// How far a backend may stray from the reference, relative to the largest reference value.
@@ -1818,6 +1818,8 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
             "a new linear state is zero"
         );
         let mut want_state = HostLinearState::new(&dims);
+        // `gated_delta_net` over the same inputs, with a state of its own.
+        let mut net_state = b.linear_state(&dims).expect("linear_state");
         for (step, rows) in [6usize, 1, 1, 3, 20].into_iter().enumerate() {
             let case = format!("{dims:?}, step {step} of {rows} rows");
             let x = rng.vec(rows * c, -2.0, 2.0);
@@ -1888,6 +1890,7 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
             );
             let z = rng.vec(rows * hv * dims.value_dim, -2.0, 2.0);
             let cols = hv * dims.value_dim;
+            let want_out = reference::rms_norm_gated(&want_y, &z, &norm_w, 1e-6);
             assert_close(
                 &format!("rms_norm_gated {case}"),
                 &host(
@@ -1899,7 +1902,41 @@ pub fn delta_net<B: Backend>(b: &B, tol: Tolerance) {
                         1e-6,
                     ),
                 ),
-                &reference::rms_norm_gated(&want_y, &z, &norm_w, 1e-6),
+                &want_out,
+                tol.other,
+            );
+            let weights = DeltaNetWeights {
+                conv1d: &conv_v,
+                a_log: &a_log_v,
+                dt_bias: &dt_v,
+                norm: &norm_v,
+                eps: 1e-6,
+            };
+            let net = b.gated_delta_net(
+                &b.act_from_host(&x, rows, c),
+                &b.act_from_host(&z, rows, cols),
+                &b.act_from_host(&a, rows, hv),
+                &b.act_from_host(&bb, rows, hv),
+                weights,
+                &mut net_state,
+            );
+            assert_close(
+                &format!("gated_delta_net {case}"),
+                &host(b, &net),
+                &want_out,
+                tol.other,
+            );
+            let net_host = b.linear_state_to_host(&net_state).expect("to host");
+            assert_close(
+                &format!("gated_delta_net conv window {case}"),
+                &net_host.conv,
+                &want_state.conv,
+                tol.other,
+            );
+            assert_close(
+                &format!("gated_delta_net recurrent state {case}"),
+                &net_host.recurrent,
+                &want_state.recurrent,
                 tol.other,
             );
         }

@@ -241,6 +241,27 @@ impl<V> ExpertFfn<'_, V> {
     };
 }
 
+/// The weights of a Gated DeltaNet mixer between its input projections and `out_proj`
+/// ([`Backend::gated_delta_net`]).
+#[derive(Debug)]
+pub struct DeltaNetWeights<'a, V> {
+    /// `[channels, conv_kernel]`, taps oldest first.
+    pub conv1d: &'a V,
+    pub a_log: &'a V,
+    pub dt_bias: &'a V,
+    /// The gated norm's weight, `[value_dim]`.
+    pub norm: &'a V,
+    pub eps: f32,
+}
+
+impl<V> Clone for DeltaNetWeights<'_, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<V> Copy for DeltaNetWeights<'_, V> {}
+
 /// The memory a backend allocates from (host RAM for the CPU, device memory for a GPU), bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -683,6 +704,24 @@ pub trait Backend: Send + Sync {
             *state = s;
         }
         self.act_from_host(&y, rows, cols)
+    }
+    /// The Gated DeltaNet between its input projections and `out_proj`, over one sequence's rows
+    /// with its state: `causal_conv1d_silu` of `qkv`, `gated_delta_rule`, then `rms_norm_gated`
+    /// of the result with `z`. One decode step of this is a few KB of inputs beside the state, so
+    /// a backend whose launches cost more than that work fuses them; the default is the three
+    /// calls.
+    fn gated_delta_net(
+        &self,
+        qkv: &Self::Act,
+        z: &Self::Act,
+        a: &Self::Act,
+        b: &Self::Act,
+        w: DeltaNetWeights<'_, Self::Vector>,
+        state: &mut Self::LinearState,
+    ) -> Self::Act {
+        let qkv = self.causal_conv1d_silu(qkv, w.conv1d, state);
+        let y = self.gated_delta_rule(&qkv, a, b, w.a_log, w.dt_bias, state);
+        self.rms_norm_gated(&y, z, w.norm, w.eps)
     }
     /// `silu(z) * rms_norm(x) * weight`, normalising each chunk of `weight.len()` values.
     fn rms_norm_gated(

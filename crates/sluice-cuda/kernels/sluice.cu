@@ -890,18 +890,24 @@ extern "C" __global__ void add_rms_norm(float* h, const float* y, const float* w
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[base + i] = h[base + i] * inv * w[i];
 }
 
+// silu(z) * rms_norm(x) * w over one chunk of n, by the whole block.
+__device__ void gated_norm_chunk(const float* x, const float* z, const float* w, float* out, int n,
+                                 float eps) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float g = z[i];
+        out[i] = x[i] * inv * w[i] * (g / (1.0f + expf(-g)));
+    }
+}
+
 // silu(z) * rms_norm(x) * w per chunk of n.
 extern "C" __global__ void rms_norm_gated(const float* x, const float* z, const float* w, float* out,
                                           int n, float eps) {
     PDL_START();
     const long base = (long)blockIdx.x * n;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[base + i] * x[base + i];
-    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float g = z[base + i];
-        out[base + i] = x[base + i] * inv * w[i] * (g / (1.0f + expf(-g)));
-    }
+    gated_norm_chunk(x + base, z + base, w, out + base, n, eps);
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, long n) {
@@ -3050,6 +3056,213 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
 #pragma unroll
         for (int c = 0; c < 8; c++)
             reinterpret_cast<float4*>(s)[c] = make_float4(S[4 * c], S[4 * c + 1], S[4 * c + 2], S[4 * c + 3]);
+    }
+}
+
+// ---- one decode step of the whole Gated DeltaNet core ----
+//
+// For one token (or a few), causal_conv1d_silu + delta_prep + gated_delta_rule_rows +
+// rms_norm_gated are four dependent launches over a few KB each, ~31 us a layer on an H100
+// (Qwen3.5-35B-A3B shape). Here they are two: gated_delta_step convolves, in every block, just the
+// channels that block reads (its key head's q and k, its own rows of v: the q/k convolution is
+// repeated by each block of that key head, a few hundred multiply-adds), normalises q and k, and
+// runs the recurrence; delta_norm_window then applies the gated norm per value head and moves the
+// convolution window on. The window cannot move in the first kernel: other blocks of it read the
+// same channels.
+
+// The taps of channel ch (oldest first; K <= 8), in registers.
+struct ConvTaps {
+    float w[8];
+};
+
+__device__ __forceinline__ ConvTaps conv_taps(const float* conv_w, int ch, int K) {
+    ConvTaps t;
+#pragma unroll
+    for (int j = 0; j < 8; j++) t.w[j] = j < K ? conv_w[(long)ch * K + j] : 0.0f;
+    return t;
+}
+
+// The convolved input (then SiLU) of channel ch at token t, the inputs before token 0 from the
+// window ([K - 1, C]). Unrolled over the largest K so that every load is issued at once (a loop
+// over K made each a dependent round trip: 10 us a launch). Same order of operations as
+// causal_conv1d_silu.
+__device__ __forceinline__ float conv_silu_at(const float* x, const float* window,
+                                              const ConvTaps taps, int ch, int t, int C, int K) {
+    float in[7];
+#pragma unroll
+    for (int j = 0; j < 7; j++) {
+        const int tau = t - (K - 1) + j;
+        in[j] = j >= K - 1 ? 0.0f
+                : tau >= 0 ? x[(long)tau * C + ch]
+                           : window[(long)(K - 1 + tau) * C + ch];
+    }
+    float newest = 0.0f;  // taps.w[K - 1], selected without indexing the array at run time
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        if (j == K - 1) newest = taps.w[j];
+    float acc = newest * x[(long)t * C + ch];
+#pragma unroll
+    for (int j = 0; j < 7; j++)
+        if (j < K - 1) acc = fmaf(taps.w[j], in[j], acc);
+    return acc / (1.0f + expf(-acc));
+}
+
+// Channels of q and k (2 dk) a thread of gated_delta_step convolves: the host launches
+// max(32, dk / 2) threads.
+#define DELTA_STEP_QK 4
+
+// The recurrence of value head blockIdx.x, rows blockIdx.y * R .. (R = blockDim.x / (dk / 32)),
+// for ntok tokens of x (the raw projection, [ntok, 2 hk dk + hv dv]), writing the ungated output
+// y [ntok, hv dv] and the state; the window is only read. blockDim.x = max(32, dk / 2),
+// dk % 32 == 0, dk <= 256, 2 <= K <= 8.
+extern "C" __global__ void __launch_bounds__(128) gated_delta_step(
+    const float* __restrict__ x, const float* __restrict__ conv_w, const float* __restrict__ window,
+    const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ state, float* __restrict__ y, int ntok,
+    int hk, int hv, int dk, int dv, int K, int tiled) {
+    __shared__ float qs[8 * DELTA_LD], ks[8 * DELTA_LD], vs[128];
+    __shared__ float sums[2][4];
+    const int h = blockIdx.x, parts = dk / 32, rows = blockDim.x / parts;
+    const int r = threadIdx.x / parts, part = threadIdx.x % parts;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int i = blockIdx.y * rows + r;  // value row
+    const bool active = i < dv;
+    const int kh = key_head(h, hk, hv, tiled);
+    const int C = 2 * hk * dk + hv * dv;
+    // The channels this thread convolves: q/k channel c = threadIdx.x + m blockDim.x (c < dk: q),
+    // and, for the first `rows` threads, value row blockIdx.y * rows + threadIdx.x.
+    int qk_ch[DELTA_STEP_QK];
+#pragma unroll
+    for (int m = 0; m < DELTA_STEP_QK; m++) {
+        const int c = threadIdx.x + m * blockDim.x;
+        qk_ch[m] = c < dk ? kh * dk + c : c < 2 * dk ? hk * dk + kh * dk + (c - dk) : 0;
+    }
+    const int v_row = blockIdx.y * rows + threadIdx.x;
+    const bool has_v = threadIdx.x < rows && v_row < dv;
+    const int v_ch = 2 * hk * dk + h * dv + (has_v ? v_row : 0);
+    // Weights before the wait: nothing earlier in the graph writes them.
+    PDL_LAUNCH_DEPENDENTS();
+    ConvTaps qk_taps[DELTA_STEP_QK];
+#pragma unroll
+    for (int m = 0; m < DELTA_STEP_QK; m++) qk_taps[m] = conv_taps(conv_w, qk_ch[m], K);
+    const ConvTaps v_taps = conv_taps(conv_w, v_ch, K);
+    const float q_scale = rsqrtf((float)dk), decay = expf(a_log[h]), dt = dt_bias[h];
+    PDL_WAIT();
+    float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
+    float S[32];
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        const float4 v = active ? reinterpret_cast<const float4*>(s)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        S[4 * c] = v.x; S[4 * c + 1] = v.y; S[4 * c + 2] = v.z; S[4 * c + 3] = v.w;
+    }
+    for (int t = 0; t < ntok; t++) {
+        // q and k of the key head, convolved, and their squared norms.
+        float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+        for (int m = 0; m < DELTA_STEP_QK; m++) {
+            const int c = threadIdx.x + m * blockDim.x;
+            if (c < 2 * dk) {
+                const float v = conv_silu_at(x, window, qk_taps[m], qk_ch[m], t, C, K);
+                const int cc = c < dk ? c : c - dk;
+                (c < dk ? qs : ks)[(cc / 32) * DELTA_LD + cc % 32] = v;
+                if (c < dk) sq += v * v; else sk += v * v;
+            }
+        }
+        if (threadIdx.x < rows) vs[threadIdx.x] = has_v ? conv_silu_at(x, window, v_taps, v_ch, t, C, K) : 0.0f;
+        const float av = a[(long)t * hv + h] + dt, bv = b[(long)t * hv + h];
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        if (lane == 0) {
+            sums[0][warp] = sq;
+            sums[1][warp] = sk;
+        }
+        __syncthreads();
+        sq = 0.0f;
+        sk = 0.0f;
+        for (int w = 0; w < warps; w++) {
+            sq += sums[0][w];
+            sk += sums[1][w];
+        }
+        const float inv_q = q_scale / sqrtf(sq + 1e-6f), inv_k = 1.0f / sqrtf(sk + 1e-6f);
+        const float softplus = av > 20.0f ? av : log1pf(expf(av));
+        const float g = expf(-decay * softplus);
+        const float beta = 1.0f / (1.0f + expf(-bv));
+        const float* kp = &ks[part * DELTA_LD];
+        const float* qp = &qs[part * DELTA_LD];
+        float kv = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            S[c] *= g;
+            kv = fmaf(S[c], kp[c], kv);
+        }
+        for (int o = 1; o < parts; o <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, o);
+        // k enters normalised: S k = inv_k (S k_raw), and the update adds (delta inv_k) k_raw.
+        const float delta = (vs[r] - kv * inv_k) * beta * inv_k;
+        float acc = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            S[c] = fmaf(delta, kp[c], S[c]);
+            acc = fmaf(S[c], qp[c], acc);
+        }
+        for (int o = 1; o < parts; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (active && part == 0) y[((long)t * hv + h) * dv + i] = acc * inv_q;
+        __syncthreads();  // the next token rewrites qs, ks, vs and sums
+    }
+    if (active) {
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            reinterpret_cast<float4*>(s)[c] = make_float4(S[4 * c], S[4 * c + 1], S[4 * c + 2], S[4 * c + 3]);
+    }
+}
+
+// Channels whose window a thread of delta_norm_window moves (dv threads own dv + 2 dk <= 3 dv
+// channels when dk <= dv; more run in a loop).
+#define DELTA_WINDOW_CH 3
+
+// After gated_delta_step: block h (dv threads, dv <= 1024) applies silu(z) * rms_norm(y) * w to
+// value head h of every token and moves the window on (the last K - 1 inputs of window ++ x) for
+// the channels it owns: value head h's, and key head h's q and k when h < hk. A thread reads all
+// its channels before it stores any (a load after a store the compiler cannot tell apart from it
+// is one more round trip).
+extern "C" __global__ void delta_norm_window(const float* __restrict__ y, const float* __restrict__ z,
+                                             const float* __restrict__ w, float* __restrict__ out,
+                                             const float* __restrict__ x, float* __restrict__ window,
+                                             int ntok, int hk, int hv, int dk, int dv, int K,
+                                             float eps) {
+    PDL_LAUNCH_DEPENDENTS();
+    const int h = blockIdx.x, C = 2 * hk * dk + hv * dv, n = threadIdx.x;
+    const float wn = n < dv ? w[n] : 0.0f;
+    PDL_WAIT();
+    const int own = dv + (h < hk ? 2 * dk : 0);
+    for (int c0 = 0; c0 < own; c0 += DELTA_WINDOW_CH * blockDim.x) {
+        int ch[DELTA_WINDOW_CH];
+        float next[DELTA_WINDOW_CH][7];
+#pragma unroll
+        for (int m = 0; m < DELTA_WINDOW_CH; m++) {
+            const int c = c0 + threadIdx.x + m * blockDim.x;
+            ch[m] = c >= own ? -1
+                    : c < dv ? 2 * hk * dk + h * dv + c
+                    : c - dv < dk ? h * dk + (c - dv)
+                                  : hk * dk + h * dk + (c - dv - dk);
+#pragma unroll
+            for (int j = 0; j < 7; j++) {
+                const int src = j + ntok;  // index into window ++ x
+                next[m][j] = ch[m] < 0 || j >= K - 1 ? 0.0f
+                             : src < K - 1 ? window[(long)src * C + ch[m]]
+                                           : x[(long)(src - (K - 1)) * C + ch[m]];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < DELTA_WINDOW_CH; m++)
+#pragma unroll
+            for (int j = 0; j < 7; j++)
+                if (ch[m] >= 0 && j < K - 1) window[(long)j * C + ch[m]] = next[m][j];
+    }
+    for (int t = 0; t < ntok; t++) {
+        const long base = ((long)t * hv + h) * dv;
+        const float v = n < dv ? y[base + n] : 0.0f, g = n < dv ? z[base + n] : 0.0f;
+        const float inv = 1.0f / sqrtf(block_sum(v * v) / dv + eps);
+        if (n < dv) out[base + n] = v * inv * wn * (g / (1.0f + expf(-g)));
     }
 }
 

@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaFunction;
 use sluice_backend::{
-    Activation, AttentionSpec, Backend, BackendError, DeltaNetDims, ExpertCachePlan,
-    ExpertCacheStats, ExpertFfn, ExpertKey, ExpertSource, FfnWeights, HostExpert, HostLinearState,
-    HostMatrix, HostPinner, HostRouting, KvFormat, MemoryInfo, Rope, SigmoidRouting, TopLogits,
-    ValueHeadOrder,
+    Activation, AttentionSpec, Backend, BackendError, DeltaNetDims, DeltaNetWeights,
+    ExpertCachePlan, ExpertCacheStats, ExpertFfn, ExpertKey, ExpertSource, FfnWeights, HostExpert,
+    HostLinearState, HostMatrix, HostPinner, HostRouting, KvFormat, MemoryInfo, Rope,
+    SigmoidRouting, TopLogits, ValueHeadOrder,
 };
 
 use sluice_cpu::{CpuBackend, Kernels};
@@ -276,6 +276,17 @@ fn long_decode_splits(positions: usize) -> usize {
         .div_ceil(LONG_DECODE_POSITIONS)
         .next_power_of_two()
         .clamp(DECODE_SPLITS, 32)
+}
+
+/// A sequence's rows up to which the Gated DeltaNet runs as `gated_delta_step` (each block
+/// repeats its key head's convolution per token, and tokens run one after another in it).
+const DELTA_STEP_ROWS: usize = 8;
+
+/// Whether `gated_delta_net` may take the two-launch path; `SLUICE_CUDA_DELTA_STEP=0` keeps the
+/// four launches, to measure against.
+fn fused_delta_step() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("SLUICE_CUDA_DELTA_STEP").is_ok_and(|v| v == "0"))
 }
 
 /// Threads of a block of `attention_decode` (`ATTN_WARPS` warps in the source).
@@ -3340,6 +3351,98 @@ impl Backend for CudaBackend {
                 ],
             );
         }
+        out
+    }
+
+    fn gated_delta_net(
+        &self,
+        qkv: &CudaAct,
+        z: &CudaAct,
+        a: &CudaAct,
+        b: &CudaAct,
+        w: DeltaNetWeights<'_, CudaVector>,
+        state: &mut CudaLinearState,
+    ) -> CudaAct {
+        let d = state.dims;
+        let (hk, hv, dk, dv, k) = (
+            d.key_heads,
+            d.value_heads,
+            d.key_dim,
+            d.value_dim,
+            d.conv_kernel,
+        );
+        let fits = dk % 32 == 0 && dk <= 256 && (2..=8).contains(&k) && dv <= 1024;
+        if qkv.rows > DELTA_STEP_ROWS || !fits || !fused_delta_step() {
+            let x = self.causal_conv1d_silu(qkv, w.conv1d, state);
+            let y = self.gated_delta_rule(&x, a, b, w.a_log, w.dt_bias, state);
+            return self.rms_norm_gated(&y, z, w.norm, w.eps);
+        }
+        assert_eq!(qkv.cols, d.conv_channels());
+        assert_eq!((a.cols, b.cols), (hv, hv));
+        assert_eq!((z.rows, z.cols, w.norm.len), (qkv.rows, hv * dv, dv));
+        let (y, out) = (self.act(qkv.rows, hv * dv), self.act(qkv.rows, hv * dv));
+        let (Some(xp), Some(zp), Some(ap), Some(bp), Some(yp), Some(o), Some(rec), Some(window)) = (
+            qkv.ptr(),
+            z.ptr(),
+            a.ptr(),
+            b.ptr(),
+            y.ptr(),
+            out.ptr(),
+            &state.recurrent,
+            &state.conv,
+        ) else {
+            return out;
+        };
+        let dims = [hk, hv, dk, dv, k].map(|v| Arg::I32(v as i32));
+        let tiled = (d.value_order == ValueHeadOrder::Tiled) as i32;
+        // Each thread convolves at most 4 of q's and k's 2 dk channels (`DELTA_STEP_QK`); for a
+        // 128-wide key, 64 threads and 16 rows a block: 256 blocks for Qwen3.5-35B-A3B's 32 heads.
+        let threads = (dk / 2).max(32);
+        let rows_per_block = threads / (dk / 32);
+        let kern = &self.d.k;
+        self.d.launch(
+            &kern.gated_delta_step,
+            (hv as u32, grid(dv, rows_per_block), 1),
+            (threads as u32, 1, 1),
+            &[
+                [
+                    Arg::Ptr(xp),
+                    Arg::Ptr(self.vec_ptr(w.conv1d)),
+                    Arg::Ptr(window.ptr),
+                    Arg::Ptr(ap),
+                    Arg::Ptr(bp),
+                    Arg::Ptr(self.vec_ptr(w.a_log)),
+                    Arg::Ptr(self.vec_ptr(w.dt_bias)),
+                    Arg::Ptr(rec.ptr),
+                    Arg::Ptr(yp),
+                    Arg::I32(qkv.rows as i32),
+                ]
+                .as_slice(),
+                &dims,
+                &[Arg::I32(tiled)],
+            ]
+            .concat(),
+        );
+        self.d.launch(
+            &kern.delta_norm_window,
+            (hv as u32, 1, 1),
+            (dv.next_multiple_of(32) as u32, 1, 1),
+            &[
+                [
+                    Arg::Ptr(yp),
+                    Arg::Ptr(zp),
+                    Arg::Ptr(self.vec_ptr(w.norm)),
+                    Arg::Ptr(o),
+                    Arg::Ptr(xp),
+                    Arg::Ptr(window.ptr),
+                    Arg::I32(qkv.rows as i32),
+                ]
+                .as_slice(),
+                &dims,
+                &[Arg::F32(w.eps)],
+            ]
+            .concat(),
+        );
         out
     }
 

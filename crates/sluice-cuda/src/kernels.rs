@@ -129,6 +129,10 @@ pub(crate) struct Kernels {
     /// Many tokens: the state-free inputs of every token, then the recurrence by rows.
     pub delta_prep: CudaFunction,
     pub gated_delta_rule_rows: CudaFunction,
+    /// A few tokens: the DeltaNet core in two launches (convolution, norms and recurrence; then
+    /// the gated norm and the window).
+    pub gated_delta_step: CudaFunction,
+    pub delta_norm_window: CudaFunction,
 }
 
 /// What the kernels' programmatic-launch markers read in the PTX (`PDL_*` in the source).
@@ -286,6 +290,8 @@ impl Kernels {
             gated_delta_rule: f("gated_delta_rule")?,
             delta_prep: f("delta_prep")?,
             gated_delta_rule_rows: f("gated_delta_rule_rows")?,
+            gated_delta_step: f("gated_delta_step")?,
+            delta_norm_window: f("delta_norm_window")?,
         })
         .map(|mut k: Kernels| {
             k.names = names.take();

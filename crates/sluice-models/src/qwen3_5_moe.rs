@@ -23,7 +23,9 @@ use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use serde::Deserialize;
-use sluice_backend::{AttentionSpec, Backend, DeltaNetDims, ExpertSource, Rope, ValueHeadOrder};
+use sluice_backend::{
+    AttentionSpec, Backend, DeltaNetDims, DeltaNetWeights, ExpertSource, Rope, ValueHeadOrder,
+};
 use sluice_format::ModelDir;
 
 use crate::decoder::{
@@ -624,20 +626,25 @@ impl<B: Backend> Qwen35Moe<B> {
             x,
             [&l.in_proj_qkv, &l.in_proj_z, &l.in_proj_b, &l.in_proj_a],
         );
+        let weights = DeltaNetWeights {
+            conv1d: &l.conv1d,
+            a_log: &l.a_log,
+            dt_bias: &l.dt_bias,
+            norm: &l.norm,
+            eps: self.decoder.eps(),
+        };
         let y = per_segment(
             b,
-            [&qkv, &a, &beta_logits],
+            [&qkv, &z, &a, &beta_logits],
             segments,
-            |[qkv, a, beta], s| {
+            |[qkv, z, a, beta], s| {
                 s.record(b, i, &[qkv, a, beta]);
                 let LayerState::Linear(state) = &mut s.layers[i] else {
                     return Err(wrong_state());
                 };
-                let qkv = b.causal_conv1d_silu(qkv, &l.conv1d, state);
-                Ok(b.gated_delta_rule(&qkv, a, beta, &l.a_log, &l.dt_bias, state))
+                Ok(b.gated_delta_net(qkv, z, a, beta, weights, state))
             },
         )?;
-        let y = b.rms_norm_gated(&y, &z, &l.norm, self.decoder.eps());
         Ok(b.matmul(&y, &l.out_proj))
     }
 
