@@ -285,6 +285,18 @@ pub fn activations<B: Backend>(b: &B, _tol: Tolerance) {
     // and past what a device may sort, and more columns than the row has.
     let bits = |t: &[(u32, f32)]| t.iter().map(|&(c, v)| (c, v.to_bits())).collect::<Vec<_>>();
     let few_values: Vec<f32> = (0..5000).map(|_| rng.below(7) as f32 - 3.0).collect();
+    // Wide enough that a device may select in stages over parts of the row: ties across parts.
+    let few_values_wide: Vec<f32> = (0..40_000).map(|_| rng.below(7) as f32 - 3.0).collect();
+    // Mostly NaN, 9 000 columns (the last part short): NaN ties across parts fill larger n.
+    let nan_wide: Vec<f32> = (0..9_000)
+        .map(|i| {
+            if i % 23 == 0 {
+                (i % 101) as f32
+            } else {
+                f32::NAN
+            }
+        })
+        .collect();
     let zeros: Vec<f32> = (0..700)
         .map(|i| match i % 3 {
             0 => 0.0,
@@ -302,8 +314,10 @@ pub fn activations<B: Backend>(b: &B, _tol: Tolerance) {
         .collect();
     for (name, row) in [
         ("few values", &few_values),
+        ("few values, wide", &few_values_wide),
         ("signed zeros", &zeros),
         ("NaN", &with_nan),
+        ("NaN, wide", &nan_wide),
     ] {
         let logits = b.act_from_host(row, 1, row.len());
         for n in [1, 37, 299, 300, 700, 1024, 1025, 6000] {

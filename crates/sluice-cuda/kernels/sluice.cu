@@ -3342,20 +3342,20 @@ __device__ __forceinline__ uint32_t rank_key(float v) {
 
 #define TOP_MAX 1024
 
-// The n best columns of x [cols] (0 < n <= min(cols, TOP_MAX)) in rank order — larger values
-// first, the lower column among equals, NaN last — into out_cols and out_vals, and x at each of
-// the n_at columns at_cols into out_at (NaN past the end). One block of 1024 threads. The n-th
-// best key is found a byte at a time from the top (a histogram pass over the row per byte,
-// stopping early once a byte's bin holds exactly the columns still wanted); then every column
-// above it is gathered, with the lowest columns among those equal to it, and the n are sorted.
-extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, int cols, int n,
-                                                              const uint32_t* at_cols, int n_at,
-                                                              uint32_t* out_cols, float* out_vals,
-                                                              float* out_at) {
-    PDL_START();
+// Columns a block of top_logits_parts takes: a block's passes over them are 4 loads a thread.
+#define TOP_CHUNK 4096
+
+// The n best of vals [count] (0 < n <= min(count, TOP_MAX)) in rank order — larger values first,
+// the lower index among equals, NaN last — into out_cols (ids[index], or col_base + index when
+// ids is null) and out_vals, by the whole block of 1024 threads. The n-th best key is found a
+// byte at a time from the top (a histogram pass per byte, stopping early once a byte's bin holds
+// exactly the entries still wanted); then every entry above it is gathered, with the lowest
+// indices among those equal to it, and the n are sorted.
+__device__ void top_select(const float* vals, int count, int n, const uint32_t* ids,
+                           uint32_t col_base, uint32_t* out_cols, float* out_vals) {
     __shared__ uint32_t hist[256];
     __shared__ uint32_t prefix, mask, matched;
-    __shared__ int need;  // columns still wanted among those whose key matches prefix under mask
+    __shared__ int need;  // entries still wanted among those whose key matches prefix under mask
     __shared__ int taken;
     __shared__ int warp_eq[32];
     __shared__ unsigned long long cand[TOP_MAX];
@@ -3364,7 +3364,7 @@ extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, in
         prefix = 0;
         mask = 0;
         need = n;
-        matched = (uint32_t)cols;
+        matched = (uint32_t)count;
         taken = 0;
     }
     __syncthreads();
@@ -3372,14 +3372,24 @@ extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, in
         for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         const uint32_t p = prefix, m = mask;
-        for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
-            const int c = c0 + tid;
-            const uint32_t key = c < cols ? rank_key(x[c]) : 0u;
-            const bool counted = c < cols && (key & m) == p;
-            // Lanes of one bin add once (most of a row shares a few bins); others get a bin each.
-            const uint32_t bin = counted ? (key >> shift) & 255u : 256u + lane;
-            const uint32_t peers = __match_any_sync(0xffffffffu, bin);
-            if (counted && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        // Four entries a thread at a time: their loads are in flight together.
+        for (int c0 = 0; c0 < count; c0 += 4 * blockDim.x) {
+            uint32_t keys[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int c = c0 + u * blockDim.x + tid;
+                keys[u] = c < count ? rank_key(vals[c]) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int c = c0 + u * blockDim.x + tid;
+                const bool counted = c < count && (keys[u] & m) == p;
+                // Lanes of one bin add once (most of a row shares a few bins); others get a bin
+                // each.
+                const uint32_t bin = counted ? (keys[u] >> shift) & 255u : 256u + lane;
+                const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+                if (counted && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+            }
         }
         __syncthreads();
         if (warp == 0) {
@@ -3415,25 +3425,24 @@ extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, in
         }
         __syncthreads();
     }
-    // Keys above the threshold (prefix under mask) are all taken; of those equal to it, the
-    // `need` lowest columns: all of them when they are exactly that many, else counted per
-    // thread over a contiguous stretch of columns and ranked by a scan.
+    // Keys above the threshold (prefix under mask) are all taken, in any order (the sort below
+    // orders them), by a pass whose loads coalesce. Of those equal to it, the `need` lowest
+    // indices: all of them when they are exactly that many, else counted per thread over a
+    // contiguous stretch and ranked by a scan (only exact ties at the n-th value get here).
     const uint32_t p = prefix, m = mask;
     const int eq_take = need;
     const bool all_eq = matched == (uint32_t)eq_take;
-    const int stretch = (cols + blockDim.x - 1) / blockDim.x;
-    const int c_begin = min(cols, tid * stretch), c_end = min(cols, c_begin + stretch);
-    int eq = 0;
-    for (int c = c_begin; c < c_end; c++) {
-        const uint32_t key = rank_key(x[c]);
+    for (int c = tid; c < count; c += blockDim.x) {
+        const uint32_t key = rank_key(vals[c]);
         const uint32_t top = key & m;
-        if (top > p || (all_eq && top == p)) {
+        if (top > p || (all_eq && top == p))
             cand[atomicAdd(&taken, 1)] = ((unsigned long long)key << 32) | (uint32_t)~(uint32_t)c;
-        } else if (top == p) {
-            eq++;
-        }
     }
     if (!all_eq) {
+        const int stretch = (count + blockDim.x - 1) / blockDim.x;
+        const int c_begin = min(count, tid * stretch), c_end = min(count, c_begin + stretch);
+        int eq = 0;
+        for (int c = c_begin; c < c_end; c++) eq += (rank_key(vals[c]) & m) == p;
         int incl = eq;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -3445,7 +3454,7 @@ extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, in
         int rank = incl - eq;
         for (int w = 0; w < warp; w++) rank += warp_eq[w];
         for (int c = c_begin; c < c_end && rank < eq_take; c++) {
-            const uint32_t key = rank_key(x[c]);
+            const uint32_t key = rank_key(vals[c]);
             if ((key & m) == p) {
                 cand[atomicAdd(&taken, 1)] = ((unsigned long long)key << 32) | (uint32_t)~(uint32_t)c;
                 rank++;
@@ -3454,7 +3463,7 @@ extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, in
     }
     __syncthreads();
     // Bitonic sort, best first, over a power of two padded with zeros (below every entry: a NaN
-    // entry's low word ~column is never 0).
+    // entry's low word ~index is never 0).
     int size = 1;
     while (size < n) size <<= 1;
     for (int i = n + tid; i < size; i += blockDim.x) cand[i] = 0ull;
@@ -3477,13 +3486,59 @@ extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, in
     }
     for (int i = tid; i < n; i += blockDim.x) {
         const uint32_t c = ~(uint32_t)cand[i];
-        out_cols[i] = c;
-        out_vals[i] = x[c];
+        out_cols[i] = ids ? ids[c] : col_base + c;
+        out_vals[i] = vals[c];
     }
-    for (int j = tid; j < n_at; j += blockDim.x) {
+}
+
+// x at each of the n_at columns at_cols into out_at (NaN past the end).
+__device__ void values_at(const float* x, int cols, const uint32_t* at_cols, int n_at,
+                          float* out_at) {
+    for (int j = threadIdx.x; j < n_at; j += blockDim.x) {
         const uint32_t c = at_cols[j];
         out_at[j] = c < (uint32_t)cols ? x[c] : __int_as_float(0x7fc00000);
     }
+}
+
+// The n best columns of x [cols] (0 < n <= min(cols, TOP_MAX)) in rank order into out_cols and
+// out_vals, and x at the n_at columns at_cols into out_at: one block of 1024 threads over the
+// whole row (a small row, or to measure against the two stages below).
+extern "C" __global__ void __launch_bounds__(1024) top_logits(const float* x, int cols, int n,
+                                                              const uint32_t* at_cols, int n_at,
+                                                              uint32_t* out_cols, float* out_vals,
+                                                              float* out_at) {
+    PDL_START();
+    top_select(x, cols, n, nullptr, 0, out_cols, out_vals);
+    values_at(x, cols, at_cols, n_at, out_at);
+}
+
+// Stage one over a wide row: block p takes columns [p TOP_CHUNK, (p + 1) TOP_CHUNK) and writes
+// its best min(n, its columns) to part_cols / part_vals [p n ..] in rank order, padded to n with
+// column 0xffffffff and NaN (only the last block can be short, so the padding ranks last).
+// n <= TOP_CHUNK.
+extern "C" __global__ void __launch_bounds__(1024) top_logits_parts(const float* x, int cols, int n,
+                                                                    uint32_t* part_cols,
+                                                                    float* part_vals) {
+    PDL_START();
+    const int base = blockIdx.x * TOP_CHUNK, len = min(TOP_CHUNK, cols - base), m = min(n, len);
+    uint32_t* oc = part_cols + (long)blockIdx.x * n;
+    float* ov = part_vals + (long)blockIdx.x * n;
+    top_select(x + base, len, m, nullptr, (uint32_t)base, oc, ov);
+    for (int j = m + threadIdx.x; j < n; j += blockDim.x) {
+        oc[j] = 0xffffffffu;
+        ov[j] = __int_as_float(0x7fc00000);
+    }
+}
+
+// Stage two: the best n of the parts' count = parts n candidates. Among equal values a part's
+// candidates are in column order and the parts in column order, so the lower index is the
+// lower column: the row's order.
+extern "C" __global__ void __launch_bounds__(1024) top_logits_merge(
+    const uint32_t* part_cols, const float* part_vals, int count, int n, const float* x, int cols,
+    const uint32_t* at_cols, int n_at, uint32_t* out_cols, float* out_vals, float* out_at) {
+    PDL_START();
+    top_select(part_vals, count, n, part_cols, 0, out_cols, out_vals);
+    values_at(x, cols, at_cols, n_at, out_at);
 }
 
 // ------------------------------------------------------------------------------------------------

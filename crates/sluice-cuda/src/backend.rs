@@ -282,6 +282,15 @@ fn long_decode_splits(positions: usize) -> usize {
 /// repeats its key head's convolution per token, and tokens run one after another in it).
 const DELTA_STEP_ROWS: usize = 8;
 
+/// `TOP_CHUNK` in the kernels: the columns a block of `top_logits_parts` takes.
+const TOP_CHUNK: usize = 4096;
+
+/// `SLUICE_CUDA_TOP_ONE_BLOCK=1`: `top_logits` in one block over any row, to measure against.
+fn top_one_block() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_TOP_ONE_BLOCK").is_ok_and(|v| v == "1"))
+}
+
 /// Whether `gated_delta_net` may take the two-launch path; `SLUICE_CUDA_DELTA_STEP=0` keeps the
 /// four launches, to measure against.
 fn fused_delta_step() -> bool {
@@ -3106,25 +3115,68 @@ impl Backend for CudaBackend {
             Some(self.d.upload(cols, "top_logits columns")?)
         };
         let words = 2 * n + cols.len();
+        // A wide row in two stages: the best n of each TOP_CHUNK columns by a block each, then of
+        // those by one block (one block over a 248K-column row took 540 us on an H100).
+        let parts = if width > 2 * TOP_CHUNK && !top_one_block() {
+            width.div_ceil(TOP_CHUNK)
+        } else {
+            0
+        };
         let out = self
             .d
-            .alloc_or_record(words * 4, "top_logits")
+            .alloc_or_record((words + 2 * parts * n) * 4, "top_logits")
             .ok_or_else(lost)?;
-        self.d.launch(
-            &self.d.k.top_logits,
-            (1, 1, 1),
-            (1024, 1, 1),
-            &[
-                Arg::Ptr(xp + (row * width * 4) as u64),
+        let (x, at_ptr) = (
+            xp + (row * width * 4) as u64,
+            at.as_ref().map_or(0, DevBuf::ptr),
+        );
+        let outs = [0, n, 2 * n].map(|w| Arg::Ptr(out.ptr + 4 * w as u64));
+        if parts == 0 {
+            let args = [
+                Arg::Ptr(x),
                 Arg::I32(width as i32),
                 Arg::I32(n as i32),
-                Arg::Ptr(at.as_ref().map_or(0, DevBuf::ptr)),
+                Arg::Ptr(at_ptr),
                 Arg::I32(cols.len() as i32),
-                Arg::Ptr(out.ptr),
-                Arg::Ptr(out.ptr + 4 * n as u64),
-                Arg::Ptr(out.ptr + 8 * n as u64),
-            ],
-        );
+            ];
+            self.d.launch(
+                &self.d.k.top_logits,
+                (1, 1, 1),
+                (1024, 1, 1),
+                &[args.as_slice(), &outs].concat(),
+            );
+        } else {
+            let part_cols = out.ptr + 4 * words as u64;
+            let part_vals = part_cols + 4 * (parts * n) as u64;
+            self.d.launch(
+                &self.d.k.top_logits_parts,
+                (parts as u32, 1, 1),
+                (1024, 1, 1),
+                &[
+                    Arg::Ptr(x),
+                    Arg::I32(width as i32),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(part_cols),
+                    Arg::Ptr(part_vals),
+                ],
+            );
+            let args = [
+                Arg::Ptr(part_cols),
+                Arg::Ptr(part_vals),
+                Arg::I32((parts * n) as i32),
+                Arg::I32(n as i32),
+                Arg::Ptr(x),
+                Arg::I32(width as i32),
+                Arg::Ptr(at_ptr),
+                Arg::I32(cols.len() as i32),
+            ];
+            self.d.launch(
+                &self.d.k.top_logits_merge,
+                (1, 1, 1),
+                (1024, 1, 1),
+                &[args.as_slice(), &outs].concat(),
+            );
+        }
         let got: Vec<u32> = self.d.download(&out, words)?;
         Ok(TopLogits {
             top: (0..n)

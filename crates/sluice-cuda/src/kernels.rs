@@ -96,6 +96,9 @@ pub(crate) struct Kernels {
     pub argmax_finish: CudaFunction,
     /// The best few columns of a row, sorted, and the values at named columns (one block).
     pub top_logits: CudaFunction,
+    /// A wide row's `top_logits` in two stages: the best of each chunk, then of those.
+    pub top_logits_parts: CudaFunction,
+    pub top_logits_merge: CudaFunction,
     pub moe_down_q4_w: CudaFunction,
     /// One token's 4-bit products spread over the columns, several rows per thread (`*_s` in the
     /// source; `Mat::spread` and `Mat::spread_threads` say which shapes they take).
@@ -280,6 +283,8 @@ impl Kernels {
             qkv_norm_rope_append: f("qkv_norm_rope_append")?,
             argmax_finish: f("argmax_finish")?,
             top_logits: f("top_logits")?,
+            top_logits_parts: f("top_logits_parts")?,
+            top_logits_merge: f("top_logits_merge")?,
             moe_down_q4_w: f("moe_down_q4_w")?,
             gemv_q4_t1_s: f("gemv_q4_t1_s")?,
             gemv_gated_q4_t1_s: f("gemv_gated_q4_t1_s")?,
