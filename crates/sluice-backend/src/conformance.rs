@@ -280,6 +280,29 @@ pub fn activations<B: Backend>(b: &B, _tol: Tolerance) {
             got.at, want.at
         );
     }
+    // Several rows at once answer as each alone, in the order asked.
+    let asked: [(usize, usize, &[u32]); 4] = [
+        (1, 21, &[3, 500, 70_000]),
+        (0, 1, &[]),
+        (1, 257, &[9001]),
+        (0, 40, &[5, 7]),
+    ];
+    let together = b.top_logits_rows(&logits, &asked).expect("top_logits_rows");
+    assert_eq!(
+        together.len(),
+        asked.len(),
+        "top_logits_rows: an answer each"
+    );
+    for (&(r, n, cols), got) in asked.iter().zip(&together) {
+        let want = reference::top_logits(&row[r * vocab..(r + 1) * vocab], n, cols);
+        assert_eq!(got.top, want.top, "top_logits_rows: row {r}, the best {n}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got.at),
+            bits(&want.at),
+            "top_logits_rows: row {r} at {cols:?}"
+        );
+    }
     // Rows that stress the selection: heavy ties at the edge (few distinct values), signed
     // zeros (+0 ranks above -0, as total_cmp has it), NaN among the asked-for columns, n up to
     // and past what a device may sort, and more columns than the row has.

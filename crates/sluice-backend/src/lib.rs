@@ -451,6 +451,19 @@ pub trait Backend: Send + Sync {
             cols,
         ))
     }
+    /// [`Backend::top_logits`] for several rows of `logits` at once, `(row, n, cols)` each (a
+    /// batch's sampled rows): a device answers them all with one transfer. The default asks
+    /// row by row.
+    fn top_logits_rows(
+        &self,
+        logits: &Self::Act,
+        requests: &[(usize, usize, &[u32])],
+    ) -> Result<Vec<TopLogits>, BackendError> {
+        requests
+            .iter()
+            .map(|&(row, n, cols)| self.top_logits(logits, row, n, cols))
+            .collect()
+    }
 
     // ---- operations ------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ use sluice_backend::Backend;
 use sluice_models::{Segment, State};
 
 use crate::prompt_cache::PromptCache;
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, TopRequest};
 use crate::speculate::{Speculation, SpeculationStats};
 use crate::tokenizer::StreamDecoder;
 use crate::{
@@ -423,11 +423,39 @@ impl<B: Backend + 'static> Engine<B> {
             false => None,
         };
         let vocab = backend.shape(&out).1;
-        for (row, &i) in rows.iter().enumerate() {
+        // The sampled rows' best logits, all asked for at once (one transfer from a device).
+        let requests: Vec<Option<TopRequest>> = rows
+            .iter()
+            .map(|&i| match batch[i].sampler.is_argmax() {
+                true => None,
+                false => batch[i].sampler.top_request(vocab, &batch[i].consumed),
+            })
+            .collect();
+        let asked: Vec<(usize, usize, &[u32])> = requests
+            .iter()
+            .enumerate()
+            .filter_map(|(row, r)| r.as_ref().map(|r| (row, r.n, r.cols.as_slice())))
+            .collect();
+        let mut tops = match asked.is_empty() {
+            true => Vec::new(),
+            false => match backend.top_logits_rows(&out, &asked) {
+                Ok(tops) => tops,
+                Err(e) => return fail_all(batch, rows, e.into()),
+            },
+        }
+        .into_iter();
+        for ((row, &i), request) in rows.iter().enumerate().zip(&requests) {
             let s = &mut *batch[i];
-            let token = match &argmax {
-                Some(ids) if s.sampler.is_argmax() => Ok(ids[row]),
-                _ => self.sample_row(s, &out, row, vocab),
+            let token = match (&argmax, request) {
+                (Some(ids), _) if s.sampler.is_argmax() => Ok(ids[row]),
+                (_, Some(req)) => {
+                    let top = tops.next().expect("an answer per request");
+                    match s.sampler.sample_top(req, &top, &s.consumed) {
+                        Some(t) => Ok(t),
+                        None => self.sample_whole_row(s, &out, row),
+                    }
+                }
+                (_, None) => self.sample_whole_row(s, &out, row),
             };
             match token {
                 Ok(t) => s.take(t, &self.eos_ids),
@@ -593,13 +621,26 @@ impl<B: Backend + 'static> Engine<B> {
         row: usize,
         vocab: usize,
     ) -> Result<u32, EngineError> {
-        let backend = self.model.backend();
         if let Some(req) = s.sampler.top_request(vocab, &s.consumed) {
-            let part = backend.top_logits(out, row, req.n, &req.cols)?;
+            let part = self
+                .model
+                .backend()
+                .top_logits(out, row, req.n, &req.cols)?;
             if let Some(t) = s.sampler.sample_top(&req, &part, &s.consumed) {
                 return Ok(t);
             }
         }
+        self.sample_whole_row(s, out, row)
+    }
+
+    /// A token for row `row` of `out` from the whole row, read to the host.
+    fn sample_whole_row<S: Sink>(
+        &self,
+        s: &mut Sequence<'_, B, S>,
+        out: &B::Act,
+        row: usize,
+    ) -> Result<u32, EngineError> {
+        let backend = self.model.backend();
         let mut logits = backend.to_host(&backend.slice_rows(out, row, 1))?;
         Ok(s.sampler.sample(&mut logits, &s.consumed))
     }

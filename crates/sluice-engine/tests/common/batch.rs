@@ -164,13 +164,24 @@ pub fn check_continuous_batching<B: Backend + 'static>(
 ) {
     let engine = Engine::load(dir, backend, &LoadOptions::default()).unwrap();
     let tokens = super::reference::reference_tokens(tokens_dir);
-    let params = SamplingParams::default();
-    // (joins at step, prompt, tokens to generate)
-    let plan: Vec<(usize, Vec<u32>, usize)> = vec![
-        (0, tokens[..9].to_vec(), 12),
-        (2, tokens[3..].to_vec(), 4),
-        (2, tokens[1..5].to_vec(), 9),
-        (5, tokens[..9].to_vec(), 7),
+    let greedy = SamplingParams::default();
+    // Sampled rows are asked for their best logits together (`top_logits_rows`); each keeps its
+    // own generator, so a seeded request draws alike in a batch and alone.
+    let sampled = |seed| SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.95,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let (sampled_a, sampled_b) = (sampled(7), sampled(8));
+    // (joins at step, prompt, tokens to generate, sampling)
+    let plan: Vec<(usize, Vec<u32>, usize, &SamplingParams)> = vec![
+        (0, tokens[..9].to_vec(), 12, &greedy),
+        (2, tokens[3..].to_vec(), 4, &sampled_a),
+        (2, tokens[1..5].to_vec(), 9, &greedy),
+        (5, tokens[..9].to_vec(), 7, &sampled_b),
+        (5, tokens[2..7].to_vec(), 6, &sampled_a),
     ];
     fn request<'a>(prompt: &'a [u32], params: &'a SamplingParams, n: usize) -> GenerateRequest<'a> {
         GenerateRequest {
@@ -184,10 +195,10 @@ pub fn check_continuous_batching<B: Backend + 'static>(
     }
     let alone: Vec<Vec<u32>> = plan
         .iter()
-        .map(|(_, prompt, n)| {
+        .map(|(_, prompt, n, params)| {
             let mut ids = Vec::new();
             let stats = engine
-                .generate_cached(None, &request(prompt, &params, *n), |e| {
+                .generate_cached(None, &request(prompt, params, *n), |e| {
                     if let TokenEvent::Token { id, .. } = e {
                         ids.push(id);
                     }
@@ -217,11 +228,11 @@ pub fn check_continuous_batching<B: Backend + 'static>(
     let mut finished = 0;
     let mut most = 0;
     for step in 0.. {
-        for (i, (join, prompt, n)) in plan.iter().enumerate() {
+        for (i, (join, prompt, n, params)) in plan.iter().enumerate() {
             if *join == step {
                 running.push(
                     engine
-                        .sequence(None, &request(prompt, &params, *n), sink(i))
+                        .sequence(None, &request(prompt, params, *n), sink(i))
                         .unwrap(),
                 );
             }
