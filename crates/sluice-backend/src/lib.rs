@@ -452,8 +452,8 @@ pub trait Backend: Send + Sync {
         ))
     }
     /// [`Backend::top_logits`] for several rows of `logits` at once, `(row, n, cols)` each (a
-    /// batch's sampled rows): a device answers them all with one transfer. The default asks
-    /// row by row.
+    /// batch's sampled rows), so that a device can answer them with one transfer instead of one
+    /// each. The default asks row by row.
     fn top_logits_rows(
         &self,
         logits: &Self::Act,

@@ -3091,33 +3091,17 @@ impl Backend for CudaBackend {
         n: usize,
         cols: &[u32],
     ) -> Result<TopLogits, BackendError> {
-        let mut one = self.top_logits_rows(logits, &[(row, n, cols)])?;
-        Ok(one.pop().expect("one answer"))
-    }
-
-    fn top_logits_rows(
-        &self,
-        logits: &CudaAct,
-        requests: &[(usize, usize, &[u32])],
-    ) -> Result<Vec<TopLogits>, BackendError> {
         let (rows, width) = (logits.rows, logits.cols);
-        for &(row, _, _) in requests {
-            assert!(row < rows, "top_logits: row {row} of {rows}");
-        }
-        let beyond = |&(_, n, cols): &(usize, usize, &[u32])| {
-            let n = n.min(width);
-            n == 0 || n > TOP_LOGITS_MAX || width > i32::MAX as usize || cols.len() > 1 << 20
-        };
-        if requests.iter().any(beyond) {
+        assert!(row < rows, "top_logits: row {row} of {rows}");
+        let n = n.min(width);
+        if n == 0 || n > TOP_LOGITS_MAX || width > i32::MAX as usize || cols.len() > 1 << 20 {
             // Beyond the kernel (a sampler asking for this many reads the row anyway).
             let host = self.to_host(logits)?;
-            return Ok(requests
-                .iter()
-                .map(|&(row, n, cols)| {
-                    let x = &host[row * width..(row + 1) * width];
-                    sluice_backend::reference::top_logits(x, n.min(width), cols)
-                })
-                .collect());
+            return Ok(sluice_backend::reference::top_logits(
+                &host[row * width..(row + 1) * width],
+                n,
+                cols,
+            ));
         }
         let lost = || {
             self.d
@@ -3125,99 +3109,81 @@ impl Backend for CudaBackend {
                 .unwrap_or_else(|| BackendError::Device("logits lost to an earlier failure".into()))
         };
         let xp = logits.ptr().ok_or_else(lost)?;
+        let at = if cols.is_empty() {
+            None
+        } else {
+            Some(self.d.upload(cols, "top_logits columns")?)
+        };
+        let words = 2 * n + cols.len();
         // A wide row in two stages: the best n of each TOP_CHUNK columns by a block each, then of
-        // those by one block (one block over a 248K-column row took 518 us on an H100).
+        // those by one block (one block over a 248K-column row took 540 us on an H100).
         let parts = if width > 2 * TOP_CHUNK && !top_one_block() {
             width.div_ceil(TOP_CHUNK)
         } else {
             0
         };
-        // Every request's answer (columns, values, values at its columns) one after another,
-        // then the stages' scratch: one buffer, one upload of the columns, one download.
-        let answers: Vec<usize> = requests
-            .iter()
-            .map(|&(_, n, cols)| 2 * n.min(width) + cols.len())
-            .collect();
-        let words: usize = answers.iter().sum();
-        let scratch: usize = requests
-            .iter()
-            .map(|&(_, n, _)| 2 * parts * n.min(width))
-            .sum();
-        let all_cols: Vec<u32> = requests.iter().flat_map(|r| r.2.iter().copied()).collect();
-        let at = if all_cols.is_empty() {
-            None
-        } else {
-            Some(self.d.upload(&all_cols, "top_logits columns")?)
-        };
         let out = self
             .d
-            .alloc_or_record((words + scratch) * 4, "top_logits")
+            .alloc_or_record((words + 2 * parts * n) * 4, "top_logits")
             .ok_or_else(lost)?;
-        let (mut answer, mut part, mut col) = (0, words, 0);
-        for (&(row, n, cols), &size) in requests.iter().zip(&answers) {
-            let n = n.min(width);
-            let x = xp + (row * width * 4) as u64;
-            let at_ptr = at.as_ref().map_or(0, |b| b.ptr + 4 * col as u64);
-            let word = |w: usize| Arg::Ptr(out.ptr + 4 * w as u64);
-            let outs = [word(answer), word(answer + n), word(answer + 2 * n)];
-            let at_args = [Arg::Ptr(at_ptr), Arg::I32(cols.len() as i32)];
-            if parts == 0 {
-                let args = [Arg::Ptr(x), Arg::I32(width as i32), Arg::I32(n as i32)];
-                self.d.launch(
-                    &self.d.k.top_logits,
-                    (1, 1, 1),
-                    (1024, 1, 1),
-                    &[args.as_slice(), &at_args, &outs].concat(),
-                );
-            } else {
-                let (part_cols, part_vals) = (word(part), word(part + parts * n));
-                self.d.launch(
-                    &self.d.k.top_logits_parts,
-                    (parts as u32, 1, 1),
-                    (1024, 1, 1),
-                    &[
-                        Arg::Ptr(x),
-                        Arg::I32(width as i32),
-                        Arg::I32(n as i32),
-                        part_cols,
-                        part_vals,
-                    ],
-                );
-                let args = [
-                    word(part),
-                    word(part + parts * n),
-                    Arg::I32((parts * n) as i32),
-                    Arg::I32(n as i32),
+        let (x, at_ptr) = (
+            xp + (row * width * 4) as u64,
+            at.as_ref().map_or(0, DevBuf::ptr),
+        );
+        let outs = [0, n, 2 * n].map(|w| Arg::Ptr(out.ptr + 4 * w as u64));
+        if parts == 0 {
+            let args = [
+                Arg::Ptr(x),
+                Arg::I32(width as i32),
+                Arg::I32(n as i32),
+                Arg::Ptr(at_ptr),
+                Arg::I32(cols.len() as i32),
+            ];
+            self.d.launch(
+                &self.d.k.top_logits,
+                (1, 1, 1),
+                (1024, 1, 1),
+                &[args.as_slice(), &outs].concat(),
+            );
+        } else {
+            let part_cols = out.ptr + 4 * words as u64;
+            let part_vals = part_cols + 4 * (parts * n) as u64;
+            self.d.launch(
+                &self.d.k.top_logits_parts,
+                (parts as u32, 1, 1),
+                (1024, 1, 1),
+                &[
                     Arg::Ptr(x),
                     Arg::I32(width as i32),
-                ];
-                self.d.launch(
-                    &self.d.k.top_logits_merge,
-                    (1, 1, 1),
-                    (1024, 1, 1),
-                    &[args.as_slice(), &at_args, &outs].concat(),
-                );
-                part += 2 * parts * n;
-            }
-            answer += size;
-            col += cols.len();
+                    Arg::I32(n as i32),
+                    Arg::Ptr(part_cols),
+                    Arg::Ptr(part_vals),
+                ],
+            );
+            let args = [
+                Arg::Ptr(part_cols),
+                Arg::Ptr(part_vals),
+                Arg::I32((parts * n) as i32),
+                Arg::I32(n as i32),
+                Arg::Ptr(x),
+                Arg::I32(width as i32),
+                Arg::Ptr(at_ptr),
+                Arg::I32(cols.len() as i32),
+            ];
+            self.d.launch(
+                &self.d.k.top_logits_merge,
+                (1, 1, 1),
+                (1024, 1, 1),
+                &[args.as_slice(), &outs].concat(),
+            );
         }
         let got: Vec<u32> = self.d.download(&out, words)?;
-        let mut answer = 0;
-        Ok(requests
-            .iter()
-            .map(|&(_, n, cols)| {
-                let (n, g) = (n.min(width), &got[answer..]);
-                answer += 2 * n + cols.len();
-                TopLogits {
-                    top: (0..n).map(|i| (g[i], f32::from_bits(g[n + i]))).collect(),
-                    at: g[2 * n..2 * n + cols.len()]
-                        .iter()
-                        .map(|&v| f32::from_bits(v))
-                        .collect(),
-                }
-            })
-            .collect())
+        Ok(TopLogits {
+            top: (0..n)
+                .map(|i| (got[i], f32::from_bits(got[n + i])))
+                .collect(),
+            at: got[2 * n..].iter().map(|&v| f32::from_bits(v)).collect(),
+        })
     }
 
     fn read_routing(&self, routing: &CudaRouting) -> Result<HostRouting, BackendError> {
