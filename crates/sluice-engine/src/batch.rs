@@ -423,7 +423,8 @@ impl<B: Backend + 'static> Engine<B> {
             false => None,
         };
         let vocab = backend.shape(&out).1;
-        // The sampled rows' best logits, all asked for at once (one transfer from a device).
+        // The sampled rows' best logits, asked for together (a backend may answer with one
+        // transfer).
         let requests: Vec<Option<TopRequest>> = rows
             .iter()
             .map(|&i| match batch[i].sampler.is_argmax() {
