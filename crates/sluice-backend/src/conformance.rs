@@ -485,6 +485,89 @@ pub fn matmul<B: Backend>(b: &B, tol: Tolerance) {
     }
 }
 
+/// `moe_with_shared`: the routed experts plus a gated shared expert, against the reference. The
+/// cases reach a backend's fused decode path (the shared expert one more expert of each row: 4-bit
+/// experts of width 512 at 3 and 8 experts a token, a few rows) and the shapes and row counts it
+/// declines (width 128, many rows, a shared expert of another shape or format).
+pub fn moe_with_shared<B: Backend>(b: &B, tol: Tolerance) {
+    let mut rng = Rng::new(11);
+    let q4 = WeightFormat::Affine {
+        bits: 4,
+        group_size: 64,
+        scale_dtype: Dtype::Bf16,
+    };
+    let q8 = WeightFormat::Affine {
+        bits: 8,
+        group_size: 64,
+        scale_dtype: Dtype::Bf16,
+    };
+    // (experts' format, shared expert's format, its gate's format, experts, hidden, width, k)
+    let cases = [
+        (q4, q4, q8, 16, 256, 512, 8),
+        (q4, q4, WeightFormat::Dense(Dtype::Bf16), 16, 256, 512, 3),
+        (q4, q4, q8, 8, 128, 128, 4),
+        (q4, q8, q8, 16, 256, 512, 8),
+        (
+            WeightFormat::Dense(Dtype::Bf16),
+            WeightFormat::Dense(Dtype::Bf16),
+            WeightFormat::Dense(Dtype::Bf16),
+            8,
+            128,
+            64,
+            2,
+        ),
+    ];
+    for (format, shared_format, gate_format, n, h, i, k) in cases {
+        let host_experts = random_experts(&mut rng, format, n, h, i);
+        let resident = b.experts(host_experts.clone()).expect("experts");
+        let parts =
+            [(i, h), (i, h), (h, i)].map(|(o, c)| random_matrix(&mut rng, shared_format, o, c));
+        let scale = random_matrix(&mut rng, gate_format, 1, h);
+        let weight = |m: &HostMatrix| b.weight(m.clone()).expect("weight");
+        let shared = FfnWeights {
+            gate: weight(&parts[0]),
+            up: weight(&parts[1]),
+            down: weight(&parts[2]),
+        };
+        let gate = weight(&scale);
+        let refs: Vec<FfnWeights<MatRef>> = host_experts
+            .iter()
+            .map(|e| FfnWeights {
+                gate: e.gate.as_ref(),
+                up: e.up.as_ref(),
+                down: e.down.as_ref(),
+            })
+            .collect();
+        for rows in [1, 2, 8, 9] {
+            let x = rng.vec(rows * h, -1.0, 1.0);
+            let xa = b.act_from_host(&x, rows, h);
+            let logits = rng.vec(rows * n, -3.0, 3.0);
+            let routing = b.route(&b.act_from_host(&logits, rows, n), k, true);
+            let host_routing = b.read_routing(&routing).expect("read_routing");
+            let mut want = reference::moe(&x, rows, &host_routing, &refs, Activation::Silu, None);
+            let hs = reference::swiglu(
+                &reference::matmul(&x, rows, &parts[0].as_ref()),
+                &reference::matmul(&x, rows, &parts[1].as_ref()),
+            );
+            let mut s = reference::matmul(&hs, rows, &parts[2].as_ref());
+            let sg = reference::matmul(&x, rows, &scale.as_ref());
+            reference::sigmoid_mul(&mut s, h, &sg, 1);
+            want.iter_mut().zip(&s).for_each(|(w, s)| *w += s);
+            let got =
+                b.moe_with_shared(&xa, &routing, &resident, ExpertFfn::SWIGLU, &shared, &gate);
+            assert_close(
+                &format!(
+                    "moe_with_shared {format} experts, shared {shared_format} gated by \
+                     {gate_format}, width {i}, {rows} rows, top {k}"
+                ),
+                &host(b, &got),
+                &want,
+                tol.matmul,
+            );
+        }
+    }
+}
+
 /// `embed` gathers dequantised rows, repeats and the last id included.
 pub fn embed<B: Backend>(b: &B, tol: Tolerance) {
     let mut rng = Rng::new(3);
@@ -2009,7 +2092,7 @@ macro_rules! conformance_tests {
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
             activations matmul matmul_heads embed elementwise rope attention attention_segments attention_without_norms attention_window_sinks attention_kv_formats route route_sigmoid route_matmul
-            moe delta_net);
+            moe moe_with_shared delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {
         $($attrs)*

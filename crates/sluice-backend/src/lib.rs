@@ -654,6 +654,22 @@ pub trait Backend: Send + Sync {
         self.sigmoid_mul(&mut s, &self.matmul(x, gate));
         self.add_assign(y, &s);
     }
+    /// [`Backend::moe`] plus a gated shared expert (what [`Backend::add_shared_expert`] adds),
+    /// per row. A backend may compute the shared expert in the routed experts' launches, as one
+    /// more expert of every row; the default is the two calls.
+    fn moe_with_shared(
+        &self,
+        x: &Self::Act,
+        routing: &Self::Routing,
+        experts: &Self::Experts,
+        ffn: ExpertFfn<'_, Self::Vector>,
+        shared: &FfnWeights<Self::Weight>,
+        gate: &Self::Weight,
+    ) -> Self::Act {
+        let mut y = self.moe(x, routing, experts, ffn);
+        self.add_shared_expert(&mut y, x, shared, gate);
+        y
+    }
 
     // ---- Gated DeltaNet (Qwen3.5, Qwen3-Next) ------------------------------------------------
     //

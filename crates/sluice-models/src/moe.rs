@@ -202,6 +202,20 @@ impl<B: Backend> Mlp<B> {
             }
             _ => None,
         };
+        // Resident experts and a gated shared expert: one call, which a backend may fuse.
+        if let (
+            Experts::Resident(experts),
+            Some(SharedExpert {
+                ffn,
+                gate: Some(gate),
+            }),
+        ) = (&moe.experts, &moe.shared_expert)
+        {
+            if let Some((next, guess)) = &guess {
+                next.experts.prefetch(b, guess);
+            }
+            return Ok(b.moe_with_shared(x, &routing, experts, moe.ffn(), ffn, gate));
+        }
         let mut y = moe.experts.run(b, x, &routing, moe.ffn(), &mut || {
             if let Some((next, guess)) = &guess {
                 next.experts.prefetch(b, guess);
