@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use sluice_backend::Backend;
-use sluice_engine::sampler::SamplingParams;
+use sluice_engine::sampler::{Sampler, SamplingParams};
 use sluice_engine::speculate::{Speculation, SpeculationStats};
 use sluice_engine::{Engine, GenerateRequest, TokenEvent};
 use sluice_models::Segment;
@@ -181,6 +181,41 @@ pub struct RunSettings {
     /// Generation tests start after an untimed prefill of this many random tokens (llama-bench's
     /// `-d`): decoding at a long context.
     pub depth: usize,
+    /// Generation tests choose each token as generation does with these settings (on a device,
+    /// the few logits a top-k sampler needs come back, not the row); `None`: greedily, on the
+    /// device (`argmax_rows`). The next input is a random token either way.
+    pub sampling: Option<SamplingParams>,
+}
+
+/// Chooses a token from each row of `logits` as `choose` says: greedily on the device, or with
+/// one sampler per row (its own history of chosen tokens).
+fn choose_tokens<B: Backend>(
+    backend: &B,
+    logits: &B::Act,
+    samplers: &mut [(Sampler, Vec<u32>)],
+) -> Result<Vec<u32>> {
+    if samplers.is_empty() {
+        return Ok(backend.argmax_rows(logits)?);
+    }
+    let vocab = backend.shape(logits).1;
+    let mut chosen = Vec::with_capacity(samplers.len());
+    for (row, (sampler, history)) in samplers.iter_mut().enumerate() {
+        let mut token = None;
+        if let Some(req) = sampler.top_request(vocab, history) {
+            let part = backend.top_logits(logits, row, req.n, &req.cols)?;
+            token = sampler.sample_top(&req, &part, history);
+        }
+        let token = match token {
+            Some(t) => t,
+            None => {
+                let mut row_logits = backend.to_host(&backend.slice_rows(logits, row, 1))?;
+                sampler.sample(&mut row_logits, history)
+            }
+        };
+        history.push(token);
+        chosen.push(token);
+    }
+    Ok(chosen)
 }
 
 /// Runs every test at every setting on `engine`, calling `report` after each. Thread counts run
@@ -221,12 +256,13 @@ pub fn run_model<B: Backend + 'static>(
                 .context("building the thread pool")?;
             for &test in &settings.tests {
                 let engine = &*engine;
+                let run_args = (settings.depth, settings.sampling.as_ref());
                 let result = pool.install(|| -> Result<RunResult> {
                     if matches!(test, Test::Echo(_)) && settings.depth > 0 {
                         bail!("echo tests (--speculate) start from an empty context: drop --depth");
                     }
                     if settings.warmup {
-                        run_once(engine, test, settings.seed, settings.depth, &mut || {})?;
+                        run_once(engine, test, settings.seed, run_args, &mut || {})?;
                     }
                     sluice_sys::reset_peak_rss();
                     let store_now = || engine.store.as_ref().map(|s| s.stats());
@@ -243,7 +279,7 @@ pub fn run_model<B: Backend + 'static>(
                             engine,
                             test,
                             settings.seed + 1 + r as u64,
-                            settings.depth,
+                            run_args,
                             &mut || start = Some((store_now(), vram_now())),
                         )?;
                         if let Some((s, p)) = spec {
@@ -387,9 +423,24 @@ fn run_once<B: Backend + 'static>(
     engine: &Engine<B>,
     test: Test,
     seed: u64,
-    depth: usize,
+    (depth, sampling): (usize, Option<&SamplingParams>),
     timed_start: &mut dyn FnMut(),
 ) -> Result<(f64, Option<(SpeculationStats, usize)>)> {
+    // A sampler per request, seeded from the run's seed.
+    let samplers = |n: usize| -> Vec<(Sampler, Vec<u32>)> {
+        let Some(p) = sampling else {
+            return Vec::new();
+        };
+        (0..n as u64)
+            .map(|i| {
+                let params = SamplingParams {
+                    seed: Some(seed.wrapping_mul(31).wrapping_add(i)),
+                    ..p.clone()
+                };
+                (Sampler::new(params), Vec::new())
+            })
+            .collect()
+    };
     let info = engine.model.info();
     // Ordinary tokens only: below the first special token of Qwen vocabularies when known.
     let range = engine.tokenizer.vocab_size().min(info.vocab_size) as u64;
@@ -417,11 +468,12 @@ fn run_once<B: Backend + 'static>(
             }
             let mut token = next_token();
             let backend = engine.model.backend();
+            let mut samplers = samplers(1);
             timed_start();
             let start = Instant::now();
             for _ in 0..n {
                 let logits = engine.model.forward(&mut state, &[token], false)?;
-                std::hint::black_box(backend.argmax_rows(&logits)?);
+                std::hint::black_box(choose_tokens(backend, &logits, &mut samplers)?);
                 token = next_token();
             }
             Ok((start.elapsed().as_secs_f64(), None))
@@ -432,6 +484,7 @@ fn run_once<B: Backend + 'static>(
                 .collect::<Result<Vec<_>, _>>()?;
             let mut tokens: Vec<[u32; 1]> = (0..b).map(|_| [next_token()]).collect();
             let backend = engine.model.backend();
+            let mut samplers = samplers(b);
             timed_start();
             let start = Instant::now();
             for _ in 0..n {
@@ -441,7 +494,7 @@ fn run_once<B: Backend + 'static>(
                     .map(|(state, t)| Segment { state, tokens: t })
                     .collect();
                 let logits = engine.model.forward_batch(&mut segments)?;
-                std::hint::black_box(backend.argmax_rows(&logits)?);
+                std::hint::black_box(choose_tokens(backend, &logits, &mut samplers)?);
                 tokens.iter_mut().for_each(|t| t[0] = next_token());
             }
             Ok((start.elapsed().as_secs_f64(), None))

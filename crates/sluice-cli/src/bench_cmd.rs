@@ -11,6 +11,7 @@ use sluice_backend::Backend;
 use sluice_backend::KvFormat;
 use sluice_bench::limits::{self, DiskOptions};
 use sluice_bench::model::{markdown_table, run_model, LimitRates, RunSettings, Test};
+use sluice_engine::sampler::SamplingParams;
 use sluice_engine::speculate::Speculation;
 use sluice_engine::{Engine, LoadOptions};
 use sluice_sys::{format_bytes, format_bytes_binary, ByteSize};
@@ -127,6 +128,21 @@ pub struct BenchArgs {
     /// Tokens drafted per pass (comma-separated: each a run; default 4).
     #[arg(long, value_delimiter = ',', value_name = "K")]
     draft_tokens: Vec<usize>,
+    /// Generation tests choose each token as `generate` does with the model's sampling defaults
+    /// (generation_config.json; Qwen's top-k 20 and top-p 0.8-0.95), a sampler per request
+    /// seeded from --seed, instead of greedily (llama-bench's way, and the default here); rows
+    /// say "sampled". The next input is still a random token.
+    #[arg(long)]
+    sample: bool,
+    /// With --sample (implied): the temperature instead of the model's.
+    #[arg(long, value_name = "T")]
+    temperature: Option<f32>,
+    /// With --sample (implied): keep the K most likely tokens (0 = off) instead of the model's.
+    #[arg(long, value_name = "K")]
+    top_k: Option<usize>,
+    /// With --sample (implied): the nucleus mass (1 = off) instead of the model's.
+    #[arg(long, value_name = "P")]
+    top_p: Option<f32>,
     /// Print JSON instead of markdown.
     #[arg(long)]
     json: bool,
@@ -302,7 +318,12 @@ fn run_on<B: Backend + 'static>(
         warmup: !a.no_warmup,
         seed: a.seed,
         depth: a.depth,
+        sampling: None,
     };
+    let sample = a.sample || a.temperature.is_some() || a.top_k.is_some() || a.top_p.is_some();
+    if sample && echo {
+        bail!("--sample and --speculate: echo tests generate greedily; run them apart");
+    }
     let mut results = Vec::new();
     let most_generated = a.generate.iter().max().copied().unwrap_or(0);
     let mut longest = a.prompt.iter().max().copied().unwrap_or(0).max(a.depth) + most_generated;
@@ -347,6 +368,29 @@ fn run_on<B: Backend + 'static>(
             };
             let mut engine = Engine::load(dir, backend.clone(), &opts)
                 .with_context(|| format!("loading {}", dir.display()))?;
+            let mut settings = settings.clone();
+            if sample {
+                let d = &engine.defaults;
+                let params = SamplingParams {
+                    temperature: a.temperature.unwrap_or(d.temperature),
+                    top_k: a.top_k.unwrap_or(d.top_k),
+                    top_p: a.top_p.unwrap_or(d.top_p),
+                    ..d.clone()
+                };
+                params
+                    .validate()
+                    .map_err(|e| anyhow::anyhow!("invalid sampling settings: {e}"))?;
+                eprintln!(
+                    "  sampling: temperature {}, top-k {}, top-p {}",
+                    params.temperature, params.top_k, params.top_p
+                );
+                settings.sampling = Some(params);
+            }
+            let variant = match (sample, variant.as_str()) {
+                (false, v) => v.to_string(),
+                (true, "") => "sampled".to_string(),
+                (true, v) => format!("{v}, sampled"),
+            };
             if let Some(draft) = &a.draft_model {
                 let opts = LoadOptions {
                     kv_format: kv,

@@ -499,6 +499,45 @@ fn bench_reports_runs_and_limits_as_json() {
     assert!(tg(4) > tg(2), "{} vs {}", tg(4), tg(2));
 }
 
+#[test]
+fn bench_samples_when_asked_and_says_so() {
+    // The demo model's generation_config.json samples (temperature, top-k, top-p): the rows say
+    // "sampled", single and batched; an override implies --sample; bad settings are refused.
+    let out = sluice(&[
+        "bench", "-p", "0", "-n", "6", "-b", "1,3", "-r", "1", "--top-k", "5", "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "{v}");
+    for r in runs {
+        assert_eq!(r["variant"], "sampled", "{r}");
+        assert!(r["tok_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("top-k 5"), "{stderr}");
+    let greedy = sluice(&["bench", "-p", "0", "-n", "4", "-r", "1", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&greedy.stdout).unwrap();
+    assert_eq!(v["runs"][0]["variant"], "", "{v}");
+    let err = bench_fails(&["bench", "-p", "0", "-n", "4", "-r", "1", "--top-p", "1.5"]);
+    assert!(err.contains("sampling"), "{err}");
+    let err = bench_fails(&[
+        "bench",
+        "-p",
+        "0",
+        "-n",
+        "4",
+        "--sample",
+        "--speculate",
+        "lookup",
+    ]);
+    assert!(err.contains("--sample"), "{err}");
+}
+
 /// Like `sluice_fails`, for commands that print progress lines before the error: exit 1, no
 /// panic, and the error as the last line (returned).
 fn bench_fails(args: &[&str]) -> String {
