@@ -2306,20 +2306,54 @@ __device__ __forceinline__ float q4_dequant_dot(const uint32_t w[NW], float s, f
     return acc;
 }
 
+// A shared expert computed in the routed experts' launches (Qwen3.5, Qwen3-Next): its gate, up and
+// down projections, of the routed experts' shape, and its one-row gate `scale`; `weight[t]` is
+// sigmoid(scale . x_t), which the gate/up kernel writes and the down kernel reads.
+struct SharedExpert {
+    Mat gate, up, down, scale;
+    float* weight;
+};
+
 // moe_gate_up for 4-bit weights with cols % 16 == 0 and group >= 16: each warp computes two rows
 // of gate and up for one pair, 16 columns per lane per step, each step's group as
-// s * sum(q x) + b * sum(x). Grid (inter / (2 warps), T * K).
+// s * sum(q x) + b * sum(x). Grid (inter / (2 warps), T * K), or with SHARED (T * (K + 1)): pair
+// T * K + t is token t's shared expert (plain SwiGLU), and its first block also computes the
+// shared expert's weight.
+template <bool SHARED>
 __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* present, int n_present,
-                                const uint32_t* ids, int K, const float* x, float* h, Ffn f) {
+                                const uint32_t* ids, int K, const float* x, float* h, Ffn f,
+                                const SharedExpert* sh) {
     constexpr int CW = 16, NW = CW / 8, R = 2;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int pair = blockIdx.y;
-    const int slot = expert_slot(ids[pair], present, n_present);
-    if (slot < 0) return;
-    const Mat g = experts[slot].gate, u = experts[slot].up;
+    const int routed = SHARED ? gridDim.y / (K + 1) * K : gridDim.y;
+    Mat g, u;
+    uint32_t e;
+    long tok;
+    if (!SHARED || pair < routed) {
+        e = ids[pair];
+        const int slot = expert_slot(e, present, n_present);
+        if (slot < 0) return;
+        g = experts[slot].gate;
+        u = experts[slot].up;
+        tok = pair / K;
+    } else {
+        // No expert id: ffn_gate_up adds no per-expert biases (the host fuses plain SwiGLU only).
+        e = 0xffffffffu;
+        g = sh->gate;
+        u = sh->up;
+        tok = pair - routed;
+        if (blockIdx.x == 0) {
+            // Before any early return: block_rows_dot waits for the whole block.
+            float acc[1][1];
+            const long r = 0;
+            block_rows_dot<K_GENERIC, 1, 1>(&sh->scale, &r, x + tok * sh->scale.cols, 0, acc);
+            if (threadIdx.x == 0) sh->weight[tok] = sigmoid1(acc[0][0]);
+        }
+    }
     const long r0 = ((long)blockIdx.x * (blockDim.x / 32) + warp) * R;
     if (r0 >= g.rows) return;
-    const float* xt = x + (long)(pair / K) * g.cols;
+    const float* xt = x + tok * g.cols;
     const int groups_per_row = g.cols >> g.gshift;
     const long words_per_row = g.cols / 8;
     float ag[R] = {0.0f, 0.0f}, au[R] = {0.0f, 0.0f};
@@ -2353,7 +2387,7 @@ __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* prese
     for (int i = 0; i < R; i++) {
         const float gs = warp_sum(ag[i]), us = warp_sum(au[i]);
         if (lane == 0 && r0 + i < g.rows)
-            h[(long)pair * g.rows + r0 + i] = ffn_gate_up(f, ids[pair], g.rows, r0 + i, gs, us);
+            h[(long)pair * g.rows + r0 + i] = ffn_gate_up(f, e, g.rows, r0 + i, gs, us);
     }
 }
 
@@ -2361,7 +2395,15 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
     const float* x, float* h, Ffn f) {
     PDL_START();
-    moe_gate_up_q4w(experts, present, n_present, ids, K, x, h, f);
+    moe_gate_up_q4w<false>(experts, present, n_present, ids, K, x, h, f, nullptr);
+}
+
+// moe_gate_up_q4_w with the shared expert's pairs after the routed ones (h [T (K + 1), inter]).
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_shared(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
+    const float* x, float* h, Ffn f, SharedExpert sh) {
+    PDL_START();
+    moe_gate_up_q4w<true>(experts, present, n_present, ids, K, x, h, f, &sh);
 }
 
 // Rows per block of moe_down_q4_w.
@@ -2988,6 +3030,47 @@ extern "C" __global__ void __launch_bounds__(128) delta_prep(const float* qkv, c
 #define DELTA_CHUNK 16
 #define DELTA_LD 36
 
+// A recurrence thread's 32 columns of its state row (16-byte aligned: eight vector loads instead
+// of 32 scattered ones); zeros for a thread past the last row.
+__device__ __forceinline__ void load_state_part(const float* s, bool active, float S[32]) {
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        const float4 v = active ? reinterpret_cast<const float4*>(s)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        S[4 * c] = v.x; S[4 * c + 1] = v.y; S[4 * c + 2] = v.z; S[4 * c + 3] = v.w;
+    }
+}
+
+__device__ __forceinline__ void store_state_part(float* s, const float S[32]) {
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        reinterpret_cast<float4*>(s)[c] = make_float4(S[4 * c], S[4 * c + 1], S[4 * c + 2], S[4 * c + 3]);
+}
+
+// One token of the delta rule on a state row held by `parts` threads (32 columns each, kp/qp
+// their columns of k and q): S = g S; S += (v - S k) beta k; returns the row's S q. k and q enter
+// times k_scale (their L2 norms' inverse; 1 when already normalised): S k_raw k_scale, and the
+// update adds (delta k_scale) k_raw.
+__device__ __forceinline__ float delta_row_step(float S[32], const float* kp, const float* qp,
+                                                float v, float g, float beta, float k_scale,
+                                                int parts) {
+    float kv = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 32; c++) {
+        S[c] *= g;
+        kv = fmaf(S[c], kp[c], kv);
+    }
+    for (int o = 1; o < parts; o <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, o);
+    const float delta = (v - kv * k_scale) * beta * k_scale;
+    float acc = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 32; c++) {
+        S[c] = fmaf(delta, kp[c], S[c]);
+        acc = fmaf(S[c], qp[c], acc);
+    }
+    for (int o = 1; o < parts; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
 // The recurrence of value head blockIdx.x, rows blockIdx.y * R .. (R = blockDim.x / (dk / 32)),
 // from delta_prep's prep; 64 or 128 threads, dk % 32 == 0, dk <= 256.
 extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
@@ -3004,13 +3087,8 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
     const int kh = key_head(h, hk, hv, tiled);
     const int width = 2 * hk * dk + hv * dv, pw = 2 * hk * dk + 2 * hv;
     float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
-    // 32 values a thread, 16-byte aligned: eight vector loads instead of 32 scattered ones.
     float S[32];
-#pragma unroll
-    for (int c = 0; c < 8; c++) {
-        const float4 v = active ? reinterpret_cast<const float4*>(s)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-        S[4 * c] = v.x; S[4 * c + 1] = v.y; S[4 * c + 2] = v.z; S[4 * c + 3] = v.w;
-    }
+    load_state_part(s, active, S);
     for (int t0 = 0; t0 < ntok; t0 += DELTA_CHUNK) {
         const int n = min(DELTA_CHUNK, ntok - t0);
         __syncthreads();
@@ -3031,32 +3109,12 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_rule_rows(
         }
         __syncthreads();
         for (int tt = 0; tt < n; tt++) {
-            const float g = gs[tt], beta = betas[tt];
-            const float* kp = &ks[tt][part * DELTA_LD];
-            const float* qp = &qs[tt][part * DELTA_LD];
-            float kv = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 32; c++) {
-                S[c] *= g;
-                kv = fmaf(S[c], kp[c], kv);
-            }
-            for (int o = 1; o < parts; o <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, o);
-            const float delta = (vs[tt][r] - kv) * beta;
-            float acc = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 32; c++) {
-                S[c] = fmaf(delta, kp[c], S[c]);
-                acc = fmaf(S[c], qp[c], acc);
-            }
-            for (int o = 1; o < parts; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            const float acc = delta_row_step(S, &ks[tt][part * DELTA_LD], &qs[tt][part * DELTA_LD],
+                                             vs[tt][r], gs[tt], betas[tt], 1.0f, parts);
             if (active && part == 0) y[((long)(t0 + tt) * hv + h) * dv + i] = acc;
         }
     }
-    if (active) {
-#pragma unroll
-        for (int c = 0; c < 8; c++)
-            reinterpret_cast<float4*>(s)[c] = make_float4(S[4 * c], S[4 * c + 1], S[4 * c + 2], S[4 * c + 3]);
-    }
+    if (active) store_state_part(s, S);
 }
 
 // ---- one decode step of the whole Gated DeltaNet core ----
@@ -3150,11 +3208,7 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_step(
     PDL_WAIT();
     float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
     float S[32];
-#pragma unroll
-    for (int c = 0; c < 8; c++) {
-        const float4 v = active ? reinterpret_cast<const float4*>(s)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-        S[4 * c] = v.x; S[4 * c + 1] = v.y; S[4 * c + 2] = v.z; S[4 * c + 3] = v.w;
-    }
+    load_state_part(s, active, S);
     for (int t = 0; t < ntok; t++) {
         // q and k of the key head, convolved, and their squared norms.
         float sq = 0.0f, sk = 0.0f;
@@ -3187,32 +3241,13 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_step(
         const float softplus = av > 20.0f ? av : log1pf(expf(av));
         const float g = expf(-decay * softplus);
         const float beta = 1.0f / (1.0f + expf(-bv));
-        const float* kp = &ks[part * DELTA_LD];
-        const float* qp = &qs[part * DELTA_LD];
-        float kv = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 32; c++) {
-            S[c] *= g;
-            kv = fmaf(S[c], kp[c], kv);
-        }
-        for (int o = 1; o < parts; o <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, o);
-        // k enters normalised: S k = inv_k (S k_raw), and the update adds (delta inv_k) k_raw.
-        const float delta = (vs[r] - kv * inv_k) * beta * inv_k;
-        float acc = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 32; c++) {
-            S[c] = fmaf(delta, kp[c], S[c]);
-            acc = fmaf(S[c], qp[c], acc);
-        }
-        for (int o = 1; o < parts; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        // k enters raw and is normalised inside (inv_k); q's norm scales the output.
+        const float acc = delta_row_step(S, &ks[part * DELTA_LD], &qs[part * DELTA_LD], vs[r], g,
+                                         beta, inv_k, parts);
         if (active && part == 0) y[((long)t * hv + h) * dv + i] = acc * inv_q;
         __syncthreads();  // the next token rewrites qs, ks, vs and sums
     }
-    if (active) {
-#pragma unroll
-        for (int c = 0; c < 8; c++)
-            reinterpret_cast<float4*>(s)[c] = make_float4(S[4 * c], S[4 * c + 1], S[4 * c + 2], S[4 * c + 3]);
-    }
+    if (active) store_state_part(s, S);
 }
 
 // Channels whose window a thread of delta_norm_window moves (dv threads own dv + 2 dk <= 3 dv
@@ -3706,10 +3741,14 @@ extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set,
 // of 16 columns; the dots (with their down biases, `f`) are added weighted in ascending expert id,
 // onto `out` when `accumulate`, else from zero (moe_down_q4_w's order: bit-identical however the
 // experts are split over calls).
+// With SHARED, the block has K + 1 groups of G threads: the last takes the shared expert (its
+// activations h[T K + t], its weight sh->weight[t]), added after the routed experts as
+// gemv_gated_q4_t1_s adds it (the same bits as the unfused down projection, given the same h).
+template <bool SHARED>
 __device__ __forceinline__ void moe_down_q4s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate,
-    Ffn f) {
+    Ffn f, const SharedExpert* sh) {
     constexpr int R = SPREAD_ROWS;
     __shared__ float part[R * 1024 / 8];
     __shared__ float dots[R][MOE_MAX_K];
@@ -3736,17 +3775,23 @@ __device__ __forceinline__ void moe_down_q4s(
         if (slot >= 0) order[rank] = threadIdx.x;
         if (threadIdx.x == 0) n = count;
     }
+    if (SHARED && threadIdx.x == K) {
+        here[K] = true;
+        down[K] = sh->down;
+    }
     __syncthreads();
-    const int G = blockDim.x / K, j = threadIdx.x / G;
+    const int groups = K + SHARED;
+    const int G = blockDim.x / groups, j = threadIdx.x / G;
     float acc[R] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (here[j]) {
         const Mat& d = down[j];
+        const long row = j < K ? t * K + j : (long)gridDim.y * K + t;
         spread_dots<R, false>(d, min(r0, (long)hidden - 1), (threadIdx.x % G) * SPREAD_CODES,
-                              h + (t * K + j) * (long)d.cols, nullptr, acc);
+                              h + row * d.cols, nullptr, acc);
     }
     // Thread j' * R + i: expert j' 's total of row i (one "row group" per expert).
     const float total = spread_sum<R>(acc, G, part);
-    if (threadIdx.x < K * R) dots[threadIdx.x % R][threadIdx.x / R] = total;
+    if (threadIdx.x < groups * R) dots[threadIdx.x % R][threadIdx.x / R] = total;
     __syncthreads();
     if (threadIdx.x < R && r0 + threadIdx.x < hidden) {
         const long r = r0 + threadIdx.x, o = t * hidden + r;
@@ -3756,6 +3801,7 @@ __device__ __forceinline__ void moe_down_q4s(
             const float dot = ffn_down(f, ids[t * K + jj], hidden, r, dots[threadIdx.x][jj]);
             a = fmaf(weights[t * K + jj], dot, a);
         }
+        if (SHARED) a = __fadd_rn(a, __fmul_rn(dots[threadIdx.x][K], sh->weight[t]));
         out[o] = a;
     }
 }
@@ -3764,7 +3810,17 @@ extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
     PDL_START();
-    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f);
+    moe_down_q4s<false>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
+                        nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s_shared(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f,
+    SharedExpert sh) {
+    PDL_START();
+    moe_down_q4s<true>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
+                       &sh);
 }
 
 // moe_down_q4_s for blocks of at most 384 threads, four to a multiprocessor (registers capped to
@@ -3774,7 +3830,17 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
     PDL_START();
-    moe_down_q4s(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f);
+    moe_down_q4s<false>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
+                        nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384_shared(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
+    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f,
+    SharedExpert sh) {
+    PDL_START();
+    moe_down_q4s<true>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
+                       &sh);
 }
 
 

@@ -22,7 +22,8 @@ use crate::host_compute::{
 use crate::in_place::{InPlace, InPlaceLayer};
 use crate::kernels::{DECODE_HEAD_DIMS, INT8_KINDS, KINDS};
 use crate::mat::{
-    describe, ExpertMats, Ffn, KvRows, Mat, MatSet, Spread, KV_ROWS_MAX, MAT_SET_MAX, SPREAD_ROWS,
+    describe, ExpertMats, Ffn, KvRows, Mat, MatSet, SharedExpert, Spread, KV_ROWS_MAX, MAT_SET_MAX,
+    SPREAD_ROWS,
 };
 use crate::vram_experts::{
     device_address, is_pinned, size_slots, CudaPinner, PinnedRanges, Staged, VramExperts,
@@ -289,6 +290,13 @@ const TOP_CHUNK: usize = 4096;
 fn top_one_block() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_TOP_ONE_BLOCK").is_ok_and(|v| v == "1"))
+}
+
+/// Whether `moe_with_shared` may compute the shared expert in the routed experts' kernels;
+/// `SLUICE_CUDA_SHARED_FUSED=0` keeps its own three launches (to measure against).
+fn shared_fused_enabled() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("SLUICE_CUDA_SHARED_FUSED").is_ok_and(|v| v == "0"))
 }
 
 /// Whether `gated_delta_net` may take the two-launch path; `SLUICE_CUDA_DELTA_STEP=0` keeps the
@@ -716,7 +724,9 @@ impl CudaBackend {
     /// Runs the MoE kernels over the routed pairs whose expert is described in `table` (all
     /// `slots` experts when `present` is `None`, else the `slots` ascending ids in `present`),
     /// each computing as `ffn` says, adding into `out`, or writing it when `out` is `Fresh` (its
-    /// contents undefined).
+    /// contents undefined). With `shared`, the 4-bit decode kernels compute it too, as one more
+    /// expert of every row, where they run (plain SwiGLU, the routed experts' shape): returns
+    /// whether they did (else the caller adds it).
     #[allow(clippy::too_many_arguments)]
     fn moe_into(
         &self,
@@ -729,7 +739,8 @@ impl CudaBackend {
         ffn: &Ffn,
         out: &CudaAct,
         into: MoeOut,
-    ) {
+        shared: Option<SharedExpert>,
+    ) -> bool {
         let inter = sample.gate.rows as usize;
         let kinds = sample.kinds();
         // The kind-generic kernels read no mxfp4 weights (those have kernels of their own), and
@@ -746,12 +757,12 @@ impl CudaBackend {
                 KINDS[sample.up.kind()],
                 KINDS[sample.down.kind()]
             )));
-            return;
+            return false;
         }
         let (Some(xp), Some(op), Some(ids), Some(weights)) =
             (x.ptr(), out.ptr(), &routing.ids, &routing.weights)
         else {
-            return;
+            return false;
         };
         let pairs = routing.rows * routing.k;
         let (present_ptr, n_present) = match present {
@@ -779,10 +790,24 @@ impl CudaBackend {
                 ffn,
                 out,
             );
-            return;
+            return false;
         }
-        let Some(h) = self.d.alloc_or_record(pairs * inter * 4, "MoE activations") else {
-            return;
+        // The shared expert rides along where the kernels below are the 4-bit ones, its group of
+        // threads in the down kernel's blocks included.
+        let shared = shared.filter(|_| {
+            q4_gate_up
+                && routing.k < MAX_EXPERTS_PER_TOKEN
+                && sample.down.spread_threads().is_some_and(|g| {
+                    let block = g * (routing.k + 1);
+                    block <= 1024 && block.is_multiple_of(32)
+                })
+        });
+        let shared_rows = if shared.is_some() { routing.rows } else { 0 };
+        let Some(h) = self
+            .d
+            .alloc_or_record((pairs + shared_rows) * inter * 4, "MoE activations")
+        else {
+            return false;
         };
         let k = &self.d.k;
         let gate_up_args = [
@@ -795,7 +820,16 @@ impl CudaBackend {
             Arg::Ptr(h.ptr),
             Arg::Ffn(*ffn),
         ];
-        if q4_gate_up {
+        if let Some(sh) = shared {
+            let mut args = gate_up_args.to_vec();
+            args.push(Arg::Shared(Box::new(sh)));
+            self.d.launch(
+                &k.moe_gate_up_q4_w_shared,
+                (grid(inter, 8), (pairs + shared_rows) as u32, 1),
+                (128, 1, 1),
+                &args,
+            );
+        } else if q4_gate_up {
             // 4 warps of 2 rows each.
             self.d.launch(
                 &k.moe_gate_up_q4_w,
@@ -828,23 +862,27 @@ impl CudaBackend {
                 args.push(Arg::I32((into == MoeOut::Add) as i32));
             }
             args.push(Arg::Ffn(*ffn));
+            if let Some(sh) = shared {
+                args.push(Arg::Shared(Box::new(sh)));
+            }
             args
         };
         // A block of K x (inter / 16) threads per 4 output rows, in whole warps.
         let spread_down = sample
             .down
             .spread_threads()
-            .map(|g| g * routing.k)
+            .map(|g| g * (routing.k + shared.is_some() as usize))
             .filter(|&b| q4_down && b <= 1024 && b.is_multiple_of(32));
         if let Some(block) = spread_down {
             // Blocks small enough for four per multiprocessor take the kernel whose registers are
             // capped for that (one wave instead of one and a part, for Qwen3-30B-A3B's shape).
             let small = block <= MOE_DOWN_S384;
             self.d.launch(
-                if small {
-                    &k.moe_down_q4_s384
-                } else {
-                    &k.moe_down_q4_s
+                match (small, shared.is_some()) {
+                    (true, false) => &k.moe_down_q4_s384,
+                    (false, false) => &k.moe_down_q4_s,
+                    (true, true) => &k.moe_down_q4_s384_shared,
+                    (false, true) => &k.moe_down_q4_s_shared,
                 },
                 (grid(x.cols, SPREAD_ROWS), routing.rows as u32, 1),
                 (block as u32, 1, 1),
@@ -872,6 +910,7 @@ impl CudaBackend {
                 &down_args(false),
             );
         }
+        shared.is_some()
     }
 
     /// `moe_into` over the experts `ids` (ascending) whose table entries are `words`: the table
@@ -901,6 +940,7 @@ impl CudaBackend {
             ffn,
             out,
             into,
+            None,
         );
         Ok(())
     }
@@ -1095,6 +1135,7 @@ impl CudaBackend {
             desc,
             &out,
             MoeOut::Fresh,
+            None,
         );
         if let Some(op) = out.ptr() {
             self.d.launch(
@@ -3091,17 +3132,33 @@ impl Backend for CudaBackend {
         n: usize,
         cols: &[u32],
     ) -> Result<TopLogits, BackendError> {
+        let mut one = self.top_logits_rows(logits, &[(row, n, cols)])?;
+        Ok(one.pop().expect("one answer"))
+    }
+
+    fn top_logits_rows(
+        &self,
+        logits: &CudaAct,
+        requests: &[(usize, usize, &[u32])],
+    ) -> Result<Vec<TopLogits>, BackendError> {
         let (rows, width) = (logits.rows, logits.cols);
-        assert!(row < rows, "top_logits: row {row} of {rows}");
-        let n = n.min(width);
-        if n == 0 || n > TOP_LOGITS_MAX || width > i32::MAX as usize || cols.len() > 1 << 20 {
+        for &(row, _, _) in requests {
+            assert!(row < rows, "top_logits: row {row} of {rows}");
+        }
+        let beyond = |&(_, n, cols): &(usize, usize, &[u32])| {
+            let n = n.min(width);
+            n == 0 || n > TOP_LOGITS_MAX || width > i32::MAX as usize || cols.len() > 1 << 20
+        };
+        if requests.iter().any(beyond) {
             // Beyond the kernel (a sampler asking for this many reads the row anyway).
             let host = self.to_host(logits)?;
-            return Ok(sluice_backend::reference::top_logits(
-                &host[row * width..(row + 1) * width],
-                n,
-                cols,
-            ));
+            return Ok(requests
+                .iter()
+                .map(|&(row, n, cols)| {
+                    let x = &host[row * width..(row + 1) * width];
+                    sluice_backend::reference::top_logits(x, n.min(width), cols)
+                })
+                .collect());
         }
         let lost = || {
             self.d
@@ -3109,81 +3166,99 @@ impl Backend for CudaBackend {
                 .unwrap_or_else(|| BackendError::Device("logits lost to an earlier failure".into()))
         };
         let xp = logits.ptr().ok_or_else(lost)?;
-        let at = if cols.is_empty() {
-            None
-        } else {
-            Some(self.d.upload(cols, "top_logits columns")?)
-        };
-        let words = 2 * n + cols.len();
         // A wide row in two stages: the best n of each TOP_CHUNK columns by a block each, then of
-        // those by one block (one block over a 248K-column row took 540 us on an H100).
+        // those by one block (one block over a 248K-column row took 518 us on an H100).
         let parts = if width > 2 * TOP_CHUNK && !top_one_block() {
             width.div_ceil(TOP_CHUNK)
         } else {
             0
         };
+        // Every request's answer (columns, values, values at its columns) one after another,
+        // then the stages' scratch: one buffer, one upload of the columns, one download.
+        let answers: Vec<usize> = requests
+            .iter()
+            .map(|&(_, n, cols)| 2 * n.min(width) + cols.len())
+            .collect();
+        let words: usize = answers.iter().sum();
+        let scratch: usize = requests
+            .iter()
+            .map(|&(_, n, _)| 2 * parts * n.min(width))
+            .sum();
+        let all_cols: Vec<u32> = requests.iter().flat_map(|r| r.2.iter().copied()).collect();
+        let at = if all_cols.is_empty() {
+            None
+        } else {
+            Some(self.d.upload(&all_cols, "top_logits columns")?)
+        };
         let out = self
             .d
-            .alloc_or_record((words + 2 * parts * n) * 4, "top_logits")
+            .alloc_or_record((words + scratch) * 4, "top_logits")
             .ok_or_else(lost)?;
-        let (x, at_ptr) = (
-            xp + (row * width * 4) as u64,
-            at.as_ref().map_or(0, DevBuf::ptr),
-        );
-        let outs = [0, n, 2 * n].map(|w| Arg::Ptr(out.ptr + 4 * w as u64));
-        if parts == 0 {
-            let args = [
-                Arg::Ptr(x),
-                Arg::I32(width as i32),
-                Arg::I32(n as i32),
-                Arg::Ptr(at_ptr),
-                Arg::I32(cols.len() as i32),
-            ];
-            self.d.launch(
-                &self.d.k.top_logits,
-                (1, 1, 1),
-                (1024, 1, 1),
-                &[args.as_slice(), &outs].concat(),
-            );
-        } else {
-            let part_cols = out.ptr + 4 * words as u64;
-            let part_vals = part_cols + 4 * (parts * n) as u64;
-            self.d.launch(
-                &self.d.k.top_logits_parts,
-                (parts as u32, 1, 1),
-                (1024, 1, 1),
-                &[
+        let (mut answer, mut part, mut col) = (0, words, 0);
+        for (&(row, n, cols), &size) in requests.iter().zip(&answers) {
+            let n = n.min(width);
+            let x = xp + (row * width * 4) as u64;
+            let at_ptr = at.as_ref().map_or(0, |b| b.ptr + 4 * col as u64);
+            let word = |w: usize| Arg::Ptr(out.ptr + 4 * w as u64);
+            let outs = [word(answer), word(answer + n), word(answer + 2 * n)];
+            let at_args = [Arg::Ptr(at_ptr), Arg::I32(cols.len() as i32)];
+            if parts == 0 {
+                let args = [Arg::Ptr(x), Arg::I32(width as i32), Arg::I32(n as i32)];
+                self.d.launch(
+                    &self.d.k.top_logits,
+                    (1, 1, 1),
+                    (1024, 1, 1),
+                    &[args.as_slice(), &at_args, &outs].concat(),
+                );
+            } else {
+                let (part_cols, part_vals) = (word(part), word(part + parts * n));
+                self.d.launch(
+                    &self.d.k.top_logits_parts,
+                    (parts as u32, 1, 1),
+                    (1024, 1, 1),
+                    &[
+                        Arg::Ptr(x),
+                        Arg::I32(width as i32),
+                        Arg::I32(n as i32),
+                        part_cols,
+                        part_vals,
+                    ],
+                );
+                let args = [
+                    word(part),
+                    word(part + parts * n),
+                    Arg::I32((parts * n) as i32),
+                    Arg::I32(n as i32),
                     Arg::Ptr(x),
                     Arg::I32(width as i32),
-                    Arg::I32(n as i32),
-                    Arg::Ptr(part_cols),
-                    Arg::Ptr(part_vals),
-                ],
-            );
-            let args = [
-                Arg::Ptr(part_cols),
-                Arg::Ptr(part_vals),
-                Arg::I32((parts * n) as i32),
-                Arg::I32(n as i32),
-                Arg::Ptr(x),
-                Arg::I32(width as i32),
-                Arg::Ptr(at_ptr),
-                Arg::I32(cols.len() as i32),
-            ];
-            self.d.launch(
-                &self.d.k.top_logits_merge,
-                (1, 1, 1),
-                (1024, 1, 1),
-                &[args.as_slice(), &outs].concat(),
-            );
+                ];
+                self.d.launch(
+                    &self.d.k.top_logits_merge,
+                    (1, 1, 1),
+                    (1024, 1, 1),
+                    &[args.as_slice(), &at_args, &outs].concat(),
+                );
+                part += 2 * parts * n;
+            }
+            answer += size;
+            col += cols.len();
         }
         let got: Vec<u32> = self.d.download(&out, words)?;
-        Ok(TopLogits {
-            top: (0..n)
-                .map(|i| (got[i], f32::from_bits(got[n + i])))
-                .collect(),
-            at: got[2 * n..].iter().map(|&v| f32::from_bits(v)).collect(),
-        })
+        let mut answer = 0;
+        Ok(requests
+            .iter()
+            .map(|&(_, n, cols)| {
+                let (n, g) = (n.min(width), &got[answer..]);
+                answer += 2 * n + cols.len();
+                TopLogits {
+                    top: (0..n).map(|i| (g[i], f32::from_bits(g[n + i]))).collect(),
+                    at: g[2 * n..2 * n + cols.len()]
+                        .iter()
+                        .map(|&v| f32::from_bits(v))
+                        .collect(),
+                }
+            })
+            .collect())
     }
 
     fn read_routing(&self, routing: &CudaRouting) -> Result<HostRouting, BackendError> {
@@ -3240,7 +3315,75 @@ impl Backend for CudaBackend {
             &desc,
             &out,
             MoeOut::Fresh,
+            None,
         );
+        out
+    }
+
+    fn moe_with_shared(
+        &self,
+        x: &CudaAct,
+        routing: &CudaRouting,
+        experts: &CudaExperts,
+        ffn: ExpertFfn<'_, CudaVector>,
+        shared: &FfnWeights<CudaWeight>,
+        gate: &CudaWeight,
+    ) -> CudaAct {
+        // The shared expert as one more expert of each row: it must compute as the routed
+        // experts do (plain SwiGLU, their shape; the 4-bit kernels check the formats), its gate
+        // one row of the input's width, the experts all in VRAM.
+        let (e, sh) = (
+            &experts.sample,
+            [&shared.gate.mat, &shared.up.mat, &shared.down.mat],
+        );
+        let same_shape = |a: &Mat, b: &Mat| {
+            (a.rows, a.cols, a.kind(), a.group) == (b.rows, b.cols, b.kind(), b.group)
+        };
+        let fusable = shared_fused_enabled()
+            && experts.in_place.is_none()
+            && matches!(ffn.activation, Activation::Silu)
+            && ffn.biases.is_none()
+            && same_shape(sh[0], &e.gate)
+            && same_shape(sh[1], &e.up)
+            && same_shape(sh[2], &e.down)
+            && gate.mat.rows == 1
+            && gate.mat.cols == e.gate.cols
+            && gate.mat.cols % 8 == 0
+            && gate.mat.kind() != KIND_MXFP4;
+        let weight = if fusable {
+            self.d.alloc_or_record(x.rows * 4, "shared expert weights")
+        } else {
+            None
+        };
+        let Some(weight) = weight else {
+            let mut y = self.moe(x, routing, experts, ffn);
+            self.add_shared_expert(&mut y, x, shared, gate);
+            return y;
+        };
+        let desc = ffn_of(&ffn, e, experts.count);
+        let mut out = self.act(x.rows, x.cols);
+        let fused = SharedExpert {
+            gate: *sh[0],
+            up: *sh[1],
+            down: *sh[2],
+            scale: gate.mat,
+            weight: weight.ptr,
+        };
+        let done = self.moe_into(
+            x,
+            routing,
+            experts.table_ptr(),
+            None,
+            experts.count,
+            e,
+            &desc,
+            &out,
+            MoeOut::Fresh,
+            Some(fused),
+        );
+        if !done {
+            self.add_shared_expert(&mut out, x, shared, gate);
+        }
         out
     }
 

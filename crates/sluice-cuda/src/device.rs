@@ -13,7 +13,7 @@ use sluice_backend::{BackendError, MemoryInfo};
 
 use crate::graph::{Flushed, Graphs, Launch};
 use crate::kernels::Kernels;
-use crate::mat::{Ffn, KvRows, Mat, MatSet};
+use crate::mat::{Ffn, KvRows, Mat, MatSet, SharedExpert};
 
 /// Freed device memory kept for reuse, by size. Everything runs on one stream, so a buffer
 /// dropped on the host may be handed to the next allocation at once: the kernels that used it
@@ -87,6 +87,8 @@ pub(crate) enum Arg {
     KvRows(Box<KvRows>),
     /// How routed experts compute (`struct Ffn`).
     Ffn(Ffn),
+    /// A shared expert fused into the routed experts' kernels (`struct SharedExpert`).
+    Shared(Box<SharedExpert>),
 }
 
 impl PartialEq for Arg {
@@ -102,6 +104,7 @@ impl PartialEq for Arg {
             (Arg::MatSet(a), Arg::MatSet(b)) => a == b,
             (Arg::KvRows(a), Arg::KvRows(b)) => a == b,
             (Arg::Ffn(a), Arg::Ffn(b)) => a == b,
+            (Arg::Shared(a), Arg::Shared(b)) => a == b,
             _ => false,
         }
     }
@@ -120,6 +123,7 @@ impl Arg {
             Arg::MatSet(v) => &**v as *const MatSet as *mut c_void,
             Arg::KvRows(v) => &**v as *const KvRows as *mut c_void,
             Arg::Ffn(v) => v as *const Ffn as *mut c_void,
+            Arg::Shared(v) => &**v as *const SharedExpert as *mut c_void,
         }
     }
 }

@@ -91,6 +91,10 @@ pub(crate) struct Kernels {
     pub moe_down_b: Vec<CudaFunction>,
     /// 4-bit decode MoE with more loads in flight (`moe_gate_up_q4_w`, `moe_down_q4_w`).
     pub moe_gate_up_q4_w: CudaFunction,
+    /// The decode MoE kernels with a shared expert's pairs after the routed ones.
+    pub moe_gate_up_q4_w_shared: CudaFunction,
+    pub moe_down_q4_s_shared: CudaFunction,
+    pub moe_down_q4_s384_shared: CudaFunction,
     pub argmax_parts: CudaFunction,
     pub qkv_norm_rope_append: CudaFunction,
     pub argmax_finish: CudaFunction,
@@ -279,6 +283,9 @@ impl Kernels {
                 .map(|k| f(&format!("moe_down_{k}_b")))
                 .collect::<Result<_, _>>()?,
             moe_gate_up_q4_w: f("moe_gate_up_q4_w")?,
+            moe_gate_up_q4_w_shared: f("moe_gate_up_q4_w_shared")?,
+            moe_down_q4_s_shared: f("moe_down_q4_s_shared")?,
+            moe_down_q4_s384_shared: f("moe_down_q4_s384_shared")?,
             argmax_parts: f("argmax_parts")?,
             qkv_norm_rope_append: f("qkv_norm_rope_append")?,
             argmax_finish: f("argmax_finish")?,

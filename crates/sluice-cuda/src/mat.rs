@@ -51,6 +51,19 @@ pub(crate) struct ExpertMats {
 // SAFETY: three `Mat`s, as the kernels declare.
 unsafe impl DeviceRepr for ExpertMats {}
 
+/// A shared expert computed in the routed experts' launches (`struct SharedExpert`): its three
+/// projections, its one-row gate `scale`, and where the gate/up kernel leaves each token's
+/// `sigmoid(scale . x)` for the down kernel.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SharedExpert {
+    pub gate: Mat,
+    pub up: Mat,
+    pub down: Mat,
+    pub scale: Mat,
+    pub weight: u64,
+}
+
 impl Mat {
     /// Appends the kernels' view of this description (`struct Mat`: three pointers, eight
     /// ints, little-endian) as 32-bit words.
