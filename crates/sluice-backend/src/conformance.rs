@@ -530,14 +530,7 @@ pub fn moe_with_shared<B: Backend>(b: &B, tol: Tolerance) {
             down: weight(&parts[2]),
         };
         let gate = weight(&scale);
-        let refs: Vec<FfnWeights<MatRef>> = host_experts
-            .iter()
-            .map(|e| FfnWeights {
-                gate: e.gate.as_ref(),
-                up: e.up.as_ref(),
-                down: e.down.as_ref(),
-            })
-            .collect();
+        let refs = expert_refs(&host_experts);
         for rows in [1, 2, 8, 9] {
             let x = rng.vec(rows * h, -1.0, 1.0);
             let xa = b.act_from_host(&x, rows, h);
@@ -1691,6 +1684,18 @@ pub fn route_matmul<B: Backend>(b: &B, tol: Tolerance) {
     }
 }
 
+/// The reference's view of host experts.
+fn expert_refs(experts: &[FfnWeights<HostMatrix>]) -> Vec<FfnWeights<MatRef<'_>>> {
+    experts
+        .iter()
+        .map(|e| FfnWeights {
+            gate: e.gate.as_ref(),
+            up: e.up.as_ref(),
+            down: e.down.as_ref(),
+        })
+        .collect()
+}
+
 fn random_experts(
     rng: &mut Rng,
     format: WeightFormat,
@@ -1778,14 +1783,7 @@ pub fn moe<B: Backend>(b: &B, tol: Tolerance) {
                 let logits = rng.vec(rows * n, -3.0, 3.0);
                 let routing = b.route(&b.act_from_host(&logits, rows, n), k, true);
                 let host_routing = b.read_routing(&routing).expect("read_routing");
-                let refs: Vec<FfnWeights<MatRef>> = host_experts
-                    .iter()
-                    .map(|e| FfnWeights {
-                        gate: e.gate.as_ref(),
-                        up: e.up.as_ref(),
-                        down: e.down.as_ref(),
-                    })
-                    .collect();
+                let refs = expert_refs(&host_experts);
                 let want = reference::moe(
                     &x,
                     rows,
