@@ -187,8 +187,8 @@ pub struct RunSettings {
     pub sampling: Option<SamplingParams>,
 }
 
-/// Chooses a token from each row of `logits` as `choose` says: greedily on the device, or with
-/// one sampler per row (its own history of chosen tokens).
+/// Chooses a token from each row of `logits`: greedily on the device when `samplers` is empty,
+/// else with row `i`'s sampler (and its own history of chosen tokens).
 fn choose_tokens<B: Backend>(
     backend: &B,
     logits: &B::Act,
