@@ -498,6 +498,20 @@ pub trait Backend: Send + Sync {
         self.add_assign(h, y);
         self.rms_norm(h, weight, eps)
     }
+    /// `add_rms_norm` (one chunk: `weight.len()` is the row width), then `matmuls` of the
+    /// normalised rows, which only the products need: a layer's input norm and its first
+    /// products, one pass on backends that fold the norm into the products.
+    fn add_rms_norm_matmuls<const N: usize>(
+        &self,
+        h: &mut Self::Act,
+        y: &Self::Act,
+        weight: &Self::Vector,
+        eps: f32,
+        weights: [&Self::Weight; N],
+    ) -> [Self::Act; N] {
+        let x = self.add_rms_norm(h, y, weight, eps);
+        self.matmuls(&x, weights)
+    }
     /// `silu(gate) * up`, elementwise.
     fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
     /// [`Rope`] (rotate-half, GPT-NeoX form) of every head of `x`; row `i` is at position
@@ -608,6 +622,24 @@ pub trait Backend: Send + Sync {
         normalize: bool,
     ) -> Self::Routing {
         self.route(&self.matmul(x, gate), k, normalize)
+    }
+    /// `add_rms_norm` (one chunk: `weight.len()` is the row width), then `route_matmul` of the
+    /// normalised rows, which are returned with their routing (the experts read them): a MoE
+    /// layer's norm and router, one pass on backends that fold the norm into the router.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_route(
+        &self,
+        h: &mut Self::Act,
+        y: &Self::Act,
+        weight: &Self::Vector,
+        eps: f32,
+        gate: &Self::Weight,
+        k: usize,
+        normalize: bool,
+    ) -> (Self::Act, Self::Routing) {
+        let x = self.add_rms_norm(h, y, weight, eps);
+        let routing = self.route_matmul(&x, gate, k, normalize);
+        (x, routing)
     }
     /// The routing in host memory (a synchronisation point: needed only to fetch streamed
     /// experts).

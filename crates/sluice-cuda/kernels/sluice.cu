@@ -2800,17 +2800,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
     }
 }
 
-// route(x W^T) for a few tokens in one launch. Grid (E, T): a block of 128 per router row writes
-// its logit (as the block-per-row matrix-vector kernel); the last block of a token to finish
-// (counted in done[t], left zero) routes it. E <= 1024, k <= 32.
-template <int K>
-__device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, float* logits,
-                           uint32_t* done, uint32_t* ids, float* weights) {
-    const int t = blockIdx.y, E = w.rows, warp = threadIdx.x / 32;
-    const long r = blockIdx.x;
-    float acc[1][1];
-    block_rows_dot<K, 1, 1>(&w, &r, x + (long)t * w.cols, 0, acc);
-    if (threadIdx.x == 0) logits[(long)t * E + r] = acc[0][0];
+// Block blockIdx.x of token blockIdx.y writes its router logit (thread 0's `logit`); the last
+// block of the token to finish (counted in done[t], left zero) routes it.
+__device__ void route_logit(float logit, int E, int k, int normalize, float* logits,
+                            uint32_t* done, uint32_t* ids, float* weights) {
+    const int t = blockIdx.y, warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) logits[(long)t * E + blockIdx.x] = logit;
     __shared__ bool last;
     __threadfence();
     __syncthreads();
@@ -2822,6 +2817,61 @@ __device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, f
     if (!last || warp != 0) return;
     __threadfence();
     route_row(logits + (long)t * E, E, k, normalize, ids + (long)t * k, weights + (long)t * k);
+}
+
+// route(x W^T) for a few tokens in one launch. Grid (E, T): a block of 128 per router row writes
+// its logit (as the block-per-row matrix-vector kernel); the last block of a token to finish
+// (counted in done[t], left zero) routes it. E <= 1024, k <= 32.
+template <int K>
+__device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, float* logits,
+                           uint32_t* done, uint32_t* ids, float* weights) {
+    const long r = blockIdx.x;
+    float acc[1][1];
+    block_rows_dot<K, 1, 1>(&w, &r, x + (long)blockIdx.y * w.cols, 0, acc);
+    route_logit(acc[0][0], w.rows, k, normalize, logits, done, ids, weights);
+}
+
+// The widest row route_gemv_norm normalises (in shared memory).
+#define NORM_MAX_COLS 8192
+
+// route_gemv of x = rms_norm(h + y) * nw (add_rms_norm folded into the router): each block first
+// normalises its token's row into shared memory, as add_rms_norm computes it (the same bits in
+// every block), then takes its router row. The token's first block writes h + y to h_out and x to
+// x_out. cols <= NORM_MAX_COLS, a multiple of 4.
+template <int K>
+__device__ void route_gemv_norm(const Mat& w, const float* h, const float* y, const float* nw,
+                                float eps, float* h_out, float* x_out, int k, int normalize,
+                                float* logits, uint32_t* done, uint32_t* ids, float* weights) {
+    __shared__ __align__(16) float xs[NORM_MAX_COLS];
+    const int n = w.cols;
+    const long base = (long)blockIdx.y * n;
+    const bool first = blockIdx.x == 0;
+    float ss = 0.0f;
+    for (int c = threadIdx.x * 4; c < n; c += blockDim.x * 4) {
+        const float4 a = *reinterpret_cast<const float4*>(h + base + c);
+        const float4 b = *reinterpret_cast<const float4*>(y + base + c);
+        const float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+        *reinterpret_cast<float4*>(xs + c) = v;
+        if (first) *reinterpret_cast<float4*>(h_out + base + c) = v;
+        ss += v.x * v.x;
+        ss += v.y * v.y;
+        ss += v.z * v.z;
+        ss += v.w * v.w;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    for (int c = threadIdx.x * 4; c < n; c += blockDim.x * 4) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float v = xs[c + j] * inv * nw[c + j];
+            xs[c + j] = v;
+            if (first) x_out[base + c + j] = v;
+        }
+    }
+    __syncthreads();
+    const long r = blockIdx.x;
+    float acc[1][1];
+    block_rows_dot<K, 1, 1>(&w, &r, xs, 0, acc);
+    route_logit(acc[0][0], w.rows, k, normalize, logits, done, ids, weights);
 }
 
 // Asks L2 for row r of m (codes or values, scales, biases): issued before a kernel waits for its
@@ -2856,6 +2906,20 @@ __device__ __forceinline__ void prefetch_row(const Mat& m, long r) {
     }
 ROUTE_GEMV(K_GENERIC, generic) ROUTE_GEMV(K_Q4, q4) ROUTE_GEMV(K_Q8, q8) ROUTE_GEMV(K_BF16, bf16)
 ROUTE_GEMV(K_MXFP4, mxfp4)
+
+#define ROUTE_GEMV_NORM(K, KN) \
+    extern "C" __global__ void __launch_bounds__(128) route_gemv_norm_##KN( \
+        Mat w, const float* h, const float* y, const float* nw, float eps, float* h_out, \
+        float* x_out, int k, int normalize, float* logits, uint32_t* done, uint32_t* ids, \
+        float* weights) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        prefetch_row(w, blockIdx.x); \
+        PDL_WAIT(); \
+        route_gemv_norm<K>(w, h, y, nw, eps, h_out, x_out, k, normalize, logits, done, ids, \
+                           weights); \
+    }
+ROUTE_GEMV_NORM(K_GENERIC, generic) ROUTE_GEMV_NORM(K_Q4, q4) ROUTE_GEMV_NORM(K_Q8, q8)
+ROUTE_GEMV_NORM(K_BF16, bf16) ROUTE_GEMV_NORM(K_MXFP4, mxfp4)
 
 // ------------------------------------------------------------------------------------------------
 // Gated DeltaNet
@@ -3735,6 +3799,88 @@ extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set,
     while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++;
     spread_gemv<false>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]);
 }
+
+// spread_dots of x = (h + y) * nw, the rms not yet divided out: acc[i] as spread_dots gives for
+// that x, acc[R] this thread's sum of (h + y)^2. Writes its h + y to h_out unless null.
+template <int R>
+__device__ __forceinline__ void spread_dots_norm(const Mat& m, long r0, int c, const float* h,
+                                                 const float* y, const float* nw, float* h_out,
+                                                 float acc[R + 1]) {
+    uint32_t w[R][2];
+    float s[R], b[R], nv[SPREAD_CODES];
+    const long words_per_row = m.cols / 8;
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const long r = min(r0 + i, (long)m.rows - 1);
+        load_words<2>(reinterpret_cast<const uint32_t*>(m.data) + r * words_per_row + c / 8, w[i]);
+        const long gi = (r * m.cols + c) >> m.gshift;
+        s[i] = load_scalar(m.scales, m.sdt, gi);
+        b[i] = load_scalar(m.biases, m.sdt, gi);
+    }
+    load_floats<SPREAD_CODES>(nw + c, nv);
+    // The norm's weight too is a weight: loaded before the wait, as the matrix is.
+    PDL_WAIT();
+    float xv[SPREAD_CODES], yv[SPREAD_CODES];
+    load_floats<SPREAD_CODES>(h + c, xv);
+    load_floats<SPREAD_CODES>(y + c, yv);
+    float ss = 0.0f, xs = 0.0f;
+#pragma unroll
+    for (int j = 0; j < SPREAD_CODES; j++) {
+        xv[j] += yv[j];
+        ss += xv[j] * xv[j];
+    }
+    if (h_out) {
+#pragma unroll
+        for (int j = 0; j < SPREAD_CODES; j += 4)
+            *reinterpret_cast<float4*>(h_out + c + j) =
+                make_float4(xv[j], xv[j + 1], xv[j + 2], xv[j + 3]);
+    }
+#pragma unroll
+    for (int j = 0; j < SPREAD_CODES; j++) {
+        xv[j] *= nv[j];
+        xs += xv[j];
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i] = fmaf(s[i], q4_dot<2>(w[i], xv), b[i] * xs);
+    acc[R] = ss;
+}
+
+// spread_gemv of rms_norm(h + y) * nw for one token (cols values, one chunk): the dots of
+// (h + y) * nw and the sum of squares add up together (one reduction, no wait for the norm
+// before the products), and each total is then divided by the rms. h + y goes to h_out unless
+// null (the first row group writes it).
+__device__ void spread_gemv_norm(const Mat& m, long block, const float* h, const float* y,
+                                 const float* nw, float eps, float* h_out, float* out) {
+    constexpr int R = SPREAD_ROWS, N = SPREAD_ROWS + 1;
+    __shared__ float part[N * 256 / 8];
+    __shared__ float inv[256 / 8];
+    const int G = m.cols / SPREAD_CODES, groups = blockDim.x / G;
+    const long r0 = (block * groups + threadIdx.x / G) * R;
+    float acc[N];
+    spread_dots_norm<R>(m, min(r0, (long)m.rows - 1), (threadIdx.x % G) * SPREAD_CODES, h, y, nw,
+                        threadIdx.x < G ? h_out : nullptr, acc);
+    const float total = spread_sum<N>(acc, G, part);
+    const int g = threadIdx.x / N, i = threadIdx.x % N;
+    if (g < groups && i == R) inv[g] = 1.0f / sqrtf(total / m.cols + eps);
+    __syncthreads();
+    const long r = (block * groups + g) * R + i;
+    if (g < groups && i < R && r < m.rows) out[r] = total * inv[g];
+}
+
+// gemv_multi_q4_t1_s of rms_norm(h + y) * nw (add_rms_norm folded in); the first block writes
+// h + y to h_out. Registers capped for five blocks a multiprocessor, as gemv_multi_q4_t1_s runs
+// (the `_r` variant, uncapped, takes three).
+#define GEMV_MULTI_NORM(NAME, BOUNDS) \
+    extern "C" __global__ void BOUNDS NAME(MatSet set, const float* h, const float* y, \
+                                           const float* nw, float eps, float* h_out) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        int i = 0; \
+        while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++; \
+        spread_gemv_norm(set.m[i], blockIdx.x - set.first[i], h, y, nw, eps, \
+                         blockIdx.x == 0 ? h_out : nullptr, set.out[i]); \
+    }
+GEMV_MULTI_NORM(gemv_multi_q4_t1_s_norm, __launch_bounds__(256, 5))
+GEMV_MULTI_NORM(gemv_multi_q4_t1_s_norm_r, __launch_bounds__(256))
 
 // The MoE's down projections of token blockIdx.y, SPREAD_ROWS output rows per block: the threads
 // j * G .. (j + 1) * G take the token's j-th routed expert (blockDim = K G), each SPREAD_ROWS rows

@@ -287,6 +287,47 @@ const DELTA_STEP_ROWS: usize = 8;
 const TOP_CHUNK: usize = 4096;
 
 /// `SLUICE_CUDA_TOP_ONE_BLOCK=1`: `top_logits` in one block over any row, to measure against.
+/// The matrices of one launch over the same input and their outputs, `rows_per_block` rows of
+/// each a block, and the blocks in all; `None` when an output failed to allocate.
+fn mat_set<const N: usize>(
+    weights: &[&CudaWeight; N],
+    outs: &[CudaAct; N],
+    rows_per_block: usize,
+) -> Option<(MatSet, u32)> {
+    let mut set = MatSet {
+        n: N as i32,
+        ..MatSet::default()
+    };
+    for (i, (w, o)) in weights.iter().zip(outs).enumerate() {
+        set.m[i] = w.mat;
+        set.out[i] = o.ptr()?;
+        set.first[i + 1] = set.first[i] + grid(w.mat.rows as usize, rows_per_block) as i32;
+    }
+    for i in N + 1..=MAT_SET_MAX {
+        set.first[i] = set.first[N];
+    }
+    Some((set, set.first[N] as u32))
+}
+
+/// Whether a layer's `add_rms_norm` may be folded into the one-token products or the router
+/// after it; `SLUICE_CUDA_NORM_FUSED=0` keeps its own launch (to measure against).
+fn norm_fused_enabled() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("SLUICE_CUDA_NORM_FUSED").is_ok_and(|v| v == "0"))
+}
+
+/// `SLUICE_CUDA_NORM_BOUND=0`: the folded products' kernel without its register cap.
+fn norm_products_uncapped() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_NORM_BOUND").is_ok_and(|v| v == "0"))
+}
+
+/// Decode rows up to which the router takes the norm in: each of its blocks normalises its
+/// token's row, which many rows would repeat far too often.
+const NORM_ROUTE_TOKENS: usize = 8;
+/// `NORM_MAX_COLS` in the kernels: the widest row `route_gemv_norm` normalises.
+const NORM_MAX_COLS: usize = 8192;
+
 fn top_one_block() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_TOP_ONE_BLOCK").is_ok_and(|v| v == "1"))
@@ -916,6 +957,32 @@ impl CudaBackend {
     /// `moe_into` over the experts `ids` (ascending) whose table entries are `words`: the table
     /// and the ids after it go up in one upload.
     #[allow(clippy::too_many_arguments)]
+    /// The routed experts of `routing` (all in VRAM) from zero into a new output, with `shared`
+    /// inside their launches where `moe_into` can; says whether it did.
+    fn moe_fresh(
+        &self,
+        x: &CudaAct,
+        routing: &CudaRouting,
+        experts: &CudaExperts,
+        desc: &Ffn,
+        shared: Option<SharedExpert>,
+    ) -> (CudaAct, bool) {
+        let out = self.act(x.rows, x.cols);
+        let fused = self.moe_into(
+            x,
+            routing,
+            experts.table_ptr(),
+            None,
+            experts.count,
+            &experts.sample,
+            desc,
+            &out,
+            MoeOut::Fresh,
+            shared,
+        );
+        (out, fused)
+    }
+
     fn moe_present(
         &self,
         x: &CudaAct,
@@ -2364,23 +2431,11 @@ impl Backend for CudaBackend {
             .mat
             .spread()
             .filter(|_| x.rows == 1 && weights.iter().all(|w| w.mat.spread().is_some()));
-        let rows_per_block = spread.map_or(1, |s| s.rows_per_block());
-        let mut set = MatSet {
-            n: N as i32,
-            ..MatSet::default()
+        let Some((set, blocks)) =
+            mat_set(&weights, &outs, spread.map_or(1, |s| s.rows_per_block()))
+        else {
+            return outs;
         };
-        for (i, (w, o)) in weights.iter().zip(&outs).enumerate() {
-            let Some(op) = o.ptr() else {
-                return outs;
-            };
-            set.m[i] = w.mat;
-            set.out[i] = op;
-            set.first[i + 1] = set.first[i] + grid(w.mat.rows as usize, rows_per_block) as i32;
-        }
-        for i in N + 1..=MAT_SET_MAX {
-            set.first[i] = set.first[N];
-        }
-        let blocks = set.first[N] as u32;
         let args = [Arg::MatSet(Box::new(set)), Arg::Ptr(xp)];
         match spread {
             Some(s) => self.d.launch(
@@ -2527,6 +2582,59 @@ impl Backend for CudaBackend {
             _ => h.buf = None,
         }
         out
+    }
+
+    fn add_rms_norm_matmuls<const N: usize>(
+        &self,
+        h: &mut CudaAct,
+        y: &CudaAct,
+        weight: &CudaVector,
+        eps: f32,
+        weights: [&CudaWeight; N],
+    ) -> [CudaAct; N] {
+        // One token through 4-bit products of the spread kernel, the norm over the whole row.
+        let spread = weights.first().and_then(|w| w.mat.spread());
+        let fused = norm_fused_enabled()
+            && (1..=MAT_SET_MAX).contains(&N)
+            && h.rows == 1
+            && (y.rows, y.cols) == (h.rows, h.cols)
+            && weight.len == h.cols
+            && spread.is_some()
+            && weights
+                .iter()
+                .all(|w| w.mat.cols as usize == h.cols && w.mat.spread() == spread);
+        let (Some(s), true) = (spread, fused) else {
+            let x = self.add_rms_norm(h, y, weight, eps);
+            return self.matmuls(&x, weights);
+        };
+        let new_h = self.act(h.rows, h.cols);
+        let outs = weights.map(|w| self.act(1, w.mat.rows as usize));
+        let set = mat_set(&weights, &outs, s.rows_per_block());
+        match (h.ptr(), y.ptr(), new_h.ptr(), set) {
+            (Some(hp), Some(yp), Some(np), Some((set, blocks))) => self.d.launch(
+                match norm_products_uncapped() {
+                    true => &self.d.k.gemv_multi_q4_t1_s_norm_r,
+                    false => &self.d.k.gemv_multi_q4_t1_s_norm,
+                },
+                (blocks, 1, 1),
+                (s.block_threads(), 1, 1),
+                &[
+                    Arg::MatSet(Box::new(set)),
+                    Arg::Ptr(hp),
+                    Arg::Ptr(yp),
+                    Arg::Ptr(self.vec_ptr(weight)),
+                    Arg::F32(eps),
+                    Arg::Ptr(np),
+                ],
+            ),
+            _ => {
+                h.buf = None;
+                return weights.map(|w| self.poisoned(1, w.mat.rows as usize));
+            }
+        }
+        // The kernel reads the old `h` in every block: the new one is another buffer.
+        *h = new_h;
+        outs
     }
 
     fn swiglu(&self, gate: &CudaAct, up: &CudaAct) -> CudaAct {
@@ -3065,6 +3173,82 @@ impl Backend for CudaBackend {
         routing
     }
 
+    fn add_rms_norm_route(
+        &self,
+        h: &mut CudaAct,
+        y: &CudaAct,
+        weight: &CudaVector,
+        eps: f32,
+        gate: &CudaWeight,
+        k: usize,
+        normalize: bool,
+    ) -> (CudaAct, CudaRouting) {
+        let (rows, cols, experts) = (h.rows, h.cols, gate.mat.rows as usize);
+        if !norm_fused_enabled()
+            || rows == 0
+            || rows > NORM_ROUTE_TOKENS
+            || (y.rows, y.cols) != (rows, cols)
+            || weight.len != cols
+            || gate.mat.cols as usize != cols
+            || cols > NORM_MAX_COLS
+            || !cols.is_multiple_of(4)
+            || experts > MAX_ROUTED_EXPERTS
+            || k > MAX_EXPERTS_PER_TOKEN
+        {
+            let x = self.add_rms_norm(h, y, weight, eps);
+            let routing = self.route_matmul(&x, gate, k, normalize);
+            return (x, routing);
+        }
+        assert!(k >= 1 && k <= experts);
+        let mut routing = CudaRouting {
+            ids: None,
+            weights: None,
+            rows,
+            k,
+        };
+        let (new_h, x) = (self.act(rows, cols), self.act(rows, cols));
+        let logits = self.d.alloc_or_record(rows * experts * 4, "router logits");
+        routing.ids = self.d.alloc_or_record(rows * k * 4, "routing");
+        routing.weights = self.d.alloc_or_record(rows * k * 4, "routing");
+        let ptrs = (h.ptr(), y.ptr(), new_h.ptr(), x.ptr(), self.done_counters());
+        match (ptrs, logits, &routing.ids, &routing.weights) {
+            (
+                (Some(hp), Some(yp), Some(np), Some(xp), Some(counters)),
+                Some(l),
+                Some(ids),
+                Some(w),
+            ) => {
+                self.d.launch(
+                    &self.d.k.route_gemv_norm[gate.mat.kind()],
+                    (experts as u32, rows as u32, 1),
+                    (128, 1, 1),
+                    &[
+                        Arg::Mat(gate.mat),
+                        Arg::Ptr(hp),
+                        Arg::Ptr(yp),
+                        Arg::Ptr(self.vec_ptr(weight)),
+                        Arg::F32(eps),
+                        Arg::Ptr(np),
+                        Arg::Ptr(xp),
+                        Arg::I32(k as i32),
+                        Arg::I32(normalize as i32),
+                        Arg::Ptr(l.ptr),
+                        Arg::Ptr(counters.ptr + (SPLIT_ATTENTION_PAIRS * 4) as u64),
+                        Arg::Ptr(ids.ptr),
+                        Arg::Ptr(w.ptr),
+                    ],
+                );
+            }
+            _ => {
+                h.buf = None;
+                return (self.poisoned(rows, cols), routing);
+            }
+        }
+        // Every block reads the old `h`: the new one is another buffer.
+        *h = new_h;
+        (x, routing)
+    }
+
     fn argmax_rows(&self, logits: &CudaAct) -> Result<Vec<u32>, BackendError> {
         let (rows, cols) = (logits.rows, logits.cols);
         if rows == 0 || cols == 0 {
@@ -3304,20 +3488,7 @@ impl Backend for CudaBackend {
                 return out;
             }
         }
-        let out = self.act(x.rows, x.cols);
-        self.moe_into(
-            x,
-            routing,
-            experts.table_ptr(),
-            None,
-            experts.count,
-            &experts.sample,
-            &desc,
-            &out,
-            MoeOut::Fresh,
-            None,
-        );
-        out
+        self.moe_fresh(x, routing, experts, &desc, None).0
     }
 
     fn moe_with_shared(
@@ -3360,8 +3531,6 @@ impl Backend for CudaBackend {
             self.add_shared_expert(&mut y, x, shared, gate);
             return y;
         };
-        let desc = ffn_of(&ffn, e, experts.count);
-        let mut out = self.act(x.rows, x.cols);
         let fused = SharedExpert {
             gate: *sh[0],
             up: *sh[1],
@@ -3369,18 +3538,8 @@ impl Backend for CudaBackend {
             scale: gate.mat,
             weight: weight.ptr,
         };
-        let done = self.moe_into(
-            x,
-            routing,
-            experts.table_ptr(),
-            None,
-            experts.count,
-            e,
-            &desc,
-            &out,
-            MoeOut::Fresh,
-            Some(fused),
-        );
+        let desc = ffn_of(&ffn, e, experts.count);
+        let (mut out, done) = self.moe_fresh(x, routing, experts, &desc, Some(fused));
         if !done {
             self.add_shared_expert(&mut out, x, shared, gate);
         }

@@ -85,6 +85,8 @@ pub(crate) struct Kernels {
     pub route: CudaFunction,
     /// The router's product and `route` in one launch, by weight kind.
     pub route_gemv: Vec<CudaFunction>,
+    /// `route_gemv` of `add_rms_norm`'s output, the norm computed in each block.
+    pub route_gemv_norm: Vec<CudaFunction>,
     /// By weight kind.
     pub moe_gate_up: Vec<CudaFunction>,
     /// The down projections with a block per output row (few tokens).
@@ -109,6 +111,10 @@ pub(crate) struct Kernels {
     pub gemv_q4_t1_s: CudaFunction,
     pub gemv_gated_q4_t1_s: CudaFunction,
     pub gemv_multi_q4_t1_s: CudaFunction,
+    /// `gemv_multi_q4_t1_s` of `add_rms_norm`'s output, the norm folded into the products
+    /// (registers capped for five blocks a multiprocessor; `_r` uncapped).
+    pub gemv_multi_q4_t1_s_norm: CudaFunction,
+    pub gemv_multi_q4_t1_s_norm_r: CudaFunction,
     pub moe_down_q4_s: CudaFunction,
     /// `moe_down_q4_s` for blocks of at most [`crate::backend::MOE_DOWN_S384`] threads, four to a
     /// multiprocessor.
@@ -260,6 +266,10 @@ impl Kernels {
                 .iter()
                 .map(|k| f(&format!("route_gemv_{k}")))
                 .collect::<Result<_, _>>()?,
+            route_gemv_norm: KINDS
+                .iter()
+                .map(|k| f(&format!("route_gemv_norm_{k}")))
+                .collect::<Result<_, _>>()?,
             moe_gate_up: KINDS
                 .iter()
                 .map(|k| f(&format!("moe_gate_up_{k}")))
@@ -296,6 +306,8 @@ impl Kernels {
             gemv_q4_t1_s: f("gemv_q4_t1_s")?,
             gemv_gated_q4_t1_s: f("gemv_gated_q4_t1_s")?,
             gemv_multi_q4_t1_s: f("gemv_multi_q4_t1_s")?,
+            gemv_multi_q4_t1_s_norm: f("gemv_multi_q4_t1_s_norm")?,
+            gemv_multi_q4_t1_s_norm_r: f("gemv_multi_q4_t1_s_norm_r")?,
             moe_down_q4_s: f("moe_down_q4_s")?,
             moe_down_q4_s384: f("moe_down_q4_s384")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
@@ -404,6 +416,19 @@ mod tests {
                 .expect("activation loads"),
             "spread_dots must wait before it reads the activations"
         );
+        let spread_norm = source
+            .split("__device__ __forceinline__ void spread_dots_norm")
+            .nth(1)
+            .expect("spread_dots_norm");
+        let wait = spread_norm
+            .find("PDL_WAIT();")
+            .expect("spread_dots_norm waits");
+        assert!(
+            wait < spread_norm
+                .find("load_floats<SPREAD_CODES>(h")
+                .expect("activation loads"),
+            "spread_dots_norm must wait before it reads the activations"
+        );
         // The loader's rewrite reaches every marker and the target.
         let patched = super::ptx(true);
         assert!(!patched.contains(super::PDL_MARKER) && patched.contains(".target sm_90"));
@@ -421,6 +446,7 @@ mod tests {
         for k in KINDS {
             names.push(format!("gemv_{k}_t1_r2"));
             names.push(format!("route_gemv_{k}"));
+            names.push(format!("route_gemv_norm_{k}"));
             names.push(format!("moe_gate_up_{k}"));
             names.push(format!("moe_down_{k}_b"));
             for t in 1..=8 {
