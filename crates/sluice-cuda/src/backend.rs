@@ -954,9 +954,6 @@ impl CudaBackend {
         shared.is_some()
     }
 
-    /// `moe_into` over the experts `ids` (ascending) whose table entries are `words`: the table
-    /// and the ids after it go up in one upload.
-    #[allow(clippy::too_many_arguments)]
     /// The routed experts of `routing` (all in VRAM) from zero into a new output, with `shared`
     /// inside their launches where `moe_into` can; says whether it did.
     fn moe_fresh(
@@ -983,6 +980,9 @@ impl CudaBackend {
         (out, fused)
     }
 
+    /// `moe_into` over the experts `ids` (ascending) whose table entries are `words`: the table
+    /// and the ids after it go up in one upload.
+    #[allow(clippy::too_many_arguments)]
     fn moe_present(
         &self,
         x: &CudaAct,
