@@ -188,7 +188,8 @@ pub struct RunSettings {
 }
 
 /// Chooses a token from each row of `logits`: greedily on the device when `samplers` is empty,
-/// else with row `i`'s sampler (and its own history of chosen tokens).
+/// else with row `i`'s sampler and its own history, as the engine's decode step chooses
+/// ([`sluice_engine::batch::choose_tokens`]).
 fn choose_tokens<B: Backend>(
     backend: &B,
     logits: &B::Act,
@@ -197,23 +198,15 @@ fn choose_tokens<B: Backend>(
     if samplers.is_empty() {
         return Ok(backend.argmax_rows(logits)?);
     }
-    let vocab = backend.shape(logits).1;
-    let mut chosen = Vec::with_capacity(samplers.len());
-    for (row, (sampler, history)) in samplers.iter_mut().enumerate() {
-        let mut token = None;
-        if let Some(req) = sampler.top_request(vocab, history) {
-            let part = backend.top_logits(logits, row, req.n, &req.cols)?;
-            token = sampler.sample_top(&req, &part, history);
-        }
-        let token = match token {
-            Some(t) => t,
-            None => {
-                let mut row_logits = backend.to_host(&backend.slice_rows(logits, row, 1))?;
-                sampler.sample(&mut row_logits, history)
-            }
-        };
+    let mut rows: Vec<(&mut Sampler, &[u32])> = samplers
+        .iter_mut()
+        .map(|(s, history)| (s, history.as_slice()))
+        .collect();
+    let chosen = sluice_engine::batch::choose_tokens(backend, logits, &mut rows)?
+        .into_iter()
+        .collect::<Result<Vec<u32>, _>>()?;
+    for ((_, history), &token) in samplers.iter_mut().zip(&chosen) {
         history.push(token);
-        chosen.push(token);
     }
     Ok(chosen)
 }

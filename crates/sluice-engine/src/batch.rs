@@ -13,7 +13,7 @@ use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use sluice_backend::Backend;
+use sluice_backend::{Backend, BackendError};
 use sluice_models::{Segment, State};
 
 use crate::prompt_cache::PromptCache;
@@ -414,53 +414,27 @@ impl<B: Backend + 'static> Engine<B> {
         for (&i, t) in rows.iter().zip(&tokens) {
             batch[i].consumed.push(t[0]);
         }
-        // Greedy rows are answered on the backend, all at once.
-        let argmax = match rows.iter().any(|&i| batch[i].sampler.is_argmax()) {
-            true => match backend.argmax_rows(&out) {
-                Ok(ids) => Some(ids),
-                Err(e) => return fail_all(batch, rows, e.into()),
-            },
-            false => None,
+        let chosen = {
+            let mut picked: Vec<(&mut Sampler, &[u32])> = batch
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| rows.contains(i))
+                .map(|(_, s)| {
+                    let s = &mut **s;
+                    (&mut s.sampler, s.consumed.as_slice())
+                })
+                .collect();
+            choose_tokens(backend, &out, &mut picked)
         };
-        let vocab = backend.shape(&out).1;
-        // The sampled rows' best logits, asked for together (a backend may answer with one
-        // transfer).
-        let requests: Vec<Option<TopRequest>> = rows
-            .iter()
-            .map(|&i| match batch[i].sampler.is_argmax() {
-                true => None,
-                false => batch[i].sampler.top_request(vocab, &batch[i].consumed),
-            })
-            .collect();
-        let asked: Vec<(usize, usize, &[u32])> = requests
-            .iter()
-            .enumerate()
-            .filter_map(|(row, r)| r.as_ref().map(|r| (row, r.n, r.cols.as_slice())))
-            .collect();
-        let mut tops = match asked.is_empty() {
-            true => Vec::new(),
-            false => match backend.top_logits_rows(&out, &asked) {
-                Ok(tops) => tops,
-                Err(e) => return fail_all(batch, rows, e.into()),
-            },
-        }
-        .into_iter();
-        for ((row, &i), request) in rows.iter().enumerate().zip(&requests) {
+        let chosen = match chosen {
+            Ok(chosen) => chosen,
+            Err(e) => return fail_all(batch, rows, e.into()),
+        };
+        for (&i, token) in rows.iter().zip(chosen) {
             let s = &mut *batch[i];
-            let token = match (&argmax, request) {
-                (Some(ids), _) if s.sampler.is_argmax() => Ok(ids[row]),
-                (_, Some(req)) => {
-                    let top = tops.next().expect("an answer per request");
-                    match s.sampler.sample_top(req, &top, &s.consumed) {
-                        Some(t) => Ok(t),
-                        None => self.sample_whole_row(s, &out, row),
-                    }
-                }
-                (_, None) => self.sample_whole_row(s, &out, row),
-            };
             match token {
                 Ok(t) => s.take(t, &self.eos_ids),
-                Err(e) => s.fail(e),
+                Err(e) => s.fail(e.into()),
             }
         }
     }
@@ -696,6 +670,61 @@ impl<B: Backend + 'static> Engine<B> {
         let token = s.sampler.sample(&mut logits, &s.consumed);
         s.take(token, &self.eos_ids);
     }
+}
+
+/// A token for each row of `logits`, row `i` chosen by `rows[i]`'s sampler given its history
+/// (the tokens the row saw, its last included): greedy rows answered on the backend all at once,
+/// the sampled rows' best logits asked for together (`Backend::top_logits_rows`: a device may
+/// answer with one transfer), and a whole row read only for a sampler that cannot say which
+/// values it needs (a failed read fails that row alone). The engine's decode step and
+/// `sluice bench --sample` choose with it.
+pub fn choose_tokens<B: Backend>(
+    backend: &B,
+    logits: &B::Act,
+    rows: &mut [(&mut Sampler, &[u32])],
+) -> Result<Vec<Result<u32, BackendError>>, BackendError> {
+    let argmax = match rows.iter().any(|(s, _)| s.is_argmax()) {
+        true => Some(backend.argmax_rows(logits)?),
+        false => None,
+    };
+    let vocab = backend.shape(logits).1;
+    let requests: Vec<Option<TopRequest>> = rows
+        .iter_mut()
+        .map(|(s, history)| match s.is_argmax() {
+            true => None,
+            false => s.top_request(vocab, history),
+        })
+        .collect();
+    let asked: Vec<(usize, usize, &[u32])> = requests
+        .iter()
+        .enumerate()
+        .filter_map(|(row, r)| r.as_ref().map(|r| (row, r.n, r.cols.as_slice())))
+        .collect();
+    let mut tops = match asked.is_empty() {
+        true => Vec::new(),
+        false => backend.top_logits_rows(logits, &asked)?,
+    }
+    .into_iter();
+    let whole_row = |s: &mut Sampler, history: &[u32], row: usize| {
+        let mut values = backend.to_host(&backend.slice_rows(logits, row, 1))?;
+        Ok(s.sample(&mut values, history))
+    };
+    Ok(rows
+        .iter_mut()
+        .zip(&requests)
+        .enumerate()
+        .map(|(row, ((s, history), request))| match (&argmax, request) {
+            (Some(ids), _) if s.is_argmax() => Ok(ids[row]),
+            (_, Some(req)) => {
+                let top = tops.next().expect("an answer per request");
+                match s.sample_top(req, &top, history) {
+                    Some(t) => Ok(t),
+                    None => whole_row(s, history, row),
+                }
+            }
+            (_, None) => whole_row(s, history, row),
+        })
+        .collect())
 }
 
 /// Ends the sequences at `rows` of `batch` with `e` (a pass they shared failed).
