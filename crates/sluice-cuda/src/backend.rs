@@ -309,11 +309,18 @@ fn mat_set<const N: usize>(
     Some((set, set.first[N] as u32))
 }
 
-/// Whether a layer's `add_rms_norm` may be folded into the one-token products or the router
-/// after it; `SLUICE_CUDA_NORM_FUSED=0` keeps its own launch (to measure against).
-fn norm_fused_enabled() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("SLUICE_CUDA_NORM_FUSED").is_ok_and(|v| v == "0"))
+/// Whether a layer's `add_rms_norm` may be folded into the one-token products (`.0`) or the
+/// router (`.1`) after it; `SLUICE_CUDA_NORM_FUSED=0` keeps its own launch (to measure
+/// against), `=route` folds it into the router only.
+fn norm_fused_enabled() -> (bool, bool) {
+    static ON: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+    *ON.get_or_init(
+        || match std::env::var("SLUICE_CUDA_NORM_FUSED").as_deref() {
+            Ok("0") => (false, false),
+            Ok("route") => (false, true),
+            _ => (true, true),
+        },
+    )
 }
 
 /// `SLUICE_CUDA_NORM_BOUND=0`: the folded products' kernel without its register cap.
@@ -2594,7 +2601,7 @@ impl Backend for CudaBackend {
     ) -> [CudaAct; N] {
         // One token through 4-bit products of the spread kernel, the norm over the whole row.
         let spread = weights.first().and_then(|w| w.mat.spread());
-        let fused = norm_fused_enabled()
+        let fused = norm_fused_enabled().0
             && (1..=MAT_SET_MAX).contains(&N)
             && h.rows == 1
             && (y.rows, y.cols) == (h.rows, h.cols)
@@ -3184,7 +3191,7 @@ impl Backend for CudaBackend {
         normalize: bool,
     ) -> (CudaAct, CudaRouting) {
         let (rows, cols, experts) = (h.rows, h.cols, gate.mat.rows as usize);
-        if !norm_fused_enabled()
+        if !norm_fused_enabled().1
             || rows == 0
             || rows > NORM_ROUTE_TOKENS
             || (y.rows, y.cols) != (rows, cols)
