@@ -498,20 +498,6 @@ pub trait Backend: Send + Sync {
         self.add_assign(h, y);
         self.rms_norm(h, weight, eps)
     }
-    /// `add_rms_norm` (one chunk: `weight.len()` is the row width), then `matmuls` of the
-    /// normalised rows, which only the products need: a layer's input norm and its first
-    /// products, one pass on backends that fold the norm into the products.
-    fn add_rms_norm_matmuls<const N: usize>(
-        &self,
-        h: &mut Self::Act,
-        y: &Self::Act,
-        weight: &Self::Vector,
-        eps: f32,
-        weights: [&Self::Weight; N],
-    ) -> [Self::Act; N] {
-        let x = self.add_rms_norm(h, y, weight, eps);
-        self.matmuls(&x, weights)
-    }
     /// `silu(gate) * up`, elementwise.
     fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
     /// [`Rope`] (rotate-half, GPT-NeoX form) of every head of `x`; row `i` is at position

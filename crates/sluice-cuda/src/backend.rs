@@ -286,7 +286,6 @@ const DELTA_STEP_ROWS: usize = 8;
 /// `TOP_CHUNK` in the kernels: the columns a block of `top_logits_parts` takes.
 const TOP_CHUNK: usize = 4096;
 
-/// `SLUICE_CUDA_TOP_ONE_BLOCK=1`: `top_logits` in one block over any row, to measure against.
 /// The matrices of one launch over the same input and their outputs, `rows_per_block` rows of
 /// each a block, and the blocks in all; `None` when an output failed to allocate.
 fn mat_set<const N: usize>(
@@ -309,24 +308,11 @@ fn mat_set<const N: usize>(
     Some((set, set.first[N] as u32))
 }
 
-/// Whether a layer's `add_rms_norm` may be folded into the one-token products (`.0`) or the
-/// router (`.1`) after it; `SLUICE_CUDA_NORM_FUSED=0` keeps its own launch (to measure
-/// against), `=route` folds it into the router only.
-fn norm_fused_enabled() -> (bool, bool) {
-    static ON: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    *ON.get_or_init(
-        || match std::env::var("SLUICE_CUDA_NORM_FUSED").as_deref() {
-            Ok("0") => (false, false),
-            Ok("route") => (false, true),
-            _ => (true, true),
-        },
-    )
-}
-
-/// `SLUICE_CUDA_NORM_BOUND=0`: the folded products' kernel without its register cap.
-fn norm_products_uncapped() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_NORM_BOUND").is_ok_and(|v| v == "0"))
+/// Whether a layer's `add_rms_norm` may be folded into the router after it;
+/// `SLUICE_CUDA_NORM_FUSED=0` keeps its own launch (to measure against).
+fn norm_fused_enabled() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("SLUICE_CUDA_NORM_FUSED").is_ok_and(|v| v == "0"))
 }
 
 /// Decode rows up to which the router takes the norm in: each of its blocks normalises its
@@ -335,6 +321,7 @@ const NORM_ROUTE_TOKENS: usize = 8;
 /// `NORM_MAX_COLS` in the kernels: the widest row `route_gemv_norm` normalises.
 const NORM_MAX_COLS: usize = 8192;
 
+/// `SLUICE_CUDA_TOP_ONE_BLOCK=1`: `top_logits` in one block over any row, to measure against.
 fn top_one_block() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_TOP_ONE_BLOCK").is_ok_and(|v| v == "1"))
@@ -2591,59 +2578,6 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn add_rms_norm_matmuls<const N: usize>(
-        &self,
-        h: &mut CudaAct,
-        y: &CudaAct,
-        weight: &CudaVector,
-        eps: f32,
-        weights: [&CudaWeight; N],
-    ) -> [CudaAct; N] {
-        // One token through 4-bit products of the spread kernel, the norm over the whole row.
-        let spread = weights.first().and_then(|w| w.mat.spread());
-        let fused = norm_fused_enabled().0
-            && (1..=MAT_SET_MAX).contains(&N)
-            && h.rows == 1
-            && (y.rows, y.cols) == (h.rows, h.cols)
-            && weight.len == h.cols
-            && spread.is_some()
-            && weights
-                .iter()
-                .all(|w| w.mat.cols as usize == h.cols && w.mat.spread() == spread);
-        let (Some(s), true) = (spread, fused) else {
-            let x = self.add_rms_norm(h, y, weight, eps);
-            return self.matmuls(&x, weights);
-        };
-        let new_h = self.act(h.rows, h.cols);
-        let outs = weights.map(|w| self.act(1, w.mat.rows as usize));
-        let set = mat_set(&weights, &outs, s.rows_per_block());
-        match (h.ptr(), y.ptr(), new_h.ptr(), set) {
-            (Some(hp), Some(yp), Some(np), Some((set, blocks))) => self.d.launch(
-                match norm_products_uncapped() {
-                    true => &self.d.k.gemv_multi_q4_t1_s_norm_r,
-                    false => &self.d.k.gemv_multi_q4_t1_s_norm,
-                },
-                (blocks, 1, 1),
-                (s.block_threads(), 1, 1),
-                &[
-                    Arg::MatSet(Box::new(set)),
-                    Arg::Ptr(hp),
-                    Arg::Ptr(yp),
-                    Arg::Ptr(self.vec_ptr(weight)),
-                    Arg::F32(eps),
-                    Arg::Ptr(np),
-                ],
-            ),
-            _ => {
-                h.buf = None;
-                return weights.map(|w| self.poisoned(1, w.mat.rows as usize));
-            }
-        }
-        // The kernel reads the old `h` in every block: the new one is another buffer.
-        *h = new_h;
-        outs
-    }
-
     fn swiglu(&self, gate: &CudaAct, up: &CudaAct) -> CudaAct {
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols));
         let n = gate.rows * gate.cols;
@@ -3191,7 +3125,7 @@ impl Backend for CudaBackend {
         normalize: bool,
     ) -> (CudaAct, CudaRouting) {
         let (rows, cols, experts) = (h.rows, h.cols, gate.mat.rows as usize);
-        if !norm_fused_enabled().1
+        if !norm_fused_enabled()
             || rows == 0
             || rows > NORM_ROUTE_TOKENS
             || (y.rows, y.cols) != (rows, cols)

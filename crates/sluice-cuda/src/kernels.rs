@@ -111,10 +111,6 @@ pub(crate) struct Kernels {
     pub gemv_q4_t1_s: CudaFunction,
     pub gemv_gated_q4_t1_s: CudaFunction,
     pub gemv_multi_q4_t1_s: CudaFunction,
-    /// `gemv_multi_q4_t1_s` of `add_rms_norm`'s output, the norm folded into the products
-    /// (registers capped for five blocks a multiprocessor; `_r` uncapped).
-    pub gemv_multi_q4_t1_s_norm: CudaFunction,
-    pub gemv_multi_q4_t1_s_norm_r: CudaFunction,
     pub moe_down_q4_s: CudaFunction,
     /// `moe_down_q4_s` for blocks of at most [`crate::backend::MOE_DOWN_S384`] threads, four to a
     /// multiprocessor.
@@ -306,8 +302,6 @@ impl Kernels {
             gemv_q4_t1_s: f("gemv_q4_t1_s")?,
             gemv_gated_q4_t1_s: f("gemv_gated_q4_t1_s")?,
             gemv_multi_q4_t1_s: f("gemv_multi_q4_t1_s")?,
-            gemv_multi_q4_t1_s_norm: f("gemv_multi_q4_t1_s_norm")?,
-            gemv_multi_q4_t1_s_norm_r: f("gemv_multi_q4_t1_s_norm_r")?,
             moe_down_q4_s: f("moe_down_q4_s")?,
             moe_down_q4_s384: f("moe_down_q4_s384")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
@@ -415,19 +409,6 @@ mod tests {
                 .find("load_floats<SPREAD_CODES>(x")
                 .expect("activation loads"),
             "spread_dots must wait before it reads the activations"
-        );
-        let spread_norm = source
-            .split("__device__ __forceinline__ void spread_dots_norm")
-            .nth(1)
-            .expect("spread_dots_norm");
-        let wait = spread_norm
-            .find("PDL_WAIT();")
-            .expect("spread_dots_norm waits");
-        assert!(
-            wait < spread_norm
-                .find("load_floats<SPREAD_CODES>(h")
-                .expect("activation loads"),
-            "spread_dots_norm must wait before it reads the activations"
         );
         // The loader's rewrite reaches every marker and the target.
         let patched = super::ptx(true);

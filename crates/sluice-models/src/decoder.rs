@@ -244,23 +244,6 @@ impl<B: Backend> Decoder<B> {
         self.eps
     }
 
-    /// A layer's first products: `weights` times `rms_norm(h) * norm`, after `h += mlp` where
-    /// the previous layer's block output is still to be added (the norm folded into the
-    /// products on backends that can: [`Backend::add_rms_norm_matmuls`]).
-    pub fn input_products<const N: usize>(
-        &self,
-        h: &mut B::Act,
-        mlp: Option<B::Act>,
-        norm: &B::Vector,
-        weights: [&B::Weight; N],
-    ) -> [B::Act; N] {
-        let b = self.backend.as_ref();
-        match mlp {
-            Some(mlp) => b.add_rms_norm_matmuls(h, &mlp, norm, self.eps, weights),
-            None => b.matmuls(&b.rms_norm(h, norm, self.eps), weights),
-        }
-    }
-
     /// Sets the routed experts per token after checking it against the model's expert count.
     pub fn set_experts_per_token(&mut self, k: usize) -> Result<(), ModelError> {
         if k == 0 || k > self.info.experts {

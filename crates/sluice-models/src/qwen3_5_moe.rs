@@ -613,16 +613,19 @@ impl<B: Backend> FullAttention<B> {
 
 impl<B: Backend> Qwen35Moe<B> {
     /// The Gated DeltaNet mixer of layer `i`: the products over every row together, the
-    /// convolution window and the recurrence per segment. `[qkv, z, b, a]` are the input
-    /// projections of the layer's normed input.
+    /// convolution window and the recurrence per segment.
     fn linear_attention(
         &self,
         l: &LinearAttention<B>,
-        [qkv, z, beta_logits, a]: [B::Act; 4],
+        x: &B::Act,
         i: usize,
         segments: &mut [Segment<'_, B>],
     ) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
+        let [qkv, z, beta_logits, a] = b.matmuls(
+            x,
+            [&l.in_proj_qkv, &l.in_proj_z, &l.in_proj_b, &l.in_proj_a],
+        );
         let weights = DeltaNetWeights {
             conv1d: &l.conv1d,
             a_log: &l.a_log,
@@ -646,16 +649,16 @@ impl<B: Backend> Qwen35Moe<B> {
     }
 
     /// Gated full attention of layer `i`; each segment's rows attend through its own cache.
-    /// `[q_gate, k, v]` are the products of the layer's normed input.
     fn full_attention(
         &self,
         l: &FullAttention<B>,
-        [q_gate, k, v]: [B::Act; 3],
+        x: &B::Act,
         i: usize,
         segments: &mut [Segment<'_, B>],
     ) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
+        let [q_gate, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
         let (q, gate) = b.split_chunks(&q_gate, 2 * hd, hd);
         let scale = 1.0 / (hd as f32).sqrt();
         let (mut caches, rows) = attention_caches(segments, i)?;
@@ -693,18 +696,13 @@ impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
         // The previous layer's MLP output, added to `h` by the next norm (one fused step).
         let mut mlp_out: Option<B::Act> = None;
         for (i, l) in self.layers.iter().enumerate() {
-            let (d, norm, mlp) = (&self.decoder, &l.input_layernorm, mlp_out.take());
+            let x = match mlp_out.take() {
+                Some(mlp) => b.add_rms_norm(&mut h, &mlp, &l.input_layernorm, eps),
+                None => b.rms_norm(&h, &l.input_layernorm, eps),
+            };
             let mixed = match &l.mixer {
-                Mixer::Linear(m) => {
-                    let inputs = [&m.in_proj_qkv, &m.in_proj_z, &m.in_proj_b, &m.in_proj_a];
-                    let inputs = d.input_products(&mut h, mlp, norm, inputs);
-                    self.linear_attention(m, inputs, i, segments)?
-                }
-                Mixer::Full(m) => {
-                    let inputs =
-                        d.input_products(&mut h, mlp, norm, [&m.q_proj, &m.k_proj, &m.v_proj]);
-                    self.full_attention(m, inputs, i, segments)?
-                }
+                Mixer::Linear(m) => self.linear_attention(m, &x, i, segments)?,
+                Mixer::Full(m) => self.full_attention(m, &x, i, segments)?,
             };
             let mlp = l.mlp.forward_add_norm(
                 b,
@@ -818,17 +816,10 @@ impl<B: Backend> MultiTokenPredictor<B> for Qwen35Moe<B> {
         let Mixer::Full(attention) = &l.mixer else {
             unreachable!("the MTP layer is loaded as full attention");
         };
-        let a = attention;
-        let inputs = self.decoder.input_products(
-            &mut h,
-            None,
-            &l.input_layernorm,
-            [&a.q_proj, &a.k_proj, &a.v_proj],
-        );
-        let mixed = self.full_attention(a, inputs, 0, &mut [Segment { state, tokens }])?;
-        let mlp =
-            l.mlp
-                .forward_add_norm(b, &mut h, &mixed, &l.post_attention_layernorm, eps, k, None)?;
+        let x = b.rms_norm(&h, &l.input_layernorm, eps);
+        let mixed = self.full_attention(attention, &x, 0, &mut [Segment { state, tokens }])?;
+        let x = b.add_rms_norm(&mut h, &mixed, &l.post_attention_layernorm, eps);
+        let mlp = l.mlp.forward(b, &x, k, None)?;
         b.add_assign(&mut h, &mlp);
         state.position += n;
         let out = b.rms_norm(&h, &mtp.norm, eps);

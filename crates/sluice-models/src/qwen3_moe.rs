@@ -240,16 +240,16 @@ impl<B: Backend> Layer<B> {
 impl<B: Backend> Qwen3Moe<B> {
     /// Grouped-query attention with RMS-normed q and k and full rotary embeddings; each
     /// segment's rows attend through its own cache of layer `i`.
-    /// `[q, k, v]` are the products of the layer's normed input.
     fn attention(
         &self,
         l: &Attention<B>,
-        [q, k, v]: [B::Act; 3],
+        x: &B::Act,
         i: usize,
         segments: &mut [Segment<'_, B>],
     ) -> Result<B::Act, ModelError> {
         let b = self.decoder.backend();
         let (hd, eps) = (self.cfg.head_dim(), self.decoder.eps());
+        let [q, k, v] = b.matmuls(x, [&l.q_proj, &l.k_proj, &l.v_proj]);
         let scale = 1.0 / (hd as f32).sqrt();
         let (mut caches, rows) = attention_caches(segments, i)?;
         // q_norm and k_norm per head, rotary on the whole head, at each cache's next positions.
@@ -285,14 +285,11 @@ impl<B: Backend> Architecture<B> for Qwen3Moe<B> {
         // The previous layer's MLP output, added to `h` by the next norm (one fused step).
         let mut mlp_out: Option<B::Act> = None;
         for (i, l) in self.layers.iter().enumerate() {
-            let a = &l.self_attn;
-            let qkv = self.decoder.input_products(
-                &mut h,
-                mlp_out.take(),
-                &l.input_layernorm,
-                [&a.q_proj, &a.k_proj, &a.v_proj],
-            );
-            let attn = self.attention(a, qkv, i, segments)?;
+            let x = match mlp_out.take() {
+                Some(mlp) => b.add_rms_norm(&mut h, &mlp, &l.input_layernorm, eps),
+                None => b.rms_norm(&h, &l.input_layernorm, eps),
+            };
+            let attn = self.attention(&l.self_attn, &x, i, segments)?;
             let mlp = l.mlp.forward_add_norm(
                 b,
                 &mut h,
