@@ -1684,73 +1684,6 @@ pub fn route_matmul<B: Backend>(b: &B, tol: Tolerance) {
     }
 }
 
-/// `add_rms_norm_route` (a layer's norm folded into the router after it, where a backend fuses
-/// them) against the reference: the new `h` exactly (an f32 sum), the normalised rows within
-/// tolerance, the same experts. The cases reach the decode rows a backend may fuse (up to 8) and
-/// the row counts it declines, in several formats and widths.
-pub fn add_rms_norm_route<B: Backend>(b: &B, tol: Tolerance) {
-    let mut rng = Rng::new(17);
-    let q4 = WeightFormat::Affine {
-        bits: 4,
-        group_size: 64,
-        scale_dtype: Dtype::Bf16,
-    };
-    let q8 = WeightFormat::Affine {
-        bits: 8,
-        group_size: 64,
-        scale_dtype: Dtype::Bf16,
-    };
-    let eps = 1e-6;
-    for (format, hidden) in [
-        (q4, 512),
-        (q4, 2048),
-        (q8, 256),
-        (WeightFormat::Dense(Dtype::Bf16), 256),
-    ] {
-        let router = random_matrix(&mut rng, format, 128, hidden);
-        let gate = b.weight(router.clone()).expect("weight");
-        // Small, so that the router's logits stay a few units apart (no probabilities that
-        // round to the same value).
-        let norm = rng.vec(hidden, 0.01, 0.03);
-        let nv = b.vector(&norm).expect("vector");
-        for rows in [1, 2, 8, 9] {
-            let case = format!("{format}, hidden {hidden}, {rows} rows");
-            let h0 = rng.vec(rows * hidden, -2.0, 2.0);
-            let y = rng.vec(rows * hidden, -2.0, 2.0);
-            let ya = b.act_from_host(&y, rows, hidden);
-            let h1: Vec<f32> = h0.iter().zip(&y).map(|(a, b)| a + b).collect();
-            let x = reference::rms_norm(&h1, &norm, eps);
-
-            for (k, normalize) in [(8, true), (4, false)] {
-                let case = format!("{case}, top {k}, normalize {normalize}");
-                let mut h = b.act_from_host(&h0, rows, hidden);
-                let (xa, routing) =
-                    b.add_rms_norm_route(&mut h, &ya, &nv, eps, &gate, k, normalize);
-                assert_eq!(host(b, &h), h1, "add_rms_norm_route {case}: h += y");
-                assert_close(
-                    &format!("add_rms_norm_route {case}: normalised rows"),
-                    &host(b, &xa),
-                    &x,
-                    tol.other,
-                );
-                let got = b.read_routing(&routing).expect("read_routing");
-                let logits = reference::matmul(&x, rows, &router.as_ref());
-                let want = reference::route(&logits, 128, k, normalize);
-                assert_eq!(
-                    got.experts, want.experts,
-                    "add_rms_norm_route {case}: experts"
-                );
-                assert_close(
-                    &format!("add_rms_norm_route {case}: weights"),
-                    &got.weights,
-                    &want.weights,
-                    tol.other,
-                );
-            }
-        }
-    }
-}
-
 /// The reference's view of host experts.
 fn expert_refs(experts: &[FfnWeights<HostMatrix>]) -> Vec<FfnWeights<MatRef<'_>>> {
     experts
@@ -2161,7 +2094,7 @@ macro_rules! conformance_tests {
     ($make:expr, $tol:expr $(; $(#[$attr:meta])*)?) => {
         $crate::conformance_tests!(@each [$($(#[$attr])*)?] $make, $tol;
             activations matmul matmul_heads embed elementwise rope attention attention_segments attention_without_norms attention_window_sinks attention_kv_formats route route_sigmoid route_matmul
-            add_rms_norm_route moe moe_with_shared delta_net);
+            moe moe_with_shared delta_net);
     };
     (@each [$($attrs:tt)*] $make:expr, $tol:expr; $check:ident $($rest:ident)*) => {
         $($attrs)*

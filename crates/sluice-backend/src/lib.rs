@@ -609,24 +609,6 @@ pub trait Backend: Send + Sync {
     ) -> Self::Routing {
         self.route(&self.matmul(x, gate), k, normalize)
     }
-    /// `add_rms_norm` (one chunk: `weight.len()` is the row width), then `route_matmul` of the
-    /// normalised rows, which are returned with their routing (the experts read them): a MoE
-    /// layer's norm and router, one pass on backends that fold the norm into the router.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rms_norm_route(
-        &self,
-        h: &mut Self::Act,
-        y: &Self::Act,
-        weight: &Self::Vector,
-        eps: f32,
-        gate: &Self::Weight,
-        k: usize,
-        normalize: bool,
-    ) -> (Self::Act, Self::Routing) {
-        let x = self.add_rms_norm(h, y, weight, eps);
-        let routing = self.route_matmul(&x, gate, k, normalize);
-        (x, routing)
-    }
     /// The routing in host memory (a synchronisation point: needed only to fetch streamed
     /// experts).
     fn read_routing(&self, routing: &Self::Routing) -> Result<HostRouting, BackendError>;

@@ -2800,12 +2800,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
     }
 }
 
-// Block blockIdx.x of token blockIdx.y writes its router logit (thread 0's `logit`); the last
-// block of the token to finish (counted in done[t], left zero) routes it.
-__device__ void route_logit(float logit, int E, int k, int normalize, float* logits,
-                            uint32_t* done, uint32_t* ids, float* weights) {
-    const int t = blockIdx.y, warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) logits[(long)t * E + blockIdx.x] = logit;
+// route(x W^T) for a few tokens in one launch. Grid (E, T): a block of 128 per router row writes
+// its logit (as the block-per-row matrix-vector kernel); the last block of a token to finish
+// (counted in done[t], left zero) routes it. E <= 1024, k <= 32.
+template <int K>
+__device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, float* logits,
+                           uint32_t* done, uint32_t* ids, float* weights) {
+    const int t = blockIdx.y, E = w.rows, warp = threadIdx.x / 32;
+    const long r = blockIdx.x;
+    float acc[1][1];
+    block_rows_dot<K, 1, 1>(&w, &r, x + (long)t * w.cols, 0, acc);
+    if (threadIdx.x == 0) logits[(long)t * E + r] = acc[0][0];
     __shared__ bool last;
     __threadfence();
     __syncthreads();
@@ -2817,61 +2822,6 @@ __device__ void route_logit(float logit, int E, int k, int normalize, float* log
     if (!last || warp != 0) return;
     __threadfence();
     route_row(logits + (long)t * E, E, k, normalize, ids + (long)t * k, weights + (long)t * k);
-}
-
-// route(x W^T) for a few tokens in one launch. Grid (E, T): a block of 128 per router row writes
-// its logit (as the block-per-row matrix-vector kernel); the last block of a token to finish
-// (counted in done[t], left zero) routes it. E <= 1024, k <= 32.
-template <int K>
-__device__ void route_gemv(const Mat& w, const float* x, int k, int normalize, float* logits,
-                           uint32_t* done, uint32_t* ids, float* weights) {
-    const long r = blockIdx.x;
-    float acc[1][1];
-    block_rows_dot<K, 1, 1>(&w, &r, x + (long)blockIdx.y * w.cols, 0, acc);
-    route_logit(acc[0][0], w.rows, k, normalize, logits, done, ids, weights);
-}
-
-// The widest row route_gemv_norm normalises (in shared memory).
-#define NORM_MAX_COLS 8192
-
-// route_gemv of x = rms_norm(h + y) * nw (add_rms_norm folded into the router): each block first
-// normalises its token's row into shared memory, as add_rms_norm computes it (the same bits in
-// every block), then takes its router row. The token's first block writes h + y to h_out and x to
-// x_out. cols <= NORM_MAX_COLS, a multiple of 4.
-template <int K>
-__device__ void route_gemv_norm(const Mat& w, const float* h, const float* y, const float* nw,
-                                float eps, float* h_out, float* x_out, int k, int normalize,
-                                float* logits, uint32_t* done, uint32_t* ids, float* weights) {
-    __shared__ __align__(16) float xs[NORM_MAX_COLS];
-    const int n = w.cols;
-    const long base = (long)blockIdx.y * n;
-    const bool first = blockIdx.x == 0;
-    float ss = 0.0f;
-    for (int c = threadIdx.x * 4; c < n; c += blockDim.x * 4) {
-        const float4 a = *reinterpret_cast<const float4*>(h + base + c);
-        const float4 b = *reinterpret_cast<const float4*>(y + base + c);
-        const float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-        *reinterpret_cast<float4*>(xs + c) = v;
-        if (first) *reinterpret_cast<float4*>(h_out + base + c) = v;
-        ss += v.x * v.x;
-        ss += v.y * v.y;
-        ss += v.z * v.z;
-        ss += v.w * v.w;
-    }
-    const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
-    for (int c = threadIdx.x * 4; c < n; c += blockDim.x * 4) {
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float v = xs[c + j] * inv * nw[c + j];
-            xs[c + j] = v;
-            if (first) x_out[base + c + j] = v;
-        }
-    }
-    __syncthreads();
-    const long r = blockIdx.x;
-    float acc[1][1];
-    block_rows_dot<K, 1, 1>(&w, &r, xs, 0, acc);
-    route_logit(acc[0][0], w.rows, k, normalize, logits, done, ids, weights);
 }
 
 // Asks L2 for row r of m (codes or values, scales, biases): issued before a kernel waits for its
@@ -2906,20 +2856,6 @@ __device__ __forceinline__ void prefetch_row(const Mat& m, long r) {
     }
 ROUTE_GEMV(K_GENERIC, generic) ROUTE_GEMV(K_Q4, q4) ROUTE_GEMV(K_Q8, q8) ROUTE_GEMV(K_BF16, bf16)
 ROUTE_GEMV(K_MXFP4, mxfp4)
-
-#define ROUTE_GEMV_NORM(K, KN) \
-    extern "C" __global__ void __launch_bounds__(128) route_gemv_norm_##KN( \
-        Mat w, const float* h, const float* y, const float* nw, float eps, float* h_out, \
-        float* x_out, int k, int normalize, float* logits, uint32_t* done, uint32_t* ids, \
-        float* weights) { \
-        PDL_LAUNCH_DEPENDENTS(); \
-        prefetch_row(w, blockIdx.x); \
-        PDL_WAIT(); \
-        route_gemv_norm<K>(w, h, y, nw, eps, h_out, x_out, k, normalize, logits, done, ids, \
-                           weights); \
-    }
-ROUTE_GEMV_NORM(K_GENERIC, generic) ROUTE_GEMV_NORM(K_Q4, q4) ROUTE_GEMV_NORM(K_Q8, q8)
-ROUTE_GEMV_NORM(K_BF16, bf16) ROUTE_GEMV_NORM(K_MXFP4, mxfp4)
 
 // ------------------------------------------------------------------------------------------------
 // Gated DeltaNet

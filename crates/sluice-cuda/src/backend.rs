@@ -308,19 +308,6 @@ fn mat_set<const N: usize>(
     Some((set, set.first[N] as u32))
 }
 
-/// Whether a layer's `add_rms_norm` may be folded into the router after it;
-/// `SLUICE_CUDA_NORM_FUSED=0` keeps its own launch (to measure against).
-fn norm_fused_enabled() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("SLUICE_CUDA_NORM_FUSED").is_ok_and(|v| v == "0"))
-}
-
-/// Decode rows up to which the router takes the norm in: each of its blocks normalises its
-/// token's row, which many rows would repeat far too often.
-const NORM_ROUTE_TOKENS: usize = 8;
-/// `NORM_MAX_COLS` in the kernels: the widest row `route_gemv_norm` normalises.
-const NORM_MAX_COLS: usize = 8192;
-
 /// `SLUICE_CUDA_TOP_ONE_BLOCK=1`: `top_logits` in one block over any row, to measure against.
 fn top_one_block() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -3112,82 +3099,6 @@ impl Backend for CudaBackend {
             );
         }
         routing
-    }
-
-    fn add_rms_norm_route(
-        &self,
-        h: &mut CudaAct,
-        y: &CudaAct,
-        weight: &CudaVector,
-        eps: f32,
-        gate: &CudaWeight,
-        k: usize,
-        normalize: bool,
-    ) -> (CudaAct, CudaRouting) {
-        let (rows, cols, experts) = (h.rows, h.cols, gate.mat.rows as usize);
-        if !norm_fused_enabled()
-            || rows == 0
-            || rows > NORM_ROUTE_TOKENS
-            || (y.rows, y.cols) != (rows, cols)
-            || weight.len != cols
-            || gate.mat.cols as usize != cols
-            || cols > NORM_MAX_COLS
-            || !cols.is_multiple_of(4)
-            || experts > MAX_ROUTED_EXPERTS
-            || k > MAX_EXPERTS_PER_TOKEN
-        {
-            let x = self.add_rms_norm(h, y, weight, eps);
-            let routing = self.route_matmul(&x, gate, k, normalize);
-            return (x, routing);
-        }
-        assert!(k >= 1 && k <= experts);
-        let mut routing = CudaRouting {
-            ids: None,
-            weights: None,
-            rows,
-            k,
-        };
-        let (new_h, x) = (self.act(rows, cols), self.act(rows, cols));
-        let logits = self.d.alloc_or_record(rows * experts * 4, "router logits");
-        routing.ids = self.d.alloc_or_record(rows * k * 4, "routing");
-        routing.weights = self.d.alloc_or_record(rows * k * 4, "routing");
-        let ptrs = (h.ptr(), y.ptr(), new_h.ptr(), x.ptr(), self.done_counters());
-        match (ptrs, logits, &routing.ids, &routing.weights) {
-            (
-                (Some(hp), Some(yp), Some(np), Some(xp), Some(counters)),
-                Some(l),
-                Some(ids),
-                Some(w),
-            ) => {
-                self.d.launch(
-                    &self.d.k.route_gemv_norm[gate.mat.kind()],
-                    (experts as u32, rows as u32, 1),
-                    (128, 1, 1),
-                    &[
-                        Arg::Mat(gate.mat),
-                        Arg::Ptr(hp),
-                        Arg::Ptr(yp),
-                        Arg::Ptr(self.vec_ptr(weight)),
-                        Arg::F32(eps),
-                        Arg::Ptr(np),
-                        Arg::Ptr(xp),
-                        Arg::I32(k as i32),
-                        Arg::I32(normalize as i32),
-                        Arg::Ptr(l.ptr),
-                        Arg::Ptr(counters.ptr + (SPLIT_ATTENTION_PAIRS * 4) as u64),
-                        Arg::Ptr(ids.ptr),
-                        Arg::Ptr(w.ptr),
-                    ],
-                );
-            }
-            _ => {
-                h.buf = None;
-                return (self.poisoned(rows, cols), routing);
-            }
-        }
-        // Every block reads the old `h`: the new one is another buffer.
-        *h = new_h;
-        (x, routing)
     }
 
     fn argmax_rows(&self, logits: &CudaAct) -> Result<Vec<u32>, BackendError> {

@@ -85,8 +85,6 @@ pub(crate) struct Kernels {
     pub route: CudaFunction,
     /// The router's product and `route` in one launch, by weight kind.
     pub route_gemv: Vec<CudaFunction>,
-    /// `route_gemv` of `add_rms_norm`'s output, the norm computed in each block.
-    pub route_gemv_norm: Vec<CudaFunction>,
     /// By weight kind.
     pub moe_gate_up: Vec<CudaFunction>,
     /// The down projections with a block per output row (few tokens).
@@ -262,10 +260,6 @@ impl Kernels {
                 .iter()
                 .map(|k| f(&format!("route_gemv_{k}")))
                 .collect::<Result<_, _>>()?,
-            route_gemv_norm: KINDS
-                .iter()
-                .map(|k| f(&format!("route_gemv_norm_{k}")))
-                .collect::<Result<_, _>>()?,
             moe_gate_up: KINDS
                 .iter()
                 .map(|k| f(&format!("moe_gate_up_{k}")))
@@ -427,7 +421,6 @@ mod tests {
         for k in KINDS {
             names.push(format!("gemv_{k}_t1_r2"));
             names.push(format!("route_gemv_{k}"));
-            names.push(format!("route_gemv_norm_{k}"));
             names.push(format!("moe_gate_up_{k}"));
             names.push(format!("moe_down_{k}_b"));
             for t in 1..=8 {

@@ -193,54 +193,7 @@ impl<B: Backend> Mlp<B> {
             Mlp::Dense(ffn) => return Ok(b.ffn(x, ffn)),
             Mlp::Sparse(moe) => moe,
         };
-        moe.forward_routed(b, x, moe.router.route(b, x, k), k, next)
-    }
-
-    /// `h += y`, then the block's output for `rms_norm(h) * norm` (a layer's post-attention
-    /// step), as `add_rms_norm` then [`Mlp::forward`]. A softmax router takes the norm in with
-    /// it ([`Backend::add_rms_norm_route`]: one pass on backends that fuse them).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_add_norm(
-        &self,
-        b: &B,
-        h: &mut B::Act,
-        y: &B::Act,
-        norm: &B::Vector,
-        eps: f32,
-        k: usize,
-        next: Option<&Mlp<B>>,
-    ) -> Result<B::Act, ModelError> {
-        if let Mlp::Sparse(
-            moe @ SparseMoe {
-                router:
-                    Router::Softmax {
-                        gate,
-                        bias: None,
-                        normalize,
-                    },
-                ..
-            },
-        ) = self
-        {
-            let (x, routing) = b.add_rms_norm_route(h, y, norm, eps, gate, k, *normalize);
-            return moe.forward_routed(b, &x, routing, k, next);
-        }
-        let x = b.add_rms_norm(h, y, norm, eps);
-        self.forward(b, &x, k, next)
-    }
-}
-
-impl<B: Backend> SparseMoe<B> {
-    /// The block's output for `x` routed by `routing` (see [`Mlp::forward`]).
-    fn forward_routed(
-        &self,
-        b: &B,
-        x: &B::Act,
-        routing: B::Routing,
-        k: usize,
-        next: Option<&Mlp<B>>,
-    ) -> Result<B::Act, ModelError> {
-        let moe = self;
+        let routing = moe.router.route(b, x, k);
         // The next router applied to this layer's input: a guess at its experts one layer early,
         // computed with this layer's routing so that one read brings both back.
         let guess = match next {

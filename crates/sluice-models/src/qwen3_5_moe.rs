@@ -704,15 +704,10 @@ impl<B: Backend> Architecture<B> for Qwen35Moe<B> {
                 Mixer::Linear(m) => self.linear_attention(m, &x, i, segments)?,
                 Mixer::Full(m) => self.full_attention(m, &x, i, segments)?,
             };
-            let mlp = l.mlp.forward_add_norm(
-                b,
-                &mut h,
-                &mixed,
-                &l.post_attention_layernorm,
-                eps,
-                k,
-                self.layers.get(i + 1).map(|n| &n.mlp),
-            )?;
+            let x = b.add_rms_norm(&mut h, &mixed, &l.post_attention_layernorm, eps);
+            let mlp = l
+                .mlp
+                .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
             mlp_out = Some(mlp);
         }
         Ok(self.decoder.end_layers(h, mlp_out, segments))

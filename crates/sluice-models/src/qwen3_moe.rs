@@ -290,15 +290,10 @@ impl<B: Backend> Architecture<B> for Qwen3Moe<B> {
                 None => b.rms_norm(&h, &l.input_layernorm, eps),
             };
             let attn = self.attention(&l.self_attn, &x, i, segments)?;
-            let mlp = l.mlp.forward_add_norm(
-                b,
-                &mut h,
-                &attn,
-                &l.post_attention_layernorm,
-                eps,
-                k,
-                self.layers.get(i + 1).map(|n| &n.mlp),
-            )?;
+            let x = b.add_rms_norm(&mut h, &attn, &l.post_attention_layernorm, eps);
+            let mlp = l
+                .mlp
+                .forward(b, &x, k, self.layers.get(i + 1).map(|n| &n.mlp))?;
             mlp_out = Some(mlp);
         }
         Ok(self.decoder.end_layers(h, mlp_out, segments))
