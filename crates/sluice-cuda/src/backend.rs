@@ -1172,19 +1172,7 @@ impl CudaBackend {
                 Arg::Ptr(gpu_weights.ptr),
             ],
         );
-        let out = self.act(x.rows, x.cols);
-        self.moe_into(
-            x,
-            &skipped,
-            experts.table_ptr(),
-            None,
-            experts.count,
-            &experts.sample,
-            desc,
-            &out,
-            MoeOut::Fresh,
-            None,
-        );
+        let (out, _) = self.moe_fresh(x, &skipped, experts, desc, None);
         if let Some(op) = out.ptr() {
             self.d.launch(
                 &self.d.k.host_split_join,
