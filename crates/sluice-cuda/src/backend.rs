@@ -286,28 +286,6 @@ const DELTA_STEP_ROWS: usize = 8;
 /// `TOP_CHUNK` in the kernels: the columns a block of `top_logits_parts` takes.
 const TOP_CHUNK: usize = 4096;
 
-/// The matrices of one launch over the same input and their outputs, `rows_per_block` rows of
-/// each a block, and the blocks in all; `None` when an output failed to allocate.
-fn mat_set<const N: usize>(
-    weights: &[&CudaWeight; N],
-    outs: &[CudaAct; N],
-    rows_per_block: usize,
-) -> Option<(MatSet, u32)> {
-    let mut set = MatSet {
-        n: N as i32,
-        ..MatSet::default()
-    };
-    for (i, (w, o)) in weights.iter().zip(outs).enumerate() {
-        set.m[i] = w.mat;
-        set.out[i] = o.ptr()?;
-        set.first[i + 1] = set.first[i] + grid(w.mat.rows as usize, rows_per_block) as i32;
-    }
-    for i in N + 1..=MAT_SET_MAX {
-        set.first[i] = set.first[N];
-    }
-    Some((set, set.first[N] as u32))
-}
-
 /// `SLUICE_CUDA_TOP_ONE_BLOCK=1`: `top_logits` in one block over any row, to measure against.
 fn top_one_block() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -2400,11 +2378,23 @@ impl Backend for CudaBackend {
             .mat
             .spread()
             .filter(|_| x.rows == 1 && weights.iter().all(|w| w.mat.spread().is_some()));
-        let Some((set, blocks)) =
-            mat_set(&weights, &outs, spread.map_or(1, |s| s.rows_per_block()))
-        else {
-            return outs;
+        let rows_per_block = spread.map_or(1, |s| s.rows_per_block());
+        let mut set = MatSet {
+            n: N as i32,
+            ..MatSet::default()
         };
+        for (i, (w, o)) in weights.iter().zip(&outs).enumerate() {
+            let Some(op) = o.ptr() else {
+                return outs;
+            };
+            set.m[i] = w.mat;
+            set.out[i] = op;
+            set.first[i + 1] = set.first[i] + grid(w.mat.rows as usize, rows_per_block) as i32;
+        }
+        for i in N + 1..=MAT_SET_MAX {
+            set.first[i] = set.first[N];
+        }
+        let blocks = set.first[N] as u32;
         let args = [Arg::MatSet(Box::new(set)), Arg::Ptr(xp)];
         match spread {
             Some(s) => self.d.launch(

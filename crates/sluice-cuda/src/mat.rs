@@ -432,11 +432,10 @@ mod tests {
         }
         // `struct Ffn`: three pointers, two floats, two ints.
         assert_eq!(size_of::<Ffn>(), 40);
-        // `struct SharedExpert`: four Mats (56 bytes, 8-aligned) and a pointer.
-        assert_eq!(size_of::<SharedExpert>(), 4 * size_of::<Mat>() + 8);
-        assert_eq!(size_of::<SharedExpert>(), 232);
-        // `struct MatSet`: four Mats, four pointers, five ints and the count (no tail padding
-        // beyond the kernels' own 8-byte alignment).
+        // `struct SharedExpert`: four Mats (56 bytes each) and a pointer.
+        assert_eq!(size_of::<Mat>(), 56);
+        assert_eq!(size_of::<SharedExpert>(), 4 * 56 + 8);
+        // `struct MatSet`: four Mats, four pointers, five ints of `first` and the count.
         assert_eq!(size_of::<MatSet>(), 4 * 56 + 4 * 8 + 6 * 4);
     }
 }
