@@ -29,10 +29,14 @@ typedef unsigned int uint32_t;
         PDL_WAIT(); \
     } while (0)
 
-// Whether kernels fetch, before they wait, what an earlier graph launch left for them: weights
-// into registers, and into L2 what earlier kernels may still be writing (a prefetch cannot read a
-// stale value). Set by the loader (kernels.rs; SLUICE_CUDA_EARLY=0 clears it, to measure against).
-__constant__ int early_loads = 1;
+// Which kernels fetch, before they wait, what an earlier graph launch left for them: weights into
+// registers, and into L2 what earlier kernels may still be writing (a prefetch cannot read a stale
+// value). Bits: EARLY_NORM (norm weights), EARLY_ATTN (attention's norm weights and frequencies,
+// its loads after the wait issued together), EARLY_KV (attention's KV rows into L2), EARLY_TABLE
+// (the MoE's expert table into L2), EARLY_DELTA (the DeltaNet state and window into L2). Set by
+// the loader (kernels.rs; SLUICE_CUDA_EARLY=MASK, 0 for none, to measure against).
+enum { EARLY_NORM = 1, EARLY_ATTN = 2, EARLY_KV = 4, EARLY_TABLE = 8, EARLY_DELTA = 16 };
+__constant__ int early_loads = 31;
 
 // Asks L2 for the line at p (nothing is read into registers: safe before PDL_WAIT on any address
 // of a live allocation).
@@ -887,7 +891,7 @@ extern "C" __global__ void count_experts(const uint32_t* ids, int n, uint32_t* c
 // earlier in a graph writes them), when the row fits (n <= NORM_HELD blockDim); false: read them
 // from memory afterwards.
 __device__ __forceinline__ bool norm_weights_early(const float* w, int n, float wv[NORM_HELD]) {
-    const bool held = early_loads && n <= NORM_HELD * (int)blockDim.x;
+    const bool held = (early_loads & EARLY_NORM) && n <= NORM_HELD * (int)blockDim.x;
 #pragma unroll
     for (int j = 0; j < NORM_HELD; j++) {
         const int i = threadIdx.x + j * blockDim.x;
@@ -1537,7 +1541,7 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
     const int group = heads / kv_heads, kv = h / group;
     const long width = (long)kv_heads * HD;
     const bool fused = !C && k != nullptr;
-    const bool early = early_loads && fused;
+    const bool early = (early_loads & EARLY_ATTN) && fused;
     // Thread i's value of q and k (i < HD <= blockDim), its rotary partner and frequency.
     const int i = threadIdx.x, ip = rope_pair(i, rotary_dim);
     float wqi = 0.0f, wqp = 0.0f, wki = 0.0f, wkp = 0.0f, freq = 0.0f;
@@ -1550,7 +1554,7 @@ __device__ void attention_decode(const float* q, const float* k, const float* v,
             freq = inv_freq[rope_freq(i, rotary_dim)];
         }
     }
-    if (early && capacity > 0) {
+    if ((early_loads & EARLY_KV) && fused && capacity > 0) {
         const int len = total + (cached ? *(volatile const int*)cached : 0);
         const int n = len - ntok + t + 1;
         const int first = window > 0 ? max(0, n - window) : 0;
@@ -2124,7 +2128,7 @@ extern "C" __global__ void __launch_bounds__(128) route_sigmoid(
 // over the grid's blocks, so that the description of each routed expert is near once the ids are
 // known (the table is read once a layer and token, and is long out of L2 by then).
 __device__ __forceinline__ void prefetch_table(const ExpertMats* table, int entries) {
-    if (!early_loads) return;
+    if (!(early_loads & EARLY_TABLE)) return;
     const long lines = ((long)entries * (long)sizeof(ExpertMats) + 127) / 128;
     const long block = (long)blockIdx.y * gridDim.x + blockIdx.x;
     const long threads = (long)gridDim.x * gridDim.y * blockDim.x;
@@ -3379,7 +3383,7 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_step(
     const ConvTaps v_taps = conv_taps(conv_w, v_ch, K);
     const float q_scale = rsqrtf((float)dk), decay = expf(a_log[h]), dt = dt_bias[h];
     float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
-    if (early_loads) {
+    if (early_loads & EARLY_DELTA) {
         // The state (this thread's 32 values: a line) and the window's lines into L2: the last
         // step wrote them, long ago in bytes.
         prefetch_l2(s);

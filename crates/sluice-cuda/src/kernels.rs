@@ -160,15 +160,19 @@ impl Kernels {
     /// kernel ends (compute capability 9.0 and newer).
     pub fn load(ctx: &Arc<CudaContext>, programmatic: bool) -> Result<Kernels, DriverError> {
         let module = ctx.load_module(Ptx::from_src(ptx(programmatic)))?;
-        if std::env::var("SLUICE_CUDA_EARLY").is_ok_and(|v| v == "0") {
-            // `early_loads` (1 in the PTX) cleared: no kernel fetches before it waits.
+        if let Some(mask) = std::env::var("SLUICE_CUDA_EARLY")
+            .ok()
+            .and_then(|v| v.parse::<i32>().ok())
+        {
+            // `early_loads` (every bit set in the PTX) as asked: which kernels fetch before
+            // they wait.
             let stream = ctx.default_stream();
             let mut flag = module.get_global("early_loads", &stream)?;
             // SAFETY: `early_loads` is one `int` (4 bytes, as get_global reports).
             let mut flag = unsafe { flag.transmute_mut::<i32>(1) }.ok_or(DriverError(
                 cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE,
             ))?;
-            stream.memcpy_htod(&[0i32], &mut flag)?;
+            stream.memcpy_htod(&[mask], &mut flag)?;
             stream.synchronize()?;
         }
         let names = RefCell::new(HashMap::new());
