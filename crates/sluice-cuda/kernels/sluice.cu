@@ -29,6 +29,21 @@ typedef unsigned int uint32_t;
         PDL_WAIT(); \
     } while (0)
 
+// Which kernels fetch, before they wait, what an earlier graph launch left for them: weights into
+// registers, and into L2 what earlier kernels may still be writing (a prefetch cannot read a stale
+// value). Bits: EARLY_NORM (norm weights), EARLY_ATTN (attention's norm weights and frequencies,
+// its loads after the wait issued together), EARLY_KV (attention's KV rows into L2), EARLY_TABLE
+// (the MoE's expert table into L2), EARLY_DELTA (the DeltaNet state and window into L2). Set by
+// the loader (kernels.rs; SLUICE_CUDA_EARLY=MASK, 0 for none, to measure against).
+enum { EARLY_NORM = 1, EARLY_ATTN = 2, EARLY_KV = 4, EARLY_TABLE = 8, EARLY_DELTA = 16 };
+__constant__ int early_loads = 31;
+
+// Asks L2 for the line at p (nothing is read into registers: safe before PDL_WAIT on any address
+// of a live allocation).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // ------------------------------------------------------------------------------------------------
 // Weights
 // ------------------------------------------------------------------------------------------------
@@ -74,6 +89,9 @@ struct Ffn {
     float limit;
     int clamped;
     int experts;
+    // Entries of the launch's expert table (what prefetch_table asks L2 for; 0: nothing).
+    int table;
+    int pad;
 };
 
 __device__ __forceinline__ float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
@@ -866,21 +884,74 @@ extern "C" __global__ void count_experts(const uint32_t* ids, int n, uint32_t* c
 }
 
 // RMS norm of each chunk of n values (one chunk per block).
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int n, float eps) {
-    PDL_START();
+// Values of a norm's row a thread keeps in registers: i = threadIdx.x + j blockDim.x, j < 8.
+#define NORM_HELD 8
+
+// The norm weights of this thread's values, into registers before the kernel waits (nothing
+// earlier in a graph writes them), when the row fits (n <= NORM_HELD blockDim); false: read them
+// from memory afterwards.
+__device__ __forceinline__ bool norm_weights_early(const float* w, int n, float wv[NORM_HELD]) {
+    const bool held = (early_loads & EARLY_NORM) && n <= NORM_HELD * (int)blockDim.x;
+#pragma unroll
+    for (int j = 0; j < NORM_HELD; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        wv[j] = held && i < n ? w[i] : 0.0f;
+    }
+    return held;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) rms_norm(const float* x, const float* w, float* out, int n, float eps) {
+    PDL_LAUNCH_DEPENDENTS();
+    float wv[NORM_HELD];
+    const bool held = norm_weights_early(w, n, wv);
+    PDL_WAIT();
     const long base = (long)blockIdx.x * n;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[base + i] * x[base + i];
     const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    if (held) {
+#pragma unroll
+        for (int j = 0; j < NORM_HELD; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < n) out[base + i] = x[base + i] * inv * wv[j];
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[base + i] = x[base + i] * inv * w[i];
 }
 
 // h += y, then out = rms_norm(h) per chunk of n.
-extern "C" __global__ void add_rms_norm(float* h, const float* y, const float* w, float* out, int n,
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm(float* h, const float* y, const float* w, float* out, int n,
                                         float eps) {
-    PDL_START();
+    PDL_LAUNCH_DEPENDENTS();
+    float wv[NORM_HELD];
+    const bool held = norm_weights_early(w, n, wv);
+    PDL_WAIT();
     const long base = (long)blockIdx.x * n;
     float ss = 0.0f;
+    if (held) {
+        float hv[NORM_HELD];
+#pragma unroll
+        for (int j = 0; j < NORM_HELD; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            hv[j] = i < n ? h[base + i] + y[base + i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_HELD; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < n) {
+                h[base + i] = hv[j];
+                ss += hv[j] * hv[j];
+            }
+        }
+        const float inv = 1.0f / sqrtf(block_sum(ss) / n + eps);
+#pragma unroll
+        for (int j = 0; j < NORM_HELD; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < n) out[base + i] = hv[j] * inv * wv[j];
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = h[base + i] + y[base + i];
         h[base + i] = v;
@@ -998,18 +1069,35 @@ __device__ __forceinline__ float head_inv_rms(const float* x, int n, float eps) 
 // Value i of a head normalised (y = x * inv * w) and rotated: the first rotary_dim values by pairs
 // (i, i + rotary_dim / 2) through the angle pos * inv_freq[i mod rotary_dim / 2]. Rounded step by
 // step (no contractions), so that every kernel that inlines it gets the same bits.
+// Value i's rotary partner (itself past rotary_dim) and its frequency's index.
+__device__ __forceinline__ int rope_pair(int i, int rotary_dim) {
+    const int half = rotary_dim / 2;
+    return i >= rotary_dim ? i : i < half ? i + half : i - half;
+}
+__device__ __forceinline__ int rope_freq(int i, int rotary_dim) {
+    const int half = rotary_dim / 2;
+    return i < half ? i : i - half;
+}
+
+// norm_rope_at from the values it reads: x[i], x[p], w[i], w[p] and inv_freq[k] (p, k:
+// rope_pair, rope_freq; the last three unused past rotary_dim).
+__device__ __forceinline__ float norm_rope_of(float xi, float xp, float wi, float wp, float freq,
+                                              float inv, int i, int rotary_dim, long pos) {
+    const float y = __fmul_rn(__fmul_rn(xi, inv), wi);
+    if (i >= rotary_dim) return y;
+    const float yp = __fmul_rn(__fmul_rn(xp, inv), wp);
+    float s, c;
+    sincosf((float)pos * freq, &s, &c);
+    return i < rotary_dim / 2 ? __fsub_rn(__fmul_rn(y, c), __fmul_rn(yp, s))
+                              : __fadd_rn(__fmul_rn(y, c), __fmul_rn(yp, s));
+}
+
 __device__ __forceinline__ float norm_rope_at(const float* x, const float* w, const float* inv_freq,
                                               float inv, int i, int rotary_dim, long pos) {
-    const float y = __fmul_rn(__fmul_rn(x[i], inv), w[i]);
-    if (i >= rotary_dim) return y;
-    const int half = rotary_dim / 2;
-    const bool first = i < half;
-    const int k = first ? i : i - half, p = first ? i + half : i - half;
-    const float yp = __fmul_rn(__fmul_rn(x[p], inv), w[p]);
-    float s, c;
-    sincosf((float)pos * inv_freq[k], &s, &c);
-    return first ? __fsub_rn(__fmul_rn(y, c), __fmul_rn(yp, s))
-                 : __fadd_rn(__fmul_rn(y, c), __fmul_rn(yp, s));
+    if (i >= rotary_dim) return norm_rope_of(x[i], 0.0f, w[i], 0.0f, 0.0f, inv, i, rotary_dim, pos);
+    const int p = rope_pair(i, rotary_dim);
+    return norm_rope_of(x[i], x[p], w[i], w[p], inv_freq[rope_freq(i, rotary_dim)], inv, i,
+                        rotary_dim, pos);
 }
 
 // rms_norm of one head of n values x (n <= 256; every thread of the block calls it, in whole
@@ -1432,36 +1520,107 @@ extern "C" __global__ void __launch_bounds__(128) attention_wide(
 // `sinks` (joining in the block that writes the output, or in the combine) as in `attention`.
 #define ATTN_WARPS 8
 // With C, the caches are compact (`fmt`, see kv_store; groups of 32) and never fused.
+// The caller lets the next kernel start (PDL_LAUNCH_DEPENDENTS) and this waits: first, with
+// early_loads, thread i < HD reads its q and k norm weights and rotary frequency, and (capacity > 0,
+// an f32 cache of that many rows) asks L2 for the first two passes of keys and values of its block
+// at the length *cached holds then (a guess that an earlier kernel may still change: a wrong one
+// prefetches other rows of the cache, clamped to it).
 template <int HD, bool C = false>
 __device__ void attention_decode(const float* q, const float* k, const float* v, const float* wq,
                                  const float* wk, const float* inv_freq, float eps, int rotary_dim,
                                  float* keys, float* values, float* out, int heads, int kv_heads,
                                  int total, int ntok, float scale, float* partial, uint32_t* done,
                                  int* cached, uint32_t* all_done, int t, uint32_t blocks,
-                                 int window, const float* sinks, int fmt = 0) {
+                                 int window, const float* sinks, int fmt = 0, int capacity = 0) {
     constexpr int DPL = HD / 32, PR = HD > 128 ? 4 : 8, PASS = ATTN_WARPS * PR;
     __shared__ __align__(16) float qs[HD], ks[HD], vs[HD];
     __shared__ __align__(16) float accs[ATTN_WARPS][HD];
     __shared__ float ms[ATTN_WARPS], ls[ATTN_WARPS];
-    if (cached) total += *cached;
     const int h = blockIdx.x, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int group = heads / kv_heads, kv = h / group;
     const long width = (long)kv_heads * HD;
+    const bool fused = !C && k != nullptr;
+    const bool early = (early_loads & EARLY_ATTN) && fused;
+    // Thread i's value of q and k (i < HD <= blockDim), its rotary partner and frequency.
+    const int i = threadIdx.x, ip = rope_pair(i, rotary_dim);
+    float wqi = 0.0f, wqp = 0.0f, wki = 0.0f, wkp = 0.0f, freq = 0.0f;
+    if (early && i < HD) {
+        wqi = wq[i];
+        wki = wk[i];
+        if (i < rotary_dim) {
+            wqp = wq[ip];
+            wkp = wk[ip];
+            freq = inv_freq[rope_freq(i, rotary_dim)];
+        }
+    }
+    if ((early_loads & EARLY_KV) && fused && capacity > 0) {
+        const int len = total + (cached ? *(volatile const int*)cached : 0);
+        const int n = len - ntok + t + 1;
+        const int first = window > 0 ? max(0, n - window) : 0;
+        const int per = max(PASS, (n - first + splits - 1) / splits);
+        const int p0 = max(0, first + split * per);
+        const int rows = max(0, min(min(n, p0 + per), min(p0 + 2 * PASS, capacity)) - p0);
+        constexpr int LINES = HD / 32;  // 128-byte lines of a head's f32 row
+        for (int u = threadIdx.x; u < 2 * rows * LINES; u += blockDim.x) {
+            const int r = u / LINES % rows, l = u % LINES;
+            prefetch_l2((u < rows * LINES ? keys : values) + (long)(p0 + r) * width + kv * HD + l * 32);
+        }
+    }
+    PDL_WAIT();
+    if (cached) total += *cached;
     const int n = total - ntok + t + 1, pos = n - 1;
     // The token sees positions [first, n).
     const int first = window > 0 ? max(0, n - window) : 0;
     const int per = max(PASS, (n - first + splits - 1) / splits);
     const int active = (n - first + per - 1) / per;
     const int p0 = first + split * per, p1 = min(n, p0 + per);
-    const bool fused = !C && k != nullptr;
     const long row_bytes = C ? kv_row_bytes(fmt, (int)width, 32) : 0;
     const float sink = sinks != nullptr ? sinks[h] : -INFINITY;
     float* const mine = partial + ((long)t * heads + h) * splits * (HD + 2);
     if (split < active) {
         const float* qh = q + ((long)t * heads + h) * HD;
         const bool has_new = fused && p1 == n;
-        if (fused) {
+        if (early) {
+            // Every load at once: this warp's lanes of q and k for the norms, thread i's values.
+            const float* kh = k + (long)kv * HD;
+            float ql[DPL], kl[DPL];
+#pragma unroll
+            for (int j = 0; j < DPL; j++) {
+                ql[j] = qh[lane + 32 * j];
+                kl[j] = kh[lane + 32 * j];
+            }
+            float qi = 0.0f, qp = 0.0f, ki = 0.0f, kp = 0.0f, vi = 0.0f;
+            if (i < HD) {
+                qi = qh[i];
+                ki = kh[i];
+                vi = v[(long)kv * HD + i];
+                if (i < rotary_dim) {
+                    qp = qh[ip];
+                    kp = kh[ip];
+                }
+            }
+            // head_inv_rms's sums, in its order.
+            float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+            for (int j = 0; j < DPL; j++) {
+                sq = fmaf(ql[j], ql[j], sq);
+                sk = fmaf(kl[j], kl[j], sk);
+            }
+            const float inv = 1.0f / sqrtf(warp_sum(sq) / HD + eps);
+            const float kinv = 1.0f / sqrtf(warp_sum(sk) / HD + eps);
+            if (i < HD) {
+                qs[i] = norm_rope_of(qi, qp, wqi, wqp, freq, inv, i, rotary_dim, pos);
+                if (has_new) {
+                    ks[i] = norm_rope_of(ki, kp, wki, wkp, freq, kinv, i, rotary_dim, pos);
+                    vs[i] = vi;
+                    if (h % group == 0) {
+                        keys[pos * width + (long)kv * HD + i] = ks[i];
+                        values[pos * width + (long)kv * HD + i] = vs[i];
+                    }
+                }
+            }
+        } else if (fused) {
             const float inv = head_inv_rms(qh, HD, eps);
             for (int i = threadIdx.x; i < HD; i += blockDim.x)
                 qs[i] = norm_rope_at(qh, wq, inv_freq, inv, i, rotary_dim, pos);
@@ -1585,16 +1744,18 @@ struct KvRows {
         const float* q, const float* k, const float* v, const float* wq, const float* wk, \
         const float* inv_freq, float eps, int rotary_dim, float* keys, float* values, float* out, \
         int heads, int kv_heads, int total, int ntok, float scale, float* partial, uint32_t* done, \
-        int* cached, uint32_t* all_done, int window, const float* sinks) { PDL_START(); \
+        int* cached, uint32_t* all_done, int window, const float* sinks, int capacity) { \
+        PDL_LAUNCH_DEPENDENTS(); \
         attention_decode<HD>(q, k, v, wq, wk, inv_freq, eps, rotary_dim, keys, values, out, heads, \
                              kv_heads, total, ntok, scale, partial, done, cached, all_done, \
-                             blockIdx.y, gridDim.x * gridDim.y * gridDim.z, window, sinks); \
+                             blockIdx.y, gridDim.x * gridDim.y * gridDim.z, window, sinks, 0, \
+                             capacity); \
     } \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32, 1) attention_decode_rows_##HD( \
         const float* q, const float* k, const float* v, const float* wq, const float* wk, \
         const float* inv_freq, float eps, int rotary_dim, KvRows rows, float* out, int heads, \
         int kv_heads, float scale, float* partial, uint32_t* done, uint32_t* all_done, int window, \
-        const float* sinks) { PDL_START(); \
+        const float* sinks) { PDL_LAUNCH_DEPENDENTS(); \
         const int r = blockIdx.y; \
         const long kvw = (long)kv_heads * HD; \
         attention_decode<HD>(q + (long)r * heads * HD, k + r * kvw, v + r * kvw, wq, wk, inv_freq, \
@@ -1607,7 +1768,7 @@ struct KvRows {
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32, 1) attention_decode_kv_##HD( \
         const float* q, const uint8_t* keys, const uint8_t* values, float* out, int fmt, \
         int heads, int kv_heads, int total, int ntok, float scale, float* partial, uint32_t* done, \
-        int* cached, uint32_t* all_done, int window, const float* sinks) { PDL_START(); \
+        int* cached, uint32_t* all_done, int window, const float* sinks) { PDL_LAUNCH_DEPENDENTS(); \
         attention_decode<HD, true>(q, nullptr, nullptr, nullptr, nullptr, nullptr, 0.0f, 0, \
                                    (float*)keys, (float*)values, out, heads, kv_heads, total, ntok, \
                                    scale, partial, done, cached, all_done, blockIdx.y, \
@@ -1963,6 +2124,18 @@ extern "C" __global__ void __launch_bounds__(128) route_sigmoid(
 
 // The slot of expert e among the experts a call has: `present` (ascending ids) or, when
 // n_present < 0, every expert (slot = e); -1 for SKIP_EXPERT.
+// Before an MoE kernel waits for the routing: asks L2 for the expert table (its `entries`), spread
+// over the grid's blocks, so that the description of each routed expert is near once the ids are
+// known (the table is read once a layer and token, and is long out of L2 by then).
+__device__ __forceinline__ void prefetch_table(const ExpertMats* table, int entries) {
+    if (!(early_loads & EARLY_TABLE)) return;
+    const long lines = ((long)entries * (long)sizeof(ExpertMats) + 127) / 128;
+    const long block = (long)blockIdx.y * gridDim.x + blockIdx.x;
+    const long threads = (long)gridDim.x * gridDim.y * blockDim.x;
+    for (long l = block * blockDim.x + threadIdx.x; l < lines; l += threads)
+        prefetch_l2(reinterpret_cast<const uint8_t*>(table) + l * 128);
+}
+
 __device__ __forceinline__ int expert_slot(uint32_t e, const uint32_t* present, int n_present) {
     if (e == SKIP_EXPERT) return -1;
     if (n_present < 0) return (int)e;
@@ -2394,7 +2567,9 @@ __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* prese
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
     const float* x, float* h, Ffn f) {
-    PDL_START();
+    PDL_LAUNCH_DEPENDENTS();
+    prefetch_table(experts, f.table);
+    PDL_WAIT();
     moe_gate_up_q4w<false>(experts, present, n_present, ids, K, x, h, f, nullptr);
 }
 
@@ -2402,7 +2577,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_shared(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
     const float* x, float* h, Ffn f, SharedExpert sh) {
-    PDL_START();
+    PDL_LAUNCH_DEPENDENTS();
+    prefetch_table(experts, f.table);
+    PDL_WAIT();
     moe_gate_up_q4w<true>(experts, present, n_present, ids, K, x, h, f, &sh);
 }
 
@@ -3205,8 +3382,19 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_step(
     for (int m = 0; m < DELTA_STEP_QK; m++) qk_taps[m] = conv_taps(conv_w, qk_ch[m], K);
     const ConvTaps v_taps = conv_taps(conv_w, v_ch, K);
     const float q_scale = rsqrtf((float)dk), decay = expf(a_log[h]), dt = dt_bias[h];
-    PDL_WAIT();
     float* s = state + ((long)h * dv + (active ? i : 0)) * dk + part * 32;
+    if (early_loads & EARLY_DELTA) {
+        // The state (this thread's 32 values: a line) and the window's lines into L2: the last
+        // step wrote them, long ago in bytes.
+        prefetch_l2(s);
+        for (int j = 0; j < K - 1; j++) {
+#pragma unroll
+            for (int m = 0; m < DELTA_STEP_QK; m++)
+                if (qk_ch[m] % 32 == 0) prefetch_l2(window + (long)j * C + qk_ch[m]);
+            if (has_v && v_ch % 32 == 0) prefetch_l2(window + (long)j * C + v_ch);
+        }
+    }
+    PDL_WAIT();
     float S[32];
     load_state_part(s, active, S);
     for (int t = 0; t < ntok; t++) {
@@ -3809,7 +3997,9 @@ __device__ __forceinline__ void moe_down_q4s(
 extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
-    PDL_START();
+    PDL_LAUNCH_DEPENDENTS();
+    prefetch_table(experts, f.table);
+    PDL_WAIT();
     moe_down_q4s<false>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
                         nullptr);
 }
@@ -3818,7 +4008,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s_shared(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f,
     SharedExpert sh) {
-    PDL_START();
+    PDL_LAUNCH_DEPENDENTS();
+    prefetch_table(experts, f.table);
+    PDL_WAIT();
     moe_down_q4s<true>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
                        &sh);
 }
@@ -3829,7 +4021,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s_shared(
 extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
-    PDL_START();
+    PDL_LAUNCH_DEPENDENTS();
+    prefetch_table(experts, f.table);
+    PDL_WAIT();
     moe_down_q4s<false>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
                         nullptr);
 }
@@ -3838,7 +4032,9 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384_shared(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f,
     SharedExpert sh) {
-    PDL_START();
+    PDL_LAUNCH_DEPENDENTS();
+    prefetch_table(experts, f.table);
+    PDL_WAIT();
     moe_down_q4s<true>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
                        &sh);
 }

@@ -769,6 +769,10 @@ impl CudaBackend {
             Some(p) => (p, slots as i32),
             None => (0, -1),
         };
+        let ffn = &Ffn {
+            table: slots as i32,
+            ..*ffn
+        };
         // The 4-bit kernels write a fresh output themselves; every other path adds onto zeros.
         let q4_gate_up =
             kinds.0 == KIND_Q4 && sample.gate.cols % 16 == 0 && sample.gate.group >= 16;
@@ -1643,6 +1647,7 @@ impl CudaBackend {
                 Arg::Ptr(all_done),
                 window,
                 sinks,
+                Arg::I32(cache.capacity as i32),
             ],
         );
     }

@@ -160,6 +160,21 @@ impl Kernels {
     /// kernel ends (compute capability 9.0 and newer).
     pub fn load(ctx: &Arc<CudaContext>, programmatic: bool) -> Result<Kernels, DriverError> {
         let module = ctx.load_module(Ptx::from_src(ptx(programmatic)))?;
+        if let Some(mask) = std::env::var("SLUICE_CUDA_EARLY")
+            .ok()
+            .and_then(|v| v.parse::<i32>().ok())
+        {
+            // `early_loads` (every bit set in the PTX) as asked: which kernels fetch before
+            // they wait.
+            let stream = ctx.default_stream();
+            let mut flag = module.get_global("early_loads", &stream)?;
+            // SAFETY: `early_loads` is one `int` (4 bytes, as get_global reports).
+            let mut flag = unsafe { flag.transmute_mut::<i32>(1) }.ok_or(DriverError(
+                cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+            ))?;
+            stream.memcpy_htod(&[mask], &mut flag)?;
+            stream.synchronize()?;
+        }
         let names = RefCell::new(HashMap::new());
         let f = |name: &str| {
             let func = module.load_function(name)?;
@@ -368,27 +383,38 @@ mod tests {
                 .chars()
                 .filter(|c| !c.is_whitespace() && *c != '\\')
                 .collect();
-            let prefetches_then_waits = then.starts_with("prefetch_row(")
+            // One L2 prefetch (`prefetch_row`, `prefetch_table`: a prefetch reads nothing into
+            // registers), then the wait.
+            let prefetches_then_waits = then.starts_with("prefetch_")
                 && then
                     .split_once(';')
                     .is_some_and(|(_, r)| r.starts_with("PDL_WAIT();"));
             // Kernels that read their weights (conv taps, norm weights, per-head constants)
             // between the two markers, reviewed one by one: nothing before their wait reads what
-            // an earlier kernel writes.
+            // an earlier kernel writes (other than into L2, by prefetch_l2).
             let short = name.rsplit(' ').next().unwrap_or(name);
-            let weights_then_waits = ["gated_delta_step", "delta_norm_window"].contains(&short)
+            let weights_then_waits = [
+                "gated_delta_step",
+                "delta_norm_window",
+                "rms_norm",
+                "add_rms_norm",
+            ]
+            .contains(&short)
                 && body
                     .find("PDL_LAUNCH_DEPENDENTS();")
                     .is_some_and(|l| body.find("PDL_WAIT();").is_some_and(|w| l < w));
+            // Device functions that wait themselves, reviewed: spread_gemv (weights), and
+            // attention_decode (norm weights and frequencies; KV rows into L2 only).
+            let callee_waits = body.contains("spread_gemv") || body.contains("attention_decode<");
             assert!(
                 first.starts_with("PDL_START();")
                     || weights_then_waits
                     || (first.starts_with("PDL_LAUNCH_DEPENDENTS();")
-                        && (body.contains("spread_gemv") || prefetches_then_waits)),
+                        && (callee_waits || prefetches_then_waits)),
                 "{name}: a kernel must begin with PDL_START() (or, if it loads or prefetches \
-                 weights before waiting, PDL_LAUNCH_DEPENDENTS() then a spread_* product that \
-                 waits, or prefetch_row then PDL_WAIT(), or be one of the kernels reviewed to \
-                 load only weights before PDL_WAIT())"
+                 weights before waiting, PDL_LAUNCH_DEPENDENTS() then a spread_gemv or \
+                 attention_decode that waits, or one prefetch_* then PDL_WAIT(), or be one of \
+                 the kernels reviewed to load only weights before PDL_WAIT())"
             );
             kernels += 1;
         }
@@ -403,6 +429,18 @@ mod tests {
                 .find("load_floats<SPREAD_CODES>(x")
                 .expect("activation loads"),
             "spread_dots must wait before it reads the activations"
+        );
+        let attention = source
+            .split("__device__ void attention_decode(")
+            .nth(1)
+            .expect("attention_decode");
+        let wait = attention
+            .find("PDL_WAIT();")
+            .expect("attention_decode waits");
+        assert!(
+            wait < attention.find("*cached;").expect("the cache's length")
+                && wait < attention.find("qh[").expect("q"),
+            "attention_decode must wait before it reads the length or q"
         );
         // The loader's rewrite reaches every marker and the target.
         let patched = super::ptx(true);

@@ -115,10 +115,14 @@ pub(crate) struct Ffn {
     pub limit: f32,
     pub clamped: i32,
     pub experts: i32,
+    /// Entries of the launch's expert table, which the decode kernels ask L2 for before they
+    /// wait (0: none).
+    pub table: i32,
+    pub pad: i32,
 }
 
-// SAFETY: plain old data with the C layout the kernels declare (three pointers, two floats, two
-// ints: 40 bytes, no padding).
+// SAFETY: plain old data with the C layout the kernels declare (three pointers, two floats, four
+// ints: 48 bytes, no padding).
 unsafe impl DeviceRepr for Ffn {}
 
 impl Ffn {
@@ -137,9 +141,15 @@ impl PartialEq for Ffn {
             self.down_bias,
             self.clamped,
             self.experts,
-        ) == (o.gate_bias, o.up_bias, o.down_bias, o.clamped, o.experts)
-            && (self.alpha.to_bits(), self.limit.to_bits())
-                == (o.alpha.to_bits(), o.limit.to_bits())
+            self.table,
+        ) == (
+            o.gate_bias,
+            o.up_bias,
+            o.down_bias,
+            o.clamped,
+            o.experts,
+            o.table,
+        ) && (self.alpha.to_bits(), self.limit.to_bits()) == (o.alpha.to_bits(), o.limit.to_bits())
     }
 }
 
@@ -431,7 +441,7 @@ mod tests {
             assert_eq!(crate::kernels::EXACT_KINDS[m.exact_kind().unwrap()], name);
         }
         // `struct Ffn`: three pointers, two floats, two ints.
-        assert_eq!(size_of::<Ffn>(), 40);
+        assert_eq!(size_of::<Ffn>(), 48);
         // `struct SharedExpert`: four Mats (56 bytes each) and a pointer.
         assert_eq!(size_of::<Mat>(), 56);
         assert_eq!(size_of::<SharedExpert>(), 4 * 56 + 8);
