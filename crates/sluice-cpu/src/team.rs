@@ -121,8 +121,9 @@ impl Team {
         // Every index is taken: no worker may join from here on (one that reads the pointer
         // after this store finds it null). Those already counted may still be running tasks.
         s.job.store(std::ptr::null_mut(), Ordering::SeqCst);
+        let mut spins = 0u32;
         while s.active.load(Ordering::SeqCst) > 0 {
-            std::hint::spin_loop();
+            spin_or_yield(&mut spins);
         }
         if let Some(start) = waiting {
             let nanos = start.elapsed().as_nanos() as u64;
@@ -145,6 +146,19 @@ impl Drop for Team {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+    }
+}
+
+/// Spins before a waiting thread starts giving its CPU up on each further spin: a thread that
+/// holds a task but is not running (more threads than free cores) then runs sooner.
+const SPINS_BEFORE_YIELD: u32 = 2_000;
+
+fn spin_or_yield(spins: &mut u32) {
+    *spins += 1;
+    if *spins > SPINS_BEFORE_YIELD {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
     }
 }
 
@@ -172,8 +186,7 @@ fn work(s: &Shared, mut seen: usize) {
                 break g;
             }
             if spins < SPINS {
-                spins += 1;
-                std::hint::spin_loop();
+                spin_or_yield(&mut spins);
                 continue;
             }
             let mut asleep = s.asleep.lock().unwrap_or_else(|p| p.into_inner());
