@@ -13,9 +13,10 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
 use std::thread::JoinHandle;
 
-/// Spins of an idle worker (each a pause of some tens of cycles) before it sleeps: ~0.1 ms, well
-/// above the gaps between the steps of a layer and far below those between tokens.
-const SPINS: u32 = 20_000;
+/// Spins of an idle worker before it sleeps, the last of them giving the CPU up (see
+/// [`SPINS_BEFORE_YIELD`]): ~1 ms on the 2-core CI VM (a pause ~25 ns, a yield ~0.5 us), well
+/// above the gaps between the steps of a layer and below those between tokens.
+const SPINS: u32 = 4_000;
 
 /// One parallel step: `f(i)` for every `i < n`, handed out one index at a time.
 struct Job<'a> {
@@ -149,8 +150,8 @@ impl Drop for Team {
     }
 }
 
-/// Spins before a waiting thread starts giving its CPU up on each further spin: a thread that
-/// holds a task but is not running (more threads than free cores) then runs sooner.
+/// Spins (~50 us) before a waiting thread starts giving its CPU up on each further spin: a thread
+/// that holds a task but is not running (more threads than free cores) then runs sooner.
 const SPINS_BEFORE_YIELD: u32 = 2_000;
 
 fn spin_or_yield(spins: &mut u32) {
