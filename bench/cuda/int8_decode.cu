@@ -4,53 +4,14 @@
 // on the Qwen3-30B-A3B decode shapes: the MoE's gate/up and down over 8 experts, and the dense
 // q and o projections. Microseconds per launch in a graph of programmatic launches, over L
 // distinct weights (L2 cold) and over one (L2 warm), and each variant's max|diff| / max|exact|.
-//   i8   each thread quantizes the 16 activations it multiplies (one scale each)
+//   i8   sluice.cu's `_i8` kernels: each thread quantizes the 16 activations it multiplies
 //   pre  the activations come quantized (16 bytes, a scale and a sum per 16 columns)
-#include "sluice.cu"  // crates/sluice-cuda/kernels (run.sh passes -I)
+#include "sluice_pdl.cu"  // sluice.cu with its programmatic-launch instructions (run.sh makes it)
 #include "chain.h"
 #include <random>
 #include <vector>
 
-// 16 activations as 8-bit codes of one scale d (amax / 127), packed to meet a 4-bit word's
-// nibbles: byte k of e[w] is column 8 w + 2 k's code (the word's low nibbles), of o[w] column
-// 8 w + 2 k + 1's (its high nibbles); sum: the unrounded values' sum (for the groups' biases).
-struct X16 {
-    int e[2], o[2];
-    float d, sum;
-};
-
-__device__ __forceinline__ int pack4(int a, int b, int c, int d) {
-    return (a & 255) | ((b & 255) << 8) | ((c & 255) << 16) | (d << 24);
-}
-
-__device__ __forceinline__ X16 quant16(const float xv[16]) {
-    X16 q;
-    float amax = 0.0f, s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; j++) amax = fmaxf(amax, fabsf(xv[j])), s += xv[j];
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-#pragma unroll
-    for (int w = 0; w < 2; w++) {
-        q.e[w] = pack4(__float2int_rn(xv[8 * w] * inv), __float2int_rn(xv[8 * w + 2] * inv),
-                       __float2int_rn(xv[8 * w + 4] * inv), __float2int_rn(xv[8 * w + 6] * inv));
-        q.o[w] = pack4(__float2int_rn(xv[8 * w + 1] * inv), __float2int_rn(xv[8 * w + 3] * inv),
-                       __float2int_rn(xv[8 * w + 5] * inv), __float2int_rn(xv[8 * w + 7] * inv));
-    }
-    q.d = amax / 127.0f;
-    q.sum = s;
-    return q;
-}
-
-// sum over 16 codes (two words) of code x activation code, in integers.
-__device__ __forceinline__ int dot16(const uint32_t w[2], const X16& q) {
-    int a = 0;
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        a = __dp4a((int)(w[k] & 0x0F0F0F0Fu), q.e[k], a);
-        a = __dp4a((int)((w[k] >> 4) & 0x0F0F0F0Fu), q.o[k], a);
-    }
-    return a;
-}
+// X16, quant16 and q4_dot_i8 are sluice.cu's (the `_i8` kernels').
 
 // Quantized activations [cols / 16] of (16 codes as e0 o0 e1 o1, d, sum): what a producer would
 // write beside its f32 output.
@@ -95,7 +56,7 @@ __device__ __forceinline__ void spread_dots_i8(const Mat& m, long r0, int c, con
         q = quant16(xv);
     }
 #pragma unroll
-    for (int i = 0; i < R; i++) acc[i] = fmaf(s[i] * q.d, (float)dot16(w[i], q), b[i] * q.sum);
+    for (int i = 0; i < R; i++) acc[i] = fmaf(s[i] * q.d, (float)q4_dot_i8(w[i], q), b[i] * q.sum);
 }
 
 template <bool PRE>
@@ -111,10 +72,6 @@ __device__ void spread_gemv_i8(const Mat& m, long block, const void* x, float* y
     if (threadIdx.x < groups * R && r < m.rows) y[r] = total;
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s_i8(Mat w, const float* x, float* y) {
-    PDL_LAUNCH_DEPENDENTS();
-    spread_gemv_i8<false>(w, blockIdx.x, x, y);
-}
 extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s_pre(Mat w, const XQ* x, float* y) {
     PDL_LAUNCH_DEPENDENTS();
     spread_gemv_i8<true>(w, blockIdx.x, x, y);
@@ -161,8 +118,8 @@ __device__ void moe_gate_up_i8(const ExpertMats* experts, const uint32_t* ids, i
         }
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            ag[i] = fmaf(sg[i] * q.d, (float)dot16(wg[i], q), fmaf(bg[i], q.sum, ag[i]));
-            au[i] = fmaf(su[i] * q.d, (float)dot16(wu[i], q), fmaf(bu[i], q.sum, au[i]));
+            ag[i] = fmaf(sg[i] * q.d, (float)q4_dot_i8(wg[i], q), fmaf(bg[i], q.sum, ag[i]));
+            au[i] = fmaf(su[i] * q.d, (float)q4_dot_i8(wu[i], q), fmaf(bu[i], q.sum, au[i]));
         }
     }
 #pragma unroll
@@ -172,36 +129,9 @@ __device__ void moe_gate_up_i8(const ExpertMats* experts, const uint32_t* ids, i
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_i8(const ExpertMats* experts, const uint32_t* ids, int K, const float* x, float* h, Ffn f) {
-    PDL_START();
-    moe_gate_up_i8<false>(experts, ids, K, x, h, f);
-}
 extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_pre(const ExpertMats* experts, const uint32_t* ids, int K, const XQ* x, float* h, Ffn f) {
     PDL_START();
     moe_gate_up_i8<true>(experts, ids, K, x, h, f);
-}
-
-// moe_down_q4s (not shared, every expert present) with the integer dot.
-extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384_i8(const ExpertMats* experts, const uint32_t* ids, const float* weights, int K, const float* h, float* out, int hidden) {
-    PDL_LAUNCH_DEPENDENTS();
-    PDL_WAIT();
-    constexpr int R = SPREAD_ROWS;
-    __shared__ float part[R * 1024 / 8];
-    __shared__ float dots[R][MOE_MAX_K];
-    const long t = blockIdx.y;
-    const long r0 = (long)blockIdx.x * R;
-    const int G = blockDim.x / K, j = threadIdx.x / G;
-    float acc[R];
-    const Mat d = experts[ids[t * K + j]].down;
-    spread_dots_i8<R, false>(d, min(r0, (long)hidden - 1), (threadIdx.x % G) * SPREAD_CODES, h + (t * K + j) * d.cols, acc);
-    const float total = spread_sum<R>(acc, G, part);
-    if (threadIdx.x < K * R) dots[threadIdx.x % R][threadIdx.x / R] = total;
-    __syncthreads();
-    if (threadIdx.x < R && r0 + threadIdx.x < hidden) {
-        float a = 0.0f;
-        for (int p = 0; p < K; p++) a = fmaf(weights[t * K + p], dots[threadIdx.x][p], a);
-        out[t * hidden + r0 + threadIdx.x] = a;
-    }
 }
 
 static std::mt19937_64 rng(7);
@@ -242,10 +172,10 @@ int main() {
   printf("Qwen3-30B-A3B decode shapes, 4-bit groups of 64; us per launch, graph of %d programmatic launches; cold: %d distinct weights, warm: one\n", L, L);
   const unsigned gu_grid = (inter + 7) / 8;
   auto gu = [&](int i) { launch(st, moe_gate_up_q4_w, dim3(gu_grid, K), dim3(128), (const ExpertMats*)tables[i], (const uint32_t*)nullptr, -1, (const uint32_t*)ids[i], K, (const float*)x, h, f); };
-  auto gu_i8 = [&](int i) { launch(st, moe_gate_up_q4_w_i8, dim3(gu_grid, K), dim3(128), (const ExpertMats*)tables[i], (const uint32_t*)ids[i], K, (const float*)x, h2, f); };
+  auto gu_i8 = [&](int i) { launch(st, moe_gate_up_q4_w_i8, dim3(gu_grid, K), dim3(128), (const ExpertMats*)tables[i], (const uint32_t*)nullptr, -1, (const uint32_t*)ids[i], K, (const float*)x, h2, f); };
   auto gu_pre = [&](int i) { launch(st, moe_gate_up_q4_w_pre, dim3(gu_grid, K), dim3(128), (const ExpertMats*)tables[i], (const uint32_t*)ids[i], K, (const XQ*)xq, h2, f); };
   auto dn = [&](int i) { launch(st, moe_down_q4_s384, dim3(hidden / SPREAD_ROWS, 1), dim3(K * (inter / 16)), (const ExpertMats*)tables[i], (const uint32_t*)nullptr, -1, (const uint32_t*)ids[i], (const float*)wts[i], K, (const float*)h, out, hidden, 0, f); };
-  auto dn_i8 = [&](int i) { launch(st, moe_down_q4_s384_i8, dim3(hidden / SPREAD_ROWS, 1), dim3(K * (inter / 16)), (const ExpertMats*)tables[i], (const uint32_t*)ids[i], (const float*)wts[i], K, (const float*)h, out2, hidden); };
+  auto dn_i8 = [&](int i) { launch(st, moe_down_q4_s384_i8, dim3(hidden / SPREAD_ROWS, 1), dim3(K * (inter / 16)), (const ExpertMats*)tables[i], (const uint32_t*)nullptr, -1, (const uint32_t*)ids[i], (const float*)wts[i], K, (const float*)h, out2, hidden, 0, f); };
   for (int l = 0; l < 2; l++) { gu(0); gu_i8(0); }
   printf("  gate/up i8 vs exact: max|diff|/max = %.2e\n", rel_err(h, h2, K * inter));
   gu_pre(0); printf("  gate/up pre vs exact: max|diff|/max = %.2e\n", rel_err(h, h2, K * inter));

@@ -2479,6 +2479,53 @@ __device__ __forceinline__ float q4_dequant_dot(const uint32_t w[NW], float s, f
     return acc;
 }
 
+// The fast decode kernels (`_i8`, `--kernels fast`): 16 activations quantized to 8-bit codes of
+// one scale d = max|x| / 127 and multiplied in integers (dp4a: four code x code products an
+// instruction, against about five instructions a weight for an exact one), as llama.cpp's Q8_1
+// products do, but per 16 columns. The codes are packed to meet a 4-bit word's nibbles: byte k of
+// e[w] holds column 8 w + 2 k (the word's low nibbles), of o[w] column 8 w + 2 k + 1 (its high
+// ones). `sum` is the unrounded values' sum, for the groups' biases (exact, as in the f32 path).
+struct X16 {
+    int e[2], o[2];
+    float d, sum;
+};
+
+__device__ __forceinline__ int pack4(int a, int b, int c, int d) {
+    return (a & 255) | ((b & 255) << 8) | ((c & 255) << 16) | (d << 24);
+}
+
+__device__ __forceinline__ X16 quant16(const float xv[16]) {
+    X16 q;
+    float amax = 0.0f, s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        amax = fmaxf(amax, fabsf(xv[j]));
+        s += xv[j];
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+#pragma unroll
+    for (int w = 0; w < 2; w++) {
+        q.e[w] = pack4(__float2int_rn(xv[8 * w] * inv), __float2int_rn(xv[8 * w + 2] * inv),
+                       __float2int_rn(xv[8 * w + 4] * inv), __float2int_rn(xv[8 * w + 6] * inv));
+        q.o[w] = pack4(__float2int_rn(xv[8 * w + 1] * inv), __float2int_rn(xv[8 * w + 3] * inv),
+                       __float2int_rn(xv[8 * w + 5] * inv), __float2int_rn(xv[8 * w + 7] * inv));
+    }
+    q.d = amax / 127.0f;
+    q.sum = s;
+    return q;
+}
+
+// The 16 codes of two words against q's, in integers.
+__device__ __forceinline__ int q4_dot_i8(const uint32_t w[2], const X16& q) {
+    int a = 0;
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        a = __dp4a((int)(w[k] & 0x0F0F0F0Fu), q.e[k], a);
+        a = __dp4a((int)((w[k] >> 4) & 0x0F0F0F0Fu), q.o[k], a);
+    }
+    return a;
+}
+
 // A shared expert computed in the routed experts' launches (Qwen3.5, Qwen3-Next): its gate, up and
 // down projections, of the routed experts' shape, and its one-row gate `scale`; `weight[t]` is
 // sigmoid(scale . x_t), which the gate/up kernel writes and the down kernel reads.
@@ -2492,7 +2539,7 @@ struct SharedExpert {
 // s * sum(q x) + b * sum(x). Grid (inter / (2 warps), T * K), or with SHARED (T * (K + 1)): pair
 // T * K + t is token t's shared expert (plain SwiGLU), and its first block also computes the
 // shared expert's weight.
-template <bool SHARED>
+template <bool SHARED, bool I8 = false>
 __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* present, int n_present,
                                 const uint32_t* ids, int K, const float* x, float* h, Ffn f,
                                 const SharedExpert* sh) {
@@ -2547,6 +2594,15 @@ __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* prese
         }
         float xv[CW];
         load_floats<CW>(xt + c, xv);
+        if constexpr (I8) {
+            const X16 q = quant16(xv);
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                ag[i] = fmaf(sg[i] * q.d, (float)q4_dot_i8(wg[i], q), fmaf(bg[i], q.sum, ag[i]));
+                au[i] = fmaf(su[i] * q.d, (float)q4_dot_i8(wu[i], q), fmaf(bu[i], q.sum, au[i]));
+            }
+            continue;
+        }
         float xs = 0.0f;
 #pragma unroll
         for (int j = 0; j < CW; j++) xs += xv[j];
@@ -2581,6 +2637,25 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_shared(
     prefetch_table(experts, f.table);
     PDL_WAIT();
     moe_gate_up_q4w<true>(experts, present, n_present, ids, K, x, h, f, &sh);
+}
+
+// The two above with 8-bit activations (X16; the shared expert's sigmoid gate stays exact).
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_i8(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
+    const float* x, float* h, Ffn f) {
+    PDL_LAUNCH_DEPENDENTS();
+    prefetch_table(experts, f.table);
+    PDL_WAIT();
+    moe_gate_up_q4w<false, true>(experts, present, n_present, ids, K, x, h, f, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_shared_i8(
+    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
+    const float* x, float* h, Ffn f, SharedExpert sh) {
+    PDL_LAUNCH_DEPENDENTS();
+    prefetch_table(experts, f.table);
+    PDL_WAIT();
+    moe_gate_up_q4w<true, true>(experts, present, n_present, ids, K, x, h, f, &sh);
 }
 
 // Rows per block of moe_down_q4_w.
@@ -3827,8 +3902,9 @@ GEMV_MULTI_ALL(K_BF16, bf16) GEMV_MULTI_ALL(K_MXFP4, mxfp4)
 #define SPREAD_ROWS 4
 
 // This thread's share of rows r0 .. r0 + R (clamped to the matrix) over columns [c, c + 16):
-// acc[i] = s_i sum(q x) + b_i sum(x), where x is x[c..] or, with SWIGLU, swiglu(x, up)[c..].
-template <int R, bool SWIGLU>
+// acc[i] = s_i sum(q x) + b_i sum(x), where x is x[c..] or, with SWIGLU, swiglu(x, up)[c..];
+// with I8, sum(q x) in integers against x's 8-bit codes (X16).
+template <int R, bool SWIGLU, bool I8 = false>
 __device__ __forceinline__ void spread_dots(const Mat& m, long r0, int c, const float* x,
                                             const float* up, float acc[R]) {
     uint32_t w[R][2];
@@ -3852,6 +3928,12 @@ __device__ __forceinline__ void spread_dots(const Mat& m, long r0, int c, const 
         load_floats<SPREAD_CODES>(up + c, uv);
 #pragma unroll
         for (int j = 0; j < SPREAD_CODES; j++) xv[j] = swiglu1(xv[j], uv[j]);
+    }
+    if constexpr (I8) {
+        const X16 q = quant16(xv);
+#pragma unroll
+        for (int i = 0; i < R; i++) acc[i] = fmaf(s[i] * q.d, (float)q4_dot_i8(w[i], q), b[i] * q.sum);
+        return;
     }
     float xs = 0.0f;
 #pragma unroll
@@ -3887,7 +3969,7 @@ __device__ __forceinline__ float spread_sum(const float v[N], int G, float* part
 // y = x W^T for one token, the rows of this matrix's `block`-th block: blockDim / G row groups of
 // SPREAD_ROWS rows per block. With SWIGLU, y += sigmoid(gate[0]) * (W . swiglu(x, up)) (the
 // arithmetic of gemv_gated_add).
-template <bool SWIGLU>
+template <bool SWIGLU, bool I8 = false>
 __device__ void spread_gemv(const Mat& m, long block, const float* x, float* y,
                             const float* up = nullptr, const float* gate = nullptr) {
     constexpr int R = SPREAD_ROWS;
@@ -3895,7 +3977,7 @@ __device__ void spread_gemv(const Mat& m, long block, const float* x, float* y,
     const int G = m.cols / SPREAD_CODES, groups = blockDim.x / G;
     const long r0 = (block * groups + threadIdx.x / G) * R;
     float acc[R];
-    spread_dots<R, SWIGLU>(m, min(r0, (long)m.rows - 1), (threadIdx.x % G) * SPREAD_CODES, x, up, acc);
+    spread_dots<R, SWIGLU, I8>(m, min(r0, (long)m.rows - 1), (threadIdx.x % G) * SPREAD_CODES, x, up, acc);
     const float total = spread_sum<R>(acc, G, part);
     const long r = block * groups * R + threadIdx.x;
     if (threadIdx.x < groups * R && r < m.rows) {
@@ -3924,6 +4006,26 @@ extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set,
     spread_gemv<false>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]);
 }
 
+// The three above with 8-bit activations (X16).
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s_i8(Mat w, const float* x, float* y) {
+    PDL_LAUNCH_DEPENDENTS();
+    spread_gemv<false, true>(w, blockIdx.x, x, y);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemv_gated_q4_t1_s_i8(Mat w, const float* g,
+                                                                        const float* u,
+                                                                        const float* gate, float* y) {
+    PDL_LAUNCH_DEPENDENTS();
+    spread_gemv<true, true>(w, blockIdx.x, g, y, u, gate);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s_i8(MatSet set, const float* x) {
+    PDL_LAUNCH_DEPENDENTS();
+    int i = 0;
+    while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++;
+    spread_gemv<false, true>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]);
+}
+
 // The MoE's down projections of token blockIdx.y, SPREAD_ROWS output rows per block: the threads
 // j * G .. (j + 1) * G take the token's j-th routed expert (blockDim = K G), each SPREAD_ROWS rows
 // of 16 columns; the dots (with their down biases, `f`) are added weighted in ascending expert id,
@@ -3932,7 +4034,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set,
 // With SHARED, the block has K + 1 groups of G threads: the last takes the shared expert (its
 // activations h[T K + t], its weight sh->weight[t]), added after the routed experts as
 // gemv_gated_q4_t1_s adds it (the same bits as the unfused down projection, given the same h).
-template <bool SHARED>
+template <bool SHARED, bool I8 = false>
 __device__ __forceinline__ void moe_down_q4s(
     const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
     const float* weights, int K, const float* h, float* out, int hidden, int accumulate,
@@ -3974,7 +4076,7 @@ __device__ __forceinline__ void moe_down_q4s(
     if (here[j]) {
         const Mat& d = down[j];
         const long row = j < K ? t * K + j : (long)gridDim.y * K + t;
-        spread_dots<R, false>(d, min(r0, (long)hidden - 1), (threadIdx.x % G) * SPREAD_CODES,
+        spread_dots<R, false, I8>(d, min(r0, (long)hidden - 1), (threadIdx.x % G) * SPREAD_CODES,
                               h + row * d.cols, nullptr, acc);
     }
     // Thread j' * R + i: expert j' 's total of row i (one "row group" per expert).
@@ -4038,6 +4140,31 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384_shared(
     moe_down_q4s<true>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
                        &sh);
 }
+
+// The four above with 8-bit activations (X16).
+#define MOE_DOWN_I8(NAME, SHARED_NAME, BOUNDS) \
+    extern "C" __global__ void BOUNDS NAME( \
+        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
+        const float* weights, int K, const float* h, float* out, int hidden, int accumulate, \
+        Ffn f) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        prefetch_table(experts, f.table); \
+        PDL_WAIT(); \
+        moe_down_q4s<false, true>(experts, present, n_present, ids, weights, K, h, out, hidden, \
+                                  accumulate, f, nullptr); \
+    } \
+    extern "C" __global__ void BOUNDS SHARED_NAME( \
+        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
+        const float* weights, int K, const float* h, float* out, int hidden, int accumulate, \
+        Ffn f, SharedExpert sh) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        prefetch_table(experts, f.table); \
+        PDL_WAIT(); \
+        moe_down_q4s<true, true>(experts, present, n_present, ids, weights, K, h, out, hidden, \
+                                 accumulate, f, &sh); \
+    }
+MOE_DOWN_I8(moe_down_q4_s_i8, moe_down_q4_s_shared_i8, __launch_bounds__(1024))
+MOE_DOWN_I8(moe_down_q4_s384_i8, moe_down_q4_s384_shared_i8, __launch_bounds__(384, 4))
 
 
 // ------------------------------------------------------------------------------------------------

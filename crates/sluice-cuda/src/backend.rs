@@ -219,9 +219,10 @@ pub struct CudaBackend {
     pinned: PinnedRanges,
     /// Layers whose experts the kernels read in host memory, and their VRAM tier.
     in_place: Mutex<InPlace>,
-    /// Many-token products of 4- and 8-bit weights with activations quantized to 8 bits
-    /// (`gemm_iq`, `moe_*_iq`: llama.cpp's arithmetic) instead of exactly (`*_tq`).
-    fast_prefill: bool,
+    /// Products with activations quantized to 8 bits (llama.cpp's arithmetic) instead of exact:
+    /// many tokens of 4- and 8-bit weights on integer tensor cores (`gemm_iq`, `moe_*_iq`, not
+    /// `*_tq`), one token of 4-bit weights with dp4a (`Q4Decode`'s `_i8` kernels).
+    fast: bool,
     /// Whether the host computes experts kept in host memory beside the device
     /// (`host_compute`), with this CPU backend; its mailbox and worker once a call needs them.
     host_mode: HostCompute,
@@ -451,7 +452,7 @@ impl CudaBackend {
             vram: Mutex::new(None),
             pinned: PinnedRanges::default(),
             in_place: Mutex::new(InPlace::default()),
-            fast_prefill: false,
+            fast: false,
             host_mode: HostCompute::Off,
             host_cpu: CpuBackend::new(),
             host: Mutex::new(None),
@@ -467,18 +468,24 @@ impl CudaBackend {
         self
     }
 
-    /// With `fast`, products of many tokens with 4- and 8-bit weights quantize the activations
-    /// to 8 bits per 32 columns and multiply in integers (as llama.cpp does; the CPU's `fast`
-    /// kernels do the same for decode); without, they are exact to f32 rounding (the default).
-    pub fn with_fast_prefill(mut self, fast: bool) -> Self {
-        self.fast_prefill = fast;
+    /// With `fast`, products with 4- and 8-bit weights quantize the activations to 8 bits and
+    /// multiply in integers, as llama.cpp does and the CPU's `fast` kernels do: many tokens per
+    /// 32 columns on tensor cores, one token (4-bit weights) per 16 columns with dp4a; without,
+    /// they are exact to f32 rounding (the default).
+    pub fn with_fast_kernels(mut self, fast: bool) -> Self {
+        self.fast = fast;
         self
+    }
+
+    /// The one-token 4-bit kernels this backend runs (exact, or `fast`).
+    fn q4(&self) -> &crate::kernels::Q4Decode {
+        &self.d.k.q4_decode[self.fast as usize]
     }
 
     /// The `INT8_KINDS` index of the 8-bit-activation kernels for weights of this exact kind,
     /// when the fast prefill is on.
     fn int8_kind(&self, exact: usize) -> Option<usize> {
-        (self.fast_prefill && exact < INT8_KINDS.len()).then_some(exact)
+        (self.fast && exact < INT8_KINDS.len()).then_some(exact)
     }
 
     /// Quantizes `rows` rows of `cols` values at `x` (with `glu`, the MoE's pairs: rows of
@@ -620,7 +627,7 @@ impl CudaBackend {
             );
         } else if let Some(s) = Self::spread(w, tokens) {
             self.d.launch(
-                &k.gemv_q4_t1_s,
+                &self.q4().gemv,
                 (grid(w.rows as usize, s.rows_per_block()), 1, 1),
                 (s.block_threads(), 1, 1),
                 &[Arg::Mat(*w), Arg::Ptr(x), Arg::Ptr(out)],
@@ -828,7 +835,7 @@ impl CudaBackend {
             let mut args = gate_up_args.to_vec();
             args.push(Arg::Shared(Box::new(sh)));
             self.d.launch(
-                &k.moe_gate_up_q4_w_shared,
+                &self.q4().moe_gate_up_shared,
                 (grid(inter, 8), (pairs + shared_rows) as u32, 1),
                 (128, 1, 1),
                 &args,
@@ -836,7 +843,7 @@ impl CudaBackend {
         } else if q4_gate_up {
             // 4 warps of 2 rows each.
             self.d.launch(
-                &k.moe_gate_up_q4_w,
+                &self.q4().moe_gate_up,
                 (grid(inter, 8), pairs as u32, 1),
                 (128, 1, 1),
                 &gate_up_args,
@@ -883,10 +890,10 @@ impl CudaBackend {
             let small = block <= MOE_DOWN_S384;
             self.d.launch(
                 match (small, shared.is_some()) {
-                    (true, false) => &k.moe_down_q4_s384,
-                    (false, false) => &k.moe_down_q4_s,
-                    (true, true) => &k.moe_down_q4_s384_shared,
-                    (false, true) => &k.moe_down_q4_s_shared,
+                    (true, false) => &self.q4().moe_down_s384,
+                    (false, false) => &self.q4().moe_down,
+                    (true, true) => &self.q4().moe_down_s384_shared,
+                    (false, true) => &self.q4().moe_down_shared,
                 },
                 (grid(x.cols, SPREAD_ROWS), routing.rows as u32, 1),
                 (block as u32, 1, 1),
@@ -2403,7 +2410,7 @@ impl Backend for CudaBackend {
         let args = [Arg::MatSet(Box::new(set)), Arg::Ptr(xp)];
         match spread {
             Some(s) => self.d.launch(
-                &self.d.k.gemv_multi_q4_t1_s,
+                &self.q4().gemv_multi,
                 (blocks, 1, 1),
                 (s.block_threads(), 1, 1),
                 &args,
@@ -2455,7 +2462,7 @@ impl Backend for CudaBackend {
                 // The kernel `matmul_into` would run the down projection with, fused.
                 match Self::spread(down, tokens) {
                     Some(s) => self.d.launch(
-                        &self.d.k.gemv_gated_q4_t1_s,
+                        &self.q4().gemv_gated,
                         (grid(down.rows as usize, s.rows_per_block()), 1, 1),
                         (s.block_threads(), 1, 1),
                         &args,

@@ -24,6 +24,44 @@ pub(crate) const EXACT_KINDS: [&str; 4] = ["q4", "q8", "bf16", "mxfp4"];
 /// affine ones of [`EXACT_KINDS`], at the same indices.
 pub(crate) const INT8_KINDS: [&str; 2] = ["q4", "q8"];
 
+/// One token's 4-bit kernels, exact or with 8-bit activations (the names' `suffix`).
+pub(crate) struct Q4Decode {
+    /// Products spread over the columns, several rows per thread (`*_s` in the source;
+    /// `Mat::spread` and `Mat::spread_threads` say which shapes they take).
+    pub gemv: CudaFunction,
+    pub gemv_gated: CudaFunction,
+    pub gemv_multi: CudaFunction,
+    /// The MoE's gate/up with more loads in flight, and with a shared expert's pairs after the
+    /// routed ones.
+    pub moe_gate_up: CudaFunction,
+    pub moe_gate_up_shared: CudaFunction,
+    /// The MoE's down projections spread like `gemv`; `_s384` for blocks of at most
+    /// [`crate::backend::MOE_DOWN_S384`] threads, four to a multiprocessor.
+    pub moe_down: CudaFunction,
+    pub moe_down_shared: CudaFunction,
+    pub moe_down_s384: CudaFunction,
+    pub moe_down_s384_shared: CudaFunction,
+}
+
+impl Q4Decode {
+    fn load(
+        f: &dyn Fn(&str) -> Result<CudaFunction, DriverError>,
+        suffix: &str,
+    ) -> Result<Self, DriverError> {
+        Ok(Q4Decode {
+            gemv: f(&format!("gemv_q4_t1_s{suffix}"))?,
+            gemv_gated: f(&format!("gemv_gated_q4_t1_s{suffix}"))?,
+            gemv_multi: f(&format!("gemv_multi_q4_t1_s{suffix}"))?,
+            moe_gate_up: f(&format!("moe_gate_up_q4_w{suffix}"))?,
+            moe_gate_up_shared: f(&format!("moe_gate_up_q4_w_shared{suffix}"))?,
+            moe_down: f(&format!("moe_down_q4_s{suffix}"))?,
+            moe_down_shared: f(&format!("moe_down_q4_s_shared{suffix}"))?,
+            moe_down_s384: f(&format!("moe_down_q4_s384{suffix}"))?,
+            moe_down_s384_shared: f(&format!("moe_down_q4_s384_shared{suffix}"))?,
+        })
+    }
+}
+
 /// Every kernel the backend launches.
 pub(crate) struct Kernels {
     /// Kernel names by function handle (`{:?}` of it), for the profile.
@@ -89,12 +127,9 @@ pub(crate) struct Kernels {
     pub moe_gate_up: Vec<CudaFunction>,
     /// The down projections with a block per output row (few tokens).
     pub moe_down_b: Vec<CudaFunction>,
-    /// 4-bit decode MoE with more loads in flight (`moe_gate_up_q4_w`, `moe_down_q4_w`).
-    pub moe_gate_up_q4_w: CudaFunction,
-    /// The decode MoE kernels with a shared expert's pairs after the routed ones.
-    pub moe_gate_up_q4_w_shared: CudaFunction,
-    pub moe_down_q4_s_shared: CudaFunction,
-    pub moe_down_q4_s384_shared: CudaFunction,
+    /// One token's 4-bit products: `q4_decode[0]` exact, `[1]` with 8-bit activations (`_i8`
+    /// in the source, the `fast` kernels).
+    pub q4_decode: [Q4Decode; 2],
     pub argmax_parts: CudaFunction,
     pub qkv_norm_rope_append: CudaFunction,
     pub argmax_finish: CudaFunction,
@@ -104,15 +139,6 @@ pub(crate) struct Kernels {
     pub top_logits_parts: CudaFunction,
     pub top_logits_merge: CudaFunction,
     pub moe_down_q4_w: CudaFunction,
-    /// One token's 4-bit products spread over the columns, several rows per thread (`*_s` in the
-    /// source; `Mat::spread` and `Mat::spread_threads` say which shapes they take).
-    pub gemv_q4_t1_s: CudaFunction,
-    pub gemv_gated_q4_t1_s: CudaFunction,
-    pub gemv_multi_q4_t1_s: CudaFunction,
-    pub moe_down_q4_s: CudaFunction,
-    /// `moe_down_q4_s` for blocks of at most [`crate::backend::MOE_DOWN_S384`] threads, four to a
-    /// multiprocessor.
-    pub moe_down_q4_s384: CudaFunction,
     /// Many tokens: pairs grouped by expert, tensor-core products per expert (by weight kind),
     /// and the weighted sum per token.
     pub moe_group: CudaFunction,
@@ -297,10 +323,7 @@ impl Kernels {
                 .iter()
                 .map(|k| f(&format!("moe_down_{k}_b")))
                 .collect::<Result<_, _>>()?,
-            moe_gate_up_q4_w: f("moe_gate_up_q4_w")?,
-            moe_gate_up_q4_w_shared: f("moe_gate_up_q4_w_shared")?,
-            moe_down_q4_s_shared: f("moe_down_q4_s_shared")?,
-            moe_down_q4_s384_shared: f("moe_down_q4_s384_shared")?,
+            q4_decode: [Q4Decode::load(&f, "")?, Q4Decode::load(&f, "_i8")?],
             argmax_parts: f("argmax_parts")?,
             qkv_norm_rope_append: f("qkv_norm_rope_append")?,
             argmax_finish: f("argmax_finish")?,
@@ -308,11 +331,6 @@ impl Kernels {
             top_logits_parts: f("top_logits_parts")?,
             top_logits_merge: f("top_logits_merge")?,
             moe_down_q4_w: f("moe_down_q4_w")?,
-            gemv_q4_t1_s: f("gemv_q4_t1_s")?,
-            gemv_gated_q4_t1_s: f("gemv_gated_q4_t1_s")?,
-            gemv_multi_q4_t1_s: f("gemv_multi_q4_t1_s")?,
-            moe_down_q4_s: f("moe_down_q4_s")?,
-            moe_down_q4_s384: f("moe_down_q4_s384")?,
             causal_conv1d_silu: f("causal_conv1d_silu")?,
             gated_delta_rule: f("gated_delta_rule")?,
             delta_prep: f("delta_prep")?,

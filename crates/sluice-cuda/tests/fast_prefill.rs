@@ -1,6 +1,7 @@
-//! The GPU's fast prefill (`CudaBackend::with_fast_prefill`: products of many tokens with 4- and
-//! 8-bit weights against activations quantized to 8 bits per 32 columns, on integer tensor
-//! cores) against the exact kernels on CUDA device 0, prefill (all tokens in one call):
+//! The GPU's fast kernels (`CudaBackend::with_fast_kernels`: products with 4- and 8-bit weights
+//! against activations quantized to 8 bits; many tokens per 32 columns on integer tensor cores,
+//! one token of 4-bit weights per 16 columns with dp4a) against the exact kernels on CUDA device
+//! 0, in prefill (all tokens in one call) and in decode (a token per call):
 //!
 //! - Every quantized reference fixture and the demo model: mean KL divergence of the fast
 //!   distribution from the exact one, argmax agreement, and max|diff| against the reference.
@@ -19,7 +20,7 @@ use sluice_engine::{npy, Engine, LoadOptions, LogitsMode};
 fn load(dir: &Path, fast: bool) -> Engine<CudaBackend> {
     let backend = sluice_cuda::open(0)
         .unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
-        .with_fast_prefill(fast);
+        .with_fast_kernels(fast);
     Engine::load(dir, Arc::new(backend), &LoadOptions::default())
         .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
@@ -45,9 +46,21 @@ const FIXTURES: [&str; 5] = [
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored"]
 fn prefill_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
+    logits_stay_close_on_every_fixture(LogitsMode::Prefill);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored"]
+fn decode_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
+    logits_stay_close_on_every_fixture(LogitsMode::Decode);
+}
+
+fn logits_stay_close_on_every_fixture(mode: LogitsMode) {
     let root = repo();
     let mut cases: Vec<(String, PathBuf, PathBuf)> = FIXTURES
         .iter()
+        // One token's fast kernels take 4-bit weights only: 8-bit ones decode exactly.
+        .filter(|f| mode == LogitsMode::Prefill || !f.ends_with("-q8"))
         .map(|f| {
             let d = root.join("tests/fixtures").join(f);
             (f.to_string(), d.clone(), d)
@@ -58,6 +71,7 @@ fn prefill_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
         root.join("models/demo"),
         root.join("tests/fixtures/demo-reference"),
     ));
+    eprintln!("{mode:?}:");
     eprintln!("| model | mean KL(exact || fast) | argmax agreement | fast max|diff| / max|ref| |");
     eprintln!("|---|---|---|---|");
     for (name, model, refs) in cases {
@@ -68,12 +82,14 @@ fn prefill_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
         );
         let exact_engine = load(&model, false);
         let vocab = exact_engine.model.info().vocab_size;
-        let exact = exact_engine.logits(&tokens, LogitsMode::Prefill).unwrap();
+        let exact = exact_engine.logits(&tokens, mode).unwrap();
         drop(exact_engine);
-        let fast = load(&model, true)
-            .logits(&tokens, LogitsMode::Prefill)
-            .unwrap();
-        let (want, _) = npy::read_f32(&refs.join("logits_prefill.npy")).unwrap();
+        let fast = load(&model, true).logits(&tokens, mode).unwrap();
+        let file = match mode {
+            LogitsMode::Prefill => "logits_prefill.npy",
+            LogitsMode::Decode => "logits_decode.npy",
+        };
+        let (want, _) = npy::read_f32(&refs.join(file)).unwrap();
         let diff = max_diff_over_max_ref(&fast, &want);
         let (kl, agree) = kl_and_agreement(&exact, &fast, vocab);
         eprintln!(
@@ -89,6 +105,16 @@ fn prefill_logits_stay_close_to_the_exact_kernels_on_every_fixture() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored"]
 fn demo_model_prefill_perplexity_within_half_a_percent_of_the_exact_kernels() {
+    perplexity_within_half_a_percent(LogitsMode::Prefill);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored"]
+fn demo_model_decode_perplexity_within_half_a_percent_of_the_exact_kernels() {
+    perplexity_within_half_a_percent(LogitsMode::Decode);
+}
+
+fn perplexity_within_half_a_percent(mode: LogitsMode) {
     let dir = repo().join("models/demo");
     let exact = load(&dir, false);
     let fast = load(&dir, true);
@@ -103,8 +129,8 @@ fn demo_model_prefill_perplexity_within_half_a_percent_of_the_exact_kernels() {
             .unwrap();
         tokens.truncate(192);
         let n = (tokens.len() - 1) as f64;
-        let e = exact.logits(&tokens, LogitsMode::Prefill).unwrap();
-        let f = fast.logits(&tokens, LogitsMode::Prefill).unwrap();
+        let e = exact.logits(&tokens, mode).unwrap();
+        let f = fast.logits(&tokens, mode).unwrap();
         nll_exact += mean_nll(&e, &tokens, vocab) * n;
         nll_fast += mean_nll(&f, &tokens, vocab) * n;
         count += tokens.len() - 1;
@@ -115,13 +141,13 @@ fn demo_model_prefill_perplexity_within_half_a_percent_of_the_exact_kernels() {
     );
     let change = ppl_fast / ppl_exact - 1.0;
     eprintln!(
-        "held-out perplexity over {count} tokens (prefill on the GPU): exact {ppl_exact:.4}, \
+        "held-out perplexity over {count} tokens ({mode:?} on the GPU): exact {ppl_exact:.4}, \
          fast {ppl_fast:.4} ({:+.3}%)",
         change * 100.0
     );
     assert!(
         change.abs() < 0.005,
-        "fast prefill perplexity {ppl_fast:.4} vs exact {ppl_exact:.4}: {:+.3}%",
+        "fast {mode:?} perplexity {ppl_fast:.4} vs exact {ppl_exact:.4}: {:+.3}%",
         change * 100.0
     );
 }
