@@ -44,20 +44,37 @@ pub(crate) struct Q4Decode {
 }
 
 impl Q4Decode {
+    /// The kernels' names without the suffix, in the fields' order.
+    const NAMES: [&'static str; 9] = [
+        "gemv_q4_t1_s",
+        "gemv_gated_q4_t1_s",
+        "gemv_multi_q4_t1_s",
+        "moe_gate_up_q4_w",
+        "moe_gate_up_q4_w_shared",
+        "moe_down_q4_s",
+        "moe_down_q4_s_shared",
+        "moe_down_q4_s384",
+        "moe_down_q4_s384_shared",
+    ];
+    /// The exact set's suffix, and the 8-bit-activation set's.
+    const SUFFIXES: [&'static str; 2] = ["", "_i8"];
+
     fn load(
         f: &dyn Fn(&str) -> Result<CudaFunction, DriverError>,
         suffix: &str,
     ) -> Result<Self, DriverError> {
+        let [gemv, gemv_gated, gemv_multi, moe_gate_up, moe_gate_up_shared, moe_down, moe_down_shared, moe_down_s384, moe_down_s384_shared] =
+            Self::NAMES.map(|n| format!("{n}{suffix}"));
         Ok(Q4Decode {
-            gemv: f(&format!("gemv_q4_t1_s{suffix}"))?,
-            gemv_gated: f(&format!("gemv_gated_q4_t1_s{suffix}"))?,
-            gemv_multi: f(&format!("gemv_multi_q4_t1_s{suffix}"))?,
-            moe_gate_up: f(&format!("moe_gate_up_q4_w{suffix}"))?,
-            moe_gate_up_shared: f(&format!("moe_gate_up_q4_w_shared{suffix}"))?,
-            moe_down: f(&format!("moe_down_q4_s{suffix}"))?,
-            moe_down_shared: f(&format!("moe_down_q4_s_shared{suffix}"))?,
-            moe_down_s384: f(&format!("moe_down_q4_s384{suffix}"))?,
-            moe_down_s384_shared: f(&format!("moe_down_q4_s384_shared{suffix}"))?,
+            gemv: f(&gemv)?,
+            gemv_gated: f(&gemv_gated)?,
+            gemv_multi: f(&gemv_multi)?,
+            moe_gate_up: f(&moe_gate_up)?,
+            moe_gate_up_shared: f(&moe_gate_up_shared)?,
+            moe_down: f(&moe_down)?,
+            moe_down_shared: f(&moe_down_shared)?,
+            moe_down_s384: f(&moe_down_s384)?,
+            moe_down_s384_shared: f(&moe_down_s384_shared)?,
         })
     }
 }
@@ -323,7 +340,10 @@ impl Kernels {
                 .iter()
                 .map(|k| f(&format!("moe_down_{k}_b")))
                 .collect::<Result<_, _>>()?,
-            q4_decode: [Q4Decode::load(&f, "")?, Q4Decode::load(&f, "_i8")?],
+            q4_decode: [
+                Q4Decode::load(&f, Q4Decode::SUFFIXES[0])?,
+                Q4Decode::load(&f, Q4Decode::SUFFIXES[1])?,
+            ],
             argmax_parts: f("argmax_parts")?,
             qkv_norm_rope_append: f("qkv_norm_rope_append")?,
             argmax_finish: f("argmax_finish")?,
@@ -491,6 +511,9 @@ mod tests {
                 names.push(format!("moe_gate_up_tq_{k}_n{n}"));
                 names.push(format!("moe_down_tq_{k}_n{n}"));
             }
+        }
+        for suffix in super::Q4Decode::SUFFIXES {
+            names.extend(super::Q4Decode::NAMES.map(|n| format!("{n}{suffix}")));
         }
         for k in INT8_KINDS {
             names.push(format!("gemm_iq_{k}"));
