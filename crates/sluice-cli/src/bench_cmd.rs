@@ -63,8 +63,9 @@ pub struct BenchArgs {
     device: crate::device::Device,
     /// Kernels to run (comma-separated, each a run of every test on the CPU): `fast` (integer
     /// 4-bit products; the default) and/or `exact` (f32). `--kernels fast,exact` compares them
-    /// in one run. A GPU takes the first: `fast` runs prompts' 4- and 8-bit products and one
-    /// token's 4-bit products on 8-bit activations (integer tensor cores, dp4a), `exact` in f32.
+    /// in one run. A GPU takes the first: `fast` runs prompts' 4- and 8-bit products on 8-bit
+    /// activations (integer tensor cores; with `SLUICE_CUDA_FAST_DECODE=1` one token's 4-bit
+    /// products too, with dp4a), `exact` in f32.
     #[arg(long, value_delimiter = ',', value_name = "fast|exact")]
     kernels: Vec<sluice_cpu::Kernels>,
     /// Measure disk throughput first (O_DIRECT; sequential, and random blocks at queue depth 1

@@ -49,8 +49,8 @@ pub fn shape_probe() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::new())
 }
 
-/// Opens the backend `device` asks for with `kernels` (the CPU's; on a GPU, `fast` is 8-bit
-/// activations in prefill and 4-bit decode products, and the CPU's for experts it computes beside the GPU as
+/// Opens the backend `device` asks for with `kernels` (the CPU's; on a GPU, `fast` is the
+/// prefill's 8-bit activations, and the CPU's for experts it computes beside the GPU as
 /// `cpu_experts` says); a GPU that cannot be used is a one-line error (or, for `auto`, a note
 /// and the CPU).
 pub fn pick(device: Device, kernels: Kernels, cpu_experts: HostCompute) -> Result<Picked> {

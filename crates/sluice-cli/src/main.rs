@@ -100,8 +100,9 @@ pub(crate) struct ModelArgs {
     /// Kernels for quantized weights: `fast` (the default, except for `logits`) or `exact`
     /// (f32, equal to mlx-lm to ~1e-6). `fast` on the CPU: 4-bit decode products in integers
     /// against 8-bit activations (memory-bound); on a GPU: prompt products of 4- and 8-bit
-    /// weights against activations quantized to 8 bits per 32 columns on integer tensor cores,
-    /// and one token's 4-bit products per 16 columns with dp4a (llama.cpp's arithmetic).
+    /// weights against activations quantized to 8 bits per 32 columns on integer tensor cores
+    /// (llama.cpp's arithmetic), decode unchanged (`SLUICE_CUDA_FAST_DECODE=1`: its 4-bit
+    /// products per 16 columns with dp4a, not yet measured on a GPU).
     #[arg(long, value_name = "fast|exact")]
     pub(crate) kernels: Option<Kernels>,
     /// CPU worker threads (default: all cores).

@@ -219,10 +219,11 @@ pub struct CudaBackend {
     pinned: PinnedRanges,
     /// Layers whose experts the kernels read in host memory, and their VRAM tier.
     in_place: Mutex<InPlace>,
-    /// Products with activations quantized to 8 bits (llama.cpp's arithmetic) instead of exact:
-    /// many tokens of 4- and 8-bit weights on integer tensor cores (`gemm_iq`, `moe_*_iq`, not
-    /// `*_tq`), one token of 4-bit weights with dp4a (`Q4Decode`'s `_i8` kernels).
+    /// Many-token products of 4- and 8-bit weights with activations quantized to 8 bits
+    /// (`gemm_iq`, `moe_*_iq`: llama.cpp's arithmetic) instead of exactly (`*_tq`).
     fast: bool,
+    /// One token's 4-bit products on 8-bit activations with dp4a (`Q4Decode`'s `_i8` kernels).
+    fast_decode: bool,
     /// Whether the host computes experts kept in host memory beside the device
     /// (`host_compute`), with this CPU backend; its mailbox and worker once a call needs them.
     host_mode: HostCompute,
@@ -453,6 +454,7 @@ impl CudaBackend {
             pinned: PinnedRanges::default(),
             in_place: Mutex::new(InPlace::default()),
             fast: false,
+            fast_decode: false,
             host_mode: HostCompute::Off,
             host_cpu: CpuBackend::new(),
             host: Mutex::new(None),
@@ -468,18 +470,28 @@ impl CudaBackend {
         self
     }
 
-    /// With `fast`, products with 4- and 8-bit weights quantize the activations to 8 bits and
-    /// multiply in integers, as llama.cpp does and the CPU's `fast` kernels do: many tokens per
-    /// 32 columns on tensor cores, one token (4-bit weights) per 16 columns with dp4a; without,
-    /// they are exact to f32 rounding (the default).
+    /// With `fast`, products of many tokens with 4- and 8-bit weights quantize the activations
+    /// to 8 bits per 32 columns and multiply in integers (as llama.cpp does; the CPU's `fast`
+    /// kernels do the same for decode); without, they are exact to f32 rounding (the default).
+    /// One token's products follow only with `SLUICE_CUDA_FAST_DECODE=1` (see
+    /// [`Self::with_fast_decode`]).
     pub fn with_fast_kernels(mut self, fast: bool) -> Self {
         self.fast = fast;
+        self.fast_decode = fast && std::env::var("SLUICE_CUDA_FAST_DECODE").is_ok_and(|v| v == "1");
         self
     }
 
-    /// The one-token 4-bit kernels this backend runs (exact, or `fast`).
+    /// With `on`, one token's 4-bit products quantize the activations to 8 bits per 16 columns
+    /// and multiply in integers (dp4a; `Q4Decode`'s `_i8` kernels). Off by default: these kernels
+    /// have not yet run on a GPU (`tests/fast_prefill.rs` bounds them against the exact ones).
+    pub fn with_fast_decode(mut self, on: bool) -> Self {
+        self.fast_decode = on;
+        self
+    }
+
+    /// The one-token 4-bit kernels this backend runs (exact, or `fast_decode`).
     fn q4(&self) -> &crate::kernels::Q4Decode {
-        &self.d.k.q4_decode[self.fast as usize]
+        &self.d.k.q4_decode[self.fast_decode as usize]
     }
 
     /// The `INT8_KINDS` index of the 8-bit-activation kernels for weights of this exact kind,

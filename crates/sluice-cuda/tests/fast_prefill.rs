@@ -1,7 +1,7 @@
-//! The GPU's fast kernels (`CudaBackend::with_fast_kernels`: products with 4- and 8-bit weights
-//! against activations quantized to 8 bits; many tokens per 32 columns on integer tensor cores,
-//! one token of 4-bit weights per 16 columns with dp4a) against the exact kernels on CUDA device
-//! 0, in prefill (all tokens in one call) and in decode (a token per call):
+//! The GPU's fast kernels (products with 4- and 8-bit weights against activations quantized to 8
+//! bits: `CudaBackend::with_fast_kernels`, many tokens per 32 columns on integer tensor cores;
+//! `with_fast_decode`, one token of 4-bit weights per 16 columns with dp4a) against the exact
+//! kernels on CUDA device 0, in prefill (all tokens in one call) and in decode (a token per call):
 //!
 //! - Every quantized reference fixture and the demo model: mean KL divergence of the fast
 //!   distribution from the exact one, argmax agreement, and max|diff| against the reference.
@@ -20,7 +20,8 @@ use sluice_engine::{npy, Engine, LoadOptions, LogitsMode};
 fn load(dir: &Path, fast: bool) -> Engine<CudaBackend> {
     let backend = sluice_cuda::open(0)
         .unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
-        .with_fast_kernels(fast);
+        .with_fast_kernels(fast)
+        .with_fast_decode(fast);
     Engine::load(dir, Arc::new(backend), &LoadOptions::default())
         .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
