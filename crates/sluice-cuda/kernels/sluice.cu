@@ -2490,8 +2490,10 @@ struct X16 {
     float d, sum;
 };
 
+// Four codes in [-127, 127] as the bytes of a word, a first (two's complement).
 __device__ __forceinline__ int pack4(int a, int b, int c, int d) {
-    return (a & 255) | ((b & 255) << 8) | ((c & 255) << 16) | (d << 24);
+    return (int)(((uint32_t)a & 255u) | (((uint32_t)b & 255u) << 8) | (((uint32_t)c & 255u) << 16) |
+                 ((uint32_t)d << 24));
 }
 
 __device__ __forceinline__ X16 quant16(const float xv[16]) {
