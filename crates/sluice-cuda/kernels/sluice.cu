@@ -2622,43 +2622,28 @@ __device__ void moe_gate_up_q4w(const ExpertMats* experts, const uint32_t* prese
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
-    const float* x, float* h, Ffn f) {
-    PDL_LAUNCH_DEPENDENTS();
-    prefetch_table(experts, f.table);
-    PDL_WAIT();
-    moe_gate_up_q4w<false>(experts, present, n_present, ids, K, x, h, f, nullptr);
-}
-
-// moe_gate_up_q4_w with the shared expert's pairs after the routed ones (h [T (K + 1), inter]).
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_shared(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
-    const float* x, float* h, Ffn f, SharedExpert sh) {
-    PDL_LAUNCH_DEPENDENTS();
-    prefetch_table(experts, f.table);
-    PDL_WAIT();
-    moe_gate_up_q4w<true>(experts, present, n_present, ids, K, x, h, f, &sh);
-}
-
-// The two above with 8-bit activations (X16; the shared expert's sigmoid gate stays exact).
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_i8(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
-    const float* x, float* h, Ffn f) {
-    PDL_LAUNCH_DEPENDENTS();
-    prefetch_table(experts, f.table);
-    PDL_WAIT();
-    moe_gate_up_q4w<false, true>(experts, present, n_present, ids, K, x, h, f, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q4_w_shared_i8(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, int K,
-    const float* x, float* h, Ffn f, SharedExpert sh) {
-    PDL_LAUNCH_DEPENDENTS();
-    prefetch_table(experts, f.table);
-    PDL_WAIT();
-    moe_gate_up_q4w<true, true>(experts, present, n_present, ids, K, x, h, f, &sh);
-}
+// moe_gate_up_q4_w, and _shared with the shared expert's pairs after the routed ones (h [T (K +
+// 1), inter]); with I8 (the `_i8` names) on 8-bit activations (X16; the shared expert's sigmoid
+// gate stays exact).
+#define MOE_GATE_UP_Q4W(NAME, SHARED_NAME, I8) \
+    extern "C" __global__ void __launch_bounds__(128) NAME( \
+        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
+        int K, const float* x, float* h, Ffn f) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        prefetch_table(experts, f.table); \
+        PDL_WAIT(); \
+        moe_gate_up_q4w<false, I8>(experts, present, n_present, ids, K, x, h, f, nullptr); \
+    } \
+    extern "C" __global__ void __launch_bounds__(128) SHARED_NAME( \
+        const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
+        int K, const float* x, float* h, Ffn f, SharedExpert sh) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        prefetch_table(experts, f.table); \
+        PDL_WAIT(); \
+        moe_gate_up_q4w<true, I8>(experts, present, n_present, ids, K, x, h, f, &sh); \
+    }
+MOE_GATE_UP_Q4W(moe_gate_up_q4_w, moe_gate_up_q4_w_shared, false)
+MOE_GATE_UP_Q4W(moe_gate_up_q4_w_i8, moe_gate_up_q4_w_shared_i8, true)
 
 // Rows per block of moe_down_q4_w.
 #define MOE_DOWN_W_ROWS 4
@@ -3988,45 +3973,28 @@ __device__ void spread_gemv(const Mat& m, long block, const float* x, float* y,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s(Mat w, const float* x, float* y) {
-    PDL_LAUNCH_DEPENDENTS();
-    spread_gemv<false>(w, blockIdx.x, x, y);
-}
-
-extern "C" __global__ void __launch_bounds__(256) gemv_gated_q4_t1_s(Mat w, const float* g,
-                                                                     const float* u,
-                                                                     const float* gate, float* y) {
-    PDL_LAUNCH_DEPENDENTS();
-    spread_gemv<true>(w, blockIdx.x, g, y, u, gate);
-}
-
-// gemv_q4_t1_s over a MatSet whose `first` counts blocks: one launch for q, k and v.
-extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s(MatSet set, const float* x) {
-    PDL_LAUNCH_DEPENDENTS();
-    int i = 0;
-    while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++;
-    spread_gemv<false>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]);
-}
-
-// The three above with 8-bit activations (X16).
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s_i8(Mat w, const float* x, float* y) {
-    PDL_LAUNCH_DEPENDENTS();
-    spread_gemv<false, true>(w, blockIdx.x, x, y);
-}
-
-extern "C" __global__ void __launch_bounds__(256) gemv_gated_q4_t1_s_i8(Mat w, const float* g,
-                                                                        const float* u,
-                                                                        const float* gate, float* y) {
-    PDL_LAUNCH_DEPENDENTS();
-    spread_gemv<true, true>(w, blockIdx.x, g, y, u, gate);
-}
-
-extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s_i8(MatSet set, const float* x) {
-    PDL_LAUNCH_DEPENDENTS();
-    int i = 0;
-    while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++;
-    spread_gemv<false, true>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]);
-}
+// gemv_q4_t1_s, gemv_gated_q4_t1_s, and gemv_multi_q4_t1_s over a MatSet whose `first` counts
+// blocks (one launch for q, k and v); with I8 (the `_i8` names) on 8-bit activations (X16).
+#define GEMV_Q4_T1_S(SUFFIX, I8) \
+    extern "C" __global__ void __launch_bounds__(256) gemv_q4_t1_s##SUFFIX(Mat w, const float* x, \
+                                                                          float* y) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        spread_gemv<false, I8>(w, blockIdx.x, x, y); \
+    } \
+    extern "C" __global__ void __launch_bounds__(256) gemv_gated_q4_t1_s##SUFFIX( \
+        Mat w, const float* g, const float* u, const float* gate, float* y) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        spread_gemv<true, I8>(w, blockIdx.x, g, y, u, gate); \
+    } \
+    extern "C" __global__ void __launch_bounds__(256) gemv_multi_q4_t1_s##SUFFIX(MatSet set, \
+                                                                                const float* x) { \
+        PDL_LAUNCH_DEPENDENTS(); \
+        int i = 0; \
+        while (i + 1 < set.n && (int)blockIdx.x >= set.first[i + 1]) i++; \
+        spread_gemv<false, I8>(set.m[i], blockIdx.x - set.first[i], x, set.out[i]); \
+    }
+GEMV_Q4_T1_S(, false)
+GEMV_Q4_T1_S(_i8, true)
 
 // The MoE's down projections of token blockIdx.y, SPREAD_ROWS output rows per block: the threads
 // j * G .. (j + 1) * G take the token's j-th routed expert (blockDim = K G), each SPREAD_ROWS rows
@@ -4098,53 +4066,11 @@ __device__ __forceinline__ void moe_down_q4s(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
-    PDL_LAUNCH_DEPENDENTS();
-    prefetch_table(experts, f.table);
-    PDL_WAIT();
-    moe_down_q4s<false>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
-                        nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(1024) moe_down_q4_s_shared(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f,
-    SharedExpert sh) {
-    PDL_LAUNCH_DEPENDENTS();
-    prefetch_table(experts, f.table);
-    PDL_WAIT();
-    moe_down_q4s<true>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
-                       &sh);
-}
-
-// moe_down_q4_s for blocks of at most 384 threads, four to a multiprocessor (registers capped to
-// fit): Qwen3-30B-A3B's 2048 / 4 blocks of 8 x 48 threads then run in one wave of 132 x 4 instead
-// of a wave of 132 x 3 and a partial second one.
-extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f) {
-    PDL_LAUNCH_DEPENDENTS();
-    prefetch_table(experts, f.table);
-    PDL_WAIT();
-    moe_down_q4s<false>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
-                        nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384_shared(
-    const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids,
-    const float* weights, int K, const float* h, float* out, int hidden, int accumulate, Ffn f,
-    SharedExpert sh) {
-    PDL_LAUNCH_DEPENDENTS();
-    prefetch_table(experts, f.table);
-    PDL_WAIT();
-    moe_down_q4s<true>(experts, present, n_present, ids, weights, K, h, out, hidden, accumulate, f,
-                       &sh);
-}
-
-// The four above with 8-bit activations (X16).
-#define MOE_DOWN_I8(NAME, SHARED_NAME, BOUNDS) \
+// moe_down_q4_s, and _shared with the shared expert; with I8 (the `_i8` names) on 8-bit
+// activations (X16). The `_s384` ones are for blocks of at most 384 threads, four to a
+// multiprocessor (registers capped to fit): Qwen3-30B-A3B's 2048 / 4 blocks of 8 x 48 threads then
+// run in one wave of 132 x 4 instead of a wave of 132 x 3 and a partial second one.
+#define MOE_DOWN_Q4S(NAME, SHARED_NAME, BOUNDS, I8) \
     extern "C" __global__ void BOUNDS NAME( \
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
         const float* weights, int K, const float* h, float* out, int hidden, int accumulate, \
@@ -4152,8 +4078,8 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384_shared(
         PDL_LAUNCH_DEPENDENTS(); \
         prefetch_table(experts, f.table); \
         PDL_WAIT(); \
-        moe_down_q4s<false, true>(experts, present, n_present, ids, weights, K, h, out, hidden, \
-                                  accumulate, f, nullptr); \
+        moe_down_q4s<false, I8>(experts, present, n_present, ids, weights, K, h, out, hidden, \
+                                accumulate, f, nullptr); \
     } \
     extern "C" __global__ void BOUNDS SHARED_NAME( \
         const ExpertMats* experts, const uint32_t* present, int n_present, const uint32_t* ids, \
@@ -4162,11 +4088,13 @@ extern "C" __global__ void __launch_bounds__(384, 4) moe_down_q4_s384_shared(
         PDL_LAUNCH_DEPENDENTS(); \
         prefetch_table(experts, f.table); \
         PDL_WAIT(); \
-        moe_down_q4s<true, true>(experts, present, n_present, ids, weights, K, h, out, hidden, \
-                                 accumulate, f, &sh); \
+        moe_down_q4s<true, I8>(experts, present, n_present, ids, weights, K, h, out, hidden, \
+                               accumulate, f, &sh); \
     }
-MOE_DOWN_I8(moe_down_q4_s_i8, moe_down_q4_s_shared_i8, __launch_bounds__(1024))
-MOE_DOWN_I8(moe_down_q4_s384_i8, moe_down_q4_s384_shared_i8, __launch_bounds__(384, 4))
+MOE_DOWN_Q4S(moe_down_q4_s, moe_down_q4_s_shared, __launch_bounds__(1024), false)
+MOE_DOWN_Q4S(moe_down_q4_s384, moe_down_q4_s384_shared, __launch_bounds__(384, 4), false)
+MOE_DOWN_Q4S(moe_down_q4_s_i8, moe_down_q4_s_shared_i8, __launch_bounds__(1024), true)
+MOE_DOWN_Q4S(moe_down_q4_s384_i8, moe_down_q4_s384_shared_i8, __launch_bounds__(384, 4), true)
 
 
 // ------------------------------------------------------------------------------------------------

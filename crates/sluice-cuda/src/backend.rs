@@ -3711,11 +3711,16 @@ mod tests {
     #[test]
     fn moe_down_s384_bounds() {
         let source = include_str!("../kernels/sluice.cu");
-        assert!(
-            source.contains(&format!(
-                "__launch_bounds__({MOE_DOWN_S384}, 4) moe_down_q4_s384("
-            )),
-            "moe_down_q4_s384's launch bounds differ from MOE_DOWN_S384"
-        );
+        for names in [
+            "moe_down_q4_s384, moe_down_q4_s384_shared",
+            "moe_down_q4_s384_i8, moe_down_q4_s384_shared_i8",
+        ] {
+            assert!(
+                source.contains(&format!(
+                    "({names}, __launch_bounds__({MOE_DOWN_S384}, 4), "
+                )),
+                "{names}: launch bounds differ from MOE_DOWN_S384"
+            );
+        }
     }
 }
