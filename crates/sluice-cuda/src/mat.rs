@@ -440,7 +440,7 @@ mod tests {
             assert_eq!(crate::kernels::KINDS[m.kind()], name);
             assert_eq!(crate::kernels::EXACT_KINDS[m.exact_kind().unwrap()], name);
         }
-        // `struct Ffn`: three pointers, two floats, two ints.
+        // `struct Ffn`: three pointers, two floats, four ints.
         assert_eq!(size_of::<Ffn>(), 48);
         // `struct SharedExpert`: four Mats (56 bytes each) and a pointer.
         assert_eq!(size_of::<Mat>(), 56);
